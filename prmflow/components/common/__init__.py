@@ -1,0 +1,1 @@
+"""What two or more stages share. Imports no KFP."""

@@ -1,0 +1,260 @@
+"""Stage configs: dataclasses loaded from YAML, overridable from the command line.
+
+Each stage has one `Config` dataclass with a one-line docstring under every field. Those docstrings
+are the documentation: `--help` shows them, and `describe(cls)` renders them for READMEs. A config
+comes from (lowest to highest precedence) the dataclass defaults, a YAML file (`--config`), and
+`--set key=value` / `--key value` overrides. Nested dataclasses take dotted keys
+(`--set engine.zero_stage=2`). Unknown keys and values of the wrong type fail with a `ConfigError`
+naming the key, the file and the closest valid key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from .errors import ConfigError
+
+C = TypeVar("C")
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass `cls` (and its bases), read from the source."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(getattr(nxt, "value", None), ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _flat_fields(cls: type, prefix: str = "") -> dict[str, tuple[Any, str, Any]]:
+    """Map dotted key -> (type, doc, default) for every leaf field of a (nested) dataclass."""
+    out: dict[str, tuple[Any, str, Any]] = {}
+    hints = _hints(cls)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        typ = hints[f.name]
+        key = prefix + f.name
+        if dataclasses.is_dataclass(typ):
+            out.update(_flat_fields(typ, key + "."))
+        else:
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                default = f.default_factory()  # type: ignore[misc]
+            else:
+                default = None
+            out[key] = (typ, docs.get(f.name, ""), default)
+    return out
+
+
+def _coerce(value: Any, typ: Any, key: str, where: str) -> Any:
+    """Convert `value` (from YAML or a command-line string) to `typ`, or raise a ConfigError."""
+    origin = typing.get_origin(typ)
+    args = typing.get_args(typ)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: key '{key}' cannot be None.")
+    if origin is typing.Literal:
+        for a in args:
+            if value == a or (isinstance(value, str) and str(a) == value):
+                return a
+        raise ConfigError(
+            f"{where}: key '{key}' is {value!r}, which is not one of {list(args)}. "
+            f"Set it to one of those."
+        )
+    if origin in (list, tuple):
+        inner = args[0] if args else str
+        if isinstance(value, str):
+            value = [v for v in (s.strip() for s in value.split(",")) if v] if value else []
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: key '{key}' must be a list, got {value!r}.")
+        return [_coerce(v, inner, f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if origin is dict or typ is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value else {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: key '{key}' must be a mapping, got {value!r}.")
+        return dict(value)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
+            return False
+        raise ConfigError(f"{where}: key '{key}' must be true or false, got {value!r}.")
+    if typ in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: key '{key}' must be a number, got {value!r}.")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: key '{key}' must be {typ.__name__}, got {value!r}.") from None
+        if typ is int:
+            if number != int(number):
+                raise ConfigError(f"{where}: key '{key}' must be an integer, got {value!r}.")
+            return int(number)
+        return number
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}: key '{key}' must be a string, got {value!r}.")
+        return "" if value is None else str(value)
+    return value
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+            out.setdefault(key, v)  # dict-typed leaf fields keep the whole mapping
+        else:
+            out[key] = v
+    return out
+
+
+def _unknown_key(key: str, valid: typing.Iterable[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"{where}: '{key}' is not a config key.{hint} `--help` lists the keys.")
+
+
+def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
+    """Make a `cls` from a flat {dotted key: value} mapping, coercing and checking every value."""
+    leaves = _flat_fields(cls)
+    prefixes = {k.rsplit(".", 1)[0] for k in leaves if "." in k}
+    for key in values:
+        if key not in leaves and key not in prefixes:
+            raise _unknown_key(key, leaves, where)
+
+    def make(klass: type, prefix: str) -> Any:
+        hints = _hints(klass)
+        kwargs = {}
+        for f in dataclasses.fields(klass):
+            key = prefix + f.name
+            typ = hints[f.name]
+            if dataclasses.is_dataclass(typ):
+                kwargs[f.name] = make(typ, key + ".")
+            elif key in values:
+                kwargs[f.name] = _coerce(values[key], typ, key, where)
+        try:
+            return klass(**kwargs)
+        except TypeError as e:
+            raise ConfigError(f"{where}: {e}") from None
+
+    return make(cls, "")
+
+
+def load(cls: type[C], path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+         section: str | None = None) -> C:
+    """Load `cls` from a YAML file (optionally one top-level `section` of it) plus overrides."""
+    values: dict[str, Any] = {}
+    where = "config"
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"Config file '{p}' does not exist. Pass an existing YAML file to --config.")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"Config file '{p}' is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"Config file '{p}' must hold a mapping of keys to values, got {type(data).__name__}.")
+        if section is not None and section in data and isinstance(data[section], dict):
+            data = data[section]
+        values.update(_flatten(data))
+        where = str(p)
+    cfg = build(cls, values, where)
+    if overrides:
+        merged = {**_flatten(to_dict(cfg)), **overrides}
+        cfg = build(cls, merged, "command line")
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as a nested plain dict (what YAML, MLflow params and manifests store)."""
+    return dataclasses.asdict(cfg)
+
+
+def flat_dict(cfg: Any) -> dict[str, Any]:
+    """The config as {dotted key: value}, as logged to MLflow params."""
+    return {k: v for k, v in _flatten(to_dict(cfg)).items() if not isinstance(v, dict) or not v}
+
+
+def describe(cls: type) -> str:
+    """A Markdown table of every key: name, type, default, description (for READMEs)."""
+    rows = ["| key | type | default | description |", "|---|---|---|---|"]
+    for key, (typ, doc, default) in _flat_fields(cls).items():
+        tname = getattr(typ, "__name__", None) or str(typ).replace("typing.", "")
+        rows.append(f"| `{key}` | {tname} | `{default!r}` | {doc} |")
+    return "\n".join(rows)
+
+
+# --- command line ---------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add `--config`, `--set key=value` and one `--key` flag per config field to `parser`."""
+    parser.add_argument("--config", metavar="FILE", help="YAML file with config keys (a stage section is used if present)")
+    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="set_",
+                        help="override one key, e.g. --set lr=1e-4 --set engine.zero_stage=2")
+    group = parser.add_argument_group("config keys")
+    for key, (typ, doc, default) in _flat_fields(cls).items():
+        help_text = f"{doc} (default: {default!r})" if doc else f"(default: {default!r})"
+        group.add_argument(f"--{key}", dest=f"cfg:{key}", metavar="V", default=argparse.SUPPRESS,
+                           help=help_text.replace("%", "%%"))
+
+
+def from_args(cls: type[C], args: argparse.Namespace, section: str | None = None) -> C:
+    """Build the config from parsed `add_arguments` flags."""
+    overrides: dict[str, Any] = {}
+    for item in args.set_:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set lr=1e-4.")
+        k, v = item.split("=", 1)
+        overrides[k.strip()] = v
+    for name, value in vars(args).items():
+        if name.startswith("cfg:"):
+            overrides[name[4:]] = value
+    return load(cls, args.config, overrides, section=section)

@@ -1,0 +1,223 @@
+"""The training engine shared by sft, prm and ppo: DeepSpeed or plain PyTorch behind one API.
+
+    engine = TrainEngine(model, cfg.engine, OptimSettings(lr=..., total_steps=..., ...))
+    for micro_batch in optimizer_step_batches:
+        loss = per_token_loss.sum() / tokens_in_whole_optimizer_step   # the caller's share
+        engine.backward(loss)
+    grad_norm = engine.step()          # clip, optimizer step, LR schedule, zero grads
+
+The caller scales each micro-batch loss as its share of the optimizer step's objective, so a
+token-mean over the whole accumulated batch is exact (DeepSpeed's own 1/gas scaling is turned off).
+DeepSpeed runs ZeRO 0-3 (optionally with optimizer offload) and initializes torch.distributed with
+gloo on CPU machines and nccl on GPUs; a single process needs no launcher. Both backends give the
+same parameters up to floating-point noise (tests check this).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    backend: Literal["deepspeed", "torch"] = "deepspeed"
+    """Training backend: DeepSpeed (ZeRO, offload, multi-GPU launch) or plain PyTorch (simplest, one process)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3: higher shards more state across GPUs, costs more communication."""
+    offload_optimizer: bool = False
+    """DeepSpeed: keep optimizer state in CPU memory (ZeRO >= 1); saves GPU memory, costs speed."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter/compute dtype. bfloat16 halves memory on GPUs; float32 is exact and fine on CPU."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about 30% more compute."""
+
+    def __post_init__(self):
+        if not 0 <= self.zero_stage <= 3:
+            raise ConfigError(f"engine.zero_stage is {self.zero_stage}; DeepSpeed ZeRO stages are 0, 1, 2 or 3.")
+        if self.offload_optimizer and (self.backend != "deepspeed" or self.zero_stage == 0):
+            raise ConfigError("engine.offload_optimizer needs engine.backend=deepspeed and engine.zero_stage >= 1.")
+
+
+@dataclass
+class OptimSettings:
+    lr: float
+    total_steps: int
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.95)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Initialize torch.distributed for DeepSpeed: one process unless a launcher set RANK etc."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+
+
+class TrainEngine:
+    """One model, its optimizer and LR schedule, stepped by DeepSpeed or plain PyTorch."""
+
+    def __init__(self, model: torch.nn.Module, cfg: EngineConfig, optim: OptimSettings, micro_batch_size: int = 1,
+                 grad_accum: int = 1, params: list | None = None):
+        from transformers import get_scheduler
+
+        self.cfg = cfg
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable()
+        model.to(self.device)
+        trainable = params if params is not None else [p for p in model.parameters() if p.requires_grad]
+        decay = [p for p in trainable if p.ndim >= 2]
+        no_decay = [p for p in trainable if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas)
+        scheduler = get_scheduler(optim.schedule, optimizer, num_warmup_steps=optim.warmup_steps,
+                                  num_training_steps=max(optim.total_steps, 1))
+        self.max_grad_norm = optim.max_grad_norm
+        self.grad_accum = grad_accum
+        self._micro = 0
+        self.trainable = trainable
+        if cfg.backend == "deepspeed":
+            import deepspeed
+
+            init_distributed()
+            ds_config = {
+                "train_micro_batch_size_per_gpu": micro_batch_size,
+                "gradient_accumulation_steps": grad_accum,
+                "gradient_clipping": optim.max_grad_norm if optim.max_grad_norm > 0 else 0.0,
+                "zero_optimization": {"stage": cfg.zero_stage},
+                "bf16": {"enabled": cfg.dtype == "bfloat16"},
+                "steps_per_print": 10**9,
+                "wall_clock_breakdown": False,
+            }
+            if cfg.offload_optimizer:
+                ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+            self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+                model_parameters=None, dist_init_required=False,
+            )
+        else:
+            if cfg.dtype == "bfloat16":
+                model.to(torch.bfloat16)
+            self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The bare model (what to save, generate with, or evaluate)."""
+        return getattr(self.model, "module", self.model)
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of `loss` (already scaled by the caller as its share of the step)."""
+        if self.cfg.backend == "deepspeed":
+            self.model.backward(loss, scale_wrt_gas=False)
+            self.model.step()  # DeepSpeed counts micro-steps and steps the optimizer at the boundary
+        else:
+            loss.backward()
+        self._micro += 1
+
+    def step(self) -> float:
+        """Finish the optimizer step after `grad_accum` backward calls; returns the gradient norm."""
+        if self._micro != self.grad_accum:
+            raise RuntimeError(f"step() after {self._micro} backward calls; expected grad_accum={self.grad_accum}")
+        self._micro = 0
+        if self.cfg.backend == "deepspeed":
+            norm = self.model.get_global_grad_norm()
+            return float(norm) if norm is not None else float("nan")
+        if self.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_grad_norm)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.trainable if p.grad is not None]))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def skip_step(self) -> None:
+        """Drop the accumulated gradients without stepping (used when a loss was NaN/inf)."""
+        self._micro = 0
+        if self.cfg.backend == "deepspeed":
+            self.model.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    # --- resume state -------------------------------------------------------------------------
+
+    def save_state(self, directory: Path, trainer_state: dict) -> None:
+        """Optimizer, LR schedule, RNG and `trainer_state` (step, consumed samples...) for an exact resume."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        rng = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+               "python_pos": random.getstate()[2]}
+        torch.save(rng, directory / "rng.pt")
+        if self.cfg.backend == "deepspeed":
+            self.model.save_checkpoint(str(directory / "deepspeed"), tag="state", save_latest=False)
+        else:
+            from safetensors.torch import save_file
+
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            save_file({names[id(p)]: p.detach().cpu().contiguous() for p in self.trainable},
+                      str(directory / "trainable.safetensors"))
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                       directory / "optimizer.pt")
+        (directory / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+
+    def load_state(self, directory: Path) -> dict:
+        """Restore what `save_state` wrote (model weights too, for DeepSpeed); returns trainer_state."""
+        directory = Path(directory)
+        if self.cfg.backend == "deepspeed":
+            self.model.load_checkpoint(str(directory / "deepspeed"), tag="state")
+        else:
+            from safetensors.torch import load_file
+
+            weights = load_file(str(directory / "trainable.safetensors"))
+            params = dict(self.module.named_parameters())
+            with torch.no_grad():
+                for name, value in weights.items():
+                    params[name].copy_(value)
+            state = torch.load(directory / "optimizer.pt", weights_only=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        rng = torch.load(directory / "rng.pt", weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        random.setstate((3, tuple(rng["python"]), rng["python_pos"]))
+        return json.loads((directory / "trainer_state.json").read_text())

@@ -1,0 +1,40 @@
+"""Batched text generation with a HF model (used for evaluation by sft and evaluate).
+
+The rollout stage has the full sampling engine (logprobs, stop strings, vLLM); this is the small
+shared piece every stage that reports accuracy needs: left-padded batches, KV cache, greedy or
+sampled decoding, decoded responses cut at the end-of-sequence token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, batch_size: int = 64,
+                   do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+                   add_special_tokens: bool = True) -> list[str]:
+    """One response per prompt. Deterministic for a given seed."""
+    was_training = model.training
+    model.eval()
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    device = next(model.parameters()).device
+    out: list[str] = []
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i:i + batch_size]
+            enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
+            kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                          eos_token_id=tokenizer.eos_token_id, do_sample=do_sample)
+            if do_sample:
+                kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
+                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+            ids = model.generate(**enc, **kwargs)
+            new = ids[:, enc["input_ids"].shape[1]:]
+            out += tokenizer.batch_decode(new, skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return out

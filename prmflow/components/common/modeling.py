@@ -1,0 +1,149 @@
+"""Load and save models in Hugging Face format; build the tiny model prmflow trains on CPU.
+
+Every checkpoint is a plain HF directory (config.json, model.safetensors, tokenizer files), so any
+stage, `transformers` and vLLM load it unchanged. `model_path` is either such a directory (a real
+model on a cluster, e.g. a Qwen2.5 math model) or the name of a tiny preset (`tiny-llama`,
+`tiny-qwen2`) that is built from a config with a character tokenizer the project makes: nothing
+is downloaded at run time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+#: The characters the tiny tokenizer knows: enough for the arithmetic task and plain English prompts.
+ALPHABET = list("0123456789+-*/=()[]<>.,:;?!'\"% \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+
+#: Tiny presets: small enough to train in minutes on 2 CPU cores, real HF architectures.
+TINY_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": dict(model_type="llama", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    "tiny-qwen2": dict(model_type="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+}
+
+
+def build_tokenizer(alphabet: list[str] | None = None):
+    """A character-level tokenizer (one token per character) in the standard HF fast format."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = alphabet or ALPHABET
+    vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS.values()) + chars)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every char is a token
+    core.decoder = decoders.Fuse()  # join characters back without spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, **SPECIAL_TOKENS)
+    tok.model_max_length = 4096
+    return tok
+
+
+def build_tiny_model(preset: str = "tiny-llama", seed: int = 0, **overrides: Any):
+    """A freshly initialized tiny causal LM and its tokenizer, from a preset config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if preset not in TINY_PRESETS:
+        raise ModelLoadError(f"Unknown tiny model preset '{preset}'. Known presets: {sorted(TINY_PRESETS)}.")
+    tok = build_tokenizer()
+    spec = {**TINY_PRESETS[preset], **overrides}
+    model_type = spec.pop("model_type")
+    cfg = AutoConfig.for_model(
+        model_type, vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, tie_word_embeddings=True, **spec,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+def is_tiny(model_path: str) -> bool:
+    return model_path in TINY_PRESETS
+
+
+def check_model_dir(path: str | Path, what: str = "model_path") -> Path:
+    """Raise a ModelLoadError unless `path` is a directory with a HF config.json."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(
+            f"{what} '{p}' does not exist. Point {what} at a Hugging Face model directory (config.json + "
+            f"weights + tokenizer) or use a tiny preset: {sorted(TINY_PRESETS)}."
+        )
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(
+            f"{what} '{p}' is not a model directory: it has no config.json. Point {what} at a Hugging Face "
+            f"model directory (for example the output of the sft stage)."
+        )
+    return p
+
+
+def load_tokenizer(model_path: str | Path, trust_remote_code: bool = False):
+    """The tokenizer of a model directory (or of the tiny presets), with a pad token set."""
+    if is_tiny(str(model_path)):
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    p = check_model_dir(model_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"Cannot load a tokenizer from '{p}': {e}") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(model_path: str | Path, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False):
+    """(model, tokenizer) from a model directory or a tiny preset name."""
+    if is_tiny(str(model_path)):
+        model, tok = build_tiny_model(str(model_path), seed=seed)
+        return model.to(torch_dtype(dtype)), tok
+    from transformers import AutoModelForCausalLM
+
+    p = check_model_dir(model_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"Cannot load a causal LM from '{p}': {e}") from None
+    tok = load_tokenizer(p, trust_remote_code=trust_remote_code)
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError:
+        raise ModelLoadError(f"dtype '{name}' is not supported; use float32, bfloat16 or float16.") from None
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare HF model inside a DeepSpeed engine and/or a peft wrapper, with LoRA merged on save."""
+    return getattr(model, "module", model)
+
+
+def save_pretrained(model: torch.nn.Module, tokenizer, directory: str | Path, extra: dict | None = None) -> None:
+    """Save a HF directory (safetensors). A peft model is saved merged, so later stages load it plainly."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model = unwrap(model)
+    if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):
+        import copy
+
+        model = copy.deepcopy(model).merge_and_unload()
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    if extra:
+        (directory / "prmflow.json").write_text(json.dumps(extra, indent=2, sort_keys=True, default=str))

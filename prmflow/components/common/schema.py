@@ -1,0 +1,353 @@
+"""The Parquet hand-offs between stages: schemas, a streaming writer, validating readers.
+
+A hand-off is a directory of `part-NNNNN.parquet` shards plus `manifest.json` (see io.py). The
+manifest carries `schema_version`, the row count and a sha256 per shard. Readers check the manifest,
+the columns and their types, and the per-token columns' lengths, and fail with a `DataError` that
+names the file, the column and the offending prompt_id.
+
+Several directories (rollout shards written by separate pods) read as one dataset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from . import io
+from .errors import DataError
+
+SCHEMA_VERSION = 1
+
+_f32_list = pa.list_(pa.float32())
+_i32_list = pa.list_(pa.int32())
+
+ROLLOUT_FIELDS = [
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("sample_idx", pa.int32(), nullable=False),
+    pa.field("iteration", pa.int32(), nullable=False),
+    pa.field("prompt", pa.string()),
+    pa.field("response", pa.string()),
+    pa.field("prompt_ids", _i32_list),
+    pa.field("response_ids", _i32_list),
+    pa.field("images", pa.list_(pa.binary())),
+    pa.field("finish_reason", pa.string()),
+    pa.field("behavior_logprobs", _f32_list),
+    pa.field("old_logprobs", _f32_list),
+    pa.field("ref_logprobs", _f32_list),
+    pa.field("values", _f32_list),
+    pa.field("step_ends", _i32_list),
+    pa.field("step_rewards", _f32_list),
+    pa.field("outcome_reward", pa.float32()),
+    pa.field("reward_components", pa.map_(pa.string(), pa.float32())),
+    pa.field("answer", pa.string()),
+]
+ADVANTAGE_FIELDS = ROLLOUT_FIELDS + [
+    pa.field("token_rewards", _f32_list),
+    pa.field("advantages", _f32_list),
+    pa.field("returns", _f32_list),
+    pa.field("kl", _f32_list),
+]
+
+ROLLOUTS = pa.schema(ROLLOUT_FIELDS, metadata={"prmflow.kind": "rollouts", "prmflow.schema_version": str(SCHEMA_VERSION)})
+ADVANTAGES = pa.schema(ADVANTAGE_FIELDS, metadata={"prmflow.kind": "advantages", "prmflow.schema_version": str(SCHEMA_VERSION)})
+SCHEMAS = {"rollouts": ROLLOUTS, "advantages": ADVANTAGES}
+
+#: Columns with one entry per response token; their lengths must equal len(response_ids).
+PER_TOKEN_COLUMNS = ("behavior_logprobs", "old_logprobs", "ref_logprobs", "values",
+                     "token_rewards", "advantages", "returns", "kl")
+#: Columns that must be present (non-null) in every row of a rollouts hand-off.
+REQUIRED = ("prompt_id", "sample_idx", "iteration", "response_ids")
+
+
+def schema_for(kind: str) -> pa.Schema:
+    if kind not in SCHEMAS:
+        raise ValueError(f"unknown hand-off kind {kind!r}; known: {sorted(SCHEMAS)}")
+    return SCHEMAS[kind]
+
+
+def conform(table: pa.Table, kind: str, where: str = "table") -> pa.Table:
+    """Return `table` with exactly the columns of `kind` in schema order and type.
+
+    Missing nullable columns are added as nulls; a missing required column, an unknown extra
+    column, or a column that cannot be cast losslessly is a DataError naming it.
+    """
+    schema = schema_for(kind)
+    names = set(table.column_names)
+    extra = names - set(schema.names)
+    if extra:
+        raise DataError(f"{where}: unexpected column(s) {sorted(extra)} for a {kind} hand-off; known columns: {schema.names}.")
+    arrays = []
+    for f in schema:
+        if f.name not in names:
+            if f.name in REQUIRED:
+                raise DataError(f"{where}: required column '{f.name}' is missing.")
+            arrays.append(pa.nulls(table.num_rows, f.type))
+            continue
+        col = table.column(f.name)
+        if not col.type.equals(f.type):
+            try:
+                col = col.cast(f.type, safe=True)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise DataError(f"{where}: column '{f.name}' has type {col.type}, expected {f.type} ({e}).") from None
+        arrays.append(col)
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _first_bad(table: pa.Table, mask: pa.Array | np.ndarray) -> str:
+    idx = int(np.flatnonzero(np.asarray(mask))[0])
+    pid = table.column("prompt_id")[idx].as_py()
+    sid = table.column("sample_idx")[idx].as_py()
+    return f"row {idx} (prompt_id={pid!r}, sample_idx={sid})"
+
+
+def validate(table: pa.Table, kind: str, where: str = "table") -> None:
+    """Check the per-row invariants of a rollouts/advantages table (vectorized, no Python row loop).
+
+    - required columns have no nulls;
+    - every per-token column that is present has len == len(response_ids);
+    - step_rewards has the length of step_ends and 0 <= step_end < len(response_ids);
+    - no NaN or inf in any float column.
+    """
+    for name in REQUIRED:
+        col = table.column(name)
+        if col.null_count:
+            mask = pc.is_null(col).to_numpy(zero_copy_only=False)
+            raise DataError(f"{where}: column '{name}' is null in {_first_bad(table, mask)}.")
+    n_resp = pc.list_value_length(table.column("response_ids")).to_numpy(zero_copy_only=False)
+    for name in PER_TOKEN_COLUMNS:
+        if name not in table.column_names:
+            continue
+        col = table.column(name)
+        if col.null_count == len(col):
+            continue
+        lens = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+        present = ~pc.is_null(col).to_numpy(zero_copy_only=False)
+        bad = present & (lens != n_resp)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise DataError(
+                f"{where}: column '{name}' has {int(lens[i])} entries but response_ids has {int(n_resp[i])} "
+                f"in {_first_bad(table, bad)}; every per-token column needs one value per response token."
+            )
+    ends, rewards = table.column("step_ends"), table.column("step_rewards")
+    if ends.null_count < len(ends):
+        n_ends = pc.list_value_length(ends).fill_null(0).to_numpy(zero_copy_only=False)
+        if rewards.null_count < len(rewards):
+            n_rew = pc.list_value_length(rewards).fill_null(0).to_numpy(zero_copy_only=False)
+            has_rew = ~pc.is_null(rewards).to_numpy(zero_copy_only=False)
+            bad = has_rew & (n_rew != n_ends)
+            if bad.any():
+                raise DataError(f"{where}: column 'step_rewards' and 'step_ends' differ in length in {_first_bad(table, bad)}.")
+        flat = pc.list_flatten(ends).to_numpy(zero_copy_only=False)
+        if len(flat):
+            row_of = np.repeat(np.arange(len(n_ends)), n_ends)
+            bad_flat = (flat < 0) | (flat >= n_resp[row_of])
+            if bad_flat.any():
+                mask = np.zeros(len(n_ends), bool)
+                mask[row_of[bad_flat]] = True
+                raise DataError(
+                    f"{where}: column 'step_ends' points outside the response (0..len(response_ids)-1) in {_first_bad(table, mask)}."
+                )
+    for f in table.schema:
+        bad = _nonfinite_rows(table.column(f.name))
+        if bad is not None and bad.any():
+            raise DataError(f"{where}: column '{f.name}' holds NaN or inf in {_first_bad(table, bad)}.")
+
+
+def _nonfinite_rows(col: pa.ChunkedArray) -> np.ndarray | None:
+    """Boolean mask of rows holding a NaN/inf anywhere in a float, list<float> or map<_, float> column."""
+    t = col.type
+    if pa.types.is_floating(t):
+        return ~pc.fill_null(pc.is_finite(col), True).to_numpy(zero_copy_only=False)
+    if pa.types.is_map(t) and pa.types.is_floating(t.item_type):
+        col = pa.chunked_array([pa.ListArray.from_arrays(c.offsets, c.items) for c in col.chunks],
+                               type=pa.list_(t.item_type))
+    elif not (pa.types.is_list(t) and pa.types.is_floating(t.value_type)):
+        return None
+    flat = pc.list_flatten(col)
+    finite = pc.fill_null(pc.is_finite(flat), True).to_numpy(zero_copy_only=False)
+    out = np.zeros(len(col), bool)
+    if not finite.all():
+        parents = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
+        out[parents[~finite]] = True
+    return out
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+class DatasetWriter:
+    """Stream record batches into a hand-off directory, committed atomically on `close()`.
+
+    Use as a context manager: on an exception nothing is left at `path`.
+
+        with DatasetWriter(out, "rollouts", config=cfg_dict, parents=[...]) as w:
+            w.write(table)
+    """
+
+    def __init__(self, path: str | Path, kind: str, rows_per_shard: int = 65536, config: dict | None = None,
+                 parents: Sequence[str] = (), overwrite: bool = False, extra: dict | None = None):
+        self.path = Path(path)
+        self.kind = kind
+        self.schema = schema_for(kind)
+        self.rows_per_shard = rows_per_shard
+        self.meta = {"schema_version": SCHEMA_VERSION, "config": config or {}, "parents": list(parents), **(extra or {})}
+        self._ctx = io.atomic_output_dir(self.path, kind, overwrite=overwrite, manifest=self.meta)
+        self._tmp: Path | None = None
+        self._writer: pq.ParquetWriter | None = None
+        self._shard = 0
+        self._rows_in_shard = 0
+        self.rows = 0
+
+    def __enter__(self) -> "DatasetWriter":
+        self._tmp = self._ctx.__enter__()
+        return self
+
+    def _open_shard(self) -> None:
+        assert self._tmp is not None
+        self._writer = pq.ParquetWriter(self._tmp / f"part-{self._shard:05d}.parquet", self.schema, compression="zstd")
+        self._rows_in_shard = 0
+
+    def write(self, table: pa.Table | pa.RecordBatch, validated: bool = False) -> None:
+        if isinstance(table, pa.RecordBatch):
+            table = pa.Table.from_batches([table])
+        table = conform(table, self.kind, where=f"writing {self.path}")
+        if not validated:
+            validate(table, self.kind, where=f"writing {self.path}")
+        offset = 0
+        while offset < table.num_rows:
+            if self._writer is None:
+                self._open_shard()
+            take = min(table.num_rows - offset, self.rows_per_shard - self._rows_in_shard)
+            self._writer.write_table(table.slice(offset, take))  # type: ignore[union-attr]
+            offset += take
+            self._rows_in_shard += take
+            self.rows += take
+            if self._rows_in_shard >= self.rows_per_shard:
+                self._writer.close()  # type: ignore[union-attr]
+                self._writer = None
+                self._shard += 1
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if exc_type is None:
+            if self.rows == 0:
+                exc = DataError(f"Refusing to write an empty {self.kind} hand-off to '{self.path}': no rows were produced.")
+                self._ctx.__exit__(type(exc), exc, None)
+                raise exc
+            self.meta["rows"] = self.rows  # read by atomic_output_dir when it writes the manifest
+        return bool(self._ctx.__exit__(exc_type, exc, tb))
+
+
+def write_dataset(path: str | Path, table: pa.Table, kind: str, **kwargs: Any) -> Path:
+    """Write a whole table as a hand-off directory (atomically). Returns the path."""
+    with DatasetWriter(path, kind, **kwargs) as w:
+        w.write(table)
+    return Path(path)
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+@dataclass
+class Dataset:
+    """One or more committed hand-off directories of one kind, read as a single dataset."""
+
+    dirs: list[Path]
+    kind: str
+    manifests: list[dict]
+
+    @property
+    def files(self) -> list[Path]:
+        out = []
+        for d, m in zip(self.dirs, self.manifests):
+            out += [io.safe_child(d, name) for name in sorted(m["files"]) if name.endswith(".parquet")]
+        return out
+
+    @property
+    def num_rows(self) -> int:
+        return sum(int(m.get("rows", 0)) for m in self.manifests)
+
+    def iter_batches(self, batch_size: int = 4096, columns: Iterable[str] | None = None,
+                     validate_rows: bool = True) -> Iterator[pa.Table]:
+        """Yield conformed, validated tables of at most `batch_size` rows, shard by shard."""
+        cols = list(columns) if columns is not None else None
+        for path in self.files:
+            pf = _open_parquet(path)
+            _check_columns(pf.schema_arrow, self.kind, path, cols)
+            for batch in pf.iter_batches(batch_size=batch_size, columns=cols):
+                table = pa.Table.from_batches([batch])
+                if cols is None:
+                    table = conform(table, self.kind, where=str(path))
+                    if validate_rows:
+                        validate(table, self.kind, where=str(path))
+                yield table
+
+    def read(self, columns: Iterable[str] | None = None) -> pa.Table:
+        tables = list(self.iter_batches(batch_size=1 << 20, columns=columns))
+        if not tables:
+            return schema_for(self.kind).empty_table()
+        return pa.concat_tables(tables)
+
+
+def _open_parquet(path: Path) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"'{path}' is not a readable Parquet file ({e}). Re-run the stage that wrote it.") from None
+
+
+def _check_columns(schema: pa.Schema, kind: str, path: Path, cols: list[str] | None) -> None:
+    expected = schema_for(kind)
+    wanted = cols if cols is not None else [f.name for f in expected]
+    for name in wanted:
+        if name not in expected.names:
+            raise ValueError(f"{name!r} is not a {kind} column")
+        if schema.get_field_index(name) < 0:
+            if name in REQUIRED or cols is not None:
+                raise DataError(f"'{path}': column '{name}' is missing.")
+
+
+def open_dataset(dirs: str | Path | Sequence[str | Path], kind: str, verify_checksums: bool = True) -> Dataset:
+    """Open committed hand-off directories of `kind`, checking manifests and schema versions.
+
+    A directory that itself holds shard directories (no manifest, but subdirectories with one)
+    is expanded, so `--shard i --num-shards N` outputs under one parent read as one dataset.
+    """
+    if isinstance(dirs, (str, Path)):
+        dirs = [dirs]
+    expanded: list[Path] = []
+    for d in map(Path, dirs):
+        if not d.exists():
+            raise DataError(f"Input '{d}' does not exist. Point the stage at the output directory of the stage before it.")
+        if not (d / io.MANIFEST).exists():
+            subs = sorted(p for p in d.iterdir() if p.is_dir() and (p / io.MANIFEST).exists())
+            if subs:
+                expanded += subs
+                continue
+        expanded.append(d)
+    manifests = []
+    for d in expanded:
+        m = io.read_manifest(d)
+        if m.get("kind") != kind:
+            raise DataError(f"'{d}' holds a {m.get('kind')!r} hand-off, but a {kind!r} one is needed here.")
+        if m.get("schema_version") != SCHEMA_VERSION:
+            raise DataError(
+                f"'{d}' was written with schema version {m.get('schema_version')}, this prmflow reads version "
+                f"{SCHEMA_VERSION}. Re-run the stage that wrote it with this prmflow version."
+            )
+        if verify_checksums:
+            io.verify_files(d, m)
+        manifests.append(m)
+    return Dataset(expanded, kind, manifests)
+
+
+def read_dataset(dirs: str | Path | Sequence[str | Path], kind: str, columns: Iterable[str] | None = None) -> pa.Table:
+    """Open and read everything (small data; stream with `open_dataset(...).iter_batches`)."""
+    return open_dataset(dirs, kind).read(columns)

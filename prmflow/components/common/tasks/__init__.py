@@ -1,0 +1,78 @@
+"""Prompt sources: the built-in arithmetic task and user datasets (JSONL / Parquet).
+
+`load(task, split, n, seed)` returns PromptRecords whatever the source; `render_prompt` turns a
+record into the text the policy sees (the tokenizer's chat template when it has one and the config
+asks for it, else the plain prompt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class PromptRecord:
+    prompt_id: str
+    prompt: str
+    answer: str | None = None
+    response: str | None = None
+    """Reference solution (SFT target), when known."""
+    messages: list | None = None
+    """Chat messages the prompt came from, when the dataset is chat-style."""
+    source: str = "arithmetic"
+    """Which task/reward recipe the row belongs to."""
+
+
+def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, **task_kwargs) -> list[PromptRecord]:
+    """Records of `task`: 'arithmetic' or the path of a .jsonl / .parquet dataset.
+
+    For a dataset file, `split` picks nothing (pass a file per split); `n` keeps the first n rows.
+    """
+    if task == "arithmetic":
+        from . import arithmetic
+
+        cfg = arithmetic.ArithmeticConfig(**{k: v for k, v in task_kwargs.items() if v is not None})
+        problems = arithmetic.generate(n if n is not None else 1000, seed=seed, split=split, cfg=cfg)
+        return [PromptRecord(p.prompt_id, p.prompt, p.answer, p.solution, None, "arithmetic") for p in problems]
+    from .datasets import load_records
+
+    records = load_records(Path(task))
+    return records[:n] if n is not None else records
+
+
+def render_prompt(tokenizer, record: PromptRecord, chat_template: bool = True) -> str:
+    """The prompt text the policy sees for `record`."""
+    use_template = chat_template and getattr(tokenizer, "chat_template", None)
+    if use_template:
+        messages = record.messages or [{"role": "user", "content": record.prompt}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return record.prompt
+
+
+def verify(record: PromptRecord, response: str) -> float:
+    """1.0 when `response` reaches the record's reference answer, else 0.0.
+
+    The arithmetic task checks its `answer: N` line exactly; other sources compare the number on an
+    `answer:` line (or else the last number in the response) with the reference numerically.
+    """
+    if record.answer is None:
+        raise ValueError(f"prompt {record.prompt_id!r} has no reference answer to verify against")
+    if record.source == "arithmetic":
+        from . import arithmetic
+
+        return arithmetic.verify(response, record.answer)
+    import re
+
+    from . import arithmetic
+
+    got = arithmetic.extract_answer(response)
+    if got is None:
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", response.replace(",", ""))
+        got = numbers[-1] if numbers else None
+    if got is None:
+        return 0.0
+    try:
+        return 1.0 if abs(float(got) - float(record.answer.replace(",", ""))) < 1e-6 else 0.0
+    except ValueError:
+        return 1.0 if got.strip() == record.answer.strip() else 0.0

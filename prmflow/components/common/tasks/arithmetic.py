@@ -1,0 +1,198 @@
+"""The built-in arithmetic reasoning task: chains of operations solved one step per line.
+
+    prompt:   "Compute left to right: 7+5*3-4\n"
+    solution: "7+5=12\n12*3=36\n36-4=32\nanswer: 32"
+
+Every step is checkable exactly: step k must read `a<op>b=c` where `a` is the previous result
+(the first number for k = 0), `<op>b` is the k-th operation of the problem and `c` its value. The
+last line `answer: N` is the final step, correct when N is the true result. A step after the first
+wrong one is labelled wrong too (the convention of Math-Shepherd and PRM800K: once a prefix is
+wrong the solution cannot recover), so the labels of a solution are 1...1 0...0.
+
+Splits are disjoint by construction: a problem belongs to the split chosen by a hash of its text,
+so the same problem never appears in two splits, whatever the seeds and sizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass, field
+
+PROMPT_PREFIX = "Compute left to right: "
+ANSWER_PREFIX = "answer: "
+STEP_SEPARATOR = "\n"
+SPLITS = {"train": range(0, 8), "eval": range(8, 9), "test": range(9, 10)}
+
+_STEP_RE = re.compile(r"^\s*(-?\d+)\s*([+\-*])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
+_ANSWER_RE = re.compile(r"^\s*answer\s*:\s*(-?\d+)\s*$", re.IGNORECASE)
+
+
+@dataclass
+class ArithmeticConfig:
+    min_ops: int = 2
+    """Fewest operations in a problem (a problem with k operations has k+1 steps, the answer included)."""
+    max_ops: int = 3
+    """Most operations in a problem."""
+    max_operand: int = 9
+    """Operands are drawn from 1..max_operand (multipliers from 2..min(max_operand, 5))."""
+    max_value: int = 200
+    """Reject problems whose intermediate results leave 0..max_value (keeps numbers short)."""
+
+
+@dataclass
+class Problem:
+    prompt_id: str
+    prompt: str
+    answer: str
+    start: int
+    ops: list[tuple[str, int]]
+    steps: list[str] = field(default_factory=list)
+
+    @property
+    def solution(self) -> str:
+        return STEP_SEPARATOR.join(self.steps)
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def solve(start: int, ops: list[tuple[str, int]]) -> tuple[list[str], int]:
+    steps, value = [], start
+    for op, b in ops:
+        nxt = _apply(value, op, b)
+        steps.append(f"{value}{op}{b}={nxt}")
+        value = nxt
+    steps.append(f"{ANSWER_PREFIX}{value}")
+    return steps, value
+
+
+def _split_of(text: str) -> str:
+    bucket = int(hashlib.sha256(text.encode()).hexdigest(), 16) % 10
+    return next(name for name, r in SPLITS.items() if bucket in r)
+
+
+def generate(n: int, seed: int = 0, split: str = "train", cfg: ArithmeticConfig | None = None) -> list[Problem]:
+    """`n` distinct problems of `split`, deterministic in (seed, split, cfg)."""
+    cfg = cfg or ArithmeticConfig()
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; known: {list(SPLITS)}")
+    rng = random.Random(f"{seed}:{split}")
+    out: list[Problem] = []
+    seen: set[str] = set()
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        if attempts > 200 * n + 10_000:
+            raise ValueError(f"could not generate {n} distinct '{split}' problems with {cfg}; widen the ranges")
+        start = rng.randint(1, cfg.max_operand)
+        ops, value, ok = [], start, True
+        for _ in range(rng.randint(cfg.min_ops, cfg.max_ops)):
+            op = rng.choice("+-*")
+            b = rng.randint(2, min(cfg.max_operand, 5)) if op == "*" else rng.randint(1, cfg.max_operand)
+            value = _apply(value, op, b)
+            if not 0 <= value <= cfg.max_value:
+                ok = False
+                break
+            ops.append((op, b))
+        if not ok:
+            continue
+        expr = str(start) + "".join(f"{op}{b}" for op, b in ops)
+        if expr in seen or _split_of(expr) != split:
+            continue
+        seen.add(expr)
+        steps, value = solve(start, ops)
+        pid = "arith-" + hashlib.sha1(expr.encode()).hexdigest()[:12]
+        out.append(Problem(pid, f"{PROMPT_PREFIX}{expr}\n", str(value), start, ops, steps))
+    return out
+
+
+def parse_problem(prompt: str) -> tuple[int, list[tuple[str, int]]] | None:
+    """Recover (start, ops) from a prompt produced by `generate`; None if it is not one."""
+    m = re.search(r"(-?\d+)((?:[+\-*]\d+)+)\s*$", prompt.strip())
+    if not m:
+        return None
+    return int(m.group(1)), [(op, int(b)) for op, b in re.findall(r"([+\-*])(\d+)", m.group(2))]
+
+
+def extract_answer(response: str) -> str | None:
+    """The number on the last `answer: N` line, or None when there is none (a format error)."""
+    for line in reversed(response.strip().split(STEP_SEPARATOR)):
+        m = _ANSWER_RE.match(line)
+        if m:
+            return m.group(1)
+    return None
+
+
+def verify(response: str, answer: str) -> float:
+    """1.0 if the response's final answer equals `answer`, else 0.0."""
+    got = extract_answer(response)
+    return 1.0 if got is not None and int(got) == int(answer) else 0.0
+
+
+def split_steps(response: str) -> list[str]:
+    """The response's steps: its non-empty lines, in order."""
+    return [line for line in response.split(STEP_SEPARATOR) if line.strip()]
+
+
+def first_error(prompt: str, response: str) -> int | None:
+    """Index (into `split_steps(response)`) of the first wrong step; None if every step is right.
+
+    A response that stops before its answer line has its first missing step as the error (index
+    = number of steps present).
+    """
+    parsed = parse_problem(prompt)
+    if parsed is None:
+        raise ValueError(f"not an arithmetic-task prompt: {prompt!r}")
+    start, ops = parsed
+    expected, _ = solve(start, ops)
+    steps = split_steps(response)
+    for k, want in enumerate(expected):
+        if k >= len(steps):
+            return k
+        line = steps[k]
+        if k < len(ops):
+            m = _STEP_RE.match(line)
+            if not m or [int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))] != _parts(want):
+                return k
+        else:
+            m = _ANSWER_RE.match(line)
+            if not m or int(m.group(1)) != int(want[len(ANSWER_PREFIX):]):
+                return k
+    if len(steps) > len(expected):
+        return len(expected)  # anything after the answer line is wrong
+    return None
+
+
+def _parts(step: str) -> list:
+    m = _STEP_RE.match(step)
+    assert m, step
+    return [int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))]
+
+
+def step_labels(prompt: str, response: str) -> list[int]:
+    """Exact 0/1 label of every step of `response`: 1 up to the first error, 0 from it on."""
+    n = len(split_steps(response))
+    err = first_error(prompt, response)
+    return [1 if err is None or k < err else 0 for k in range(n)]
+
+
+def corrupt(problem: Problem, rng: random.Random) -> tuple[str, int]:
+    """A solution of `problem` with one deliberately wrong step, and the index of that step.
+
+    The error is an off-by-a-little result; later steps compute correctly from the wrong value,
+    the realistic shape of a reasoning slip.
+    """
+    k = rng.randrange(len(problem.ops))
+    value = problem.start
+    steps = []
+    for i, (op, b) in enumerate(problem.ops):
+        nxt = _apply(value, op, b)
+        if i == k:
+            nxt += rng.choice([-3, -2, -1, 1, 2, 3])
+        steps.append(f"{value}{op}{b}={nxt}")
+        value = nxt
+    steps.append(f"{ANSWER_PREFIX}{value}")
+    return STEP_SEPARATOR.join(steps), k

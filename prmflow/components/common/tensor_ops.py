@@ -1,0 +1,55 @@
+"""Small tensor helpers shared by the stages that run a model (sft, prm, rollout, ppo).
+
+Each docstring names the slow, obvious equivalent; tests compare the two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(tokens) under `logits`.
+
+    logits: (B, T, V) float; tokens: (B, T) long -> (B, T) float32.
+    Equivalent to `torch.log_softmax(logits.float(), -1).gather(-1, tokens[..., None])[..., 0]`,
+    computed as logit - logsumexp so the (B, T, V) log-softmax is never materialized twice.
+    """
+    logits = logits.float()
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax over the last dim: (B, T, V) -> (B, T).
+
+    Equivalent to `-(p * log p).sum(-1)` with p = softmax(logits).
+    """
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Sum of x where mask is true (`x[mask].sum()` for dim=None). Uses where(), never x*mask, so
+    a NaN or inf in a masked-out position cannot leak in."""
+    x = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean of x over positions where mask is true (`x[mask].mean()` for dim=None); 0 if none."""
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      **model_kwargs) -> torch.Tensor:
+    """log p(input_ids[:, t] | input_ids[:, :t]) for t >= 1, under `model`.
+
+    input_ids, attention_mask: (B, T) -> (B, T-1), entry t-1 scoring token t. Position ids follow
+    the attention mask, so left- and right-padded batches score the same tokens identically.
+    """
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **model_kwargs)
+    return token_logprobs(out.logits[:, :-1], input_ids[:, 1:])

@@ -1,0 +1,76 @@
+"""SFT examples: prompt tokens masked out of the loss, response tokens (plus EOS) trained on."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..common import tasks
+from ..common.errors import DataError
+
+log = logging.getLogger(__name__)
+IGNORE = -100
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]  # IGNORE on prompt tokens
+
+
+def tokenize(records: list[tasks.PromptRecord], tokenizer, max_seq_len: int, chat_template: bool = True,
+             where: str = "dataset") -> tuple[list[Example], int]:
+    """Examples for every record with a response; returns (examples, number dropped as too long)."""
+    examples, dropped = [], 0
+    for r in records:
+        if not r.response:
+            raise DataError(f"{where}: prompt {r.prompt_id!r} has no response to train on.")
+        text = tasks.render_prompt(tokenizer, r, chat_template)
+        templated = text != r.prompt
+        p_ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        r_ids = tokenizer(r.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = p_ids + r_ids
+        if len(ids) > max_seq_len:
+            dropped += 1
+            continue
+        examples.append(Example(ids, [IGNORE] * len(p_ids) + r_ids))
+    if dropped:
+        log.warning("%s: dropped %d of %d examples longer than max_seq_len=%d", where, dropped, len(records), max_seq_len)
+    if not examples:
+        raise DataError(f"{where}: no example fits max_seq_len={max_seq_len}; raise max_seq_len.")
+    return examples, dropped
+
+
+def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example: input_ids, attention_mask, labels, each (B, T)."""
+    T = max(len(e.input_ids) for e in batch)
+    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), T), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(batch), T), dtype=torch.long)
+    for i, e in enumerate(batch):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        labels[i, :n] = torch.tensor(e.labels)
+        mask[i, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The example order of one epoch: a permutation fixed by (seed, epoch), so resume replays it."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def response_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over response tokens, and their count.
+
+    logits (B, T, V), labels (B, T) with IGNORE on prompt/padding -> (scalar sum, n_tokens).
+    """
+    shift_logits = logits[:, :-1].float()
+    shift_labels = labels[:, 1:]
+    loss = torch.nn.functional.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
+        ignore_index=IGNORE, reduction="sum")
+    return loss, int((shift_labels != IGNORE).sum())

@@ -1,0 +1,87 @@
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+
+from prmflow.components.common import config
+from prmflow.components.common.errors import ConfigError
+
+
+@dataclass
+class Inner:
+    depth: int = 2
+    """How deep."""
+
+
+@dataclass
+class Cfg:
+    lr: float = 1e-3
+    """Learning rate."""
+    name: str = "x"
+    """A name."""
+    flag: bool = False
+    """A switch."""
+    mode: Literal["a", "b"] = "a"
+    """Which mode."""
+    tags: list[str] = field(default_factory=list)
+    """Some tags."""
+    inner: Inner = field(default_factory=Inner)
+    """Nested."""
+
+    def __post_init__(self):
+        if self.lr > 1:
+            raise ConfigError("lr must be at most 1")
+
+
+def test_docstrings_are_the_help():
+    assert config.field_docs(Cfg) == {"lr": "Learning rate.", "name": "A name.", "flag": "A switch.",
+                                      "mode": "Which mode.", "tags": "Some tags.", "inner": "Nested."}
+    assert "| `inner.depth` | int | `2` | How deep. |" in config.describe(Cfg)
+
+
+def test_yaml_then_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("lr: 0.5\ninner:\n  depth: 7\ntags: [p, q]\n")
+    cfg = config.load(Cfg, p, {"flag": "true", "inner.depth": "9", "mode": "b"})
+    assert (cfg.lr, cfg.flag, cfg.inner.depth, cfg.tags, cfg.mode) == (0.5, True, 9, ["p", "q"], "b")
+
+
+def test_section_of_a_pipeline_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("sft:\n  lr: 0.25\nprm:\n  lr: 0.1\n")
+    assert config.load(Cfg, p, section="sft").lr == 0.25
+
+
+@pytest.mark.parametrize("values,needle", [
+    ({"lrr": 1}, "'lrr' is not a config key. Did you mean 'lr'?"),
+    ({"inner.deep": 1}, "Did you mean 'inner.depth'?"),
+    ({"lr": "fast"}, "key 'lr' must be float"),
+    ({"inner.depth": 2.5}, "key 'inner.depth' must be an integer"),
+    ({"flag": "maybe"}, "key 'flag' must be true or false"),
+    ({"mode": "c"}, "not one of ['a', 'b']"),
+    ({"lr": 3}, "lr must be at most 1"),
+])
+def test_bad_values_name_the_key(values, needle):
+    with pytest.raises(ConfigError) as e:
+        config.build(Cfg, values, where="my.yaml")
+    assert needle in str(e.value)
+
+
+def test_bad_yaml_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("lr: [1,\n")
+    with pytest.raises(ConfigError, match="bad.yaml' is not valid YAML"):
+        config.load(Cfg, p)
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(Cfg, tmp_path / "missing.yaml")
+
+
+def test_cli_flags_and_set():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser, Cfg)
+    args = parser.parse_args(["--lr", "0.01", "--set", "inner.depth=4", "--inner.depth", "5"])
+    cfg = config.from_args(Cfg, args)
+    assert cfg.lr == 0.01 and cfg.inner.depth == 5
+    assert "Learning rate." in parser.format_help()

@@ -1,0 +1,67 @@
+import json
+
+import pytest
+
+from prmflow.components.common import io
+from prmflow.components.common.errors import DataError, OutputExistsError
+
+
+def test_commit_writes_manifest_with_checksums(tmp_path):
+    out = tmp_path / "out"
+    with io.atomic_output_dir(out, "thing", manifest={"rows": 3}) as tmp:
+        (tmp / "a.txt").write_text("hello")
+        assert not out.exists()  # nothing visible before the commit
+    m = io.read_manifest(out)
+    assert m["kind"] == "thing" and m["rows"] == 3
+    assert m["files"] == {"a.txt": io.sha256_file(out / "a.txt")}
+    io.verify_files(out, m)
+
+
+def test_failure_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with io.atomic_output_dir(out, "thing") as tmp:
+            (tmp / "a.txt").write_text("half")
+            raise RuntimeError("crash")
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_output_is_not_replaced_silently(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(OutputExistsError, match="already exists"):
+        with io.atomic_output_dir(out, "thing"):
+            pass
+
+
+def test_tampered_file_is_detected(tmp_path):
+    out = tmp_path / "out"
+    with io.atomic_output_dir(out, "thing") as tmp:
+        (tmp / "a.txt").write_text("hello")
+    (out / "a.txt").write_text("hellO")
+    with pytest.raises(DataError, match="does not match the sha256"):
+        io.verify_files(out, io.read_manifest(out))
+
+
+def test_names_cannot_escape(tmp_path):
+    with pytest.raises(DataError, match="escape"):
+        io.safe_child(tmp_path, "../etc/passwd")
+    assert io.safe_child(tmp_path, "sub/file") == (tmp_path / "sub/file").resolve()
+
+
+def test_missing_or_broken_manifest(tmp_path):
+    with pytest.raises(DataError, match="no manifest.json"):
+        io.read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text("{")
+    with pytest.raises(DataError, match="not valid JSON"):
+        io.read_manifest(tmp_path)
+
+
+def test_stale_temporaries_are_cleaned(tmp_path):
+    stale = tmp_path / ".out.tmp-abc"
+    stale.mkdir()
+    with io.atomic_output_dir(tmp_path / "out", "thing") as tmp:
+        (tmp / "x").write_text("1")
+    assert not stale.exists()
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["kind"] == "thing"

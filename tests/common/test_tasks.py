@@ -1,0 +1,106 @@
+import json
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from prmflow.components.common import tasks
+from prmflow.components.common.errors import DataError
+from prmflow.components.common.tasks import arithmetic as ar
+
+
+def test_generation_is_deterministic_and_solutions_are_right():
+    a = ar.generate(50, seed=1)
+    assert [p.prompt for p in a] == [p.prompt for p in ar.generate(50, seed=1)]
+    assert [p.prompt for p in a] != [p.prompt for p in ar.generate(50, seed=2)]
+    for p in a:
+        value = p.start
+        for op, b in p.ops:  # evaluate independently, left to right
+            value = eval(f"{value}{op}{b}")
+        assert p.answer == str(value)
+        assert ar.verify(p.solution, p.answer) == 1.0
+        assert ar.first_error(p.prompt, p.solution) is None
+        assert len(p.steps) == len(p.ops) + 1
+
+
+def test_splits_are_disjoint_whatever_the_seed():
+    train = {p.prompt for p in ar.generate(1500, seed=0, split="train")}
+    held = {p.prompt for p in ar.generate(150, seed=7, split="eval")} | {p.prompt for p in ar.generate(150, seed=3, split="test")}
+    assert not train & held
+
+
+def test_verifier():
+    assert ar.verify("1+2=3\nanswer: 3", "3") == 1.0
+    assert ar.verify("1+2=3\nanswer: 4", "3") == 0.0
+    assert ar.verify("1+2=3", "3") == 0.0  # no answer line: a format error
+    assert ar.extract_answer("junk\nanswer: -5\n") == "-5"
+
+
+def test_first_error_finds_the_corrupted_step():
+    rng = random.Random(0)
+    for p in ar.generate(100, seed=4):
+        bad, k = ar.corrupt(p, rng)
+        assert ar.first_error(p.prompt, bad) == k
+        labels = ar.step_labels(p.prompt, bad)
+        assert labels == [1] * k + [0] * (len(labels) - k)
+        assert ar.verify(bad, p.answer) == 0.0
+
+
+def test_first_error_on_truncated_and_garbled_responses():
+    p = ar.Problem("x", "Compute left to right: 3+4*2\n", "14", 3, [("+", 4), ("*", 2)])
+    assert ar.first_error(p.prompt, "3+4=7") == 1  # stopped early
+    assert ar.first_error(p.prompt, "3+4=7\n7*2=14\nanswer: 14") is None
+    assert ar.first_error(p.prompt, "3+4=7\n7*2=15\nanswer: 15") == 1
+    assert ar.first_error(p.prompt, "3+5=8\n8*2=16\nanswer: 16") == 0  # wrong operand
+    assert ar.first_error(p.prompt, "hello") == 0
+    assert ar.first_error(p.prompt, "3+4=7\n7*2=14\nanswer: 14\nmore") == 3
+
+
+def test_dataset_loader_jsonl_messages_and_gsm8k(tmp_path):
+    f = tmp_path / "d.jsonl"
+    rows = [
+        {"prompt": "What is 2+2?", "answer": "4", "response": "2+2=4\nanswer: 4"},
+        {"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "answer: 2"}], "answer": 2},
+        {"question": "Tom has 3 apples and buys 4.", "answer": "3+4=7\n#### 7", "id": "gsm-1"},
+    ]
+    f.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n")
+    recs = tasks.load(str(f))
+    assert [r.answer for r in recs] == ["4", "2"]
+    assert recs[1].prompt == "1+1?" and recs[1].response == "answer: 2"
+    from prmflow.components.common.tasks.datasets import load_records
+
+    g = tmp_path / "g.jsonl"
+    g.write_text(json.dumps(rows[2]))
+    (r,) = load_records(g, prompt_field="question")
+    assert (r.prompt_id, r.answer, r.response) == ("gsm-1", "7", "3+4=7\nanswer: 7")
+    assert tasks.verify(r, "so the answer: 7") == 1.0 and tasks.verify(r, "it is 8") == 0.0
+
+
+def test_dataset_loader_parquet(tmp_path):
+    f = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": ["a?", "b?"], "answer": ["1", "2"]}), f)
+    assert [r.prompt for r in tasks.load(str(f))] == ["a?", "b?"]
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("", "is empty"),
+    ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer"\n', "line 2: not valid JSON"),
+    ('{"prompt": "a"}\n{"text": "b"}\n', "line 2: no 'prompt' field"),
+    ('[1, 2]\n', "line 1: expected a JSON object"),
+    ('{"messages": [{"role": "user"}]}\n', "line 1: 'messages' must be a list"),
+])
+def test_bad_datasets_name_file_and_line(tmp_path, content, needle):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(content)
+    with pytest.raises(DataError) as e:
+        tasks.load(str(f))
+    assert str(f) in str(e.value) and needle in str(e.value)
+
+
+def test_missing_and_unknown_dataset_files(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        tasks.load(str(tmp_path / "none.jsonl"))
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unknown format '.csv'"):
+        tasks.load(str(tmp_path / "d.csv"))

@@ -8,9 +8,9 @@ from prmflow.components.common.errors import ModelLoadError
 
 def test_tokenizer_is_character_level_and_round_trips(tmp_path):
     tok = modeling.build_tokenizer()
-    text = "Compute left to right: 7+5*3\n7+5=12\nanswer: 36"
+    text = "Compute left to right: 7+5*3\n7+5=12\n\n\nanswer: 36"
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    assert len(ids) == len(text)
+    assert len(ids) == len(text) and tok.unk_token_id not in ids
     tok.save_pretrained(tmp_path)
     again = AutoTokenizer.from_pretrained(tmp_path)
     assert again(text, add_special_tokens=False)["input_ids"] == ids

@@ -41,7 +41,7 @@ def build_tokenizer(alphabet: list[str] | None = None):
     chars = alphabet or ALPHABET
     vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS.values()) + chars)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every char is a token
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char (newlines too) is a token
     core.decoder = decoders.Fuse()  # join characters back without spaces
     tok = PreTrainedTokenizerFast(tokenizer_object=core, **SPECIAL_TOKENS)
     tok.model_max_length = 4096
@@ -147,3 +147,29 @@ def save_pretrained(model: torch.nn.Module, tokenizer, directory: str | Path, ex
     tokenizer.save_pretrained(directory)
     if extra:
         (directory / "prmflow.json").write_text(json.dumps(extra, indent=2, sort_keys=True, default=str))
+
+
+def load_scalar_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False):
+    """A model with one scalar per token (PRM scores, critic values) as a plain HF directory.
+
+    It is an `AutoModelForTokenClassification` with num_labels=1 (e.g. LlamaForTokenClassification):
+    the backbone plus a linear `score` head. Pointed at a causal-LM directory (the SFT policy), the
+    backbone weights are loaded and the head starts at zero, so initial scalars are 0 everywhere.
+    """
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    p = check_model_dir(path)
+    try:
+        cfg = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
+        from_lm = not any(a.endswith("ForTokenClassification") for a in (cfg.architectures or []))
+        cfg.num_labels = 1
+        model = AutoModelForTokenClassification.from_pretrained(p, config=cfg, dtype=torch_dtype(dtype),
+                                                                trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"Cannot load a scalar-head model from '{p}': {e}") from None
+    if from_lm:
+        with torch.no_grad():
+            model.score.weight.zero_()
+            if getattr(model.score, "bias", None) is not None:
+                model.score.bias.zero_()
+    return model, load_tokenizer(p, trust_remote_code=trust_remote_code)

@@ -72,6 +72,8 @@ class Config:
     """AdamW weight decay on matrices (not on norms and biases)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
+    log_every: int = 10
+    """Log train/* and perf/* metrics every this many steps."""
     eval_every: int = 250
     """Evaluate every this many steps (and at the end)."""
     save_every: int = 250
@@ -98,7 +100,7 @@ class Config:
     """MLflow tracking."""
 
     def __post_init__(self):
-        for key in ("train_size", "eval_size", "micro_batch_size", "grad_accum", "max_steps", "max_seq_len"):
+        for key in ("train_size", "eval_size", "micro_batch_size", "grad_accum", "max_steps", "max_seq_len", "log_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must be at least 1.")
         if self.lr <= 0:
@@ -212,7 +214,6 @@ def run(cfg: Config) -> dict:
                                             "parents": [cfg.model_path]}) as tmp:
             modeling.save_pretrained(engine.module, tokenizer, tmp, extra={"stage": "sft", "metrics": metrics})
         checkpoint.clear(work)
-        tracker.log_metrics(metrics, step=cfg.max_steps)
     print(f"sft: held-out accuracy {metrics['eval/accuracy']:.3f}, eval loss {metrics['eval/loss']:.4f} -> {cfg.output}")
     return metrics
 
@@ -249,7 +250,7 @@ def _train(cfg, engine, tokenizer, train_ex, eval_ex, eval_records, state, work,
         step = state["step"]
         bar.update(1)
         bar.set_postfix(loss=f"{loss_total:.3f}", lr=f"{lr:.2e}", refresh=False)
-        if step % 10 == 0 or step == cfg.max_steps:
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
             elapsed = time.perf_counter() - t0
             tracker.log_metrics({"train/loss": loss_total, "train/lr": lr, "train/grad_norm": grad_norm,
                                  "train/epoch": state["consumed"] / n, "perf/tokens_per_s": tokens / elapsed}, step=step)

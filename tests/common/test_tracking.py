@@ -42,3 +42,17 @@ def test_default_store_is_embedded_sqlite(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert tracking.resolve_uri(tracking.TrackingConfig()) == f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def test_stages_find_the_pipeline_parent_by_kfp_run_id(sqlite_store):
+    base = dict(uri=sqlite_store, experiment="exp", pipeline_run_id="kfp-123")
+    parent = tracking.start_pipeline_run(tracking.TrackingConfig(**base), params={"iterations": 2})
+    other = tracking.start_pipeline_run(tracking.TrackingConfig(**{**base, "pipeline_run_id": "kfp-999"}))
+    with tracking.start_stage_run(tracking.TrackingConfig(**base), "rollout", iteration=0) as child:
+        pass
+    assert tracking.finish_pipeline_run(tracking.TrackingConfig(**base), "FAILED", {"eval/accuracy": 0.5}) == parent.run_id
+    client = MlflowClient(sqlite_store)
+    assert client.get_run(child.run_id).data.tags["mlflow.parentRunId"] == parent.run_id
+    p = client.get_run(parent.run_id)
+    assert p.info.status == "FAILED" and p.data.metrics == {"eval/accuracy": 0.5}
+    assert client.get_run(other.run_id).info.status == "RUNNING"

@@ -37,6 +37,9 @@ class TrackingConfig:
     """MLflow experiment name; created if missing."""
     parent_run_id: str = ""
     """Run id of the pipeline's parent run; the stage's run becomes its child. Empty: a top-level run."""
+    pipeline_run_id: str = ""
+    """KFP run id. With no parent_run_id, the parent is the run tagged prmflow.pipeline_run_id=<this>
+    by the pipeline's init_tracking step (how stages inside ParallelFor find it)."""
     run_name: str = ""
     """Name of the stage's run. Empty: '<stage>' or '<stage>-iter<k>'."""
     tags: dict = field(default_factory=dict)
@@ -141,22 +144,65 @@ def experiment_id(client, name: str) -> str:
         return exp.experiment_id
 
 
+PIPELINE_TAG = "prmflow.pipeline_run_id"
+ROLE_TAG = "prmflow.role"
+
+
+def find_pipeline_run(client, experiment: str, pipeline_run_id: str) -> str | None:
+    """Id of the parent run that init_tracking created for KFP run `pipeline_run_id`, if any."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    runs = client.search_runs([exp.experiment_id], max_results=1,
+                              filter_string=f"tags.`{PIPELINE_TAG}` = '{pipeline_run_id}' and tags.`{ROLE_TAG}` = 'pipeline'")
+    return runs[0].info.run_id if runs else None
+
+
 def start_run(cfg: TrackingConfig, run_name: str, tags: dict[str, Any] | None = None,
               params: dict[str, Any] | None = None) -> NullTracker:
-    """Start a run (a child of `cfg.parent_run_id` when set); a NullTracker when tracking is off."""
+    """Start a run (a child of the configured parent, if any); a NullTracker when tracking is off."""
     if not cfg.enabled:
         return NullTracker()
     uri = resolve_uri(cfg)
     client = _client(uri)
     all_tags = {**{k: str(v) for k, v in (cfg.tags or {}).items()}, **{k: str(v) for k, v in (tags or {}).items()}}
-    if cfg.parent_run_id:
-        all_tags["mlflow.parentRunId"] = cfg.parent_run_id
+    parent = cfg.parent_run_id
+    if not parent and cfg.pipeline_run_id:
+        parent = find_pipeline_run(client, cfg.experiment, cfg.pipeline_run_id) or ""
+        if not parent:
+            log.warning("no MLflow parent run is tagged %s=%s; logging a top-level run", PIPELINE_TAG, cfg.pipeline_run_id)
+    if cfg.pipeline_run_id:
+        all_tags[PIPELINE_TAG] = cfg.pipeline_run_id
+    if parent:
+        all_tags["mlflow.parentRunId"] = parent
     run = client.create_run(experiment_id(client, cfg.experiment), run_name=cfg.run_name or run_name, tags=all_tags)
     tracker = MlflowTracker(client, run.info.run_id, uri)
     if params:
         tracker.log_params(params)
     log.info("MLflow run %s in %s", run.info.run_id, uri)
     return tracker
+
+
+def start_pipeline_run(cfg: TrackingConfig, params: dict[str, Any] | None = None) -> NullTracker:
+    """The parent run of one pipeline run, tagged so stages (and the exit handler) can find it."""
+    return start_run(cfg, cfg.run_name or f"pipeline-{cfg.pipeline_run_id or 'local'}", {ROLE_TAG: "pipeline"}, params)
+
+
+def finish_pipeline_run(cfg: TrackingConfig, status: str, metrics: dict[str, float] | None = None) -> str | None:
+    """Mark the pipeline's parent run FINISHED or FAILED (from the KFP exit handler). Returns its id."""
+    if not cfg.enabled or not cfg.pipeline_run_id:
+        return None
+    uri = resolve_uri(cfg)
+    client = _client(uri)
+    run_id = find_pipeline_run(client, cfg.experiment, cfg.pipeline_run_id)
+    if run_id is None:
+        log.warning("no MLflow parent run for pipeline run %s", cfg.pipeline_run_id)
+        return None
+    tracker = MlflowTracker(client, run_id, uri)
+    if metrics:
+        tracker.log_metrics(metrics)
+    tracker.finish(status)
+    return run_id
 
 
 def start_stage_run(cfg: TrackingConfig, stage: str, params: dict[str, Any] | None = None,

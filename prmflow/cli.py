@@ -67,6 +67,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     tiny.add_argument("--preset", default="tiny-llama", help="tiny-llama or tiny-qwen2")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(stage=None, handler=_make_tiny)
+    from .pipelines import commands
+
+    commands.add_parsers(sub)
     return parser, stages
 
 

@@ -39,6 +39,17 @@ def test_docstrings_are_the_help():
     assert "| `inner.depth` | int | `2` | How deep. |" in config.describe(Cfg)
 
 
+@dataclass
+class Outer:
+    gpu: Inner = field(default_factory=lambda: Inner(depth=8))
+    """A nested config whose field default differs from the class default."""
+
+
+def test_nested_field_defaults_survive():
+    assert config.build(Outer, {}).gpu.depth == 8
+    assert config.load(Outer, overrides={"gpu.depth": 3}).gpu.depth == 3
+
+
 def test_yaml_then_overrides(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("lr: 0.5\ninner:\n  depth: 7\ntags: [p, q]\n")

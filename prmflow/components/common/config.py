@@ -169,22 +169,32 @@ def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
         if key not in leaves and key not in prefixes:
             raise _unknown_key(key, leaves, where)
 
-    def make(klass: type, prefix: str) -> Any:
+    def make(klass: type, prefix: str, defaults: dict[str, Any] | None) -> Any:
+        # `defaults`: the values the enclosing field's default_factory gives this dataclass, which
+        # may differ from the class's own defaults (e.g. a GPU node pool vs an empty NodePool)
         hints = _hints(klass)
         kwargs = {}
         for f in dataclasses.fields(klass):
             key = prefix + f.name
             typ = hints[f.name]
             if dataclasses.is_dataclass(typ):
-                kwargs[f.name] = make(typ, key + ".")
+                if defaults is not None and isinstance(defaults.get(f.name), dict):
+                    sub = defaults[f.name]
+                elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                    sub = dataclasses.asdict(f.default_factory())  # type: ignore[misc]
+                else:
+                    sub = None
+                kwargs[f.name] = make(typ, key + ".", sub)
             elif key in values:
                 kwargs[f.name] = _coerce(values[key], typ, key, where)
+            elif defaults is not None and f.name in defaults:
+                kwargs[f.name] = defaults[f.name]
         try:
             return klass(**kwargs)
         except TypeError as e:
             raise ConfigError(f"{where}: {e}") from None
 
-    return make(cls, "")
+    return make(cls, "", None)
 
 
 def load(cls: type[C], path: str | Path | None = None, overrides: dict[str, Any] | None = None,

@@ -1,0 +1,25 @@
+"""KFP component: the advantage stage (CPU pool). A shim over prmflow.components.advantage.stage.run."""
+
+from typing import List
+
+from kfp import dsl
+from kfp.dsl import Dataset, Input, Model, Output
+
+from prmflow.pipelines.settings import DEFAULT_CPU_IMAGE
+
+
+def advantage(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, iteration: int,
+              rollouts: Input[List[Dataset]], kl_source: Input[Model], use_kl_state: bool, advantages: Output[Dataset]):
+    """Turn the collected rollout shards into advantages; `kl_source` is the previous PPO output."""
+    import os
+
+    from prmflow.pipelines.shim import dataset_metadata, gather_shards, run_stage
+
+    shards = gather_shards([r.path for r in rollouts], advantages.path + ".inputs")
+    paths = {"input": shards, "output": advantages.path,
+             "kl_state": os.path.join(kl_source.path, "kl_state.json") if use_kl_state else ""}
+    run_stage("advantage", config, paths, kfp_run_id, tracking_uri, experiment, iteration)
+    advantages.metadata.update(dataset_metadata(advantages.path))
+
+
+component = dsl.component(base_image=DEFAULT_CPU_IMAGE)(advantage)

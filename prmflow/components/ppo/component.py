@@ -1,0 +1,27 @@
+"""KFP component: the ppo stage. A shim over prmflow.components.ppo.stage.run (see stage.py)."""
+
+from kfp import dsl
+from kfp.dsl import Dataset, Input, Model, Output
+
+from prmflow.pipelines.settings import DEFAULT_GPU_IMAGE
+
+
+def ppo(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, iteration: int, policy: Input[Model],
+        policy_subdir: str, advantages: Input[Dataset], previous: Input[Model], resume_previous: bool,
+        updated: Output[Model]):
+    """Update the policy (and critic); `updated` holds policy/, critic/ and kl_state.json."""
+    import os
+
+    from prmflow.pipelines.shim import artifact_metadata, run_stage
+
+    paths = {"policy_path": os.path.join(policy.path, policy_subdir), "advantages": advantages.path,
+             "output": updated.path}
+    if resume_previous:  # the critic and the KL controller carry over from the previous iteration
+        paths["kl_state"] = os.path.join(previous.path, "kl_state.json")
+        if os.path.isdir(os.path.join(previous.path, "critic")):
+            paths["critic_path"] = os.path.join(previous.path, "critic")
+    metrics = run_stage("ppo", config, paths, kfp_run_id, tracking_uri, experiment, iteration)
+    updated.metadata.update(artifact_metadata(metrics))
+
+
+component = dsl.component(base_image=DEFAULT_GPU_IMAGE)(ppo)

@@ -1,0 +1,17 @@
+"""KFP component: the prm stage. A shim over prmflow.components.prm.stage.run (see stage.py)."""
+
+from kfp import dsl
+from kfp.dsl import Model, Output
+
+from prmflow.pipelines.settings import DEFAULT_GPU_IMAGE
+
+
+def prm(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, prm_model: Output[Model]):
+    """Train the process reward model; `prm_model` is its HF token-classification directory."""
+    from prmflow.pipelines.shim import artifact_metadata, run_stage
+
+    metrics = run_stage("prm", config, {"output": prm_model.path}, kfp_run_id, tracking_uri, experiment)
+    prm_model.metadata.update(artifact_metadata(metrics))
+
+
+component = dsl.component(base_image=DEFAULT_GPU_IMAGE)(prm)

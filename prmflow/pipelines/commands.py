@@ -1,0 +1,170 @@
+"""`prmflow pipeline compile|submit|run-local` and `prmflow stage-command`.
+
+    prmflow pipeline compile --config configs/pipeline-cluster.yaml -o pipeline.yaml
+    prmflow pipeline submit --host https://kfp.example.com --config configs/pipeline-cluster.yaml \\
+        --experiment prm-rl --param 'ppo_config={"lr": 1e-6}'
+    prmflow pipeline run-local --config configs/pipeline-local.yaml      # kfp.local, no docker, CPU
+    prmflow stage-command ppo --run-id <MLflow run id of that stage>    # docker run line to re-run it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from ..components.common.errors import ConfigError, PrmflowError
+from .settings import load_spec
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("pipeline", help="compile, submit or run locally the whole KFP pipeline")
+    psub = p.add_subparsers(dest="pipeline_command", metavar="ACTION", required=True)
+
+    c = psub.add_parser("compile", help="write the compiled pipeline spec (YAML)")
+    c.add_argument("--config", help="pipeline YAML (pipeline: + stage sections)")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a pipeline: key")
+    c.add_argument("-o", "--output", default="pipeline.yaml", help="where to write the spec")
+    c.set_defaults(handler=_compile)
+
+    s = psub.add_parser("submit", help="compile and start a run on a KFP cluster")
+    s.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kfp.example.com")
+    s.add_argument("--config", help="pipeline YAML")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a pipeline: key")
+    s.add_argument("--experiment", default="prmflow", help="KFP experiment to file the run under")
+    s.add_argument("--run-name", default="", help="name of the KFP run")
+    s.add_argument("--param", action="append", default=[], metavar="NAME=JSON",
+                   help="pipeline parameter, e.g. 'ppo_config={\"lr\": 1e-6}' or tracking_uri=http://mlflow:5000")
+    s.add_argument("--namespace", default=None, help="Kubeflow namespace (multi-user clusters)")
+    s.set_defaults(handler=_submit)
+
+    r = psub.add_parser("run-local", help="run the whole DAG on this machine through kfp.local (no docker)")
+    r.add_argument("--config", default=None, help="pipeline YAML (default: configs/pipeline-local.yaml settings)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a pipeline: key")
+    r.add_argument("--root", default="outputs/kfp-local", help="pipeline root: where artifacts are written")
+    r.add_argument("--param", action="append", default=[], metavar="NAME=JSON", help="pipeline parameter")
+    r.set_defaults(handler=_run_local)
+
+    sc = sub.add_parser("stage-command", help="print the `docker run` line that re-runs one stage of a past run")
+    sc.add_argument("stage", help="sft, prm, rollout, advantage, ppo or evaluate")
+    sc.add_argument("--run-id", required=True, help="MLflow run id of that stage's run")
+    sc.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
+    sc.add_argument("--image", default="", help="image to run (default: the stage's CPU/GPU image)")
+    sc.add_argument("--output", default="rerun", help="host directory for the re-run's output")
+    sc.set_defaults(handler=_stage_command)
+
+
+def _overrides(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE.")
+        k, v = item.split("=", 1)
+        out[k] = v
+    return out
+
+
+def _params(items: list[str]) -> dict:
+    params = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--param {item!r}: expected NAME=VALUE (VALUE may be JSON).")
+        name, value = item.split("=", 1)
+        try:
+            params[name] = json.loads(value)
+        except json.JSONDecodeError:
+            params[name] = value
+    return params
+
+
+def _compile(args) -> int:
+    from .pipeline import compile_to
+
+    spec = load_spec(args.config, _overrides(args.set))
+    compile_to(spec, args.output)
+    print(f"wrote {args.output}: {spec.pipeline.iterations} RL iterations, {spec.pipeline.rollout_shards} rollout shards")
+    return 0
+
+
+def _submit(args) -> int:
+    import tempfile
+
+    import kfp
+
+    from .pipeline import compile_to
+
+    spec = load_spec(args.config, _overrides(args.set))
+    with tempfile.TemporaryDirectory() as tmp:
+        package = compile_to(spec, os.path.join(tmp, "pipeline.yaml"))
+        client = kfp.Client(host=args.host, namespace=args.namespace)
+        result = client.create_run_from_pipeline_package(
+            package, arguments=_params(args.param), run_name=args.run_name or None,
+            experiment_name=args.experiment, namespace=args.namespace)
+    print(f"submitted run {result.run_id} to {args.host} (experiment {args.experiment})")
+    return 0
+
+
+def _run_local(args) -> int:
+    from kfp import local
+
+    from ..components.common import tracking
+    from .pipeline import build
+
+    spec = load_spec(args.config, _overrides(args.set))
+    params = _params(args.param)
+    # the tasks run as subprocesses: give them an absolute store so they all log to the same one
+    params.setdefault("tracking_uri", tracking.resolve_uri(tracking.TrackingConfig(uri=spec.pipeline.tracking_uri)))
+    root = Path(args.root).resolve()
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
+    pipeline_fn = build(spec)
+    pipeline_fn(**params)
+    print(f"pipeline finished; artifacts under {root}; runs in {params['tracking_uri']}")
+    print(f"see them with: mlflow ui --backend-store-uri {params['tracking_uri']}")
+    return 0
+
+
+#: Config keys that hold paths of a stage's inputs; they are mounted read-only into the container.
+INPUT_KEYS = ("model_path", "task", "eval_task", "policy", "prm", "ref", "critic", "input", "kl_state",
+              "policy_path", "advantages", "critic_path", "prm_path", "baseline")
+
+
+def stage_command(stage: str, params: dict[str, str], image: str, output: str) -> list[str]:
+    """The docker argv that re-runs `stage` with the logged config `params`, inputs mounted."""
+    cmd = ["docker", "run", "--rm"]
+    args = [stage]
+    for key, value in sorted(params.items()):
+        if key.startswith("tracking."):
+            continue
+        if key == "output":
+            host = os.path.abspath(output)
+            cmd += ["-v", f"{host}:/outputs"]
+            value = "/outputs/" + Path(value).name
+        elif key in INPUT_KEYS and value and os.path.isabs(value):
+            mount = f"/inputs/{key}"
+            cmd += ["-v", f"{value}:{mount}:ro"]
+            value = mount
+        args += ["--set", f"{key}={value}"]
+    args += ["--set", "tracking.enabled=false"]
+    return cmd + [image] + args
+
+
+def _stage_command(args) -> int:
+    from mlflow.tracking import MlflowClient
+
+    from ..components.common import tracking
+    from .settings import DEFAULT_CPU_IMAGE, DEFAULT_GPU_IMAGE
+
+    uri = tracking.resolve_uri(tracking.TrackingConfig(uri=args.tracking_uri))
+    try:
+        run = MlflowClient(uri).get_run(args.run_id)
+    except Exception as e:  # MlflowException: not found, store unreachable
+        raise PrmflowError(f"Cannot read MLflow run {args.run_id} from {uri}: {e}") from None
+    logged_stage = run.data.tags.get("prmflow.stage")
+    if logged_stage != args.stage:
+        raise PrmflowError(f"MLflow run {args.run_id} is a {logged_stage!r} run, not {args.stage!r}.")
+    image = args.image or (DEFAULT_CPU_IMAGE if args.stage == "advantage" else DEFAULT_GPU_IMAGE)
+    print(shlex.join(stage_command(args.stage, run.data.params, image, args.output)))
+    return 0

@@ -1,0 +1,37 @@
+"""The pipeline's own KFP steps: open the MLflow parent run, and close it from the exit handler."""
+
+
+from kfp import dsl
+
+
+def init_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, params: dict) -> str:
+    """Create the MLflow parent run of this pipeline run, tagged with the KFP run id; returns its id."""
+    from prmflow.components.common import tracking
+
+    cfg = tracking.TrackingConfig(uri=tracking_uri, experiment=experiment, pipeline_run_id=kfp_run_id)
+    flat = {}
+    for section, values in params.items():
+        for key, value in (values or {}).items() if isinstance(values, dict) else [("", values)]:
+            flat[f"{section}.{key}" if key else section] = value
+    run = tracking.start_pipeline_run(cfg, params=flat)
+    return run.run_id
+
+
+def finish_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, status: dsl.PipelineTaskFinalStatus):
+    """Exit handler: mark the parent run FINISHED or FAILED and copy the final eval/* metrics onto it."""
+    from mlflow.tracking import MlflowClient
+
+    from prmflow.components.common import tracking
+
+    cfg = tracking.TrackingConfig(uri=tracking_uri, experiment=experiment, pipeline_run_id=kfp_run_id)
+    state = "FINISHED" if status.state == "SUCCEEDED" else "FAILED"
+    client = MlflowClient(tracking.resolve_uri(cfg))
+    parent = tracking.find_pipeline_run(client, experiment, kfp_run_id)
+    metrics = {}
+    if parent:
+        exp = client.get_experiment_by_name(experiment)
+        children = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'")
+        for child in sorted(children, key=lambda r: r.info.start_time):  # later runs win
+            metrics.update({k: v for k, v in child.data.metrics.items() if k.startswith("eval/")})
+    tracking.finish_pipeline_run(cfg, state, metrics)
+    print(f"pipeline run {kfp_run_id}: {state}, MLflow parent run {parent}")

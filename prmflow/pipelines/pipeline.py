@@ -1,0 +1,131 @@
+"""The prmflow DAG: wiring only (no `from __future__ import annotations`: KFP reads the real types). Each box is a stage's component; all logic lives in the stages.
+
+    init_tracking
+      ├─ sft ──────────────┐ policy_0
+      └─ prm ──────────────┤ prm
+    for k in 0..iterations-1 (unrolled at compile time):
+      rollout[shard] x N  (ParallelFor) ── Collected ──> advantage (CPU pool) ──> ppo ──> policy_k+1
+    evaluate (if the stage exists)
+    exit handler: finish_tracking marks the MLflow parent run FINISHED/FAILED
+
+Stages find the MLflow parent run by the KFP run id (dsl.PIPELINE_JOB_ID_PLACEHOLDER) rather than by
+a parameter from init_tracking: kfp.local (2.17) substitutes the loop item for upstream *parameter*
+outputs used inside a ParallelFor, and the KFP exit task may not depend on other tasks anyway.
+"""
+
+
+import importlib
+from typing import Any, Callable
+
+from kfp import dsl, kubernetes
+
+from .lineage import finish_tracking, init_tracking
+from .settings import ClusterConfig, NodePool, PipelineSpec
+
+
+def _component(fn: Callable, image: str):
+    return dsl.component(base_image=image)(fn)
+
+
+def _stage_fn(stage: str) -> Callable | None:
+    try:
+        module = importlib.import_module(f"prmflow.components.{stage}.component")
+    except ModuleNotFoundError:
+        return None
+    return getattr(module, stage)
+
+
+def _place(task, pool: NodePool, cluster: ClusterConfig, gpu: bool, cache: bool):
+    """Node pool, resources, retries, caching, secrets and workspace of one task: the plumbing
+    every stage shares, kept here so the pipeline function below reads as the DAG."""
+    for key, value in pool.node_selector.items():
+        kubernetes.add_node_selector(task, label_key=key, label_value=str(value))
+    for tol in pool.tolerations:
+        kubernetes.add_toleration(task, key=tol.get("key"), operator=tol.get("operator", "Equal"),
+                                  value=tol.get("value"), effect=tol.get("effect"))
+    if pool.accelerator_type and pool.accelerator_count:
+        task.set_accelerator_type(pool.accelerator_type).set_accelerator_limit(pool.accelerator_count)
+    if pool.cpu:
+        task.set_cpu_limit(pool.cpu)
+    if pool.memory:
+        task.set_memory_limit(pool.memory)
+    if gpu and cluster.retries:
+        task.set_retry(num_retries=cluster.retries, backoff_duration=cluster.backoff, backoff_factor=2.0)
+    task.set_caching_options(cache)
+    if cluster.mlflow_secret:
+        kubernetes.use_secret_as_env(task, secret_name=cluster.mlflow_secret, secret_key_to_env={
+            "MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME": "MLFLOW_TRACKING_USERNAME",
+            "MLFLOW_TRACKING_PASSWORD": "MLFLOW_TRACKING_PASSWORD"}, optional=True)
+    if cluster.object_store_secret:
+        kubernetes.use_secret_as_env(task, secret_name=cluster.object_store_secret, secret_key_to_env={
+            "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
+            "MLFLOW_S3_ENDPOINT_URL": "MLFLOW_S3_ENDPOINT_URL"}, optional=True)
+    if cluster.workspace_pvc:
+        kubernetes.mount_pvc(task, pvc_name=cluster.workspace_pvc, mount_path=cluster.workspace_path)
+    return task
+
+
+def build(spec: PipelineSpec) -> Any:
+    """The pipeline function for `spec` (a KFP graph component, ready to compile or run locally)."""
+    pipe, cluster = spec.pipeline, spec.pipeline.cluster
+    gpu, cpu = cluster.gpu_image, cluster.cpu_image
+    sft_op, prm_op = _component(_stage_fn("sft"), gpu), _component(_stage_fn("prm"), gpu)
+    rollout_op, ppo_op = _component(_stage_fn("rollout"), gpu), _component(_stage_fn("ppo"), gpu)
+    advantage_op = _component(_stage_fn("advantage"), cpu)
+    evaluate_fn = _stage_fn("evaluate")
+    evaluate_op = _component(evaluate_fn, gpu) if evaluate_fn else None
+    init_op, finish_op = _component(init_tracking, cpu), _component(finish_tracking, cpu)
+    critic = (spec.stages.get("ppo") or {}).get("critic", False)
+    shards = list(range(pipe.rollout_shards))
+    det, sampled = cluster.cache, cluster.cache and cluster.cache_sampling
+
+    def on_gpu(task, cache=det):
+        return _place(task, cluster.gpu_pool, cluster, gpu=True, cache=cache)
+
+    def on_cpu(task, cache=det):
+        return _place(task, cluster.cpu_pool, cluster, gpu=False, cache=cache)
+
+    @dsl.pipeline(name=pipe.name, description="RL fine-tuning with step-level process rewards (prmflow)")
+    def prmflow_pipeline(
+        sft_config: dict = spec.stages["sft"], prm_config: dict = spec.stages["prm"],
+        rollout_config: dict = spec.stages["rollout"], advantage_config: dict = spec.stages["advantage"],
+        ppo_config: dict = spec.stages["ppo"], evaluate_config: dict = spec.stages["evaluate"],
+        tracking_uri: str = pipe.tracking_uri, experiment: str = pipe.experiment,
+    ):
+        run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
+        common = dict(kfp_run_id=run_id, tracking_uri=tracking_uri, experiment=experiment)
+        exit_task = on_cpu(finish_op(**common), cache=False)
+        with dsl.ExitHandler(exit_task, name="track-pipeline-run"):
+            init = on_cpu(init_op(**common, params={"sft": sft_config, "prm": prm_config, "rollout": rollout_config,
+                                                    "advantage": advantage_config, "ppo": ppo_config}), cache=False)
+            sft = on_gpu(sft_op(config=sft_config, **common).after(init).set_display_name("sft"))
+            prm = on_gpu(prm_op(config=prm_config, **common).after(init).set_display_name("prm"))
+            policy, subdir, previous = sft.outputs["policy"], "", sft.outputs["policy"]
+            for k in range(pipe.iterations):
+                with dsl.ParallelFor(shards, name=f"rollout-shards-{k}") as shard:
+                    roll = on_gpu(rollout_op(
+                        config=rollout_config, **common, iteration=k, shard=shard, num_shards=len(shards),
+                        policy=policy, policy_subdir=subdir, prm_model=prm.outputs["prm_model"],
+                        ref=sft.outputs["policy"], critic=previous if k else sft.outputs["policy"],
+                        critic_subdir="critic" if k else "", use_critic=bool(critic)), cache=sampled)
+                    roll.set_display_name(f"rollout-{k}")
+                adv = on_cpu(advantage_op(config=advantage_config, **common, iteration=k,
+                                          rollouts=dsl.Collected(roll.outputs["rollouts"]), kl_source=previous,
+                                          use_kl_state=k > 0)).set_display_name(f"advantage-{k}")
+                upd = on_gpu(ppo_op(config=ppo_config, **common, iteration=k, policy=policy, policy_subdir=subdir,
+                                    advantages=adv.outputs["advantages"], previous=previous,
+                                    resume_previous=k > 0)).set_display_name(f"ppo-{k}")
+                policy, subdir, previous = upd.outputs["updated"], "policy", upd.outputs["updated"]
+            if evaluate_op is not None:
+                on_gpu(evaluate_op(config=evaluate_config, **common, policy=policy, policy_subdir=subdir,
+                                   baseline=sft.outputs["policy"], prm_model=prm.outputs["prm_model"]),
+                       cache=sampled).set_display_name("evaluate")
+
+    return prmflow_pipeline
+
+
+def compile_to(spec: PipelineSpec, path: str) -> str:
+    from kfp import compiler
+
+    compiler.Compiler().compile(build(spec), package_path=path)
+    return path

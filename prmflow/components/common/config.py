@@ -165,8 +165,10 @@ def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
     """Make a `cls` from a flat {dotted key: value} mapping, coercing and checking every value."""
     leaves = _flat_fields(cls)
     prefixes = {k.rsplit(".", 1)[0] for k in leaves if "." in k}
+    mappings = [k for k, (t, _, _) in leaves.items() if t is dict or typing.get_origin(t) is dict]
     for key in values:
-        if key not in leaves and key not in prefixes:
+        inside_mapping = any(key.startswith(m + ".") for m in mappings)  # a dict field's own keys
+        if key not in leaves and key not in prefixes and not inside_mapping:
             raise _unknown_key(key, leaves, where)
 
     def make(klass: type, prefix: str, defaults: dict[str, Any] | None) -> Any:

@@ -1,0 +1,219 @@
+"""The compiled pipeline spec, submission to a (fake) KFP API server, images and stage re-runs."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prmflow import cli
+from prmflow.pipelines import commands
+from prmflow.pipelines.settings import load_spec
+
+from .fake_kfp import FakeKfp
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER_YAML = """
+pipeline:
+  iterations: 3
+  rollout_shards: 4
+  cluster:
+    retries: 3
+    backoff: 90s
+    mlflow_secret: mlflow-creds
+    object_store_secret: s3-creds
+    workspace_pvc: prmflow-workspace
+    gpu_pool:
+      node_selector: {cloud.google.com/gke-nodepool: a100-pool}
+      tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]
+      accelerator_type: nvidia.com/gpu
+      accelerator_count: 2
+      memory: 80G
+    cpu_pool:
+      node_selector: {cloud.google.com/gke-nodepool: cpu-pool}
+ppo:
+  lr: 1.0e-6
+"""
+GPU_STAGES = ("sft", "prm", "rollout", "ppo")
+
+
+def compile_spec(tmp_path, text=CLUSTER_YAML, monkeypatch=None):
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_text(text)
+    out = tmp_path / "compiled.yaml"
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(out)]) == 0
+    docs = list(yaml.safe_load_all(out.read_text()))
+    spec, platform = docs[0], (docs[1] if len(docs) > 1 else {})
+    return spec, platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"], out.read_text()
+
+
+def executor_of(spec, stage):
+    """exec-<stage> names of the component's executors (KFP suffixes repeats: exec-rollout-2...)."""
+    return sorted(e for e in spec["deploymentSpec"]["executors"] if re.fullmatch(f"exec-{stage}(-\\d+)?", e))
+
+
+def all_tasks(spec):
+    tasks = dict(spec["root"]["dag"]["tasks"])
+    for comp in spec["components"].values():
+        tasks.update(comp.get("dag", {}).get("tasks", {}))
+    return tasks
+
+
+def test_every_stage_is_in_the_dag_unrolled_per_iteration(tmp_path):
+    spec, _, _ = compile_spec(tmp_path)
+    names = [t["taskInfo"]["name"] for t in all_tasks(spec).values()]
+    for stage in ("init-tracking", "sft", "prm"):
+        assert names.count(stage) == 1, stage
+    for k in range(3):
+        assert f"advantage-{k}" in names and f"ppo-{k}" in names and f"rollout-{k}" in names
+    assert names.count("finish-tracking") == 1
+    loops = [t for t in all_tasks(spec).values() if "parameterIterator" in t]
+    assert len(loops) == 3
+    assert all(json.loads(t["parameterIterator"]["items"]["raw"]) == [0, 1, 2, 3] for t in loops)
+    exit_tasks = [t for t in all_tasks(spec).values() if t.get("triggerPolicy", {}).get("strategy") == "ALL_UPSTREAM_TASKS_COMPLETED"]
+    assert [t["taskInfo"]["name"] for t in exit_tasks] == ["finish-tracking"]
+
+
+def test_gpu_stages_get_accelerators_node_pool_and_tolerations_advantage_does_not(tmp_path):
+    spec, platform, _ = compile_spec(tmp_path)
+    for stage in GPU_STAGES:
+        for ex in executor_of(spec, stage):
+            res = spec["deploymentSpec"]["executors"][ex]["container"]["resources"]
+            assert res["accelerator"]["resourceType"] == "nvidia.com/gpu" and int(res["accelerator"]["resourceCount"]) == 2
+            assert platform[ex]["nodeSelector"]["labels"] == {"cloud.google.com/gke-nodepool": "a100-pool"}
+            assert platform[ex]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+            assert platform[ex]["pvcMount"][0]["mountPath"] == "/workspace"
+    for ex in executor_of(spec, "advantage"):
+        assert "accelerator" not in spec["deploymentSpec"]["executors"][ex]["container"].get("resources", {})
+        assert platform[ex]["nodeSelector"]["labels"] == {"cloud.google.com/gke-nodepool": "cpu-pool"}
+        assert "tolerations" not in platform[ex]
+    assert "ghcr.io/prmflow/prmflow-cpu" in spec["deploymentSpec"]["executors"]["exec-advantage"]["container"]["image"]
+    assert "ghcr.io/prmflow/prmflow-gpu" in spec["deploymentSpec"]["executors"]["exec-ppo"]["container"]["image"]
+
+
+def test_secrets_only_by_reference(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "hunter2-secret-value")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-value-xyz")
+    spec, platform, text = compile_spec(tmp_path)
+    assert "hunter2-secret-value" not in text and "aws-secret-value-xyz" not in text
+    refs = platform["exec-ppo"]["secretAsEnv"]
+    assert {r["secretName"] for r in refs} == {"mlflow-creds", "s3-creds"}
+    keys = {kv["envVar"] for r in refs for kv in r["keyToEnv"]}
+    assert {"MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_ACCESS_KEY"} <= keys
+
+
+def test_caching_and_retries_as_configured(tmp_path):
+    spec, _, _ = compile_spec(tmp_path)
+    by_name = {t["taskInfo"]["name"]: t for t in all_tasks(spec).values()}
+    assert by_name["sft"]["cachingOptions"]["enableCache"] is True
+    assert by_name["advantage-0"]["cachingOptions"]["enableCache"] is True
+    assert by_name["rollout-1"]["cachingOptions"].get("enableCache", False) is False  # sampling
+    assert by_name["init-tracking"]["cachingOptions"].get("enableCache", False) is False
+    for name in ("sft", "prm", "rollout-0", "ppo-2"):
+        retry = by_name[name]["retryPolicy"]
+        assert retry["maxRetryCount"] == 3 and retry["backoffDuration"] == "90s" and retry["backoffFactor"] == 2
+    assert "retryPolicy" not in by_name["advantage-0"]
+    off, _, _ = compile_spec(tmp_path, CLUSTER_YAML.replace("retries: 3", "retries: 3\n    cache: false"))
+    assert not any(t.get("cachingOptions", {}).get("enableCache") for t in all_tasks(off).values())
+
+
+def test_stage_sections_become_grouped_pipeline_parameters(tmp_path):
+    spec, _, _ = compile_spec(tmp_path)
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert {"sft_config", "prm_config", "rollout_config", "advantage_config", "ppo_config", "tracking_uri"} <= set(params)
+    assert params["ppo_config"]["defaultValue"] == {"lr": 1e-6}
+
+
+def test_typo_in_a_stage_section_fails_at_compile_time(tmp_path, capsys):
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("ppo:\n  lrr: 0.1\n")
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(tmp_path / "x.yaml")]) == 2
+    assert "[ppo]: 'lrr' is not a config key. Did you mean 'lr'?" in capsys.readouterr().err
+    assert not (tmp_path / "x.yaml").exists()
+
+
+def test_submit_uploads_the_package_and_parameters(tmp_path):
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(CLUSTER_YAML)
+    with FakeKfp() as kfp_server:
+        code = cli.main(["pipeline", "submit", "--host", kfp_server.url, "--config", str(cfg), "--experiment", "prm-rl",
+                         "--run-name", "try-1", "--param", 'ppo_config={"lr": 2e-6}', "--param", "tracking_uri=http://mlflow:5000"])
+    assert code == 0
+    posts = [r for r in kfp_server.requests if r["method"] == "POST"]
+    assert [r["path"] for r in posts] == ["/apis/v2beta1/experiments", "/apis/v2beta1/runs"]
+    assert posts[0]["body"]["display_name"] == "prm-rl"
+    run = posts[1]["body"]
+    assert run["display_name"] == "try-1" and run["experiment_id"] == "exp-1"
+    assert run["runtime_config"]["parameters"] == {"ppo_config": {"lr": 2e-6}, "tracking_uri": "http://mlflow:5000"}
+    uploaded = run["pipeline_spec"]["pipeline_spec"]  # KFP sends {pipeline_spec, platform_spec}
+    assert uploaded["pipelineInfo"]["name"] == "prmflow"
+    platform = run["pipeline_spec"]["platform_spec"]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert platform["exec-ppo"]["nodeSelector"]["labels"] == {"cloud.google.com/gke-nodepool": "a100-pool"}
+    assert set(uploaded["root"]["inputDefinitions"]["parameters"]) >= {"sft_config", "ppo_config"}
+    assert "exec-ppo" in uploaded["deploymentSpec"]["executors"]
+
+
+# --- images -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.gpu"])
+def test_hadolint_passes(dockerfile):
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    result = subprocess.run([hadolint, "--config", str(ROOT / ".hadolint.yaml"), str(ROOT / "images" / dockerfile)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_base_images_are_pinned_by_digest_in_one_place():
+    bases = dict(line.split("=", 1) for line in (ROOT / "images/bases.env").read_text().splitlines()
+                 if line and not line.startswith("#"))
+    assert set(bases) == {"CPU_BASE_IMAGE", "GPU_BASE_IMAGE"}
+    assert all(re.search(r"@sha256:[0-9a-f]{64}$", v) for v in bases.values())
+    for name in ("Dockerfile.cpu", "Dockerfile.gpu"):
+        froms = [l for l in (ROOT / "images" / name).read_text().splitlines() if l.startswith("FROM")]
+        assert froms == ["FROM ${BASE_IMAGE}"]
+
+
+def test_image_entrypoint_runs_a_stage(tmp_path):
+    """Run the CPU image's ENTRYPOINT + a stage command, as `docker run IMAGE advantage ...` would."""
+    text = (ROOT / "images/Dockerfile.cpu").read_text()
+    entrypoint = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
+    exe = shutil.which(entrypoint[0]) or str(Path(sys.executable).parent / entrypoint[0])
+    out = tmp_path / "policy"
+    result = subprocess.run([exe, *entrypoint[1:], "sft", "--max_steps", "2", "--warmup_steps", "0", "--train_size", "64",
+                             "--eval_size", "4", "--eval_max_new_tokens", "8", "--engine.backend", "torch",
+                             "--tracking.enabled", "false", "--output", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (out / "manifest.json").is_file() and (out / "config.json").is_file()
+    assert "held-out accuracy" in result.stdout
+
+
+def test_stage_command_mounts_inputs_of_a_logged_run(tmp_path, sqlite_store, capsys):
+    from prmflow.components.common import config
+    from prmflow.components.sft import stage
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{i}+1=?", "response": f"answer: {i + 1}", "answer": i + 1})
+                              for i in range(40)))
+    cfg = config.load(stage.Config, overrides={"task": str(data), "eval_size": 4, "max_steps": 2, "warmup_steps": 0,
+                                               "micro_batch_size": 8, "engine.backend": "torch", "output": str(tmp_path / "sft"),
+                                               "tracking.uri": sqlite_store, "eval_max_new_tokens": 4})
+    stage.run(cfg)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(sqlite_store)
+    (run,) = client.search_runs([client.get_experiment_by_name("prmflow").experiment_id])
+    capsys.readouterr()
+    assert cli.main(["stage-command", "sft", "--run-id", run.info.run_id, "--tracking-uri", sqlite_store,
+                     "--output", str(tmp_path / "again")]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("docker run --rm ")
+    assert f"-v {data}:/inputs/task:ro" in line and f"-v {tmp_path / 'again'}:/outputs" in line
+    assert "--set task=/inputs/task" in line and "--set output=/outputs/sft" in line and "--set max_steps=2" in line
+    assert cli.main(["stage-command", "ppo", "--run-id", run.info.run_id, "--tracking-uri", sqlite_store]) == 2

@@ -240,6 +240,7 @@ def describe(cls: type) -> str:
     rows = ["| key | type | default | description |", "|---|---|---|---|"]
     for key, (typ, doc, default) in _flat_fields(cls).items():
         tname = getattr(typ, "__name__", None) or str(typ).replace("typing.", "")
+        tname = tname.replace(" | ", " or ").replace("|", " or ")  # a bare | would split the table cell
         rows.append(f"| `{key}` | {tname} | `{default!r}` | {doc} |")
     return "\n".join(rows)
 

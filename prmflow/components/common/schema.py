@@ -181,6 +181,11 @@ def _nonfinite_rows(col: pa.ChunkedArray) -> np.ndarray | None:
 
 # --- writing -----------------------------------------------------------------------------------
 
+#: Columns whose values repeat across a group's samples, where Parquet dictionary encoding pays.
+#: On float and token-id lists it does not (nearly every value is new), yet pyarrow's default
+#: dictionary attempt on them costs more CPU than zstd itself and leaves files ~20% larger.
+DICTIONARY_COLUMNS = ["prompt_id", "prompt", "images", "finish_reason", "answer"]
+
 class DatasetWriter:
     """Stream record batches into a hand-off directory, committed atomically on `close()`.
 
@@ -210,7 +215,8 @@ class DatasetWriter:
 
     def _open_shard(self) -> None:
         assert self._tmp is not None
-        self._writer = pq.ParquetWriter(self._tmp / f"part-{self._shard:05d}.parquet", self.schema, compression="zstd")
+        self._writer = pq.ParquetWriter(self._tmp / f"part-{self._shard:05d}.parquet", self.schema,
+                                        compression="zstd", use_dictionary=DICTIONARY_COLUMNS)
         self._rows_in_shard = 0
 
     def write(self, table: pa.Table | pa.RecordBatch, validated: bool = False) -> None:
@@ -276,17 +282,22 @@ class Dataset:
 
     def iter_batches(self, batch_size: int = 4096, columns: Iterable[str] | None = None,
                      validate_rows: bool = True) -> Iterator[pa.Table]:
-        """Yield conformed, validated tables of at most `batch_size` rows, shard by shard."""
+        """Tables of at most `batch_size` rows, shard by shard, with bounded memory.
+
+        validate_rows=True: conformed to the full schema (columns not read or not stored come back
+        as nulls) and checked by `validate`. validate_rows=False: just the requested columns, as
+        stored; a missing one is a DataError.
+        """
         cols = list(columns) if columns is not None else None
         for path in self.files:
             pf = _open_parquet(path)
-            _check_columns(pf.schema_arrow, self.kind, path, cols)
-            for batch in pf.iter_batches(batch_size=batch_size, columns=cols):
+            _check_columns(pf.schema_arrow, self.kind, path, cols if not validate_rows else None)
+            present = None if cols is None else [c for c in cols if c in pf.schema_arrow.names]
+            for batch in pf.iter_batches(batch_size=batch_size, columns=present):
                 table = pa.Table.from_batches([batch])
-                if cols is None:
+                if validate_rows:
                     table = conform(table, self.kind, where=str(path))
-                    if validate_rows:
-                        validate(table, self.kind, where=str(path))
+                    validate(table, self.kind, where=str(path))
                 yield table
 
     def read(self, columns: Iterable[str] | None = None) -> pa.Table:
@@ -297,21 +308,23 @@ class Dataset:
 
 
 def _open_parquet(path: Path) -> pq.ParquetFile:
+    # pre_buffer=False: the default keeps every column chunk read so far until the file is closed,
+    # so memory would grow with the shard (750 MB to stream a 700 MB shard; 50 MB without)
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(path, pre_buffer=False)
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"'{path}' is not a readable Parquet file ({e}). Re-run the stage that wrote it.") from None
 
 
 def _check_columns(schema: pa.Schema, kind: str, path: Path, cols: list[str] | None) -> None:
+    """Required columns must be stored; so must every column of `cols` (when given)."""
     expected = schema_for(kind)
-    wanted = cols if cols is not None else [f.name for f in expected]
-    for name in wanted:
+    for name in cols or []:
         if name not in expected.names:
             raise ValueError(f"{name!r} is not a {kind} column")
+    for name in set(cols or []) | set(REQUIRED):
         if schema.get_field_index(name) < 0:
-            if name in REQUIRED or cols is not None:
-                raise DataError(f"'{path}': column '{name}' is missing.")
+            raise DataError(f"'{path}': column '{name}' is missing.")
 
 
 def open_dataset(dirs: str | Path | Sequence[str | Path], kind: str, verify_checksums: bool = True) -> Dataset:

@@ -1,0 +1,332 @@
+"""Advantage estimators on ragged batches, one small function each, registered by name.
+
+Every per-token quantity lives in a flat (N,) array holding the B responses of a batch end to end
+(no padding, so nothing has to be masked); `Ragged` says where each response starts. Per-response
+quantities are (B,) arrays, per-step ones (S,) arrays. All math is float64; the stage casts to
+float32 when it writes.
+
+    ESTIMATORS["gae"].fn(EstimatorInput(...)) -> (advantages (N,), returns (N,))
+
+The definitions are those of ARCHITECTURE.md "The math"; each docstring names the slow loop it
+equals, and tests/advantage compares the two on random ragged batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
+
+import numpy as np
+from scipy.signal import lfilter
+
+
+# --- ragged layout -------------------------------------------------------------------------------
+
+@dataclass
+class Ragged:
+    """Layout of B variable-length responses packed end to end into flat (N,) arrays."""
+
+    lengths: np.ndarray
+    """(B,) int64 number of response tokens of each row."""
+    offsets: np.ndarray
+    """(B+1,) int64 flat index where each row starts; offsets[B] = N."""
+
+    @classmethod
+    def from_lengths(cls, lengths: np.ndarray) -> "Ragged":
+        lengths = np.asarray(lengths, dtype=np.int64)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return cls(lengths, offsets)
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    @cached_property
+    def nonempty(self) -> np.ndarray:
+        """(B,) bool: the row has at least one token."""
+        return self.lengths > 0
+
+    @cached_property
+    def starts(self) -> np.ndarray:
+        """(B',) flat index of the first token of each non-empty row."""
+        return self.offsets[:-1][self.nonempty]
+
+    @cached_property
+    def last(self) -> np.ndarray:
+        """(B',) flat index of the last token of each non-empty row."""
+        return self.offsets[1:][self.nonempty] - 1
+
+    @cached_property
+    def pos(self) -> np.ndarray:
+        """(N,) int64 index of each token within its row (0 = first response token)."""
+        return np.arange(self.n_tokens, dtype=np.int64) - np.repeat(self.offsets[:-1], self.lengths)
+
+    def broadcast(self, per_row: np.ndarray) -> np.ndarray:
+        """(B,) -> (N,): every token gets its row's value."""
+        return np.repeat(per_row, self.lengths)
+
+    def row_sums(self, flat: np.ndarray) -> np.ndarray:
+        """(N,) -> (B,) sum over each row's tokens (0 for empty rows)."""
+        out = np.zeros(self.n_rows, dtype=np.float64)
+        if self.n_tokens:
+            out[self.nonempty] = np.add.reduceat(flat, self.starts)
+        return out
+
+
+def discounted_reverse_cumsum(x: np.ndarray, layout: Ragged, discount: float, overwrite_x: bool = False) -> np.ndarray:
+    """y[t] = sum over k >= t in t's row of discount**(k - t) * x[k].    x, y: (N,) float64.
+
+    Slow equivalent, per row: `for t in reversed(range(L)): y[t] = x[t] + discount * y[t + 1]`
+    (y[L] = 0). Here one IIR filter pass (scipy.signal.lfilter, a C loop) runs backwards over the
+    whole flat array as if it were one row. What would leak from row i+1 into row i is
+    discount * y[first token of row i+1], which equals the row's discount-weighted sum
+    sum_j discount**j * x[start + j]; subtracting it at row i's last token beforehand cancels the
+    leak exactly. That sum only multiplies by powers <= 1, so it is stable for every discount in
+    [0, 1] (closed forms that divide by discount**t are not, over 1,000-token responses).
+    overwrite_x: x is a float64 temporary the caller gives up, so no copy is made.
+    """
+    y = x if overwrite_x and x.dtype == np.float64 else np.array(x, dtype=np.float64)
+    if layout.n_tokens == 0 or discount == 0.0:
+        return y
+    if discount == 1.0:
+        head = np.add.reduceat(y, layout.starts)  # (B',) y at each row's first token
+    else:
+        powers = discount ** np.arange(int(layout.lengths.max()), dtype=np.float64)
+        head = np.add.reduceat(y * powers[layout.pos], layout.starts)
+    y[layout.last[:-1]] -= discount * head[1:]
+    return lfilter([1.0], [1.0, -discount], y[::-1])[::-1]
+
+
+# --- estimator inputs and registry ------------------------------------------------------------
+
+@dataclass
+class Steps:
+    """The step rewards of a batch as they enter the token rewards, one entry per step."""
+
+    token: np.ndarray
+    """(S,) int64 flat token index of the step's last token (offsets[row] + step_end)."""
+    row: np.ndarray
+    """(S,) int64 row of the step."""
+    value: np.ndarray
+    """(S,) float64 step reward after step_reward_mode and reward_clip."""
+
+
+@dataclass
+class EstimatorInput:
+    """Everything an estimator may read for one batch. Shapes: B rows, N tokens, S steps."""
+
+    layout: Ragged
+    token_rewards: np.ndarray
+    """(N,) r_t = -beta*kl_t + step rewards at step ends + outcome at the last token."""
+    gamma: float
+    lam: float
+    eps: float
+    """Added to the std in group normalization, so equal-reward groups give 0, not NaN."""
+    values: np.ndarray | None = None
+    """(N,) critic value V_t (gae only)."""
+    outcome: np.ndarray | None = None
+    """(B,) outcome reward R_i after reward_clip."""
+    steps: Steps | None = None
+    group_n: np.ndarray | None = None
+    """(B,) number of samples in the row's group."""
+    group_mean: np.ndarray | None = None
+    """(B,) group mean of the group signal (outcome, or all step rewards when outcome is off)."""
+    group_std: np.ndarray | None = None
+    """(B,) group std (ddof=1) of the group signal; 0 for equal-reward groups."""
+    group_sum: np.ndarray | None = None
+    """(B,) group sum of the group signal."""
+
+
+EstimatorFn = Callable[[EstimatorInput], "tuple[np.ndarray, np.ndarray]"]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A registered estimator and what it needs from the data and the config."""
+
+    name: str
+    fn: EstimatorFn
+    needs_values: bool = False
+    """Reads the critic's `values` column."""
+    min_group_size: int = 1
+    """Fewest samples per prompt_id the estimator is defined for."""
+    uses_token_rewards: bool = True
+    """Advantages are built from token_rewards (so KL, step and outcome switches all count)."""
+    signal: str = "any"
+    """Which rewards it is defined on: 'outcome', 'steps' or 'any' (whatever the switches add)."""
+    whiten: bool = False
+    """Whiten the advantages unless the config says otherwise (REINFORCE++ does)."""
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register(name: str, **props) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Add the decorated function to ESTIMATORS under `name`."""
+    def wrap(fn: EstimatorFn) -> EstimatorFn:
+        ESTIMATORS[name] = Estimator(name, fn, **props)
+        return fn
+    return wrap
+
+
+def returns_to_go(inp: EstimatorInput) -> np.ndarray:
+    """(N,) G_t = r_t + gamma * G_{t+1}: the `returns` column of every estimator but gae."""
+    return discounted_reverse_cumsum(inp.token_rewards, inp.layout, inp.gamma)
+
+
+# --- the estimators -------------------------------------------------------------------------------
+
+@register("gae", needs_values=True)
+def gae(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+    """GAE with a critic: A_t = delta_t + gamma*lambda*A_{t+1}, returns = A + V.
+
+    delta_t = r_t + gamma*V_{t+1} - V_t with V = 0 after the last token (Schulman et al. 2015,
+    https://arxiv.org/abs/1506.02438). Slow equivalent: the per-token reverse loop.
+    """
+    v, gamma = inp.values, inp.gamma
+    delta = inp.token_rewards - v  # (N,) a fresh array, finished in place below
+    delta[:-1] += gamma * v[1:] if gamma != 1.0 else v[1:]
+    ends = inp.layout.last[:-1]  # the episode ends with the response: no V from the next row
+    delta[ends] -= gamma * v[ends + 1]
+    adv = discounted_reverse_cumsum(delta, inp.layout, gamma * inp.lam, overwrite_x=True)
+    return adv, adv + v
+
+
+@register("reinforce")
+def reinforce(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+    """REINFORCE returns-to-go A_t = G_t (REINFORCE++ when whitened, whiten=true)."""
+    g = returns_to_go(inp)
+    return g, g
+
+
+@register("reinforce_baseline", min_group_size=2, signal="outcome", whiten=True)
+def reinforce_baseline(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+    """REINFORCE++-baseline: returns-to-go after subtracting the group-mean outcome, whitened.
+
+    The baseline replaces R_i by R_i - mean_group(R) at the last token before the discounted sum
+    (Hu et al., https://arxiv.org/abs/2501.03262); `returns` stay those of the raw token rewards.
+    """
+    shifted = inp.token_rewards.copy()
+    shifted[inp.layout.last] -= inp.group_mean[inp.layout.nonempty]
+    adv = discounted_reverse_cumsum(shifted, inp.layout, inp.gamma)
+    return adv, returns_to_go(inp)
+
+
+@register("grpo", min_group_size=2, uses_token_rewards=False, signal="outcome")
+def grpo(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+    """GRPO: A_i = (R_i - mean_group) / (std_group + eps) on every token of sample i."""
+    per_row = (inp.outcome - inp.group_mean) / (inp.group_std + inp.eps)
+    return inp.layout.broadcast(per_row), returns_to_go(inp)
+
+
+@register("dr_grpo", min_group_size=2, uses_token_rewards=False, signal="outcome")
+def dr_grpo(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+    """Dr. GRPO: A_i = R_i - mean_group, no division by the std (https://arxiv.org/abs/2503.20783)."""
+    return inp.layout.broadcast(inp.outcome - inp.group_mean), returns_to_go(inp)
+
+
+@register("rloo", min_group_size=2, uses_token_rewards=False, signal="outcome")
+def rloo(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+    """RLOO: A_i = R_i - mean of the other samples' rewards in the group."""
+    others = (inp.group_sum - inp.outcome) / (inp.group_n - 1)
+    return inp.layout.broadcast(inp.outcome - others), returns_to_go(inp)
+
+
+@register("grpo_process", min_group_size=2, uses_token_rewards=False, signal="steps")
+def grpo_process(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+    """Process-supervised GRPO: A_t = sum of group-normalized rewards of steps ending at or after t.
+
+    Every step reward is normalized by the mean and std of all step rewards in its group
+    (DeepSeekMath, https://arxiv.org/abs/2402.03300, section 4.1.3); the sum is undiscounted.
+    Slow equivalent: for each token, loop over the row's steps and add those with end >= t.
+    """
+    st = inp.steps
+    normalized = (st.value - inp.group_mean[st.row]) / (inp.group_std[st.row] + inp.eps)
+    at_end = np.bincount(st.token, weights=normalized, minlength=inp.layout.n_tokens)
+    return discounted_reverse_cumsum(at_end.astype(np.float64, copy=False), inp.layout, 1.0), returns_to_go(inp)
+
+
+# --- statistics ---------------------------------------------------------------------------------
+
+def group_moments(codes: np.ndarray, x: np.ndarray, n_groups: int) -> dict[str, np.ndarray]:
+    """Per-group moments of the values x (K,) whose groups are codes (K,), each entry (n_groups,).
+
+    count, sum, mean, m2 (sum of squared deviations), std (ddof=1), min, max, equal (every value
+    the same). Two-pass (mean first, then squared deviations), so equal values give std exactly 0.
+    Groups with fewer than two values get std 0; groups with none get mean 0 and min = max = 0.
+    """
+    count = np.bincount(codes, minlength=n_groups).astype(np.float64)
+    total = np.bincount(codes, weights=x, minlength=n_groups)
+    mean = np.divide(total, count, out=np.zeros(n_groups), where=count > 0)
+    m2 = np.bincount(codes, weights=(x - mean[codes]) ** 2, minlength=n_groups)
+    lo, hi = _extremes(codes, x, x, n_groups)
+    return _finish_moments(count, total, m2, lo, hi)
+
+
+def merge_group_moments(codes: np.ndarray, parts: dict[str, np.ndarray], n_groups: int) -> dict[str, np.ndarray]:
+    """Moments of groups pieced together from parts: parts holds (P,) group_moments entries of P
+    partial groups (e.g. each batch's share of a group), codes (P,) the group each part belongs to.
+
+    Chan et al.'s pairwise update, vectorized: m2 = sum of the parts' m2 + sum of
+    count_p * (mean_p - mean)^2, as stable as the two-pass formula.
+    """
+    count = np.bincount(codes, weights=parts["count"], minlength=n_groups)
+    total = np.bincount(codes, weights=parts["sum"], minlength=n_groups)
+    mean = np.divide(total, count, out=np.zeros(n_groups), where=count > 0)
+    spread = parts["count"] * (parts["mean"] - mean[codes]) ** 2
+    m2 = np.bincount(codes, weights=parts["m2"] + spread, minlength=n_groups)
+    has = parts["count"] > 0  # an empty part's min/max are placeholders
+    lo, hi = _extremes(codes[has], parts["min"][has], parts["max"][has], n_groups)
+    return _finish_moments(count, total, m2, lo, hi)
+
+
+def _extremes(codes: np.ndarray, lows: np.ndarray, highs: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    lo = np.full(n_groups, np.inf)
+    hi = np.full(n_groups, -np.inf)
+    np.minimum.at(lo, codes, lows)
+    np.maximum.at(hi, codes, highs)
+    return lo, hi
+
+
+def _finish_moments(count: np.ndarray, total: np.ndarray, m2: np.ndarray, lo: np.ndarray,
+                    hi: np.ndarray) -> dict[str, np.ndarray]:
+    empty = count == 0
+    lo[empty] = hi[empty] = 0.0
+    equal = lo == hi
+    mean = np.divide(total, count, out=np.zeros(len(count)), where=~empty)
+    mean[equal] = lo[equal]  # exact, so R_i - mean is exactly 0 in an equal-reward group
+    m2[equal] = 0.0
+    std = np.sqrt(np.divide(m2, count - 1, out=np.zeros(len(count)), where=count > 1))
+    return {"count": count, "sum": total, "mean": mean, "m2": m2, "std": std, "min": lo, "max": hi, "equal": equal}
+
+
+class Moments:
+    """Streaming mean and std of many arrays (Chan et al.'s pairwise merge, float64)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mean = 0.0
+        self.m2 = 0.0
+
+    def add(self, x: np.ndarray) -> None:
+        n = x.size
+        if n == 0:
+            return
+        mean = float(x.mean())
+        m2 = float(((x - mean) ** 2).sum())
+        total = self.n + n
+        d = mean - self.mean
+        self.mean += d * n / total
+        self.m2 += m2 + d * d * self.n * n / total
+        self.n = total
+
+    @property
+    def std(self) -> float:
+        """Population std (ddof=0) over everything added."""
+        return float(np.sqrt(self.m2 / self.n)) if self.n else 0.0

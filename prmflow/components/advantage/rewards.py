@@ -1,0 +1,111 @@
+"""Token rewards: the KL penalty, PRM step rewards at step ends, the outcome at the last token.
+
+    r_t = -beta * kl_t  +  step contribution k at t = step_ends[k]  +  R at t = L - 1
+
+Flat (N,) token arrays and (S,) step arrays as in estimators.Ragged; float64 throughout.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .estimators import Ragged, Steps
+
+# --- KL estimators ------------------------------------------------------------------------------
+# x = old_logprob - ref_logprob per token; k1, k2, k3 as in http://joschu.net/blog/kl-approx.html
+# (k1 unbiased but noisy and can be negative, k2 low variance but biased, k3 unbiased and >= 0).
+
+KL_ESTIMATORS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "k1": lambda x: x,
+    "k2": lambda x: 0.5 * x * x,
+    "k3": lambda x: np.expm1(-x) + x,  # exp(-x) - 1 + x, without the cancellation near x = 0
+}
+
+
+def kl_per_token(old_logprobs: np.ndarray, ref_logprobs: np.ndarray, estimator: str) -> np.ndarray:
+    """(N,) float64 KL estimate per token from (N,) log-probabilities of the sampled tokens."""
+    x = np.subtract(old_logprobs, ref_logprobs, dtype=np.float64)
+    return KL_ESTIMATORS[estimator](x)
+
+
+# --- how step rewards enter ------------------------------------------------------------------------
+
+def _raw(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    return values
+
+
+def _centered(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    # A PRM score is a probability that the step is right: 0.5 is "no information", so centering
+    # there makes good steps push up and bad steps push down. A fixed point (not the group mean)
+    # keeps the transform local to one response: no statistics across batches are needed.
+    return values - 0.5
+
+
+def _worst_only(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Keep each row's minimum step reward (the later step on ties), zero the others.
+
+    Min-form credit assignment (PURE, Cheng et al. 2025, https://arxiv.org/abs/2504.15275) in its
+    temperature -> 0 limit: a response is only as good as its worst step. On ties the later step
+    keeps it, so every token up to the last worst step sees it in its returns-to-go.
+    Slow equivalent: for each row, k = last argmin(values[row]); out[k] = values[k].
+    """
+    out = np.zeros_like(values)
+    has = counts > 0
+    if not has.any():
+        return out
+    starts = (np.cumsum(counts) - counts)[has]
+    row_min = np.minimum.reduceat(values, starts)
+    is_min = values == np.repeat(row_min, counts[has])
+    index = np.where(is_min, np.arange(len(values)), -1)
+    keep = np.maximum.reduceat(index, starts)
+    out[keep] = values[keep]
+    return out
+
+
+STEP_REWARD_MODES: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "raw": _raw,
+    "centered": _centered,
+    "min": _worst_only,
+}
+
+
+def step_contributions(values: np.ndarray, counts: np.ndarray, mode: str, clip: float) -> np.ndarray:
+    """(S,) what each step adds to the token reward: STEP_REWARD_MODES[mode], then clipped to +-clip.
+
+    values: (S,) PRM scores of all steps of a batch, row after row; counts: (B,) steps per row.
+    clip <= 0 means no clipping.
+    """
+    out = STEP_REWARD_MODES[mode](np.asarray(values, dtype=np.float64), counts)
+    return clip_rewards(out, clip)
+
+
+def clip_rewards(x: np.ndarray, clip: float) -> np.ndarray:
+    """x clipped to [-clip, clip]; unchanged when clip <= 0."""
+    return np.clip(x, -clip, clip) if clip > 0 else x
+
+
+def make_steps(layout: Ragged, step_ends: np.ndarray, counts: np.ndarray, contributions: np.ndarray) -> Steps:
+    """Steps at flat token positions: step_ends (S,) are indices within each row, counts (B,) per row."""
+    row = np.repeat(np.arange(layout.n_rows, dtype=np.int64), counts)
+    token = layout.offsets[:-1][row] + step_ends
+    return Steps(token=token, row=row, value=contributions)
+
+
+def token_rewards(layout: Ragged, kl: np.ndarray | None, beta: float, steps: Steps | None,
+                  outcome: np.ndarray | None) -> np.ndarray:
+    """(N,) r_t: -beta*kl_t, plus each step's contribution at its end, plus outcome (B,) at the last token.
+
+    Any part may be None (switched off). Several steps ending at the same token add up.
+    """
+    if steps is not None:
+        # float64 even with no steps at all (bincount of nothing returns int64)
+        r = np.bincount(steps.token, weights=steps.value, minlength=layout.n_tokens).astype(np.float64, copy=False)
+    else:
+        r = np.zeros(layout.n_tokens, dtype=np.float64)
+    if kl is not None and beta != 0.0:
+        r -= beta * kl
+    if outcome is not None:
+        r[layout.last] += outcome[layout.nonempty]
+    return r

@@ -1,0 +1,185 @@
+"""Slow, obviously-correct references for the advantage stage, and a random rollouts generator.
+
+Everything here loops over samples and tokens in plain Python on lists, straight from the
+definitions in ARCHITECTURE.md "The math"; nothing is imported from the stage's math.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+
+import numpy as np
+import pyarrow as pa
+
+
+def random_rollouts(rng: np.random.Generator, n_groups: int = 6, max_size: int = 5, min_size: int = 2,
+                    max_len: int = 40, binary_outcome: bool = True, iteration: int = 0,
+                    equal_groups: int = 1) -> pa.Table:
+    """A rollouts table: groups of min_size..max_size samples, ragged responses, steps, rows shuffled.
+
+    The first `equal_groups` groups get the same outcome and the same step scores in every sample.
+    """
+    rows = []
+    for g in range(n_groups):
+        size = int(rng.integers(min_size, max_size + 1))
+        for i in range(size):
+            length = int(rng.choice([1, 2, int(rng.integers(1, max_len + 1)), max_len]))
+            old = (-rng.exponential(1.0, length)).astype(np.float32)
+            n_steps = int(rng.integers(0, min(length, 5) + 1))
+            ends = sorted(rng.choice(length, n_steps, replace=False).tolist())
+            # quarter steps make equal (tied) step scores common, as PRMs emitting rounded scores do
+            scores = rng.choice([0.0, 0.25, 0.5, 0.75, 1.0], n_steps) if rng.random() < 0.5 else rng.random(n_steps)
+            outcome = float(rng.integers(0, 2)) if binary_outcome else float(rng.normal())
+            if g < equal_groups:
+                scores, outcome = np.full(n_steps, 0.75), 1.0
+            rows.append({
+                "prompt_id": f"p{g}", "sample_idx": i, "iteration": iteration,
+                "prompt": f"prompt {g}", "response": f"response {g}.{i}",
+                "prompt_ids": [1, 2, 3], "response_ids": rng.integers(0, 100, length).tolist(),
+                "finish_reason": "stop",
+                "behavior_logprobs": old.tolist(),
+                "old_logprobs": old.tolist(),
+                "ref_logprobs": (old + rng.normal(0, 0.3, length)).astype(np.float32).tolist(),
+                "values": rng.normal(0, 1, length).astype(np.float32).tolist(),
+                "step_ends": ends,
+                "step_rewards": np.asarray(scores, np.float32).tolist(),
+                "outcome_reward": outcome,
+            })
+    order = rng.permutation(len(rows))
+    return pa.Table.from_pylist([rows[i] for i in order])
+
+
+# --- token rewards -------------------------------------------------------------------------------
+
+def kl(old: float, ref: float, estimator: str) -> float:
+    x = old - ref
+    return {"k1": x, "k2": x * x / 2, "k3": math.exp(-x) - 1 + x}[estimator]
+
+
+def clip(x: float, c: float) -> float:
+    return max(-c, min(c, x)) if c > 0 else x
+
+
+def step_contribs(scores: list[float], mode: str, c: float) -> list[float]:
+    if mode == "centered":
+        out = [s - 0.5 for s in scores]
+    elif mode == "min":
+        out = [0.0] * len(scores)
+        if scores:
+            worst = min(scores)
+            k = max(i for i, s in enumerate(scores) if s == worst)
+            out[k] = scores[k]
+    else:
+        out = list(scores)
+    return [clip(s, c) for s in out]
+
+
+def token_rewards(row: dict, beta: float, kl_est: str, outcome: bool, steps: bool, mode: str, c: float) -> list[float]:
+    n = len(row["response_ids"])
+    r = [0.0] * n
+    for t in range(n):
+        r[t] -= beta * kl(row["old_logprobs"][t], row["ref_logprobs"][t], kl_est)
+    if steps:
+        for end, s in zip(row["step_ends"], step_contribs(row["step_rewards"], mode, c)):
+            r[end] += s
+    if outcome:
+        r[n - 1] += clip(row["outcome_reward"], c)
+    return r
+
+
+# --- estimators ----------------------------------------------------------------------------------
+
+def returns_to_go(r: list[float], gamma: float) -> list[float]:
+    out, g = [0.0] * len(r), 0.0
+    for t in reversed(range(len(r))):
+        g = r[t] + gamma * g
+        out[t] = g
+    return out
+
+
+def gae(r: list[float], v: list[float], gamma: float, lam: float) -> tuple[list[float], list[float]]:
+    n = len(r)
+    adv, last = [0.0] * n, 0.0
+    for t in reversed(range(n)):
+        v_next = v[t + 1] if t + 1 < n else 0.0
+        delta = r[t] + gamma * v_next - v[t]
+        last = delta + gamma * lam * last
+        adv[t] = last
+    return adv, [a + b for a, b in zip(adv, v)]
+
+
+def group_of(row: dict) -> tuple:
+    return (row["iteration"], row["prompt_id"])
+
+
+def stdev(xs: list[float]) -> float:
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def reference(rows: list[dict], *, estimator: str, gamma: float = 1.0, lam: float = 0.95, beta: float = 0.0,
+              kl_est: str = "k1", outcome: bool = True, steps: bool = True, mode: str = "raw", c: float = 0.0,
+              eps: float = 1e-6, whiten: bool = False, adv_clip: float = 0.0, zero_variance: str = "keep",
+              zv_weight: float = 0.1) -> dict[tuple, dict]:
+    """{(iteration, prompt_id, sample_idx): {token_rewards, advantages, returns, kl}} for the kept rows."""
+    groups = defaultdict(list)
+    for row in rows:
+        groups[group_of(row)].append(row)
+    outcome_of = {id(r): clip(r["outcome_reward"], c) for r in rows}
+    signal = {}  # group -> list of the values its statistics are taken over
+    for key, members in groups.items():
+        if outcome:
+            signal[key] = [outcome_of[id(r)] for r in members]
+        else:
+            signal[key] = [s for r in members for s in step_contribs(r["step_rewards"], mode, c)]
+    zero_var = {k: len(groups[k]) >= 2 and len(set(signal[k])) <= 1 for k in groups}
+    out = {}
+    for row in rows:
+        key = group_of(row)
+        if zero_variance == "drop" and zero_var[key]:
+            continue
+        r = token_rewards(row, beta, kl_est, outcome, steps, mode, c)
+        n = len(r)
+        sig = signal[key]
+        mean, std = statistics.fmean(sig) if sig else 0.0, stdev(sig)
+        if len(set(sig)) <= 1:
+            std = 0.0
+        ret = returns_to_go(r, gamma)
+        if estimator == "gae":
+            adv, ret = gae(r, row["values"], gamma, lam)
+        elif estimator == "reinforce":
+            adv = ret
+        elif estimator == "reinforce_baseline":
+            shifted = list(r)
+            shifted[n - 1] -= mean
+            adv = returns_to_go(shifted, gamma)
+        elif estimator in ("grpo", "dr_grpo", "rloo"):
+            R = outcome_of[id(row)]
+            if estimator == "grpo":
+                a = (R - mean) / (std + eps)
+            elif estimator == "dr_grpo":
+                a = R - mean
+            else:
+                others = [outcome_of[id(o)] for o in groups[key] if o is not row]
+                a = R - sum(others) / len(others)
+            adv = [a] * n
+        elif estimator == "grpo_process":
+            normalized = [(s - mean) / (std + eps) for s in step_contribs(row["step_rewards"], mode, c)]
+            adv = [sum(z for e, z in zip(row["step_ends"], normalized) if e >= t) for t in range(n)]
+        else:
+            raise ValueError(estimator)
+        kls = [kl(o, f, kl_est) for o, f in zip(row["old_logprobs"], row["ref_logprobs"])]
+        out[(row["iteration"], row["prompt_id"], row["sample_idx"])] = {
+            "token_rewards": r, "advantages": adv, "returns": ret, "kl": kls, "group": key}
+    if whiten:
+        flat = [a for o in out.values() for a in o["advantages"]]
+        mean, std = statistics.fmean(flat), statistics.pstdev(flat)
+        for o in out.values():
+            o["advantages"] = [(a - mean) / (std + eps) for a in o["advantages"]]
+    for o in out.values():
+        if zero_variance == "downweight" and zero_var[o["group"]]:
+            o["advantages"] = [a * zv_weight for a in o["advantages"]]
+        if adv_clip > 0:
+            o["advantages"] = [clip(a, adv_clip) for a in o["advantages"]]
+    return out

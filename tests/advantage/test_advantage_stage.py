@@ -1,0 +1,319 @@
+"""The advantage stage end to end: values checked by hand, bad input, config errors, tracking."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import advantage_reference as ref
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from prmflow.components.advantage import stage
+from prmflow.components.advantage.estimators import ESTIMATORS
+from prmflow.components.common import config, schema
+from prmflow.components.common.errors import ConfigError, DataError, OutputExistsError
+from prmflow.components.common.tracking import TrackingConfig
+
+OFF = TrackingConfig(enabled=False)
+
+
+def make_cfg(tmp_path, **options) -> stage.Config:
+    return stage.Config(input=str(tmp_path / "rollouts"), output=str(tmp_path / "advantages"), tracking=OFF,
+                        **options)
+
+
+def write_rows(tmp_path, rows: list[dict], validated=False) -> None:
+    """Write rollouts; validated=True skips the writer's checks, to plant bad data for the reader."""
+    with schema.DatasetWriter(tmp_path / "rollouts", "rollouts") as w:
+        w.write(pa.Table.from_pylist(rows), validated=validated)
+
+
+def row(pid="p0", idx=0, n=3, **override) -> dict:
+    base = {"prompt_id": pid, "sample_idx": idx, "iteration": 0, "response_ids": list(range(n)),
+            "old_logprobs": [-1.0] * n, "ref_logprobs": [-1.0] * n, "values": [0.0] * n,
+            "step_ends": [n - 1], "step_rewards": [0.5], "outcome_reward": 1.0}
+    return {**base, **override}
+
+
+def read_out(tmp_path) -> list[dict]:
+    return schema.read_dataset(tmp_path / "advantages", "advantages").to_pylist()
+
+
+def assert_nothing_written(tmp_path):
+    assert not (tmp_path / "advantages").exists()
+    assert not list(tmp_path.glob(".advantages*"))  # no temporary sibling left behind
+
+
+# --- values checked by hand -------------------------------------------------------------------------
+
+def test_gae_by_hand(tmp_path):
+    # x = old - ref = [0, 1, 0] -> k1 = [0, 1, 0]; r = -0.1*kl + 0.8 at step end 1 + outcome 1 at t=2
+    write_rows(tmp_path, [row(old_logprobs=[-1.0, -1.0, -1.0], ref_logprobs=[-1.0, -2.0, -1.0],
+                              values=[0.5, 0.2, 0.1], step_ends=[1], step_rewards=[0.8], outcome_reward=1.0)])
+    summary = stage.run(make_cfg(tmp_path, estimator="gae", gamma=0.9, lam=0.8, kl_coef=0.1))
+    out, = read_out(tmp_path)
+    # delta_t = r_t + 0.9*V_{t+1} - V_t: d2 = 1 - 0.1 = 0.9; d1 = 0.7 + 0.09 - 0.2 = 0.59; d0 = 0.18 - 0.5 = -0.32
+    # A_t = d_t + 0.72*A_{t+1}: A2 = 0.9; A1 = 0.59 + 0.648 = 1.238; A0 = -0.32 + 0.72*1.238 = 0.57136
+    assert out["token_rewards"] == pytest.approx([0.0, 0.7, 1.0])
+    assert out["kl"] == pytest.approx([0.0, 1.0, 0.0])
+    assert out["advantages"] == pytest.approx([0.57136, 1.238, 0.9], abs=1e-6)
+    assert out["returns"] == pytest.approx([1.07136, 1.438, 1.0], abs=1e-6)
+    manifest = json.loads((tmp_path / "advantages" / "manifest.json").read_text())
+    assert manifest["kind"] == "advantages" and manifest["rows"] == 1 and manifest["config"]["estimator"] == "gae"
+    assert summary["train/tokens_out"] == 3 and summary["train/kl_mean"] == pytest.approx(1 / 3)
+
+
+def test_grpo_and_rloo_by_hand(tmp_path):
+    write_rows(tmp_path, [row(idx=i, n=2 + i, outcome_reward=r) for i, r in enumerate([1.0, 0.0, 0.0])])
+    stage.run(make_cfg(tmp_path, estimator="grpo"))
+    grpo = {r["sample_idx"]: r["advantages"] for r in read_out(tmp_path)}
+    std = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # sample std (ddof=1) of [1, 0, 0]
+    assert grpo[0] == pytest.approx([(2 / 3) / std] * 2, rel=1e-5)  # one value on every token
+    assert grpo[2] == pytest.approx([(-1 / 3) / std] * 4, rel=1e-5)
+    stage.run(make_cfg(tmp_path, estimator="rloo", overwrite=True))
+    rloo = {r["sample_idx"]: r["advantages"][0] for r in read_out(tmp_path)}
+    assert rloo == pytest.approx({0: 1.0, 1: -0.5, 2: -0.5})  # R_i - mean of the other two
+
+
+def test_grpo_process_by_hand(tmp_path):
+    # group step rewards [0.2, 0.8, 0.5]: mean 0.5, std (ddof=1) 0.3
+    write_rows(tmp_path, [row(idx=0, n=4, step_ends=[1, 3], step_rewards=[0.2, 0.8]),
+                          row(idx=1, n=2, step_ends=[0], step_rewards=[0.5])])
+    stage.run(make_cfg(tmp_path, estimator="grpo_process"))
+    out = {r["sample_idx"]: r for r in read_out(tmp_path)}
+    lo, hi = (0.2 - 0.5) / 0.3, (0.8 - 0.5) / 0.3
+    assert out[0]["advantages"] == pytest.approx([lo + hi, lo + hi, hi, hi], abs=1e-5)
+    assert out[1]["advantages"] == pytest.approx([0.0, 0.0], abs=1e-5)  # its step is the group mean; none after t=0
+    assert out[0]["token_rewards"] == pytest.approx([0.0, 0.2, 0.0, 0.8])  # raw scores, no outcome
+
+
+def test_min_form_keeps_only_the_worst_step(tmp_path):
+    write_rows(tmp_path, [row(n=5, step_ends=[0, 2, 4], step_rewards=[0.9, 0.1, 0.7], outcome_reward=0.0)])
+    stage.run(make_cfg(tmp_path, estimator="reinforce", step_reward_mode="min"))
+    out, = read_out(tmp_path)
+    assert out["token_rewards"] == pytest.approx([0, 0, 0.1, 0, 0])
+    assert out["advantages"] == pytest.approx([0.1, 0.1, 0.1, 0, 0])
+
+
+# --- zero-variance groups -------------------------------------------------------------------------
+
+def equal_and_mixed_groups() -> list[dict]:
+    return [row("same", 0, outcome_reward=1.0), row("same", 1, outcome_reward=1.0),
+            row("mixed", 0, outcome_reward=1.0), row("mixed", 1, outcome_reward=0.0), row("single", 0)]
+
+
+@pytest.mark.parametrize("mode", ["keep", "drop", "downweight"])
+def test_zero_variance_groups(tmp_path, mode):
+    write_rows(tmp_path, equal_and_mixed_groups())
+    summary = stage.run(make_cfg(tmp_path, estimator="reinforce", step_rewards=False, zero_variance=mode,
+                                 zero_variance_weight=0.25))
+    out = {(r["prompt_id"], r["sample_idx"]): r["advantages"] for r in read_out(tmp_path)}
+    # one of three groups: a single sample is not a zero-variance group
+    assert summary["train/zero_variance_groups"] == pytest.approx(1 / 3)
+    assert summary["train/zero_variance_group_count"] == 1
+    if mode == "drop":
+        assert sorted(out) == [("mixed", 0), ("mixed", 1), ("single", 0)] and summary["train/rows_out"] == 3
+    else:
+        assert out[("same", 0)] == pytest.approx([0.25 if mode == "downweight" else 1.0] * 3)
+        assert out[("mixed", 0)] == pytest.approx([1.0] * 3)
+
+
+def test_dropping_every_group_is_an_error(tmp_path):
+    write_rows(tmp_path, [row("a", 0), row("a", 1)])
+    with pytest.raises(DataError, match="zero_variance=drop"):
+        stage.run(make_cfg(tmp_path, estimator="grpo", zero_variance="drop"))
+    assert_nothing_written(tmp_path)
+
+
+# --- bad input: a DataError naming prompt_id and column, nothing written ------------------------------
+
+BAD_ROWS = {
+    "lengths disagree": ([row("p1", values=[0.0, 0.0])], "values", {"estimator": "gae"}),
+    "logprobs too long": ([row("p1", old_logprobs=[-1.0] * 4)], "old_logprobs", {"estimator": "gae"}),
+    "step end outside": ([row("p1", step_ends=[3])], "step_ends", {"estimator": "gae"}),
+    "NaN logprob": ([row("p1", ref_logprobs=[-1.0, float("nan"), -1.0])], "ref_logprobs",
+                    {"estimator": "reinforce", "kl_coef": 0.1}),
+    "inf outcome": ([row("p1", outcome_reward=float("inf"))], "outcome_reward", {"estimator": "gae"}),
+    "NaN value": ([row("p1", values=[0.0, float("-inf"), 0.0])], "values", {"estimator": "gae"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ROWS))
+def test_bad_rows_fail_with_prompt_and_column_and_write_nothing(tmp_path, case):
+    bad, column, options = BAD_ROWS[case]
+    good = [row("p0", i) for i in range(2)] + [row("p1", 1), row("p2", 0), row("p2", 1)]
+    write_rows(tmp_path, good + bad, validated=True)  # the bad row comes in the last batch
+    with pytest.raises(DataError) as e:
+        stage.run(make_cfg(tmp_path, batch_size=2, **options))
+    assert f"'{column}'" in str(e.value) and "p1" in str(e.value)
+    assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("estimator", [n for n, e in sorted(ESTIMATORS.items()) if e.min_group_size > 1])
+def test_single_sample_group_fails_for_group_estimators(tmp_path, estimator):
+    write_rows(tmp_path, [row("ok", 0, outcome_reward=1.0), row("ok", 1, outcome_reward=0.0), row("lonely", 0)])
+    with pytest.raises(DataError, match=r"prompt_id='lonely'.*column 'prompt_id'.*at least 2"):
+        stage.run(make_cfg(tmp_path, estimator=estimator))
+    assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("missing,options,key", [
+    ("values", {"estimator": "gae"}, "estimator"),
+    ("ref_logprobs", {"estimator": "reinforce", "kl_coef": 0.05}, "kl_coef=0"),
+    ("step_rewards", {"estimator": "gae"}, "step_rewards=false"),
+    ("step_rewards", {"estimator": "grpo_process"}, "grpo"),
+    ("outcome_reward", {"estimator": "reinforce"}, "outcome_reward=false"),
+])
+def test_missing_column_names_it_and_the_config_key(tmp_path, missing, options, key):
+    rows = [row("p", i) for i in range(2)]
+    for r in rows:
+        del r[missing]
+    if missing == "step_rewards":
+        for r in rows:
+            del r["step_ends"]
+    write_rows(tmp_path, rows)
+    with pytest.raises(DataError) as e:
+        stage.run(make_cfg(tmp_path, **options))
+    assert f"'{missing}'" in str(e.value) and key in str(e.value)
+    assert_nothing_written(tmp_path)
+
+
+def test_null_in_one_row_names_that_row(tmp_path):
+    rows = [row("p0", 0), row("p0", 1), row("p7", 0), row("p7", 1, values=None)]
+    write_rows(tmp_path, rows)
+    with pytest.raises(DataError, match=r"'values' is null for prompt_id='p7', sample_idx=1"):
+        stage.run(make_cfg(tmp_path, estimator="gae", batch_size=2))
+    assert_nothing_written(tmp_path)
+
+
+def test_kl_is_null_where_logprobs_are_missing_and_kl_is_off(tmp_path):
+    write_rows(tmp_path, [row("p", 0, ref_logprobs=None), row("p", 1, outcome_reward=0.0)])
+    stage.run(make_cfg(tmp_path, estimator="grpo"))
+    out = {r["sample_idx"]: r["kl"] for r in read_out(tmp_path)}
+    assert out == {0: None, 1: [0.0, 0.0, 0.0]}
+
+
+def test_existing_output_is_kept_unless_overwrite(tmp_path):
+    write_rows(tmp_path, [row("p", 0), row("p", 1, outcome_reward=0.0)])
+    stage.run(make_cfg(tmp_path, estimator="grpo"))
+    with pytest.raises(OutputExistsError):
+        stage.run(make_cfg(tmp_path, estimator="rloo"))
+    stage.run(make_cfg(tmp_path, estimator="rloo", overwrite=True))
+    assert json.loads((tmp_path / "advantages" / "manifest.json").read_text())["config"]["estimator"] == "rloo"
+
+
+def test_shards_dictionary_encode_only_repeating_columns(tmp_path):
+    write_rows(tmp_path, [row("p", 0, prompt="same prompt"), row("p", 1, prompt="same prompt", outcome_reward=0.0)])
+    stage.run(make_cfg(tmp_path, estimator="grpo"))
+    meta = pq.ParquetFile(next((tmp_path / "advantages").glob("part-*.parquet"))).metadata
+    dictionary = {meta.schema.column(i).path.split(".")[0] for i in range(meta.num_columns)
+                  if any("DICTIONARY" in e for e in meta.row_group(0).column(i).encodings)}
+    assert {"prompt_id", "prompt"} <= dictionary and not dictionary & {"advantages", "old_logprobs", "response_ids"}
+
+
+# --- KL controller state ----------------------------------------------------------------------------
+
+def test_kl_state_overrides_kl_coef(tmp_path):
+    write_rows(tmp_path, [row(ref_logprobs=[-1.0, -3.0, -1.0], step_rewards=[0.0], outcome_reward=0.0)])
+    state = tmp_path / "kl.json"
+    state.write_text(json.dumps({"kl_coef": 0.25}))
+    summary = stage.run(make_cfg(tmp_path, estimator="reinforce", kl_coef=0.01, kl_state=str(state)))
+    assert read_out(tmp_path)[0]["token_rewards"] == pytest.approx([0.0, -0.5, 0.0])  # -0.25 * (-1 - -3)
+    assert summary["train/kl_coef"] == 0.25
+    assert json.loads((tmp_path / "advantages" / "manifest.json").read_text())["kl_coef_used"] == 0.25
+    # a ppo output directory holding kl_state.json works too (what the pipeline passes along)
+    (tmp_path / "ppo").mkdir()
+    (tmp_path / "ppo" / "kl_state.json").write_text(json.dumps({"kl_coef": 0.5, "mode": "adaptive"}))
+    stage.run(make_cfg(tmp_path, estimator="reinforce", kl_state=str(tmp_path / "ppo"), overwrite=True))
+    assert read_out(tmp_path)[0]["token_rewards"] == pytest.approx([0.0, -1.0, 0.0])
+
+
+@pytest.mark.parametrize("content", [None, "not json", '{"beta": 1}', '{"kl_coef": -1}'])
+def test_bad_kl_state_is_a_config_error(tmp_path, content):
+    write_rows(tmp_path, [row()])
+    state = tmp_path / "kl.json"
+    if content is not None:
+        state.write_text(content)
+    with pytest.raises(ConfigError, match="kl_state"):
+        stage.run(make_cfg(tmp_path, estimator="reinforce", kl_state=str(state)))
+    assert_nothing_written(tmp_path)
+
+
+# --- config ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options,key", [
+    ({"estimator": "ppo"}, "estimator"),
+    ({"kl_estimator": "k4"}, "kl_estimator"),
+    ({"gamma": 1.5}, "gamma"),
+    ({"lam": -0.1}, "lam"),
+    ({"estimator": "grpo", "step_rewards": True}, "step_rewards=false"),
+    ({"estimator": "grpo", "kl_coef": 0.1}, "kl_coef=0"),
+    ({"estimator": "grpo", "outcome_reward": False}, "outcome_reward=true"),
+    ({"estimator": "grpo_process", "outcome_reward": True}, "outcome_reward=false"),
+    ({"estimator": "grpo_process", "step_reward_mode": "min"}, "step_reward_mode=raw"),
+    ({"estimator": "gae", "outcome_reward": False, "step_rewards": False}, "at least one"),
+    ({"zero_variance": "ignore"}, "zero_variance"),
+    ({"norm_eps": 0.0}, "norm_eps"),
+])
+def test_bad_config_names_the_key(options, key):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        stage.Config(input="in", output="out", tracking=OFF, **options)
+
+
+def test_empty_switches_follow_the_estimator_through_overrides():
+    # config.load builds once from defaults and again with the overrides: resolved values must not stick
+    cfg = config.load(stage.Config, None, {"estimator": "grpo", "input": "in", "output": "out"})
+    assert cfg.switches() == (True, False, False)
+    cfg = config.load(stage.Config, None, {"estimator": "reinforce_baseline"})
+    assert cfg.switches() == (True, True, True)
+    assert stage.Config().switches() == (False, True, False)  # grpo_process
+
+
+def test_docs_cover_every_key_and_estimator():
+    docs = config.field_docs(stage.Config)
+    readme = (Path(stage.__file__).parent / "README.md").read_text()
+    for key in config.flat_dict(stage.Config()):
+        assert key.split(".")[0] in docs
+        documented = "`tracking.*`" if key.startswith("tracking.") else f"`{key}`"  # common's keys: one row
+        assert documented in readme, f"README.md does not document {key}"
+    for name in ESTIMATORS:
+        assert f"`{name}`" in readme and name in docs["estimator"]
+    title, command = stage.__doc__.strip().split("\n\n")[:2]  # the house layout: a title line, then the command
+    assert command.strip().startswith("prmflow advantage --input ROLLOUTS_DIR --output ADV_DIR")
+
+
+# --- tracking ---------------------------------------------------------------------------------------------
+
+def test_metrics_are_logged_under_their_names(tmp_path, monkeypatch):
+    calls = {}
+
+    class Recorder:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            calls["finished"] = exc[0] is None
+
+        def log_metrics(self, metrics, step=None):
+            calls["metrics"], calls["step"] = metrics, step
+
+    def start(cfg, stage, params, iteration):
+        calls["start"] = (stage, iteration, params["estimator"])
+        return Recorder()
+
+    monkeypatch.setattr(stage, "start_stage_run", start)
+    write_rows(tmp_path, ref.random_rollouts(np.random.default_rng(0)).to_pylist())
+    summary = stage.run(make_cfg(tmp_path, estimator="gae", kl_coef=0.1, iteration=4))
+    assert calls["start"] == ("advantage", 4, "gae") and calls["step"] == 4 and calls["finished"]
+    for name in ("train/advantage_mean", "train/advantage_std", "train/return_mean", "train/kl_mean",
+                 "train/zero_variance_groups", "perf/tokens_per_s"):
+        assert math.isfinite(calls["metrics"][name]), name
+    written = read_out(tmp_path)
+    advantages = np.concatenate([r["advantages"] for r in written])
+    assert summary["train/advantage_mean"] == pytest.approx(advantages.mean(), abs=1e-6)
+    assert summary["train/advantage_std"] == pytest.approx(advantages.std(), abs=1e-6)
+    assert summary["train/return_mean"] == pytest.approx(np.concatenate([r["returns"] for r in written]).mean(),
+                                                         abs=1e-6)

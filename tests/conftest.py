@@ -31,7 +31,10 @@ def _source_digest() -> str:
 
     root = Path(prmflow.__file__).parent / "components"
     h = hashlib.sha256()
-    for p in sorted(list((root / "common").rglob("*.py")) + list((root / "sft").rglob("*.py"))):
+    # what decides the trained weights: the SFT loop, the engine, the model and tokenizer, the task
+    deciding = ["engine.py", "modeling.py", "config.py", "tensor_ops.py", "generation.py", "tasks"]
+    files = [p for name in deciding for p in sorted((root / "common").glob(name + ("/*.py" if "." not in name else "")))]
+    for p in files + sorted((root / "sft").glob("*.py")):
         h.update(p.read_bytes())
     return h.hexdigest()[:16]
 

@@ -47,7 +47,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..common import config as config_lib
-from ..common import schema
+from ..common import io, schema
 from ..common.errors import ConfigError, DataError
 from ..common.tracking import TrackingConfig, start_stage_run
 from .estimators import ESTIMATORS, Estimator, EstimatorInput, Moments, Ragged, group_moments, \
@@ -99,7 +99,7 @@ class Config:
     batch_size: int = 512
     """Rows per batch and per output row group; peak memory grows with batch_size x response length."""
     overwrite: bool = False
-    """Replace an existing output directory (a retried pipeline step); off: fail if it exists."""
+    """Replace an existing output made from another config or input; off: that is an error. One made from this config and input is kept (nothing to do)."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """MLflow run settings (common/tracking.py)."""
 
@@ -496,7 +496,7 @@ def _write_pass(ds: schema.Dataset, plan: Plan, groups: Groups, whitening: Momen
     rows_in = rows_out = 0
     meta = config_lib.to_dict(cfg)
     with schema.DatasetWriter(cfg.output, "advantages", config=meta, parents=[str(d) for d in ds.dirs],
-                 overwrite=cfg.overwrite, extra={"kl_coef_used": plan.beta}) as writer, \
+                 overwrite=cfg.overwrite, extra={"kl_coef_used": plan.beta, "inputs": io.fingerprint(ds.dirs)}) as writer, \
             _write_behind(writer) as write, contextlib.closing(_validated(ds, plan, None)) as batches:
         for t in batches:
             rows = groups.rows(rows_in, t.num_rows)
@@ -521,6 +521,13 @@ def run(cfg: Config) -> dict:
     started = time.perf_counter()
     plan = _resolve(cfg)
     ds = schema.open_dataset(cfg.input, "rollouts")
+    # a re-run (retried pipeline step, restarted pod) whose result is already committed does nothing
+    done = io.completed_output(cfg.output, {"config": io.config_identity(config_lib.to_dict(cfg)),
+                                            "inputs": io.fingerprint(ds.dirs), "kl_coef_used": plan.beta},
+                               cfg.overwrite, "advantage")
+    if done is not None:
+        print(f"advantage: '{cfg.output}' is already complete for this config and input; nothing to do.")
+        return {"train/rows_out": done["rows"]}
     _check_columns_exist(ds, plan)
     with start_stage_run(cfg.tracking, stage="advantage", params=config_lib.flat_dict(cfg),
                          iteration=cfg.iteration) as tracker:

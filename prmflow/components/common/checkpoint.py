@@ -8,7 +8,6 @@ is preempted finds `latest/` on restart and continues from it.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -22,12 +21,8 @@ def work_dir_for(output: str | Path) -> Path:
 
 
 #: Keys that may change between a run and its resume without changing what is computed.
-NOT_IDENTITY = ("tracking", "resume", "overwrite")
-
-
-def identity(config: dict) -> dict:
-    """The part of a config that decides the result, normalized through JSON (tuples -> lists)."""
-    return json.loads(json.dumps({k: v for k, v in config.items() if k not in NOT_IDENTITY}, default=str, sort_keys=True))
+NOT_IDENTITY = io.NOT_IDENTITY
+identity = io.config_identity
 
 
 def save(engine: TrainEngine, tokenizer, work_dir: Path, trainer_state: dict, config: dict) -> Path:
@@ -43,6 +38,7 @@ def save(engine: TrainEngine, tokenizer, work_dir: Path, trainer_state: dict, co
 def find(work_dir: Path, config: dict) -> Path | None:
     """The committed resume checkpoint in `work_dir` written by the same config, else None."""
     target = Path(work_dir) / "latest"
+    io.recover_interrupted_replace(target)  # killed between the two renames of the last save
     if not (target / io.MANIFEST).is_file():
         return None
     manifest = io.read_manifest(target)

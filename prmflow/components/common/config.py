@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -112,7 +113,10 @@ def _coerce(value: Any, typ: Any, key: str, where: str) -> Any:
         return [_coerce(v, inner, f"{key}[{i}]", where) for i, v in enumerate(value)]
     if origin is dict or typ is dict:
         if isinstance(value, str):
-            value = yaml.safe_load(value) if value else {}
+            try:
+                value = yaml.safe_load(value) if value else {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{where}: key '{key}' must be a mapping; {value!r} is not valid YAML ({e}).") from None
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: key '{key}' must be a mapping, got {value!r}.")
         return dict(value)
@@ -129,8 +133,10 @@ def _coerce(value: Any, typ: Any, key: str, where: str) -> Any:
             raise ConfigError(f"{where}: key '{key}' must be a number, got {value!r}.")
         try:
             number = float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{where}: key '{key}' must be {typ.__name__}, got {value!r}.") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{where}: key '{key}' must be a finite number, got {value!r}.")
         if typ is int:
             if number != int(number):
                 raise ConfigError(f"{where}: key '{key}' must be an integer, got {value!r}.")
@@ -170,6 +176,9 @@ def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
         inside_mapping = any(key.startswith(m + ".") for m in mappings)  # a dict field's own keys
         if key not in leaves and key not in prefixes and not inside_mapping:
             raise _unknown_key(key, leaves, where)
+        if key in prefixes and key not in leaves and not isinstance(values[key], dict):
+            raise ConfigError(f"{where}: key '{key}' is a section; give it a mapping of its keys (e.g. "
+                              f"{key}.<name>: value), not {values[key]!r}.")
 
     def make(klass: type, prefix: str, defaults: dict[str, Any] | None) -> Any:
         # `defaults`: the values the enclosing field's default_factory gives this dataclass, which
@@ -193,7 +202,11 @@ def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
                 kwargs[f.name] = defaults[f.name]
         try:
             return klass(**kwargs)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: {e}") from None
+        except ConfigError as e:  # a __post_init__ check: say which file or flags it came from
+            if str(e).startswith(where):
+                raise
             raise ConfigError(f"{where}: {e}") from None
 
     return make(cls, "", None)
@@ -209,9 +222,11 @@ def load(cls: type[C], path: str | Path | None = None, overrides: dict[str, Any]
         if not p.is_file():
             raise ConfigError(f"Config file '{p}' does not exist. Pass an existing YAML file to --config.")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_bytes().decode("utf-8")) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"Config file '{p}' is not valid YAML: {e}") from None
+        except (UnicodeDecodeError, RecursionError) as e:
+            raise ConfigError(f"Config file '{p}' is not a YAML text file ({e}).") from None
         if not isinstance(data, dict):
             raise ConfigError(f"Config file '{p}' must hold a mapping of keys to values, got {type(data).__name__}.")
         if section is not None and section in data and isinstance(data[section], dict):

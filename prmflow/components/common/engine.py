@@ -122,6 +122,7 @@ class TrainEngine:
             }
             if cfg.offload_optimizer:
                 ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+                ds_config["zero_force_ds_cpu_optimizer"] = False  # keep our torch AdamW (same math on every backend)
             self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
                 model_parameters=None, dist_init_required=False,

@@ -23,6 +23,14 @@ from .errors import DataError, OutputExistsError
 
 MANIFEST = "manifest.json"
 
+#: Config keys that may change between a run and its resume or re-run without changing the result.
+NOT_IDENTITY = ("tracking", "resume", "overwrite")
+
+
+def config_identity(config: dict) -> dict:
+    """The part of a config that decides the result, normalized through JSON (tuples -> lists)."""
+    return json.loads(json.dumps({k: v for k, v in config.items() if k not in NOT_IDENTITY}, default=str, sort_keys=True))
+
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
@@ -63,7 +71,9 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def safe_child(directory: Path, name: str) -> Path:
-    """`directory/name`, refusing names that would escape `directory` (../, absolute paths)."""
+    """`directory/name`, refusing names that would escape `directory` (../, absolute paths, symlinks out)."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise DataError(f"{name!r} is not a valid file name inside '{directory}'.")
     directory = Path(directory).resolve()
     candidate = (directory / name).resolve()
     if candidate != directory and directory not in candidate.parents:
@@ -80,11 +90,17 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             f"still-running stage leaves none). Re-run the stage that writes it."
         )
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, absurd nesting
         raise DataError(f"'{path}' is not valid JSON ({e}). Re-run the stage that wrote it.") from None
     if not isinstance(manifest, dict) or "files" not in manifest:
         raise DataError(f"'{path}' is not a prmflow manifest (no 'files' entry). Re-run the stage that wrote it.")
+    files = manifest["files"]
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise DataError(f"'{path}': field 'files' must map file names to sha256 strings. Re-run the stage that wrote it.")
+    rows = manifest.get("rows", 0)
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise DataError(f"'{path}': field 'rows' is {rows!r}, not a row count. Re-run the stage that wrote it.")
     return manifest
 
 
@@ -108,12 +124,76 @@ def build_manifest(directory: Path, kind: str, **extra: Any) -> dict[str, Any]:
     return {"kind": kind, "files": files, "created_at": time.time(), "prmflow_version": __version__, **extra}
 
 
+def recover_interrupted_replace(path: Path) -> bool:
+    """Put back a committed `path` that a crash left moved aside mid-replace; True if it did.
+
+    Replacing an existing output takes two renames (old aside, new in). A process killed between
+    them leaves no `path` but a complete `.NAME.tmp-old-PID` sibling: that previous result (e.g. the
+    last resume checkpoint) is still good, so it is restored rather than swept away as a temporary.
+    """
+    path = Path(path)
+    if path.exists() or not path.parent.is_dir():
+        return False
+    for old in sorted(path.parent.glob(f".{path.name}.tmp-old-*")):
+        if (old / MANIFEST).is_file():
+            os.replace(old, path)
+            _fsync_dir(path.parent)
+            return True
+    return False
+
+
 def clean_stale_temporaries(path: Path) -> None:
-    """Remove temporaries left next to `path` by a crashed earlier run."""
+    """Remove temporaries left next to `path` by a crashed earlier run (after recovering a moved-aside result)."""
     path = Path(path)
     if path.parent.is_dir():
+        recover_interrupted_replace(path)
         for stale in path.parent.glob(f".{path.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def fingerprint(directories) -> dict[str, str]:
+    """{directory: sha256 of its manifest's file digests} for committed inputs: what a re-run compares.
+
+    Cheap (no data is read) and exact: the manifest's per-file sha256 already pins every byte.
+    """
+    out = {}
+    for d in directories:
+        files = read_manifest(Path(d))["files"]
+        out[str(d)] = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    return out
+
+
+def completed_output(path: str | Path, expected: dict[str, Any], overwrite: bool, stage: str) -> dict | None:
+    """Decide what to do about an existing output before a stage starts work.
+
+    Returns the manifest when `path` is a finished, intact output whose manifest agrees with
+    `expected` on every key (the caller has nothing to do); None when there is nothing at `path`, or
+    when it differs and `overwrite` is set (the caller replaces it). Anything else is an
+    OutputExistsError: an existing result is never silently replaced. `expected["config"]`, if
+    given, is compared with `config_identity` of the stored config, so tracking settings do not count.
+    """
+    path = Path(path)
+    recover_interrupted_replace(path)
+    if not path.exists():
+        return None
+    why = None
+    try:
+        manifest = read_manifest(path)
+        verify_files(path, manifest)
+    except DataError as e:
+        manifest, why = None, f"it is not an intact finished output ({e})"
+    if manifest is not None:
+        differs = [k for k, v in expected.items()
+                   if (config_identity(manifest.get(k) or {}) if k == "config" else manifest.get(k)) != v]
+        if not differs:
+            return manifest
+        why = f"it does not match this run (different {' and '.join(differs)})"
+    if overwrite:
+        return None
+    raise OutputExistsError(
+        f"{stage}: output '{path}' already exists, but {why}. Pass --overwrite true to replace it, or choose "
+        f"another --output."
+    )
 
 
 @contextlib.contextmanager
@@ -126,6 +206,7 @@ def atomic_output_dir(path: str | Path, kind: str, overwrite: bool = False,
     """
     manifest_extra = manifest if manifest is not None else {}
     path = Path(path)
+    recover_interrupted_replace(path)
     if path.exists() and not overwrite:
         raise OutputExistsError(
             f"Output '{path}' already exists. Choose another output path, delete it, or pass overwrite."

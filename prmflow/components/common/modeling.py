@@ -5,6 +5,10 @@ stage, `transformers` and vLLM load it unchanged. `model_path` is either such a 
 model on a cluster, e.g. a Qwen2.5 math model) or the name of a tiny preset (`tiny-llama`,
 `tiny-qwen2`) that is built from a config with a character tokenizer the project makes: nothing
 is downloaded at run time.
+
+Loading is safe by default: weights come from safetensors only (a pickled pytorch_model.bin, which
+can run code when unpickled, is refused), `trust_remote_code` stays off unless a config turns it on,
+and a shard index cannot name a file outside the model directory.
 """
 
 from __future__ import annotations
@@ -85,7 +89,27 @@ def check_model_dir(path: str | Path, what: str = "model_path") -> Path:
             f"{what} '{p}' is not a model directory: it has no config.json. Point {what} at a Hugging Face "
             f"model directory (for example the output of the sft stage)."
         )
+    _check_shard_names(p, what)
     return p
+
+
+def _check_shard_names(p: Path, what: str) -> None:
+    """Every weight shard a `*.index.json` names must lie inside the model directory."""
+    from .errors import DataError
+    from .io import safe_child
+
+    for index in p.glob("*.index.json"):
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            names = set(weight_map.values()) if isinstance(weight_map, dict) else {weight_map}
+        except (ValueError, AttributeError, RecursionError) as e:
+            raise ModelLoadError(f"{what} '{p}': '{index.name}' is not a valid shard index ({e}).") from None
+        for name in names:
+            try:
+                safe_child(p, name)
+            except DataError as e:
+                raise ModelLoadError(f"{what} '{p}': field 'weight_map' of '{index.name}' names a shard outside "
+                                     f"the model directory: {e}") from None
 
 
 def load_tokenizer(model_path: str | Path, trust_remote_code: bool = False):
@@ -113,7 +137,8 @@ def load_causal_lm(model_path: str | Path, dtype: str = "float32", seed: int = 0
 
     p = check_model_dir(model_path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
+                                                     use_safetensors=True)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"Cannot load a causal LM from '{p}': {e}") from None
     tok = load_tokenizer(p, trust_remote_code=trust_remote_code)
@@ -138,12 +163,21 @@ def save_pretrained(model: torch.nn.Module, tokenizer, directory: str | Path, ex
     """Save a HF directory (safetensors). A peft model is saved merged, so later stages load it plainly."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    model = unwrap(model)
-    if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):
-        import copy
+    import contextlib
 
-        model = copy.deepcopy(model).merge_and_unload()
-    model.save_pretrained(directory, safe_serialization=True)
+    model = unwrap(model)
+    params = list(model.parameters())
+    gathered = contextlib.nullcontext()
+    if any(hasattr(p, "ds_id") for p in params):  # DeepSpeed ZeRO-3: each rank holds only a shard
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    with gathered:
+        if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):
+            import copy
+
+            model = copy.deepcopy(model).merge_and_unload()
+        model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     if extra:
         (directory / "prmflow.json").write_text(json.dumps(extra, indent=2, sort_keys=True, default=str))
@@ -164,7 +198,8 @@ def load_scalar_model(path: str | Path, dtype: str = "float32", trust_remote_cod
         from_lm = not any(a.endswith("ForTokenClassification") for a in (cfg.architectures or []))
         cfg.num_labels = 1
         model = AutoModelForTokenClassification.from_pretrained(p, config=cfg, dtype=torch_dtype(dtype),
-                                                                trust_remote_code=trust_remote_code)
+                                                                trust_remote_code=trust_remote_code,
+                                                                use_safetensors=True)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"Cannot load a scalar-head model from '{p}': {e}") from None
     if from_lm:

@@ -78,6 +78,7 @@ def conform(table: pa.Table, kind: str, where: str = "table") -> pa.Table:
     column, or a column that cannot be cast losslessly is a DataError naming it.
     """
     schema = schema_for(kind)
+    _check_unique(table.column_names, where)
     names = set(table.column_names)
     extra = names - set(schema.names)
     if extra:
@@ -91,12 +92,36 @@ def conform(table: pa.Table, kind: str, where: str = "table") -> pa.Table:
             continue
         col = table.column(f.name)
         if not col.type.equals(f.type):
-            try:
-                col = col.cast(f.type, safe=True)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-                raise DataError(f"{where}: column '{f.name}' has type {col.type}, expected {f.type} ({e}).") from None
+            col = _cast(col, f, where)
         arrays.append(col)
     return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _cast(col: pa.ChunkedArray, f: pa.Field, where: str) -> pa.ChunkedArray:
+    """`col` as the type of field `f` when that loses nothing, else a DataError naming the column."""
+    try:
+        return col.cast(f.type, safe=True)
+    except pa.ArrowException as e:  # ArrowInvalid, ArrowNotImplementedError, ArrowTypeError
+        raise DataError(f"{where}: column '{f.name}' has type {col.type}, expected {f.type} ({e}).") from None
+
+
+def _check_unique(names: Sequence[str], where: str) -> None:
+    seen = set()
+    for name in names:
+        if name in seen:
+            raise DataError(f"{where}: column '{name}' appears {list(names).count(name)} times; a column name must be unique.")
+        seen.add(name)
+
+
+def cast_columns(table: pa.Table, kind: str, where: str = "table") -> pa.Table:
+    """`table` with each of its columns that belongs to `kind` cast to that kind's type (DataError if it cannot be)."""
+    schema = schema_for(kind)
+    _check_unique(table.column_names, where)
+    for i, name in enumerate(table.column_names):
+        idx = schema.get_field_index(name)
+        if idx >= 0 and not table.column(i).type.equals(schema.field(idx).type):
+            table = table.set_column(i, schema.field(idx), _cast(table.column(i), schema.field(idx), where))
+    return table
 
 
 def _first_bad(table: pa.Table, mask: pa.Array | np.ndarray) -> str:
@@ -155,9 +180,27 @@ def validate(table: pa.Table, kind: str, where: str = "table") -> None:
                     f"{where}: column 'step_ends' points outside the response (0..len(response_ids)-1) in {_first_bad(table, mask)}."
                 )
     for f in table.schema:
+        bad = _null_entry_rows(table.column(f.name))
+        if bad is not None and bad.any():
+            raise DataError(f"{where}: column '{f.name}' has a null entry inside its list in {_first_bad(table, bad)}; "
+                            f"a list may be null as a whole, but not hold nulls.")
         bad = _nonfinite_rows(table.column(f.name))
         if bad is not None and bad.any():
             raise DataError(f"{where}: column '{f.name}' holds NaN or inf in {_first_bad(table, bad)}.")
+
+
+def _null_entry_rows(col: pa.ChunkedArray) -> np.ndarray | None:
+    """Boolean mask of rows whose numeric list (token ids, per-token floats) holds a null element."""
+    t = col.type
+    if not (pa.types.is_list(t) and (pa.types.is_floating(t.value_type) or pa.types.is_integer(t.value_type))):
+        return None
+    flat = pc.list_flatten(col)
+    if not flat.null_count:
+        return None
+    parents = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
+    out = np.zeros(len(col), bool)
+    out[parents[pc.is_null(flat).to_numpy(zero_copy_only=False)]] = True
+    return out
 
 
 def _nonfinite_rows(col: pa.ChunkedArray) -> np.ndarray | None:
@@ -293,11 +336,12 @@ class Dataset:
             pf = _open_parquet(path)
             _check_columns(pf.schema_arrow, self.kind, path, cols if not validate_rows else None)
             present = None if cols is None else [c for c in cols if c in pf.schema_arrow.names]
-            for batch in pf.iter_batches(batch_size=batch_size, columns=present):
-                table = pa.Table.from_batches([batch])
+            for table in _read_tables(pf, path, batch_size, present):
                 if validate_rows:
                     table = conform(table, self.kind, where=str(path))
                     validate(table, self.kind, where=str(path))
+                else:
+                    table = cast_columns(table, self.kind, where=str(path))
                 yield table
 
     def read(self, columns: Iterable[str] | None = None) -> pa.Table:
@@ -311,9 +355,26 @@ def _open_parquet(path: Path) -> pq.ParquetFile:
     # pre_buffer=False: the default keeps every column chunk read so far until the file is closed,
     # so memory would grow with the shard (750 MB to stream a 700 MB shard; 50 MB without)
     try:
-        return pq.ParquetFile(path, pre_buffer=False)
-    except (pa.ArrowInvalid, OSError) as e:
+        pf = pq.ParquetFile(path, pre_buffer=False)
+        pf.schema_arrow, pf.reader.column_paths  # noqa: B018 - decode the footer now, inside the try
+        return pf
+    except (pa.ArrowException, OSError, ValueError) as e:  # ValueError: undecodable names in a damaged footer
         raise DataError(f"'{path}' is not a readable Parquet file ({e}). Re-run the stage that wrote it.") from None
+
+
+def _read_tables(pf: pq.ParquetFile, path: Path, batch_size: int, columns: list[str] | None) -> Iterator[pa.Table]:
+    """The file's record batches as tables; a corrupt page or footer is a DataError naming the file."""
+    try:
+        batches = pf.iter_batches(batch_size=batch_size, columns=columns)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            yield pa.Table.from_batches([batch])
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise DataError(f"'{path}' cannot be read: it is damaged or not the Parquet file its manifest describes "
+                        f"({e}). Re-run the stage that wrote it.") from None
 
 
 def _check_columns(schema: pa.Schema, kind: str, path: Path, cols: list[str] | None) -> None:
@@ -322,7 +383,8 @@ def _check_columns(schema: pa.Schema, kind: str, path: Path, cols: list[str] | N
     for name in cols or []:
         if name not in expected.names:
             raise ValueError(f"{name!r} is not a {kind} column")
-    for name in set(cols or []) | set(REQUIRED):
+    _check_unique(schema.names, f"'{path}'")
+    for name in sorted(set(cols or []) | set(REQUIRED)):
         if schema.get_field_index(name) < 0:
             raise DataError(f"'{path}': column '{name}' is missing.")
 
@@ -339,6 +401,9 @@ def open_dataset(dirs: str | Path | Sequence[str | Path], kind: str, verify_chec
     for d in map(Path, dirs):
         if not d.exists():
             raise DataError(f"Input '{d}' does not exist. Point the stage at the output directory of the stage before it.")
+        if not d.is_dir():
+            raise DataError(f"Input '{d}' is a file; point the stage at the {kind} directory (the one holding "
+                            f"{io.MANIFEST}) written by the stage before it.")
         if not (d / io.MANIFEST).exists():
             subs = sorted(p for p in d.iterdir() if p.is_dir() and (p / io.MANIFEST).exists())
             if subs:
@@ -350,15 +415,25 @@ def open_dataset(dirs: str | Path | Sequence[str | Path], kind: str, verify_chec
         m = io.read_manifest(d)
         if m.get("kind") != kind:
             raise DataError(f"'{d}' holds a {m.get('kind')!r} hand-off, but a {kind!r} one is needed here.")
-        if m.get("schema_version") != SCHEMA_VERSION:
+        if type(m.get("schema_version")) is not int or m.get("schema_version") != SCHEMA_VERSION:
             raise DataError(
                 f"'{d}' was written with schema version {m.get('schema_version')}, this prmflow reads version "
                 f"{SCHEMA_VERSION}. Re-run the stage that wrote it with this prmflow version."
             )
         if verify_checksums:
             io.verify_files(d, m)
+        _check_row_count(d, m)
         manifests.append(m)
     return Dataset(expanded, kind, manifests)
+
+
+def _check_row_count(d: Path, manifest: dict) -> None:
+    """The shards' footers must hold the rows the manifest promises (no shard dropped from 'files')."""
+    shards = [io.safe_child(d, name) for name in sorted(manifest["files"]) if name.endswith(".parquet")]
+    stored = sum(_open_parquet(p).metadata.num_rows for p in shards)
+    if stored != manifest.get("rows", 0):
+        raise DataError(f"'{d}': field 'rows' of its {io.MANIFEST} says {manifest.get('rows', 0)} rows, but the "
+                        f"shards it lists hold {stored}. Re-run the stage that wrote it.")
 
 
 def read_dataset(dirs: str | Path | Sequence[str | Path], kind: str, columns: Iterable[str] | None = None) -> pa.Table:

@@ -10,7 +10,9 @@ the longest example of a micro-batch, AdamW with linear warm-up then cosine/line
 clipping, DeepSpeed (ZeRO 0-3) or plain PyTorch, optional LoRA through peft (saved merged). Held-out
 evaluation: loss, and greedy-decoding accuracy checked by the task's verifier. Resume: a checkpoint
 beside the output (`.OUTPUT.work/latest`) is picked up on restart with the same config, continuing
-the step count, LR schedule and data order.
+the step count, LR schedule and data order. On SIGTERM (Kubernetes stopping the pod) the step in
+progress finishes, the resume checkpoint is saved and the process exits with status 143
+(common/preemption.py); running the same command again continues bit-for-bit.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Literal
 import torch
 from tqdm.auto import tqdm
 
-from ..common import checkpoint, config as config_lib, io, modeling, tasks, tracking
+from ..common import checkpoint, config as config_lib, io, modeling, preemption, tasks, tracking
 from ..common.engine import EngineConfig, OptimSettings, TrainEngine
 from ..common.errors import ConfigError, OutputExistsError
 from ..common.generation import generate_texts
@@ -179,7 +181,13 @@ def run(cfg: Config) -> dict:
     if done is not None:
         log.info("%s already holds a finished SFT policy from this config; nothing to do.", cfg.output)
         print(f"sft: '{cfg.output}' is already complete for this config; nothing to do.")
+        checkpoint.clear(checkpoint.work_dir_for(cfg.output))  # left if killed between commit and cleanup
         return done
+    with preemption.Preemption() as stop:
+        return _run(cfg, stop)
+
+
+def _run(cfg: Config, stop: preemption.Preemption) -> dict:
     cfg_dict = config_lib.to_dict(cfg)
     torch.manual_seed(cfg.seed)
     model, tokenizer = modeling.load_causal_lm(cfg.model_path, cfg.engine.dtype, seed=cfg.seed)
@@ -208,7 +216,7 @@ def run(cfg: Config) -> dict:
                                        tags={"prmflow.output": str(Path(cfg.output).resolve())})
     with tracker:
         tracker.log_metrics({"data/train_examples": len(train_ex), "data/dropped_too_long": dropped}, step=state["step"])
-        metrics = _train(cfg, engine, tokenizer, train_ex, eval_ex, eval_records, state, work, tracker, cfg_dict)
+        metrics = _train(cfg, engine, tokenizer, train_ex, eval_ex, eval_records, state, work, tracker, cfg_dict, stop)
         with io.atomic_output_dir(cfg.output, "policy", overwrite=True,
                                   manifest={"config": checkpoint.identity(cfg_dict), "metrics": metrics,
                                             "parents": [cfg.model_path]}) as tmp:
@@ -218,12 +226,24 @@ def run(cfg: Config) -> dict:
     return metrics
 
 
-def _train(cfg, engine, tokenizer, train_ex, eval_ex, eval_records, state, work, tracker, cfg_dict) -> dict:
+def _preempted(step: int, work: Path) -> preemption.Preempted:
+    stopped = preemption.Preempted("sft", step, str(work / "latest"))
+    log.warning("%s", stopped)
+    print(stopped, file=sys.stderr)
+    return stopped
+
+
+def _train(cfg, engine, tokenizer, train_ex, eval_ex, eval_records, state, work, tracker, cfg_dict,
+           stop: preemption.Preemption = preemption.NEVER) -> dict:
     engine.train()
     n = len(train_ex)
     per_step = cfg.micro_batch_size * cfg.grad_accum
     steps_per_epoch = n // per_step
     metrics: dict = {}
+    if state.pop("eval_pending", False):  # stopped right after an eval step, before evaluating it
+        tracker.log_metrics(evaluate(engine.module, tokenizer, eval_ex, eval_records, cfg), step=state["step"])
+    if stop.requested:  # asked to stop before the first step: the checkpoint on disk (if any) is current
+        raise _preempted(state["step"], work)
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="sft", unit="step", dynamic_ncols=True,
                mininterval=0.2 if sys.stderr.isatty() else 10.0)
     t0, tokens = time.perf_counter(), 0
@@ -256,6 +276,11 @@ def _train(cfg, engine, tokenizer, train_ex, eval_ex, eval_records, state, work,
                                  "train/epoch": state["consumed"] / n, "perf/tokens_per_s": tokens / elapsed}, step=step)
         if not math.isfinite(loss_total):
             log.warning("non-finite loss at step %d", step)
+        if stop.requested and step < cfg.max_steps:  # preempted: save now (the last step always finishes)
+            eval_due = bool(cfg.eval_every) and step % cfg.eval_every == 0
+            checkpoint.save(engine, tokenizer, work, {**state, "eval_pending": eval_due}, cfg_dict)
+            bar.close()
+            raise _preempted(step, work)
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
             metrics = evaluate(engine.module, tokenizer, eval_ex, eval_records, cfg)
             tracker.log_metrics(metrics, step=step)

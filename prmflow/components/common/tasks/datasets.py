@@ -24,14 +24,21 @@ from . import PromptRecord
 
 def _rows_jsonl(path: Path) -> list[tuple[int, dict]]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}, line {lineno}: not UTF-8 text ({e.reason} at byte {e.start}). "
+                                f"Save the file as UTF-8.") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}, line {lineno}: not valid JSON ({e.msg}). Fix or remove the line.") from None
+            except RecursionError:
+                raise DataError(f"{path}, line {lineno}: JSON nested too deeply to be a dataset row.") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}, line {lineno}: expected a JSON object, got {type(row).__name__}.")
             rows.append((lineno, row))
@@ -44,7 +51,7 @@ def _rows_parquet(path: Path) -> list[tuple[int, dict]]:
 
     try:
         table = pq.read_table(path)
-    except (pa.ArrowInvalid, OSError) as e:
+    except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({e}).") from None
     return [(i, row) for i, row in enumerate(table.to_pylist())]
 
@@ -76,15 +83,21 @@ def _record(row: dict[str, Any], where: str, prompt_field: str, answer_field: st
     messages = row.get("messages")
     prompt = row.get(prompt_field)
     response = row.get(response_field)
+    if response is not None and not isinstance(response, str):
+        raise DataError(f"{where}: field '{response_field}' must be a string, got {type(response).__name__}.")
     if messages is not None:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise DataError(f"{where}: 'messages' must be a list of {{'role', 'content'}} objects.")
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise DataError(f"{where}: 'messages' must be a list of {{'role': str, 'content': str}} objects.")
         if messages and messages[-1]["role"] == "assistant":
             response = response if response is not None else messages[-1]["content"]
             messages = messages[:-1]
         if not messages:
             raise DataError(f"{where}: 'messages' holds no user turn.")
         prompt = messages[-1]["content"]
+        if not prompt.strip():
+            raise DataError(f"{where}: 'messages' ends with an empty turn; the prompt needs text.")
     elif not isinstance(prompt, str) or not prompt.strip():
         raise DataError(
             f"{where}: no '{prompt_field}' field (or it is empty). Each row needs a '{prompt_field}' string or a "
@@ -92,6 +105,8 @@ def _record(row: dict[str, Any], where: str, prompt_field: str, answer_field: st
         )
     answer = row.get(answer_field)
     if answer is not None:
+        if isinstance(answer, (dict, list, bool)):
+            raise DataError(f"{where}: field '{answer_field}' must be a string or a number, got {type(answer).__name__}.")
         answer = str(answer)
         if "####" in answer:  # GSM8K: rationale #### final answer
             rationale, answer = answer.rsplit("####", 1)
@@ -102,6 +117,8 @@ def _record(row: dict[str, Any], where: str, prompt_field: str, answer_field: st
     if require_response and not response:
         raise DataError(f"{where}: no '{response_field}' field or assistant message; SFT needs a target response.")
     pid = row.get("id") or row.get("prompt_id")
+    if isinstance(pid, (dict, list, float, bool)):
+        raise DataError(f"{where}: field 'id' must be a string or an integer, got {pid!r}.")
     if pid is None:
         pid = "row-" + hashlib.sha1(json.dumps([messages, prompt], sort_keys=True, default=str).encode()).hexdigest()[:12]
     return PromptRecord(prompt_id=str(pid), prompt=prompt, answer=answer, response=response,

@@ -1,0 +1,107 @@
+"""Preemption: when asked to stop, a training stage saves its resume checkpoint and exits 143.
+
+Kubernetes stops a pod (node drain, spot/preemptible GPU reclaimed, a cancelled run) by sending
+SIGTERM to the container's main process, waiting `terminationGracePeriodSeconds` (30 s unless the
+pod says otherwise) and then sending SIGKILL. A stage that only dies loses everything since its last
+periodic checkpoint; a stage that listens saves where it is and the next run continues from there:
+
+    with preemption.Preemption() as stop:          # installs the handler, restores the old one after
+        while step < max_steps:
+            ...one optimizer step...
+            if stop.requested:
+                checkpoint.save(...)                 # the resume checkpoint, as at save_every
+                raise preemption.Preempted("sft", step, where)   # exits the process with status 143
+
+The handler only sets a flag: nothing is written from signal context, and the training step in
+progress finishes normally, so the checkpoint is the same one a periodic save would have written
+(resume stays bit-for-bit). The grace period must cover the rest of one optimizer step plus one
+checkpoint save; raise `terminationGracePeriodSeconds` for big models. 143 = 128 + SIGTERM is the
+status a process stopped by SIGTERM reports, so KFP and Kubernetes read it as "terminated", and a
+retry policy restarts the step. SIGINT (Ctrl-C) is handled the same way once; a second Ctrl-C
+interrupts at once. Repeated SIGTERMs are ignored while the checkpoint is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+#: Exit status of a stage stopped by SIGTERM after saving its checkpoint (128 + 15).
+EXIT_CODE = 128 + signal.SIGTERM
+
+
+class Preempted(SystemExit):
+    """Raised after the resume checkpoint is saved; exits the process with status 143.
+
+    A SystemExit, so it passes through `except Exception` (and the CLI's PrmflowError handler)
+    and atomic-output blocks clean up on the way out.
+    """
+
+    def __init__(self, stage: str, step: int, checkpoint: str = ""):
+        super().__init__(EXIT_CODE)
+        self.stage, self.step, self.checkpoint = stage, step, checkpoint
+
+    def __str__(self) -> str:
+        return (f"{self.stage}: stopped after step {self.step} on request (SIGTERM); the resume checkpoint is in "
+                f"'{self.checkpoint}'. Run the same command again to continue.")
+
+
+class Preemption:
+    """Catches SIGTERM (and a first SIGINT) while active and records that a stop was asked for.
+
+    Outside the main thread signal handlers cannot be installed: then it never reports a request,
+    and the process keeps the default behaviour (killed by SIGTERM, resumed from the last save).
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
+        self.signals = signals
+        self.signum: int | None = None
+        self.received_at: float | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        """A stop was asked for: save the resume checkpoint and raise Preempted."""
+        return self.signum is not None
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: the user does not want to wait for the save
+        if self.signum is None:
+            self.signum, self.received_at = signum, time.monotonic()
+            # os.write is safe here; logging and print may not be (re-entrant buffered I/O)
+            os.write(2, f"prmflow: received {signal.Signals(signum).name}; saving a resume checkpoint after the "
+                        f"current step, then exiting with status {EXIT_CODE}.\n".encode())
+
+    def install(self) -> "Preemption":
+        if threading.current_thread() is not threading.main_thread():
+            log.debug("not in the main thread: preemption signals are not handled here")
+            return self
+        for s in self.signals:
+            self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def __enter__(self) -> "Preemption":
+        return self.install()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.uninstall()
+        return False
+
+
+#: A Preemption that is never installed: for loops run without one (tests, library calls).
+NEVER = Preemption(signals=())

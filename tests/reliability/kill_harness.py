@@ -1,0 +1,250 @@
+"""Kill-and-resume harness: run a stage as `python -m prmflow.cli <stage> ...`, kill it at random
+moments, start it again with the same arguments, and check what a user and a downstream stage see.
+
+For every seed of a `StageCase`:
+  1. a seeded RNG picks 1..max_kills kills, each one a signal from `case.signals` fired either at a
+     random time (a fraction of the uninterrupted run's duration) or the moment a file matching
+     one of `case.kill_events` appears (mid-checkpoint, mid-commit);
+  2. while the stage runs, a reader polls the output path: whenever it exists it must be a whole,
+     committed output (`case.read` passes: manifest present, checksums match, data readable);
+  3. after every kill: SIGKILL -> exit -9; SIGTERM -> exit 143 within `case.grace_s` with its resume
+     checkpoint on disk (or 0 if it had finished, or -15 if the signal beat the handler's install);
+     the output is absent or whole;
+  4. the last start runs to the end (exit 0), leaves no temporaries or work directory behind, and
+     `case.compare(reference, output)` holds: equal to an uninterrupted run of the same argv.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[2]
+POLL_S = 0.01
+
+
+@dataclass
+class StageCase:
+    """One stage under the harness. `argv(run_dir, inputs)` gives the CLI args after `prmflow`;
+    the output must be `run_dir / output`."""
+
+    name: str
+    argv: Callable[[Path, Path], list[str]]
+    read: Callable[[Path], None]
+    """What a downstream reader does with a committed output; raises if it is not whole."""
+    compare: Callable[[Path, Path], None]
+    """Assert that the output (2nd) equals the uninterrupted reference (1st); say how they differ."""
+    prepare: Callable[[Path], None] | None = None
+    """Write shared inputs (rollouts, datasets) into the inputs directory, once per session."""
+    output: str = "out"
+    signals: tuple[int, ...] = (signal.SIGKILL,)
+    """Signals to send: add SIGTERM where the stage checkpoints on it (common/preemption.py)."""
+    kill_events: tuple[str, ...] = ()
+    """Globs relative to the run dir: a kill fires as soon as one matches (e.g. '.out.work/.latest.tmp-*')."""
+    checkpoint: str | None = None
+    """Glob relative to the run dir that must exist after a stage exits 143 (its resume checkpoint)."""
+    changed_argv: tuple[str, ...] = ()
+    """Flags appended to argv that change the result (the idempotence test expects a refusal)."""
+    max_kills: int = 3
+    ci_seeds: int = 2
+    """Seeds in CI; PRMFLOW_KILL_SEEDS=N runs N per stage instead (the full run uses >= 20)."""
+    timeout_s: float = 600.0
+    grace_s: float = 30.0
+    """Kubernetes' default terminationGracePeriodSeconds: SIGTERM to exit must fit in it."""
+
+
+@dataclass
+class Attempt:
+    rc: int
+    seconds: float
+    signal: int | None = None
+    trigger: str = ""
+    exit_after_signal_s: float | None = None
+    outputs_read: int = 0
+
+
+@dataclass
+class SeedResult:
+    case: str
+    seed: int
+    attempts: list[Attempt] = field(default_factory=list)
+    matched: bool = False
+
+    @property
+    def kills(self) -> list[Attempt]:
+        """Attempts that a signal actually ended (not those that finished first)."""
+        return [a for a in self.attempts if a.signal is not None and a.rc != 0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def seeds_for(case: StageCase) -> int:
+    return int(os.environ.get("PRMFLOW_KILL_SEEDS", case.ci_seeds))
+
+
+def env() -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    # one thread: the same float summation order in every run (bit-for-bit), and no oversubscription
+    e.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+             PYTHONPATH=str(REPO) + os.pathsep + e.get("PYTHONPATH", ""))
+    return e
+
+
+def _check_output(case: StageCase, out: Path) -> int:
+    """Read `out` as a downstream stage would, if it exists. Returns 1 if it was read."""
+    if not out.exists():
+        return 0
+    try:
+        case.read(out)
+    except Exception as e:
+        raise AssertionError(f"{case.name}: a reader found a partial or damaged output at {out}: {e!r}") from e
+    return 1
+
+
+def run_attempt(case: StageCase, argv: list[str], run_dir: Path, kill: tuple[str, object, int] | None,
+                log_name: str) -> Attempt:
+    """Start the stage; fire `kill` = (kind 'time'|'event', seconds|glob, signal) if it comes first."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    out = run_dir / case.output
+    with open(logs / f"{log_name}.out", "wb") as so, open(logs / f"{log_name}.err", "wb") as se:
+        t0 = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "prmflow.cli", *argv], cwd=run_dir, env=env(),
+                                stdout=so, stderr=se, start_new_session=True)
+        attempt = Attempt(rc=0, seconds=0.0)
+        sent_at = None
+        seen_output = False
+        try:
+            while proc.poll() is None:
+                now = time.monotonic() - t0
+                if now > case.timeout_s:
+                    raise AssertionError(f"{case.name}: {log_name} did not finish within {case.timeout_s} s")
+                if not seen_output and out.exists():  # once committed it never changes: read it once
+                    attempt.outputs_read += _check_output(case, out)
+                    seen_output = True
+                if kill is not None and sent_at is None:
+                    kind, what, sig = kill
+                    fire = now >= what if kind == "time" else any(run_dir.glob(str(what)))
+                    if fire:
+                        proc.send_signal(sig)
+                        sent_at = time.monotonic()
+                        attempt.signal, attempt.trigger = sig, f"{kind}:{what if kind == 'event' else round(now, 2)}"
+                if sent_at is not None and attempt.signal == signal.SIGTERM and time.monotonic() - sent_at > case.grace_s:
+                    raise AssertionError(f"{case.name}: still running {case.grace_s} s after SIGTERM "
+                                         f"(Kubernetes would SIGKILL it now); see {logs / log_name}.err")
+                time.sleep(POLL_S)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        attempt.rc = proc.returncode
+        attempt.seconds = time.monotonic() - t0
+        if sent_at is not None:
+            attempt.exit_after_signal_s = time.monotonic() - sent_at
+    attempt.outputs_read += _check_output(case, out)
+    return attempt
+
+
+def _expect_exit(case: StageCase, a: Attempt, run_dir: Path, log_name: str) -> None:
+    err = (run_dir / "logs" / f"{log_name}.err").read_text(errors="replace")[-3000:]
+    if a.rc == 0:
+        return
+    if a.signal == signal.SIGKILL:
+        assert a.rc == -signal.SIGKILL, f"{case.name}: exit {a.rc} after SIGKILL\n{err}"
+    elif a.signal == signal.SIGTERM:
+        assert a.rc in (143, -signal.SIGTERM), f"{case.name}: exit {a.rc} after SIGTERM (want 143)\n{err}"
+        # killed by the signal itself: only right if no handler saw it (before install, or after the stage ended)
+        assert a.rc == 143 or "received SIGTERM" not in err, f"{case.name}: the handler saw SIGTERM, yet it died\n{err}"
+        if a.rc == 143 and case.checkpoint and not any(run_dir.glob(case.checkpoint)):
+            # only legitimate before any progress: nothing to save, the restart begins at step 0 anyway
+            assert "after step 0" in err, f"{case.name}: exited 143 without a resume checkpoint\n{err}"
+    else:
+        raise AssertionError(f"{case.name}: {log_name} failed with exit {a.rc} and no kill\n{err}")
+
+
+def leftovers(case: StageCase, run_dir: Path) -> list[str]:
+    """Temporaries, resume state or fallback files a finished stage should not leave next to its output."""
+    return sorted(p.name for p in run_dir.glob(f".{case.output}.*"))
+
+
+def reference(case: StageCase, root: Path, inputs: Path) -> tuple[Path, float]:
+    """An uninterrupted run: (run dir, seconds)."""
+    run_dir = root / "reference"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    a = run_attempt(case, case.argv(run_dir, inputs), run_dir, None, "reference")
+    _expect_exit(case, a, run_dir, "reference")
+    return run_dir, a.seconds
+
+
+def kill_and_resume(case: StageCase, root: Path, inputs: Path, seed: int, ref_dir: Path, ref_seconds: float) -> SeedResult:
+    rng = random.Random(f"{case.name}/{seed}")
+    run_dir = root / f"seed-{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    argv = case.argv(run_dir, inputs)
+    result = SeedResult(case.name, seed)
+    planned = rng.randint(1, case.max_kills)
+    for k in range(planned + 1):
+        kill = None
+        if k < planned:
+            sig = rng.choice(case.signals)
+            if case.kill_events and k > 0 and rng.random() < 0.5:
+                kill = ("event", rng.choice(case.kill_events), sig)
+            else:  # the first kill lands well inside the run, later ones anywhere up to its end
+                kill = ("time", rng.uniform(0.1, 0.8 if k == 0 else 1.05) * ref_seconds, sig)
+        name = f"attempt-{k}"
+        a = run_attempt(case, argv, run_dir, kill, name)
+        while k == 0 and a.rc == 0 and a.signal is None and kill[1] > 0.5:
+            # the machine sped up and the run ended before its first kill: start the seed over, killing sooner
+            shutil.rmtree(run_dir / case.output)
+            kill = (kill[0], kill[1] / 2, kill[2])
+            a = run_attempt(case, argv, run_dir, kill, name)
+        result.attempts.append(a)
+        _expect_exit(case, a, run_dir, name)
+        if a.rc == 0:
+            break
+    else:
+        raise AssertionError(f"{case.name} seed {seed}: no attempt finished")
+    assert result.attempts[-1].rc == 0
+    left = leftovers(case, run_dir)
+    assert not left, f"{case.name} seed {seed}: left behind {left} next to the output"
+    case.compare(ref_dir / case.output, run_dir / case.output)
+    result.matched = True
+    return result
+
+
+def summary(results: list[SeedResult]) -> dict:
+    kills = [a for r in results for a in r.kills]
+    by_signal = {signal.Signals(s).name: sum(a.signal == s for a in kills) for s in {a.signal for a in kills}}
+    exits = sorted(a.exit_after_signal_s for a in kills if a.signal == signal.SIGTERM and a.rc == 143)
+    return {
+        "seeds": len(results), "matched": sum(r.matched for r in results), "kills": len(kills),
+        "kills_by_signal": by_signal,
+        "kills_by_trigger": {t: sum(a.trigger.startswith(t) for a in kills) for t in ("time", "event")},
+        "sigterm_checkpointed": sum(a.rc == 143 for a in kills),
+        "sigterm_default_death": sum(a.rc == -signal.SIGTERM for a in kills),
+        "sigterm_exit_s_max": round(exits[-1], 2) if exits else None,
+        "finished_before_kill": sum(a.signal is not None and a.rc == 0 for r in results for a in r.attempts),
+        "output_reads": sum(a.outputs_read for r in results for a in r.attempts),
+    }
+
+
+def dump(path: str | None, record: dict) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")

@@ -1,0 +1,114 @@
+"""SIGTERM (Kubernetes stopping a pod): the stage saves its resume checkpoint, exits 143 within the
+grace period, and the next run continues to the same weights as a run that was never stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+from safetensors.torch import load_file
+
+from kill_harness import run_attempt
+from stage_cases import CASES, same_files
+from prmflow.components.common import checkpoint, config, preemption
+from prmflow.components.sft import stage
+
+SHORT = {"train_size": 64, "eval_size": 4, "max_steps": 8, "micro_batch_size": 4, "warmup_steps": 2,
+         "eval_every": 5, "save_every": 0, "eval_max_new_tokens": 4, "max_seq_len": 64,
+         "engine.backend": "torch", "tracking.enabled": False}
+
+
+def test_handler_sets_a_flag_and_is_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    with preemption.Preemption() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to the main thread before the next bytecode
+        assert stop.requested and stop.signal_name == "SIGTERM"
+        os.kill(os.getpid(), signal.SIGTERM)  # a repeat while saving changes nothing
+        assert stop.requested
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_second_ctrl_c_interrupts_at_once():
+    with preemption.Preemption() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # give the interpreter bytecodes to run the handler on
+                pass
+
+
+def test_outside_the_main_thread_it_is_inert():
+    seen = {}
+    t = threading.Thread(target=lambda: seen.setdefault("stop", preemption.Preemption().install()))
+    t.start()
+    t.join()
+    assert not seen["stop"].requested and not seen["stop"]._previous
+
+
+def test_preempted_exits_with_143():
+    e = preemption.Preempted("sft", 4, "/x/.out.work/latest")
+    assert isinstance(e, SystemExit) and e.code == 143 and "step 4" in str(e)
+
+
+def test_sigterm_in_process_saves_exits_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+    full = config.load(stage.Config, overrides={**SHORT, "output": str(tmp_path / "full")})
+    stage.run(full)
+    cut = config.load(stage.Config, overrides={**SHORT, "output": str(tmp_path / "cut")})
+    steps = []
+    real_step = stage.TrainEngine.step
+
+    def step_then_sigterm(self):
+        norm = real_step(self)
+        steps.append(1)
+        if len(steps) == 5:  # the pod is told to stop during step 5 (an eval step)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return norm
+
+    monkeypatch.setattr(stage.TrainEngine, "step", step_then_sigterm)
+    with pytest.raises(preemption.Preempted) as stopped:
+        stage.run(cut)
+    assert stopped.value.code == 143 and len(steps) == 5  # the step in progress finished, no more
+    work = checkpoint.work_dir_for(cut.output)
+    state = json.loads((work / "latest" / "state" / "trainer_state.json").read_text())
+    assert state == {"step": 5, "consumed": 20, "eval_pending": True}  # save_every=0: only SIGTERM saved
+    assert not (tmp_path / "cut").exists()  # no partial output
+
+    monkeypatch.setattr(stage.TrainEngine, "step", real_step)
+    evals = []
+    real_eval = stage.evaluate
+    monkeypatch.setattr(stage, "evaluate", lambda *a, **k: evals.append(1) or real_eval(*a, **k))
+    stage.run(cut)
+    assert len(evals) == 2  # the step-5 eval the stop skipped, then the final one
+    a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "cut" / "model.safetensors"))
+    assert a.keys() == b.keys() and all((a[n] == b[n]).all() for n in a)  # bit-for-bit
+    assert not work.exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_running_sft_process_then_resume(stage_runs, tmp_path, reliability):
+    case = CASES["sft"]
+    _, inputs, ref_dir, _ = stage_runs("sft")
+    run = tmp_path / "run"
+    argv = case.argv(run, inputs)
+    # wait for the first periodic checkpoint (step 3 of 10): training is surely under way
+    stopped = run_attempt(case, argv, run, ("event", ".out.work/latest", signal.SIGTERM), "sigterm")
+    err = (run / "logs" / "sigterm.err").read_text()
+    assert stopped.rc == 143, err[-2000:]
+    assert stopped.exit_after_signal_s < case.grace_s
+    assert "stopped after step" in err and "Traceback" not in err
+    state = json.loads((run / ".out.work" / "latest" / "state" / "trainer_state.json").read_text())
+    assert 4 <= state["step"] < 10  # saved on SIGTERM after the step in progress, not the periodic step-3 save
+    assert not (run / "out").exists()
+
+    resumed = run_attempt(case, argv, run, None, "resume")
+    assert resumed.rc == 0
+    assert f"resuming from step {state['step']}" in (run / "logs" / "resume.out").read_text()
+    same_files(ref_dir / "out", run / "out")
+    assert not (run / ".out.work").exists()
+    reliability.add("sigterm", stopped_at_step=state["step"], exit_after_signal_s=round(stopped.exit_after_signal_s, 2),
+                    resumed_bit_for_bit=1)

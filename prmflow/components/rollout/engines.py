@@ -1,0 +1,311 @@
+"""Generation engines behind one interface: Hugging Face (CPU or GPU) and vLLM (GPU node pools).
+
+    engine = HFEngine(model, tokenizer, batch_size=64)          # or VLLMEngine("outputs/sft")
+    out = engine.generate(prompt_ids, SamplingParams(n=4, temperature=1.0, max_new_tokens=256))
+    out[i][j].token_ids, out[i][j].logprobs, out[i][j].finish_reason   # prompt i, sample j
+
+Both engines take token ids (the stage tokenizes, so `prompt_ids` in the rollouts is exactly what
+was sampled from), and return per sample the generated ids, the log-probability of every generated
+token and the finish reason: "stop" (an end-of-sequence token, kept as the last id, or a stop
+string, kept in the text) or "length" (max_new_tokens reached).
+
+`logprobs` are of the model's own distribution: log_softmax of the raw logits, before temperature,
+top-k or top-p. That is the distribution the PPO ratio and the KL term are taken under, and what
+vLLM returns in its default `raw_logprobs` mode, so the two engines record the same quantity.
+
+The HF engine is a KV-cache loop: one prefill per prompt (its cache is copied for the n samples),
+then one forward of a single token per step. Sequences that finish are dropped from the batch
+(their cache rows too), so a batch runs only as long as its longest live sample. The naive
+alternative, a full forward of prompt + response for every new token, costs O(T^2) instead of
+O(T); benchmarks/bench_rollout.py measures both against `model.generate`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+STOP, LENGTH = "stop", "length"
+
+
+@dataclass
+class SamplingParams:
+    """What to sample; the same fields mean the same thing for every engine."""
+
+    n: int = 1
+    """Samples per prompt."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 = greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 = off)."""
+    max_new_tokens: int = 64
+    """Generated tokens per sample at most (the EOS token counts)."""
+    stop: Sequence[str] = ()
+    """Strings that end a sample once they appear in its text (kept in the response)."""
+    seed: int = 0
+    """Seed of the sampling random numbers: the same seed, prompts and batch size give the same samples."""
+    ignore_eos: bool = False
+    """Keep generating after an end-of-sequence token (benchmarks: every sample gets max_new_tokens)."""
+
+
+@dataclass
+class Completion:
+    """One sampled response."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # one per token in token_ids, raw model distribution
+    finish_reason: str  # "stop" | "length"
+
+
+class Engine(Protocol):
+    """generate(prompts as token ids, params) -> for every prompt, its params.n completions."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 progress: Callable[[int], None] | None = None) -> list[list[Completion]]: ...
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Temperature, then top-k, then top-p applied to logits (B, V) -> (B, V), removed tokens at -inf.
+
+    The slow equivalent is transformers' TemperatureLogitsWarper, TopKLogitsWarper and
+    TopPLogitsWarper in that order (tests compare them). Top-p keeps a token when the probability
+    of the tokens ranked above it is below top_p, so the most likely token always stays.
+    """
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_above = torch.cumsum(probs, dim=-1) - probs
+        remove_sorted = mass_above >= top_p
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token per row of logits (B, V) -> (B,) long."""
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """End-of-sequence ids: the model's generation config (may list several), else the tokenizer's."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
+
+
+class StopStrings:
+    """Finds a stop string in the tail of each sample's text as tokens arrive.
+
+    Only the last few tokens are decoded per step (enough to hold the longest stop string twice),
+    so the cost per step does not grow with the response.
+    """
+
+    def __init__(self, tokenizer, stops: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.stops = [s for s in stops if s]
+        self.window = 2 * max((len(s) for s in self.stops), default=0) + 4
+
+    def __bool__(self) -> bool:
+        return bool(self.stops)
+
+    def hit(self, tokens: torch.Tensor, length: int) -> list[bool]:
+        """tokens (b, >=length) long: the ids so far of each live sample -> which ones just hit a stop."""
+        tail = tokens[:, max(0, length - self.window):length].tolist()
+        texts = self.tokenizer.batch_decode(tail, skip_special_tokens=True)
+        return [any(s in t for s in self.stops) for t in texts]
+
+
+# --- the Hugging Face engine -------------------------------------------------------------------
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) ids padded on the left with `pad_id` and the (B, T) attention mask."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, T - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
+            mask[i, T - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+class HFEngine:
+    """Batched sampling with a transformers causal LM and its KV cache (CPU or one GPU).
+
+    batch_size counts sequences (prompts x samples) per forward; prompts are grouped by length so
+    a batch carries little padding.
+    """
+
+    def __init__(self, model, tokenizer, batch_size: int = 64, device: str | torch.device | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.device = torch.device(device) if device else next(model.parameters()).device
+        self.model.to(self.device).eval()
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
+        params = inspect.signature(model.forward).parameters
+        self._prefill_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        per_batch = max(1, self.batch_size // params.n)
+        out: list[list[Completion]] = [[] for _ in prompts]
+        for b in range(0, len(order), per_batch):
+            chunk = order[b:b + per_batch]
+            done = self._generate_batch([prompts[i] for i in chunk], params, generator)
+            for k, i in enumerate(chunk):
+                out[i] = done[k * params.n:(k + 1) * params.n]
+            if progress is not None:
+                progress(len(chunk))
+        return out
+
+    def _generate_batch(self, prompts: list[Sequence[int]], params: SamplingParams,
+                        generator: torch.Generator) -> list[Completion]:
+        model, n, T = self.model, params.n, params.max_new_tokens
+        stops = StopStrings(self.tokenizer, params.stop)
+        eos = torch.tensor(self.eos_ids if not params.ignore_eos else [], dtype=torch.long, device=self.device)
+
+        # prefill the prompts once, then copy each prompt's cache for its n samples
+        ids, mask = left_pad(prompts, self.pad_id, self.device)  # (P, L)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **self._prefill_kwargs)
+        cache = out.past_key_values
+        logits = out.logits[:, -1].float()  # (P, V)
+        next_pos = positions[:, -1] + 1  # (P,)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits, mask, next_pos = (x.repeat_interleave(n, dim=0) for x in (logits, mask, next_pos))
+
+        B = len(prompts) * n
+        tokens = torch.full((B, T), self.pad_id, dtype=torch.long, device=self.device)  # (B, T)
+        logps = torch.zeros((B, T), dtype=torch.float32, device=self.device)  # (B, T)
+        lengths = torch.full((B,), T, dtype=torch.long)
+        finish = [LENGTH] * B
+        rows = torch.arange(B, device=self.device)  # output row of each live batch row
+        for t in range(T):
+            logp = torch.log_softmax(logits, dim=-1)  # (b, V) raw distribution, recorded
+            tok = sample_tokens(logits, params, generator)  # (b,)
+            tokens[rows, t] = tok
+            logps[rows, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
+            ended = torch.isin(tok, eos) if len(eos) else torch.zeros_like(tok, dtype=torch.bool)
+            if stops:
+                ended |= torch.tensor(stops.hit(tokens[rows], t + 1), device=self.device)
+            if ended.any():
+                for r in rows[ended].tolist():
+                    lengths[r], finish[r] = t + 1, STOP
+            if t == T - 1 or ended.all():
+                break
+            if ended.any():  # drop finished samples from the batch, cache rows included
+                keep = (~ended).nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                rows, tok, mask, next_pos = rows[keep], tok[keep], mask[keep], next_pos[keep]
+            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
+            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                        past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1].float()  # (b, V)
+            next_pos = next_pos + 1
+        tokens, logps = tokens.cpu(), logps.cpu()
+        return [Completion(tokens[i, :lengths[i]].tolist(), logps[i, :lengths[i]].tolist(), finish[i]) for i in range(B)]
+
+
+# --- the vLLM engine ---------------------------------------------------------------------------
+
+@dataclass
+class VLLMSettings:
+    gpu_memory_utilization: float = 0.85
+    """Fraction of GPU memory vLLM may take for weights and KV cache."""
+    tensor_parallel_size: int = 1
+    """GPUs one model is split across."""
+    max_model_len: int = 0
+    """Context window vLLM reserves cache for; 0 = the model's own."""
+    enforce_eager: bool = False
+    """Skip CUDA graph capture: slower decoding, faster start (small runs, debugging)."""
+    extra: dict = field(default_factory=dict)
+    """Further keyword arguments for vllm.LLM (e.g. {quantization: fp8})."""
+
+
+class VLLMEngine:
+    """A thin adapter over vllm.LLM: the same generate() contract as HFEngine.
+
+    Needs the `gpu` extra (pip install 'prmflow[gpu]') and a CUDA GPU. Stop strings are kept in
+    the output (include_stop_str_in_output) so the text is exactly the decoded token ids; logprobs
+    of the sampled tokens only (logprobs=0), in vLLM's raw_logprobs mode.
+    """
+
+    def __init__(self, model_path: str, dtype: str = "bfloat16", seed: int = 0, settings: VLLMSettings | None = None):
+        from vllm import LLM  # the gpu extra
+
+        s = settings or VLLMSettings()
+        kwargs = dict(model=str(model_path), dtype=dtype, seed=seed, gpu_memory_utilization=s.gpu_memory_utilization,
+                      tensor_parallel_size=s.tensor_parallel_size, enforce_eager=s.enforce_eager, **s.extra)
+        if s.max_model_len:
+            kwargs["max_model_len"] = s.max_model_len
+        kwargs.setdefault("logprobs_mode", "raw_logprobs")
+        try:
+            self.llm = LLM(**kwargs)
+        except TypeError as e:  # an older vLLM without logprobs_mode: raw logprobs were its only mode
+            if "logprobs_mode" not in str(e):
+                raise
+            kwargs.pop("logprobs_mode")
+            self.llm = LLM(**kwargs)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
+        from vllm import SamplingParams as VSamplingParams
+
+        requests = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
+        sampling = [VSamplingParams(
+            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
+            max_tokens=params.max_new_tokens, stop=list(params.stop) or None, include_stop_str_in_output=True,
+            ignore_eos=params.ignore_eos, logprobs=0, seed=params.seed * 1_000_003 + i, detokenize=bool(params.stop),
+        ) for i in range(len(prompts))]
+        results = self.llm.generate(requests, sampling, use_tqdm=False)
+        out = []
+        for res in results:
+            samples = []
+            for c in sorted(res.outputs, key=lambda c: c.index):
+                if c.finish_reason not in (STOP, LENGTH):
+                    raise RuntimeError(f"vLLM finished a sample with reason {c.finish_reason!r}")
+                ids = list(c.token_ids)
+                lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs)]
+                samples.append(Completion(ids, lps, c.finish_reason))
+            out.append(samples)
+        if progress is not None:
+            progress(len(prompts))
+        return out
+
+    def close(self) -> None:
+        """Free the GPU memory (the scoring models need it next)."""
+        import gc
+
+        del self.llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

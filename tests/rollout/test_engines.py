@@ -1,0 +1,150 @@
+"""Generation engines: one interface test suite that the HF engine passes on CPU and the vLLM engine
+passes where vLLM and a GPU exist (skipped with the reason elsewhere)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from prmflow.components.common import modeling, tasks
+from prmflow.components.rollout import engines
+from prmflow.components.rollout.engines import HFEngine, SamplingParams, VLLMEngine
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+VLLM_SKIP = "vLLM engine needs the gpu extra (pip install 'prmflow[gpu]') and a CUDA GPU"
+
+
+@pytest.fixture(scope="module")
+def policy(sft_policy):
+    model, tok = modeling.load_causal_lm(sft_policy)
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="module")
+def prompts(policy):
+    _, tok = policy
+    return [tok(r.prompt)["input_ids"] for r in tasks.load("arithmetic", "eval", 6, seed=3)]
+
+
+@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_VLLM, reason=VLLM_SKIP)])])
+def engine(request, policy, sft_policy):
+    model, tok = policy
+    if request.param == "hf":
+        yield HFEngine(model, tok, batch_size=8)
+        return
+    eng = VLLMEngine(str(sft_policy), dtype="float32", settings=engines.VLLMSettings(gpu_memory_utilization=0.3, enforce_eager=True))
+    yield eng
+    eng.close()
+
+
+def reference_logprobs(model, prompt, response):
+    """log p(response token t | prompt + response[:t]) from one unpadded forward pass."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    return logp[len(prompt) - 1:-1].gather(-1, ids[0, len(prompt):, None])[:, 0]
+
+
+def test_greedy_matches_model_generate(engine, policy, prompts):
+    """Greedy decoding gives model.generate's tokens, EOS kept as the last id with finish 'stop'."""
+    model, tok = policy
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=48))
+    for p, (c,) in zip(prompts, out):
+        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), do_sample=False,
+                             max_new_tokens=48, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[0, len(p):].tolist()
+        assert c.token_ids == ref
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == tok.eos_token_id and tok.eos_token_id not in c.token_ids[:-1]
+        else:
+            assert len(c.token_ids) == 48 and tok.eos_token_id not in c.token_ids
+    assert any(c.finish_reason == "stop" for (c,) in out)  # the SFT policy learned to end its answers
+
+
+def test_behavior_logprobs_match_a_forward_pass(engine, policy, prompts):
+    model, _ = policy
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=5))
+    tol = 2e-5 if isinstance(engine, HFEngine) else 2e-2  # KV-cache vs full pass in float32; vLLM kernels differ more
+    for p, group in zip(prompts, out):
+        assert len(group) == 2
+        for c in group:
+            assert len(c.logprobs) == len(c.token_ids) >= 1
+            ref = reference_logprobs(model, p, c.token_ids)
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=tol), (c.logprobs, ref)
+
+
+def test_same_seed_same_samples_other_seed_differs(engine, prompts):
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=24, seed=11)
+    a = engine.generate(prompts, params)
+    b = engine.generate(prompts, params)
+    c = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_new_tokens=24, seed=12))
+    ids = lambda out: [[s.token_ids for s in g] for g in out]  # noqa: E731
+    assert ids(a) == ids(b)
+    assert ids(a) != ids(c)
+
+
+def test_max_new_tokens_and_ignore_eos(engine, prompts):
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=7, ignore_eos=True, seed=1))
+    for group in out:
+        for c in group:
+            assert len(c.token_ids) == 7 and c.finish_reason == "length"
+
+
+def test_stop_strings_end_the_sample_where_they_appear(engine, policy, prompts):
+    """A stop string ends the response at the token that completes it; it stays in the text."""
+    _, tok = policy
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=40, stop=["=", "er:"], seed=3))
+    hits = 0
+    for group in out:
+        for c in group:
+            text, before = tok.decode(c.token_ids, skip_special_tokens=True), tok.decode(c.token_ids[:-1], skip_special_tokens=True)
+            assert not any(s in before for s in ("=", "er:"))
+            if c.finish_reason == "stop" and c.token_ids[-1] != tok.eos_token_id:
+                assert text.endswith("=") or text.endswith("er:")
+                hits += 1
+    assert hits > 0
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 8, 0.6)])
+def test_filter_logits_matches_transformers_warpers(temperature, top_k, top_p):
+    logits = torch.randn(16, 90, generator=torch.Generator().manual_seed(0)) * 3
+    ours = engines.filter_logits(logits, temperature, top_k, top_p)
+    ref = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p < 1:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    assert torch.allclose(ours[~torch.isinf(ours)], ref[~torch.isinf(ref)])
+
+
+def test_hf_engine_samples_the_filtered_distribution(policy, prompts):
+    """First-token frequencies of 3000 samples match softmax of the filtered logits (and nothing outside it)."""
+    model, tok = policy
+    prompt = prompts[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].float()
+    # make the distribution wide enough to test: the tiny SFT policy is nearly deterministic at T=1
+    temperature, top_k, top_p = 4.0, 6, 0.9
+    expected = torch.softmax(engines.filter_logits(logits[None], temperature, top_k, top_p)[0], -1)
+    out = HFEngine(model, tok, batch_size=3000).generate(
+        [prompt], SamplingParams(n=3000, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1, seed=0))
+    first = torch.tensor([c.token_ids[0] for c in out[0]])
+    freq = torch.bincount(first, minlength=len(expected)).float() / len(first)
+    assert (freq[expected == 0] == 0).all()
+    assert (expected > 0).sum() >= 2
+    assert torch.allclose(freq, expected, atol=0.03), (freq[expected > 0], expected[expected > 0])
+    # and each sample's recorded logprob is of the raw distribution, not the filtered one
+    raw = torch.log_softmax(logits, -1)
+    assert torch.allclose(torch.tensor([c.logprobs[0] for c in out[0]]), raw[first], atol=1e-5)
+
+
+def test_hf_engine_batches_agree_with_one_prompt_at_a_time(policy, prompts):
+    """Left padding, cache copies for n samples and dropping finished rows do not change greedy outputs."""
+    model, tok = policy
+    batched = HFEngine(model, tok, batch_size=12).generate(prompts, SamplingParams(n=2, temperature=0, max_new_tokens=40))
+    for p, group in zip(prompts, batched):
+        (single,) = HFEngine(model, tok, batch_size=1).generate([p], SamplingParams(temperature=0, max_new_tokens=40))[0]
+        assert [c.token_ids for c in group] == [single.token_ids] * 2

@@ -1,0 +1,198 @@
+"""Best-of-N evaluation: does reranking N sampled solutions by PRM score pick right answers?
+
+For every held-out prompt the policy samples N solutions; each is scored step by step by the PRM
+and reduced to one number by an aggregation (min: the weakest step, as in Lightman et al. 2023;
+product: P(all steps right) under independence; last: the final step; mean). The pick is the
+solution with the highest aggregate. Baselines, on the same samples:
+- majority: the most frequent final answer (self-consistency, Wang et al. 2022);
+- random: a uniformly random pick, reported as its expectation (the mean correctness of the N);
+- pass1: the policy's greedy solution;
+- pass_at_n: some sample is right (the ceiling of any reranker).
+Ties (equal aggregate, equal vote counts) count as a uniformly random choice among the tied ones,
+i.e. their mean correctness, so no ordering accident flatters a method.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..common import config as config_lib, modeling, tasks
+from ..common.errors import ConfigError
+from ..common.generation import generate_texts
+from ..common.tasks import arithmetic
+from .metrics import roc_auc
+
+log = logging.getLogger(__name__)
+
+
+def _product(s: list[float]) -> float:
+    return math.prod(s)
+
+
+#: name -> reduction of a solution's step scores to one number.
+AGGREGATIONS: dict[str, Callable[[list[float]], float]] = {
+    "min": min,
+    "product": _product,
+    "last": lambda s: s[-1],
+    "mean": lambda s: sum(s) / len(s),
+}
+
+
+@dataclass
+class BestOfNConfig:
+    policy_path: str = ""
+    """Policy (HF directory) to sample from for best-of-N after training; empty = skip best-of-N."""
+    n: int = 8
+    """Solutions sampled per prompt."""
+    prompts: int = 200
+    """Held-out prompts (arithmetic 'test' split, or the first rows of task)."""
+    task: str = "arithmetic"
+    """Prompts with reference answers: 'arithmetic' (its test split) or a .jsonl/.parquet dataset."""
+    temperature: float = 1.0
+    """Sampling temperature of the N solutions (1.0 = the policy's own distribution)."""
+    top_p: float = 1.0
+    """Nucleus sampling of the N solutions."""
+    max_new_tokens: int = 64
+    """Generation budget per solution."""
+    aggregations: list[str] = field(default_factory=lambda: ["min", "product", "last", "mean"])
+    """Reductions of step scores to one score per solution; each gives eval/bon_<name>."""
+    batch_size: int = 256
+    """Prompts per generation batch and responses per PRM scoring batch."""
+    seed: int = 0
+    """Sampling seed."""
+
+    def __post_init__(self):
+        if self.n < 1 or self.prompts < 1:
+            raise ConfigError(f"bon.n ({self.n}) and bon.prompts ({self.prompts}) must be at least 1.")
+        unknown = [a for a in self.aggregations if a not in AGGREGATIONS]
+        if unknown:
+            raise ConfigError(f"bon.aggregations has {unknown}; known: {sorted(AGGREGATIONS)}.")
+
+
+def aggregate(step_scores: list[float], how: str) -> float:
+    """One score per solution; a solution without steps scores -inf (never preferred)."""
+    return AGGREGATIONS[how](step_scores) if step_scores else -math.inf
+
+
+def pick_value(keys: list[float], correct: list[float]) -> float:
+    """Expected correctness of picking an argmax of `keys`, ties broken uniformly at random."""
+    best = max(keys)
+    tied = [c for k, c in zip(keys, correct) if k == best]
+    return sum(tied) / len(tied)
+
+
+def majority_value(answers: list[str | None], correct: list[float]) -> float:
+    """Expected correctness of majority vote over final answers (None = no answer, no vote)."""
+    counts = collections.Counter(a for a in answers if a is not None)
+    if not counts:
+        return 0.0
+    top = max(counts.values())
+    winners = [a for a, c in counts.items() if c == top]
+    # every sample with the same answer is equally right, so each winner's correctness is any of its samples'
+    return sum(next(c for a2, c in zip(answers, correct) if a2 == a) for a in winners) / len(winners)
+
+
+def extract_answer(record: tasks.PromptRecord, response: str) -> str | None:
+    """The final answer a response commits to (normalized number when it parses)."""
+    got = arithmetic.extract_answer(response)
+    if got is None and record.source != "arithmetic":
+        import re
+
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", response.replace(",", ""))
+        got = numbers[-1] if numbers else None
+    if got is None:
+        return None
+    try:
+        return repr(float(got))
+    except ValueError:
+        return got.strip()
+
+
+def score_table(records: list[tasks.PromptRecord], candidates: list[list[str]], scores: list[list[list[float]]],
+                greedy: list[str], aggregations: list[str]) -> dict:
+    """Every accuracy from already sampled and scored solutions (pure: easy to test).
+
+    candidates[i][j]: solution j of prompt i; scores[i][j]: its step scores; greedy[i]: the greedy
+    solution. Returns eval/bon_<agg>, eval/majority, eval/random, eval/pass1, eval/pass_at_n.
+    """
+    acc = collections.defaultdict(float)
+    for rec, cands, sc, g in zip(records, candidates, scores, greedy):
+        correct = [tasks.verify(rec, c) for c in cands]
+        for how in aggregations:
+            acc[f"eval/bon_{how}"] += pick_value([aggregate(s, how) for s in sc], correct)
+        acc["eval/majority"] += majority_value([extract_answer(rec, c) for c in cands], correct)
+        acc["eval/random"] += sum(correct) / len(correct)
+        acc["eval/pass1"] += tasks.verify(rec, g)
+        acc["eval/pass_at_n"] += max(correct)
+    return {k: v / len(records) for k, v in acc.items()}
+
+
+def sample(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConfig,
+           chat_template: bool = True) -> tuple[list[list[str]], list[str], list[str]]:
+    """(N sampled solutions per prompt, one greedy solution per prompt, rendered prompts)."""
+    policy, tok = modeling.load_causal_lm(policy_path)
+    prompts = [tasks.render_prompt(tok, r, chat_template) for r in records]
+    special = not (chat_template and getattr(tok, "chat_template", None))
+    flat = [p for p in prompts for _ in range(cfg.n)]
+    sampled = generate_texts(policy, tok, flat, cfg.max_new_tokens, batch_size=cfg.batch_size, do_sample=True,
+                             temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, add_special_tokens=special)
+    greedy = generate_texts(policy, tok, prompts, cfg.max_new_tokens, batch_size=cfg.batch_size,
+                            add_special_tokens=special)
+    return [sampled[i * cfg.n:(i + 1) * cfg.n] for i in range(len(records))], greedy, prompts
+
+
+def load_prompts(cfg: BestOfNConfig, arithmetic_cfg: arithmetic.ArithmeticConfig | None = None,
+                 seed: int = 0) -> list[tasks.PromptRecord]:
+    akw = config_lib.to_dict(arithmetic_cfg or arithmetic.ArithmeticConfig())
+    split = "test" if cfg.task == "arithmetic" else "eval"
+    records = tasks.load(cfg.task, split, cfg.prompts, seed, **akw)
+    missing = [r.prompt_id for r in records if r.answer is None]
+    if missing:
+        raise ConfigError(f"bon.task '{cfg.task}': {len(missing)} prompts have no reference answer (first: "
+                          f"{missing[0]!r}); best-of-N needs one per prompt.")
+    return records
+
+
+def evaluate(prm_path: str, cfg: BestOfNConfig, arithmetic_cfg: arithmetic.ArithmeticConfig | None = None,
+             chat_template: bool = True, step_separator: str = "\n", seed: int = 0) -> tuple[dict, dict]:
+    """Sample with cfg.policy_path, rerank by the PRM at prm_path; (metrics, a sample table).
+
+    When the prompts are arithmetic, the sampled steps also have exact labels, and
+    eval/bon_step_auc says how well the PRM ranks the policy's own steps.
+    """
+    from .scoring import PRMScorer
+
+    records = load_prompts(cfg, arithmetic_cfg, seed)
+    candidates, greedy, prompts = sample(cfg.policy_path, records, cfg, chat_template)
+    scorer = PRMScorer(prm_path, batch_size=cfg.batch_size, step_separator=step_separator)
+    flat = scorer.score([p for p in prompts for _ in range(cfg.n)], [c for cs in candidates for c in cs])
+    scores = [flat[i * cfg.n:(i + 1) * cfg.n] for i in range(len(records))]
+    metrics = score_table(records, candidates, scores, greedy, cfg.aggregations)
+    metrics["perf/prm_tokens_per_s"] = scorer.tokens_per_s
+    if all(r.source == "arithmetic" for r in records):
+        ys, ss = [], []
+        for rec, cands, sc in zip(records, candidates, scores):
+            for c, s in zip(cands, sc):
+                labels = arithmetic.step_labels(rec.prompt, step_separator.join(_steps(c, step_separator)))
+                if len(labels) == len(s):
+                    ys += labels
+                    ss += s
+        metrics["eval/bon_step_auc"] = roc_auc(ss, ys)
+    table = {"prompt_id": [], "response": [], "step_scores": [], "correct": []}
+    for rec, cands, sc in list(zip(records, candidates, scores))[:20]:
+        for c, s in zip(cands, sc):
+            table["prompt_id"].append(rec.prompt_id)
+            table["response"].append(c)
+            table["step_scores"].append([round(x, 4) for x in s])
+            table["correct"].append(tasks.verify(rec, c))
+    return metrics, table
+
+
+def _steps(text: str, separator: str) -> list[str]:
+    from ..common.steps import steps
+
+    return steps(text, separator)

@@ -1,0 +1,271 @@
+"""Step-labelled examples: a prompt, its response cut into steps, and one label per step.
+
+The stepwise format (JSONL or Parquet, one row per solution; `prm-label` writes it):
+
+    {"prompt": "...", "steps": ["7+5=12", "12*3=36", "answer: 36"], "labels": [1, 1, 1],
+     "answer": "36", "id": "...", "source": "arithmetic"}
+
+`labels` are hard (0/1) or soft (in [0, 1], e.g. the fraction of Math-Shepherd completions that
+reach the answer). Instead of `steps` a row may carry a `response` string, cut into steps with the
+stage's separator. A step may not be empty or contain the separator (it would be read as two
+steps), and there must be one label per step: each violation is a DataError naming file and line.
+
+The built-in arithmetic task makes examples with exact labels: the reference solution (all 1),
+`arithmetic.corrupt` solutions (one wrong result, labels 1...1 0...0 from it on, the documented
+convention) and a few other slips a policy makes (a wrong operand, a wrong final answer line),
+every one labelled by the exact checker `arithmetic.step_labels`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..common import steps as steps_lib, tasks
+from ..common.errors import DataError
+from ..common.tasks import arithmetic
+from .model import encode
+
+
+@dataclass
+class StepExample:
+    prompt: str
+    steps: list[str]
+    labels: list[float]
+    answer: str | None = None
+    prompt_id: str = ""
+    source: str = "dataset"
+    where: str = ""
+    """file and line (or 'arithmetic') the example came from, for error messages."""
+
+    def response(self, separator: str = "\n") -> str:
+        return separator.join(self.steps)
+
+
+@dataclass
+class Tokenized:
+    input_ids: list[int]
+    step_ends: list[int]
+    labels: list[float]
+    example: StepExample = field(repr=False)
+
+
+# --- reading and checking --------------------------------------------------------------------
+
+def check_example(ex: StepExample, separator: str) -> StepExample:
+    """Raise a DataError naming `ex.where` unless the example is well formed."""
+    w = ex.where or "example"
+    if not isinstance(ex.prompt, str) or not ex.prompt.strip():
+        raise DataError(f"{w}: no 'prompt' (or it is empty). Each row needs a prompt string.")
+    if not isinstance(ex.steps, list) or not ex.steps:
+        raise DataError(f"{w}: no steps. Give a non-empty 'steps' list (or a 'response' string with steps "
+                        f"separated by {separator!r}).")
+    for k, s in enumerate(ex.steps):
+        if not isinstance(s, str) or not s.strip():
+            raise DataError(f"{w}: step {k} is empty; every step needs text (drop empty steps and their labels).")
+        if separator in s:
+            raise DataError(f"{w}: step {k} ({s!r}) contains the step separator {separator!r}, so it would be read as "
+                            f"several steps. Split it into separate steps, or change step_separator.")
+    if not isinstance(ex.labels, list) or len(ex.labels) != len(ex.steps):
+        n = len(ex.labels) if isinstance(ex.labels, list) else "no"
+        raise DataError(f"{w}: {n} labels for {len(ex.steps)} steps; give exactly one label per step.")
+    for k, y in enumerate(ex.labels):
+        if isinstance(y, bool):
+            y = float(y)
+        if not isinstance(y, (int, float)) or not math.isfinite(y) or not 0.0 <= y <= 1.0:
+            raise DataError(f"{w}: label {k} is {y!r}; labels must be numbers in [0, 1] (0/1 hard, or a soft fraction).")
+    ex.labels = [float(y) for y in ex.labels]
+    return ex
+
+
+def _rows(path: Path) -> tuple[list[tuple[int, dict]], str]:
+    if path.suffix in (".jsonl", ".json"):
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}, line {lineno}: not valid JSON ({e.msg}). Fix or remove the line.") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}, line {lineno}: expected a JSON object, got {type(row).__name__}.")
+                rows.append((lineno, row))
+        return rows, "line"
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DataError(f"{path}: not a readable Parquet file ({e}).") from None
+        return list(enumerate(table.to_pylist())), "row"
+    raise DataError(f"Step data '{path}': unknown format '{path.suffix}'. Use .jsonl or .parquet.")
+
+
+def load_stepwise(path: str | Path, separator: str = "\n", n: int | None = None) -> list[StepExample]:
+    """Read and check a stepwise JSONL/Parquet file (or a prm-label output directory); fails on the
+    first bad row, naming it."""
+    path = Path(path)
+    if path.is_dir():  # a prm-label output: its labels file, once the manifest says it is complete
+        from ..common import io
+
+        io.verify_files(path, io.read_manifest(path))
+        path = path / "labels.jsonl"
+    if not path.is_file():
+        raise DataError(f"Step data '{path}' does not exist. Pass a .jsonl/.parquet file in the stepwise format "
+                        f"(prompt, steps, labels) or task=arithmetic.")
+    rows, unit = _rows(path)
+    if not rows:
+        raise DataError(f"Step data '{path}' is empty: it has no rows.")
+    out = []
+    for where_n, row in rows:
+        where = f"{path}, {unit} {where_n}"
+        step_list = row.get("steps")
+        if step_list is None and isinstance(row.get("response"), str):
+            step_list = steps_lib.steps(row["response"], separator)
+        prompt = row.get("prompt")
+        out.append(check_example(StepExample(
+            prompt=prompt, steps=step_list, labels=row.get("labels"), answer=None if row.get("answer") is None else str(row["answer"]),
+            prompt_id=str(row.get("id") or row.get("prompt_id") or f"{path.name}:{where_n}"),
+            source=str(row.get("source") or "dataset"), where=where), separator))
+        if n is not None and len(out) >= n:
+            break
+    return out
+
+
+def write_jsonl(examples: list[StepExample], path: Path, extra: list[dict] | None = None) -> None:
+    """Write examples in the stepwise format (what load_stepwise reads)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i, ex in enumerate(examples):
+            row = {"id": ex.prompt_id, "prompt": ex.prompt, "steps": ex.steps, "labels": ex.labels,
+                   "answer": ex.answer, "source": ex.source, **(extra[i] if extra else {})}
+            f.write(json.dumps(row) + "\n")
+
+
+# --- the arithmetic task with exact labels ---------------------------------------------------
+
+def _wrong_operand(p: arithmetic.Problem, rng: random.Random) -> str:
+    """A step that copies a wrong operand but computes consistently with it."""
+    k = rng.randrange(len(p.ops))
+    value, out = p.start, []
+    for i, (op, b) in enumerate(p.ops):
+        if i == k:
+            b = b + rng.choice([-2, -1, 1, 2]) if b > 2 else b + rng.choice([1, 2])
+        nxt = value + b if op == "+" else value - b if op == "-" else value * b
+        out.append(f"{value}{op}{b}={nxt}")
+        value = nxt
+    return "\n".join(out + [f"{arithmetic.ANSWER_PREFIX}{value}"])
+
+
+def _wrong_answer_line(p: arithmetic.Problem, rng: random.Random) -> str:
+    """Every computation right, the final answer line wrong."""
+    return "\n".join(p.steps[:-1] + [f"{arithmetic.ANSWER_PREFIX}{int(p.answer) + rng.choice([-2, -1, 1, 2])}"])
+
+
+def arithmetic_examples(n: int, seed: int, split: str, cfg: arithmetic.ArithmeticConfig,
+                        negatives_per_problem: int = 1) -> list[StepExample]:
+    """For each of n problems: the reference solution and `negatives_per_problem` wrong ones
+    (mostly `arithmetic.corrupt`), each labelled by the exact checker."""
+    rng = random.Random(f"prm:{seed}:{split}")
+    out = []
+    for p in arithmetic.generate(n, seed=seed, split=split, cfg=cfg):
+        responses = [p.solution]
+        for _ in range(negatives_per_problem):
+            kind = rng.random()
+            if kind < 0.6:
+                responses.append(arithmetic.corrupt(p, rng)[0])
+            elif kind < 0.8:
+                responses.append(_wrong_operand(p, rng))
+            else:
+                responses.append(_wrong_answer_line(p, rng))
+        for r in responses:
+            out.append(StepExample(p.prompt, arithmetic.split_steps(r), [float(y) for y in arithmetic.step_labels(p.prompt, r)],
+                                   p.answer, p.prompt_id, "arithmetic", f"arithmetic:{split}"))
+    return out
+
+
+def from_records(records: list[tasks.PromptRecord], responses: list[str], separator: str = "\n") -> list[StepExample]:
+    """Exactly labelled examples for sampled responses to arithmetic prompts (e.g. policy samples)."""
+    out = []
+    for r, resp in zip(records, responses):
+        s = steps_lib.steps(resp, separator)
+        if not s:
+            continue
+        out.append(StepExample(r.prompt, s, [float(y) for y in arithmetic.step_labels(r.prompt, separator.join(s))],
+                               r.answer, r.prompt_id, r.source, "policy sample"))
+    return out
+
+
+# --- tensors ---------------------------------------------------------------------------------
+
+def tokenize(examples: list[StepExample], tokenizer, separator: str, step_tag: str, max_seq_len: int,
+             render=lambda prompt: prompt) -> tuple[list[Tokenized], int]:
+    """Token ids and step readout positions; examples longer than max_seq_len are dropped (counted)."""
+    out, dropped = [], 0
+    for ex in examples:
+        enc = encode(tokenizer, render(ex.prompt), ex.response(separator), separator, step_tag)
+        if len(enc.input_ids) > max_seq_len:
+            dropped += 1
+            continue
+        if len(enc.step_ends) != len(ex.labels):
+            raise DataError(f"{ex.where}: {len(ex.labels)} labels but the response has {len(enc.step_ends)} steps "
+                            f"when cut by {separator!r}.")
+        out.append(Tokenized(enc.input_ids, enc.step_ends, ex.labels, ex))
+    return out, dropped
+
+
+def collate(batch: list[Tokenized], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids and attention_mask (B, T); step_mask (B, T) true at readout tokens;
+    targets (B, T) float, the step label at readout tokens and 0 elsewhere."""
+    T = max(len(e.input_ids) for e in batch)
+    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), T), dtype=torch.long)
+    step_mask = torch.zeros((len(batch), T), dtype=torch.bool)
+    targets = torch.zeros((len(batch), T), dtype=torch.float32)
+    for i, e in enumerate(batch):
+        ids[i, :len(e.input_ids)] = torch.tensor(e.input_ids)
+        mask[i, :len(e.input_ids)] = 1
+        step_mask[i, e.step_ends] = True
+        targets[i, e.step_ends] = torch.tensor(e.labels)
+    return {"input_ids": ids, "attention_mask": mask, "step_mask": step_mask, "targets": targets}
+
+
+def step_bce(z: torch.Tensor, targets: torch.Tensor, step_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed binary cross-entropy over step positions, and their count.
+
+    z, targets (B, T) float, step_mask (B, T) bool -> (scalar sum, n_steps). Soft targets are the
+    same formula: -(y log sigmoid(z) + (1-y) log(1-sigmoid(z))); other positions never enter.
+    """
+    losses = torch.nn.functional.binary_cross_entropy_with_logits(z[step_mask], targets[step_mask], reduction="sum")
+    return losses, int(step_mask.sum())
+
+
+def policy_examples(policy_path: str, records: list[tasks.PromptRecord], samples: int, separator: str = "\n",
+                    max_new_tokens: int = 64, seed: int = 0, chat_template: bool = True,
+                    batch_size: int = 256) -> list[StepExample]:
+    """The policy's own solutions to arithmetic prompts, labelled by the exact checker.
+
+    A PRM is used on the policy's mistakes (best-of-N, RL); training on them, not only on synthetic
+    corruptions, matches that distribution (the PRM800K recipe, with the checker as the labeller).
+    """
+    from ..common import modeling
+    from ..common.generation import generate_texts
+
+    policy, tok = modeling.load_causal_lm(policy_path)
+    rendered = [tasks.render_prompt(tok, r, chat_template) for r in records]
+    special = not (chat_template and getattr(tok, "chat_template", None))
+    owners = [r for r in records for _ in range(samples)]
+    texts = generate_texts(policy, tok, [p for p in rendered for _ in range(samples)], max_new_tokens,
+                           batch_size=batch_size, do_sample=True, seed=seed, add_special_tokens=special)
+    out = from_records(owners, texts, separator)
+    for ex in out:
+        ex.where = f"sample of {policy_path}"
+    return out

@@ -1,0 +1,271 @@
+"""The process reward model: a causal-LM backbone read out once per reasoning step.
+
+Two heads, one readout contract: for every step the model yields one *step logit* z, and the
+PRM's score is sigmoid(z) = P(step is correct).
+
+- `token_classification` (ours, the default): an `AutoModelForTokenClassification` with one label
+  (the backbone + a linear `score` head, `modeling.load_scalar_model`); z = head output at the last
+  token of the step. Initialized from a causal-LM directory (e.g. the SFT policy) the head starts at
+  zero, so every step starts at 0.5.
+- `lm_tokens` (Math-Shepherd style): a plain causal LM; z = logit(good_token) - logit(bad_token)
+  at the step's last token (usually a step tag such as " ки" appended to every step). This is
+  exactly softmax([l_good, l_bad])[0] of the Math-Shepherd readout, written as a logit difference
+  so training uses the same BCE-with-logits as the token-classification head.
+
+Where the readout sits is decided by `encode`, which training, scoring and labelling all call: the
+prompt is tokenized, then the response (after the prompt, without special tokens) with its offset
+mapping, and `steps.step_end_tokens` places the last token of each step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from ..common import modeling, steps
+from ..common.errors import ConfigError, ModelLoadError
+
+log = logging.getLogger(__name__)
+
+#: File (written by modeling.save_pretrained's `extra`) that records how a saved PRM reads its steps.
+PRM_META = "prmflow.json"
+
+
+@dataclass
+class HeadConfig:
+    kind: Literal["token_classification", "lm_tokens"] = "token_classification"
+    """token_classification: a linear head on the backbone (saved as AutoModelForTokenClassification); lm_tokens: P(good_token) vs P(bad_token) of a causal LM (Math-Shepherd checkpoints)."""
+    good_token: str = "+"
+    """lm_tokens: the token whose probability means 'this step is correct' (Math-Shepherd: '+')."""
+    bad_token: str = "-"
+    """lm_tokens: the token whose probability means 'this step is wrong' (Math-Shepherd: '-')."""
+    step_tag: str = ""
+    """Text appended to every step before tokenizing, read at its last token (Math-Shepherd: ' ки'). Empty: read at the step's own last token."""
+
+    def __post_init__(self):
+        if self.kind == "lm_tokens" and (not self.good_token or not self.bad_token or self.good_token == self.bad_token):
+            raise ConfigError(f"head.good_token ({self.good_token!r}) and head.bad_token ({self.bad_token!r}) must be "
+                              f"two different non-empty tokens for head.kind=lm_tokens.")
+
+
+@dataclass
+class Encoded:
+    """One (prompt, response) pair as the PRM sees it."""
+
+    input_ids: list[int]
+    step_ends: list[int]  # index into input_ids of the readout token of each step
+    n_steps: int  # steps in the response; > len(step_ends) only when truncated
+
+
+def tag_steps(response: str, separator: str, step_tag: str) -> tuple[str, list[tuple[int, int]]]:
+    """The response with `step_tag` appended to every step, and the steps' spans in that text
+    (each span ends after its tag)."""
+    spans = steps.step_spans(response, separator)
+    if not step_tag:
+        return response, spans
+    parts, new_spans, pos, shift = [], [], 0, 0
+    for a, b in spans:
+        parts += [response[pos:b], step_tag]
+        new_spans.append((a + shift, b + shift + len(step_tag)))
+        shift += len(step_tag)
+        pos = b
+    parts.append(response[pos:])
+    return "".join(parts), new_spans
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Prompt tokens; special tokens (BOS) are added unless the prompt already starts with them
+    (a chat-templated prompt carries its own)."""
+    bos = tokenizer.bos_token
+    add = not (bos and prompt.startswith(bos))
+    return tokenizer(prompt, add_special_tokens=add)["input_ids"]
+
+
+def encode(tokenizer, prompt: str, response: str, separator: str = "\n", step_tag: str = "",
+           max_length: int | None = None) -> Encoded:
+    """Token ids of prompt + response and the readout position of every step.
+
+    Steps are `steps.step_spans(response, separator)`; a step's readout is its last token (or the
+    last token of its tag). With `max_length`, the ids are cut to that many tokens and steps whose
+    readout falls beyond it get no position (`n_steps` still counts them).
+    """
+    p_ids = prompt_ids(tokenizer, prompt)
+    text, spans = tag_steps(response, separator, step_tag)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ends = steps.step_end_tokens(enc["offset_mapping"], spans)
+    if len(ends) != len(spans):
+        raise ValueError(f"{len(spans)} steps but only {len(ends)} have tokens in {response!r}")
+    ids = p_ids + list(enc["input_ids"])
+    ends = [len(p_ids) + e for e in ends]
+    if max_length is not None and len(ids) > max_length:
+        ids = ids[:max_length]
+        ends = [e for e in ends if e < max_length]
+    return Encoded(ids, ends, len(spans))
+
+
+def step_logits(logits: torch.Tensor, head: HeadConfig, good_id: int | None = None, bad_id: int | None = None) -> torch.Tensor:
+    """Per-token step logit z (score = sigmoid(z)) from the model's output logits.
+
+    token_classification: logits (B, T, 1) -> (B, T), the head output.
+    lm_tokens: logits (B, T, V) -> (B, T), l_good - l_bad; sigmoid of it equals
+    softmax(logits[..., [good, bad]])[..., 0], the Math-Shepherd readout.
+    """
+    if head.kind == "token_classification":
+        return logits[..., 0].float()
+    return (logits[..., good_id] - logits[..., bad_id]).float()
+
+
+def single_token_id(tokenizer, text: str, what: str) -> int:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        raise ConfigError(f"{what} {text!r} is {len(ids)} tokens for this tokenizer ({ids}); lm_tokens needs a "
+                          f"single token. Pick a string the tokenizer keeps whole (Math-Shepherd: '+' and '-').")
+    return ids[0]
+
+
+class PRM:
+    """A loaded PRM: the HF model, its tokenizer, its head and the token ids the head reads.
+
+    `PRM.load(path_or_preset, head)` builds the right model class for the head; `forward` returns
+    step logits (B, T) for every token (training gathers the step positions, scoring too).
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, head: HeadConfig):
+        self.model, self.tokenizer, self.head = model, tokenizer, head
+        self.good_id = self.bad_id = None
+        if head.kind == "lm_tokens":
+            self.good_id = single_token_id(tokenizer, head.good_token, "head.good_token")
+            self.bad_id = single_token_id(tokenizer, head.bad_token, "head.bad_token")
+
+    @classmethod
+    def load(cls, path: str | Path, head: HeadConfig | None = None, dtype: str = "float32", seed: int = 0) -> "PRM":
+        """A PRM from a HF directory or a tiny preset name.
+
+        With `head` None the head recorded in the directory's prmflow.json is used (a PRM written by
+        this stage), else token_classification. A directory whose recorded head differs from the
+        requested one is an error: the weights would be read the wrong way.
+        """
+        saved = saved_head(path)
+        if head is None:
+            head = saved or HeadConfig()
+        elif saved is not None and saved.kind != head.kind:
+            raise ConfigError(f"'{path}' is a PRM with head.kind={saved.kind}, but head.kind={head.kind} was asked "
+                              f"for. Set head.kind={saved.kind} (or start from a plain causal-LM directory).")
+        if head.kind == "lm_tokens":
+            model, tok = modeling.load_causal_lm(path, dtype, seed=seed)
+        elif modeling.is_tiny(str(path)):
+            model, tok = _tiny_scalar_model(str(path), seed, dtype)
+        else:
+            model, tok = modeling.load_scalar_model(path, dtype)
+        return cls(model, tok, head)
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model=None) -> torch.Tensor:
+        """Step logits for every token: (B, T) ids and mask -> (B, T) float32. `model` lets a
+        training engine's wrapper run the forward pass."""
+        out = (model or self.model)(input_ids=input_ids, attention_mask=attention_mask)
+        return step_logits(out.logits, self.head, self.good_id, self.bad_id)
+
+    def metadata(self, separator: str) -> dict:
+        """What save() records so a scorer reads the checkpoint the way it was trained."""
+        return {"stage": "prm", "prm_head": asdict(self.head), "step_separator": separator}
+
+
+def append_identity_layers(model: torch.nn.Module, n: int, seed: int = 0) -> torch.nn.Module:
+    """Append `n` decoder layers to the backbone whose residual branches start at zero.
+
+    The model computes exactly what it did before (each new layer adds o_proj(...) = 0 and
+    down_proj(...) = 0 to the residual stream), but the new layers can attend from a token to the
+    backbone's *finished* prediction at the previous token. A verifier needs that comparison (was
+    this digit the one the backbone expected?) and a backbone whose last layer makes its predictions
+    has no layer left to make it. The result is still a plain HF model with num_hidden_layers + n.
+    """
+    import copy
+
+    if n <= 0:
+        return model
+    backbone = getattr(model, model.base_model_prefix)
+    layers = getattr(backbone, "layers", None)
+    if layers is None or not len(layers):
+        raise ConfigError(f"extra_layers needs a decoder with a `layers` list; {type(backbone).__name__} has none. "
+                          f"Set extra_layers=0.")
+    cfg = model.config
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 7919)
+        for _ in range(n):
+            layer = copy.deepcopy(layers[-1])
+            for module in layer.modules():  # fresh weights, residual outputs at zero
+                if isinstance(module, torch.nn.Linear):
+                    module.reset_parameters()
+            for name, module in layer.named_modules():
+                if name.endswith(("o_proj", "down_proj")):
+                    torch.nn.init.zeros_(module.weight)
+                    if module.bias is not None:
+                        torch.nn.init.zeros_(module.bias)
+            attn = getattr(layer, "self_attn", None)
+            if attn is not None and hasattr(attn, "layer_idx"):
+                attn.layer_idx = len(layers)
+            layers.append(layer)
+    cfg.num_hidden_layers = len(layers)
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = cfg.layer_types + [cfg.layer_types[-1]] * n
+    return model
+
+
+def freeze_below(model: torch.nn.Module, train_layers: int) -> None:
+    """Freeze everything but the last `train_layers` decoder layers, the final norm and the head.
+
+    lm_tokens models keep their tied input embeddings frozen too (the head reads them), so only the
+    top of the network adapts.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    layers = backbone.layers
+    if train_layers > len(layers):
+        raise ConfigError(f"train_layers={train_layers} but the model has {len(layers)} decoder layers.")
+    keep = {id(p) for layer in list(layers)[len(layers) - train_layers:] for p in layer.parameters()}
+    keep |= {id(p) for p in getattr(backbone, "norm", torch.nn.Identity()).parameters()}
+    head = getattr(model, "score", None)
+    keep |= {id(p) for p in (head.parameters() if head is not None else [])}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
+
+
+def saved_head(path: str | Path) -> HeadConfig | None:
+    meta = Path(str(path)) / PRM_META
+    if not meta.is_file():
+        return None
+    try:
+        data = json.loads(meta.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"'{meta}' is not valid JSON ({e}).") from None
+    return HeadConfig(**data["prm_head"]) if "prm_head" in data else None
+
+
+def saved_separator(path: str | Path) -> str | None:
+    meta = Path(str(path)) / PRM_META
+    if meta.is_file():
+        return json.loads(meta.read_text()).get("step_separator")
+    return None
+
+
+def _tiny_scalar_model(preset: str, seed: int, dtype: str):
+    """A token-classification model on a freshly initialized tiny backbone (score head at zero)."""
+    from transformers import AutoModelForTokenClassification
+
+    lm, tok = modeling.build_tiny_model(preset, seed=seed)
+    cfg = lm.config
+    cfg.num_labels = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForTokenClassification.from_config(cfg)
+    prefix = model.base_model_prefix  # 'model' for llama/qwen2
+    getattr(model, prefix).load_state_dict(getattr(lm, prefix).state_dict())
+    with torch.no_grad():
+        model.score.weight.zero_()
+        if getattr(model.score, "bias", None) is not None:
+            model.score.bias.zero_()
+    return model.to(modeling.torch_dtype(dtype)), tok

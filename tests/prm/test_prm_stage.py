@@ -1,0 +1,153 @@
+"""PRM training stage: resume is exact, both engines agree, soft labels are fitted, lm_tokens trains,
+the saved PRM scores exactly what training evaluated, a finished output is not redone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from prmflow import cli
+from prmflow.components.common import checkpoint, config
+from prmflow.components.prm import data, stage
+from prmflow.components.prm.metrics import step_metrics
+from prmflow.components.prm.model import PRM
+from prmflow.components.prm.scoring import load_scorer
+
+SHORT = {"train_size": 40, "eval_size": 8, "negatives_per_problem": 1, "max_steps": 6, "micro_batch_size": 8,
+         "warmup_steps": 1, "eval_every": 0, "save_every": 0, "engine.backend": "torch", "tracking.enabled": False}
+
+
+def make_cfg(tmp_path, name="out", **over):
+    return config.load(stage.Config, overrides={**SHORT, "output": str(tmp_path / name), **over})
+
+
+def weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_resume_after_a_checkpoint_gives_the_uninterrupted_result(tmp_path, monkeypatch):
+    full = make_cfg(tmp_path, "full", save_every=3)
+    stage.run(full)
+
+    cut = make_cfg(tmp_path, "cut", save_every=3)
+    real_save = checkpoint.save
+    saves = []
+
+    def preempted(*args, **kwargs):
+        path = real_save(*args, **kwargs)
+        saves.append(json.loads((path / "state" / "trainer_state.json").read_text()))
+        raise KeyboardInterrupt("preempted")  # the pod dies right after its first checkpoint
+
+    monkeypatch.setattr(stage.checkpoint, "save", preempted)
+    with pytest.raises(KeyboardInterrupt):
+        stage.run(cut)
+    assert saves == [{"step": 3, "consumed": 24}]
+    assert not (tmp_path / "cut").exists()  # no partial output
+
+    monkeypatch.setattr(stage.checkpoint, "save", real_save)
+    steps = []
+    monkeypatch.setattr(stage.TrainEngine, "step", lambda self, _orig=stage.TrainEngine.step: (steps.append(1), _orig(self))[1])
+    stage.run(cut)
+    assert len(steps) == 3  # steps 4..6 only
+    a, b = weights(tmp_path / "full"), weights(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert not checkpoint.work_dir_for(cut.output).exists()
+
+
+def test_deepspeed_and_plain_engines_agree(tmp_path):
+    stage.run(make_cfg(tmp_path, "plain", max_steps=3, grad_accum=2, micro_batch_size=4))
+    stage.run(make_cfg(tmp_path, "ds", max_steps=3, grad_accum=2, micro_batch_size=4, **{"engine.backend": "deepspeed"}))
+    a, b = weights(tmp_path / "plain"), weights(tmp_path / "ds")
+    start = PRM.load("tiny-llama").model.state_dict()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=2e-5), name
+    assert float((a["score.weight"] - start["score.weight"]).abs().max()) > 1e-4  # the head really trained
+
+
+def test_saved_prm_scores_what_training_evaluated(tmp_path):
+    """The scoring API on the written directory reproduces the stage's own held-out metrics."""
+    cfg = make_cfg(tmp_path, max_steps=4)
+    metrics = stage.run(cfg)
+    _, held_out = stage.load_data(cfg)
+    scorer = load_scorer(cfg.output, batch_size=5)
+    scores = scorer.score([e.prompt for e in held_out], [e.response() for e in held_out])
+    again = step_metrics([e.labels for e in held_out], scores)
+    for key in ("eval/step_auc", "eval/step_accuracy", "eval/loss"):
+        assert again[key] == pytest.approx(metrics[key], abs=1e-5), key
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["kind"] == "prm" and manifest["metrics"]["eval/step_auc"] == metrics["eval/step_auc"]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["LlamaForTokenClassification"]
+
+
+def test_soft_labels_are_fitted(tmp_path):
+    """With a soft label of 0.25 on every step, BCE's minimizer is 0.25: the trained PRM says so."""
+    rows = [{"prompt": f"Compute left to right: {a}+{b}\n", "steps": [f"{a}+{b}={a + b}", f"answer: {a + b}"],
+             "labels": [0.25, 0.25]} for a in range(1, 9) for b in range(1, 9)]
+    path = tmp_path / "soft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = make_cfg(tmp_path, task=str(path), eval_size=8, max_steps=25, lr=1e-2, micro_batch_size=16)
+    metrics = stage.run(cfg)
+    scores = load_scorer(cfg.output).score([r["prompt"] for r in rows[-8:]], ["\n".join(r["steps"]) for r in rows[-8:]])
+    flat = [s for ss in scores for s in ss]
+    assert sum(flat) / len(flat) == pytest.approx(0.25, abs=0.05)
+    # and the soft BCE at the optimum is the entropy of the label, H(0.25) = 0.562
+    assert metrics["eval/loss"] == pytest.approx(0.5623, abs=0.01)
+
+
+def test_lm_tokens_head_trains_and_reloads(tmp_path):
+    cfg = make_cfg(tmp_path, max_steps=3, **{"head.kind": "lm_tokens", "head.step_tag": "?"})
+    stage.run(cfg)
+    saved = json.loads((tmp_path / "out" / "prmflow.json").read_text())
+    assert saved["prm_head"] == {"kind": "lm_tokens", "good_token": "+", "bad_token": "-", "step_tag": "?"}
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    scorer = load_scorer(cfg.output)
+    assert scorer.prm.head.kind == "lm_tokens"
+    (s,) = scorer.score(["Compute left to right: 1+2\n"], ["1+2=3\nanswer: 3"])
+    assert len(s) == 2 and all(0 < x < 1 for x in s)
+    with pytest.raises(Exception, match="head.kind=lm_tokens"):
+        PRM.load(cfg.output, stage.HeadConfig("token_classification"))
+
+
+def test_rerun_of_a_finished_output_does_nothing(tmp_path, capsys):
+    cfg = make_cfg(tmp_path, max_steps=2)
+    first = stage.run(cfg)
+    before = (tmp_path / "out" / "manifest.json").read_text()
+    assert stage.run(cfg) == first
+    assert "already complete" in capsys.readouterr().out
+    assert (tmp_path / "out" / "manifest.json").read_text() == before
+    with pytest.raises(Exception, match="already exists, but it does not match this run"):
+        stage.run(make_cfg(tmp_path, max_steps=3))
+
+
+def test_cli_runs_the_stage_and_refuses_bad_config(tmp_path, capsys):
+    assert cli.main(["prm", "--output", str(tmp_path / "cli"), "--max_steps", "1", "--warmup_steps", "0",
+                     "--train_size", "8", "--eval_size", "4", "--micro_batch_size", "8",
+                     "--engine.backend", "torch", "--tracking.enabled", "false"]) == 0
+    assert (tmp_path / "cli" / "manifest.json").is_file()
+    assert cli.main(["prm", "--output", str(tmp_path / "x"), "--head.kind", "regression"]) == 2
+    assert "head.kind" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_extra_layers_start_as_the_identity_and_only_the_top_trains(tmp_path):
+    from prmflow.components.common import modeling
+    from prmflow.components.prm.model import append_identity_layers, freeze_below
+
+    lm, tok = modeling.build_tiny_model("tiny-llama", seed=0)
+    lm.eval()
+    ids = torch.tensor([list(range(4, 40))])
+    with torch.no_grad():
+        before = lm(ids).logits
+        append_identity_layers(lm, 2)
+        after = lm(ids).logits
+    assert torch.equal(before, after) and lm.config.num_hidden_layers == 6
+    modeling.save_pretrained(lm, tok, tmp_path / "lm")  # a plain HF directory with 6 layers
+    cfg = make_cfg(tmp_path, model_path=str(tmp_path / "lm"), max_steps=3, train_layers=2)
+    stage.run(cfg)
+    trained, start = weights(tmp_path / "out"), PRM.load(tmp_path / "lm").model.state_dict()
+    changed = {n for n in trained if not torch.equal(trained[n], start[n])}
+    assert changed and all(n.startswith(("model.layers.4.", "model.layers.5.", "model.norm", "score")) for n in changed)
+    assert any(n.startswith("model.layers.5.") for n in changed)

@@ -1,0 +1,131 @@
+"""Evaluate a policy on held-out prompts: greedy pass@1, pass@k, majority vote, PRM best-of-N.
+
+    prmflow evaluate --policy outputs/ppo/policy --prm outputs/prm --output outputs/eval
+    prmflow evaluate --policy outputs/sft --n_samples 8 --task data/test.jsonl
+
+Choices: pass@1 is greedy decoding checked by the task's verifier; the k samples (temperature
+sampling) give pass@k (any right), majority vote over final answers and, with a PRM, best-of-k
+reranking for each aggregation (min, product, last, mean); ties count as a random choice among
+the tied. Also the mean response length (tokens) and the share of greedy responses with no final
+answer (format errors). Metrics go to the stage's MLflow run and are copied to the pipeline's parent
+run, so runs compare side by side; the per-step HTML view is logged as an artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..common import config as config_lib, io, modeling, tasks, tracking
+from ..common.errors import ConfigError
+from ..common.tasks import arithmetic
+from ..prm import bestofn
+from . import report
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Config:
+    policy: str = "outputs/sft"
+    """Policy to evaluate (HF directory)."""
+    prm: str = ""
+    """PRM (HF directory) for best-of-k reranking and the per-step view; empty = no PRM metrics."""
+    baseline: str = ""
+    """Optional second policy (e.g. the SFT one) whose greedy pass@1 is logged as eval/baseline_accuracy."""
+    output: str = "outputs/eval"
+    """Directory for metrics.json, samples.jsonl and per_step.html (written atomically)."""
+    task: str = "arithmetic"
+    """Held-out prompts with answers: 'arithmetic' (its test split) or a .jsonl/.parquet dataset."""
+    num_prompts: int = 200
+    """Held-out prompts to evaluate on."""
+    n_samples: int = 8
+    """k: samples per prompt for pass@k, majority vote and best-of-k."""
+    temperature: float = 1.0
+    """Sampling temperature of the k samples."""
+    top_p: float = 1.0
+    """Nucleus sampling of the k samples."""
+    max_new_tokens: int = 64
+    """Generation budget per response."""
+    aggregations: list[str] = field(default_factory=lambda: ["min", "product", "last", "mean"])
+    """PRM score reductions for best-of-k (each gives eval/bon_<name>)."""
+    step_separator: str = "\n"
+    """Separator between reasoning steps (as the PRM was trained)."""
+    chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template when it has one."""
+    batch_size: int = 256
+    """Prompts per generation batch."""
+    html_samples: int = 20
+    """Responses shown in the per-step HTML view."""
+    seed: int = 0
+    """Sampling seed."""
+    iteration: int = -1
+    """RL iteration of the evaluated policy (-1: not part of an RL loop)."""
+    overwrite: bool = False
+    """Replace an existing output directory."""
+    arithmetic: arithmetic.ArithmeticConfig = field(default_factory=arithmetic.ArithmeticConfig)
+    """Difficulty of the built-in arithmetic task (must match training)."""
+    tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
+    """MLflow tracking."""
+
+    def __post_init__(self):
+        if self.num_prompts < 1 or self.n_samples < 1:
+            raise ConfigError(f"num_prompts ({self.num_prompts}) and n_samples ({self.n_samples}) must be at least 1.")
+        if not self.policy:
+            raise ConfigError("policy is empty; point it at the policy directory to evaluate.")
+
+
+def run(cfg: Config) -> dict:
+    """Evaluate `cfg.policy`; write the results to `cfg.output`; return the eval/* metrics."""
+    bon_cfg = bestofn.BestOfNConfig(policy_path=cfg.policy, n=cfg.n_samples, prompts=cfg.num_prompts, task=cfg.task,
+                                    temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                                    aggregations=cfg.aggregations if cfg.prm else [], batch_size=cfg.batch_size,
+                                    seed=cfg.seed)
+    modeling.check_model_dir(cfg.policy, "policy")
+    if cfg.prm:
+        modeling.check_model_dir(cfg.prm, "prm")
+    records = bestofn.load_prompts(bon_cfg, cfg.arithmetic, cfg.seed)
+    tracker = tracking.start_stage_run(cfg.tracking, "evaluate", params=config_lib.flat_dict(cfg),
+                                       iteration=cfg.iteration if cfg.iteration >= 0 else None)
+    with tracker:
+        candidates, greedy, prompts = bestofn.sample(cfg.policy, records, bon_cfg, cfg.chat_template)
+        if cfg.prm:
+            from ..prm.scoring import PRMScorer
+
+            scorer = PRMScorer(cfg.prm, step_separator=cfg.step_separator)
+            flat = scorer.score([p for p in prompts for _ in range(cfg.n_samples)], [c for cs in candidates for c in cs])
+            scores = [flat[i * cfg.n_samples:(i + 1) * cfg.n_samples] for i in range(len(records))]
+            greedy_scores = scorer.score(prompts, greedy)
+        else:
+            scores = [[[] for _ in cs] for cs in candidates]
+            greedy_scores = [None] * len(records)
+        metrics = bestofn.score_table(records, candidates, scores, greedy, bon_cfg.aggregations)
+        metrics["eval/accuracy"] = metrics.pop("eval/pass1")
+        metrics[f"eval/pass_at_{cfg.n_samples}"] = metrics.pop("eval/pass_at_n")
+        metrics[f"eval/mean_at_{cfg.n_samples}"] = metrics.pop("eval/random")
+        tok = modeling.load_tokenizer(cfg.policy)
+        lengths = [len(tok(g, add_special_tokens=False)["input_ids"]) for g in greedy]
+        metrics["eval/response_length"] = sum(lengths) / len(lengths)
+        metrics["eval/format_errors"] = sum(bestofn.extract_answer(r, g) is None for r, g in zip(records, greedy)) / len(records)
+        if cfg.baseline:
+            base_cfg = bestofn.BestOfNConfig(**{**config_lib.to_dict(bon_cfg), "policy_path": cfg.baseline, "n": 1})
+            _, base_greedy, _ = bestofn.sample(cfg.baseline, records, base_cfg, cfg.chat_template)
+            metrics["eval/baseline_accuracy"] = sum(tasks.verify(r, g) for r, g in zip(records, base_greedy)) / len(records)
+        rows = [{"prompt_id": r.prompt_id, "prompt": r.prompt, "response": g, "correct": tasks.verify(r, g),
+                 "step_scores": s, "source": r.source} for r, g, s in zip(records, greedy, greedy_scores)]
+        page = report.per_step_html(rows[:cfg.html_samples])
+        with io.atomic_output_dir(cfg.output, "evaluation", overwrite=cfg.overwrite,
+                                  manifest={"config": config_lib.to_dict(cfg), "metrics": metrics}) as tmp:
+            (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+            (tmp / "per_step.html").write_text(page)
+            with open(tmp / "samples.jsonl", "w") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+        step = max(cfg.iteration, 0)
+        tracker.log_metrics(metrics, step=step)
+        tracker.log_text(page, "per_step.html")
+        tracker.log_parent_metrics(metrics, step=step)
+    print("evaluate: " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in sorted(metrics.items()) if k.startswith("eval/")))
+    return metrics

@@ -1,0 +1,65 @@
+import json
+
+import pytest
+
+from prmflow.components.common import config, modeling, tasks, tracking
+from prmflow.components.common.generation import generate_texts
+from prmflow.components.evaluate import report, stage
+
+
+@pytest.fixture(scope="module")
+def flat_prm(sft_policy, tmp_path_factory):
+    """A real PRM directory whose head is zero: every step scores exactly 0.5."""
+    out = tmp_path_factory.mktemp("prm") / "prm"
+    model, tok = modeling.load_scalar_model(sft_policy)
+    modeling.save_pretrained(model, tok, out)
+    return out
+
+
+def test_metrics_against_independent_recomputation(sft_policy, flat_prm, tmp_path, sqlite_store):
+    parent = tracking.start_pipeline_run(tracking.TrackingConfig(uri=sqlite_store, pipeline_run_id="kfp-1"))
+    cfg = config.load(stage.Config, overrides={
+        "policy": str(sft_policy), "prm": str(flat_prm), "baseline": str(sft_policy), "output": str(tmp_path / "eval"),
+        "num_prompts": 24, "n_samples": 4, "max_new_tokens": 40, "tracking.uri": sqlite_store,
+        "tracking.pipeline_run_id": "kfp-1"})
+    m = stage.run(cfg)
+    # greedy pass@1, recomputed here with plain generation + the verifier
+    records = tasks.load("arithmetic", "test", 24, 0)
+    model, tok = modeling.load_causal_lm(sft_policy)
+    greedy = generate_texts(model, tok, [r.prompt for r in records], 40)
+    assert m["eval/accuracy"] == pytest.approx(sum(tasks.verify(r, g) for r, g in zip(records, greedy)) / 24)
+    assert m["eval/baseline_accuracy"] == m["eval/accuracy"]  # same policy
+    assert m["eval/mean_at_4"] <= m["eval/pass_at_4"] and m["eval/pass_at_4"] > 0
+    for agg in ("min", "product", "last", "mean"):  # a flat PRM ties everything: best-of-k = a random pick
+        assert m[f"eval/bon_{agg}"] == pytest.approx(m["eval/mean_at_4"])
+    assert 0 <= m["eval/format_errors"] <= 1 and m["eval/response_length"] > 5
+    out = tmp_path / "eval"
+    assert json.loads((out / "metrics.json").read_text()) == pytest.approx(m)
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 24 and all(s == pytest.approx([0.5] * len(s)) for s in (r["step_scores"] for r in rows))
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(sqlite_store)
+    assert client.get_run(parent.run_id).data.metrics["eval/accuracy"] == pytest.approx(m["eval/accuracy"])
+
+
+def test_per_step_view_marks_the_first_wrong_step():
+    prompt = "Compute left to right: 3+4*2-1\n"
+    page = report.per_step_html([
+        {"prompt_id": "a", "prompt": prompt, "response": "3+4=7\n7*2=15\n15-1=14\nanswer: 14", "correct": 0.0,
+         "step_scores": [0.9, 0.2, 0.6, 0.5], "source": "arithmetic"},
+        {"prompt_id": "b", "prompt": prompt, "response": "3+4=7\n7*2=14\n14-1=13\nanswer: 13", "correct": 1.0,
+         "step_scores": None, "source": "arithmetic"},
+    ])
+    assert page.count("&larr; first wrong step") == 1
+    marked = page.split("class='step wrong'")[1]
+    assert marked.split("</span>")[0].endswith("7*2=15 &larr; first wrong step<span class='score'>0.200")
+    assert "rgb(255,0,80)" == report._colour(0.0) and "rgb(0,200,80)" == report._colour(1.0)
+
+
+def test_missing_policy_is_a_clear_error(tmp_path):
+    from prmflow import cli
+
+    code = cli.main(["evaluate", "--policy", str(tmp_path / "none"), "--output", str(tmp_path / "e"),
+                     "--tracking.enabled", "false"])
+    assert code == 2 and not (tmp_path / "e").exists()

@@ -30,8 +30,9 @@ def test_metrics_against_independent_recomputation(sft_policy, flat_prm, tmp_pat
     assert m["eval/accuracy"] == pytest.approx(sum(tasks.verify(r, g) for r, g in zip(records, greedy)) / 24)
     assert m["eval/baseline_accuracy"] == m["eval/accuracy"]  # same policy
     assert m["eval/mean_at_4"] <= m["eval/pass_at_4"] and m["eval/pass_at_4"] > 0
-    for agg in ("min", "product", "last", "mean"):  # a flat PRM ties everything: best-of-k = a random pick
+    for agg in ("min", "last", "mean"):  # every step scores 0.5: these tie, so best-of-k = a random pick
         assert m[f"eval/bon_{agg}"] == pytest.approx(m["eval/mean_at_4"])
+    assert 0 <= m["eval/bon_product"] <= m["eval/pass_at_4"]  # product = 0.5^steps prefers short answers
     assert 0 <= m["eval/format_errors"] <= 1 and m["eval/response_length"] > 5
     out = tmp_path / "eval"
     assert json.loads((out / "metrics.json").read_text()) == pytest.approx(m)

@@ -4,15 +4,19 @@
 from kfp import dsl
 
 
-def init_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, params: dict) -> str:
-    """Create the MLflow parent run of this pipeline run, tagged with the KFP run id; returns its id."""
+def init_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, sft_config: dict, prm_config: dict,
+                  rollout_config: dict, advantage_config: dict, ppo_config: dict) -> str:
+    """Create the MLflow parent run of this pipeline run, tagged with the KFP run id; returns its id.
+
+    The stage configs come as separate parameters: kfp.local pastes a dict that *contains* pipeline
+    parameters into its executor JSON unescaped, which breaks the step.
+    """
     from prmflow.components.common import tracking
 
     cfg = tracking.TrackingConfig(uri=tracking_uri, experiment=experiment, pipeline_run_id=kfp_run_id)
-    flat = {}
-    for section, values in params.items():
-        for key, value in (values or {}).items() if isinstance(values, dict) else [("", values)]:
-            flat[f"{section}.{key}" if key else section] = value
+    sections = {"sft": sft_config, "prm": prm_config, "rollout": rollout_config, "advantage": advantage_config,
+                "ppo": ppo_config}
+    flat = {f"{section}.{key}": value for section, values in sections.items() for key, value in (values or {}).items()}
     run = tracking.start_pipeline_run(cfg, params=flat)
     return run.run_id
 

@@ -96,8 +96,8 @@ def build(spec: PipelineSpec) -> Any:
         common = dict(kfp_run_id=run_id, tracking_uri=tracking_uri, experiment=experiment)
         exit_task = on_cpu(finish_op(**common), cache=False)
         with dsl.ExitHandler(exit_task, name="track-pipeline-run"):
-            init = on_cpu(init_op(**common, params={"sft": sft_config, "prm": prm_config, "rollout": rollout_config,
-                                                    "advantage": advantage_config, "ppo": ppo_config}), cache=False)
+            init = on_cpu(init_op(**common, sft_config=sft_config, prm_config=prm_config, rollout_config=rollout_config,
+                                  advantage_config=advantage_config, ppo_config=ppo_config), cache=False)
             sft = on_gpu(sft_op(config=sft_config, **common).after(init).set_display_name("sft"))
             prm = on_gpu(prm_op(config=prm_config, **common).after(init).set_display_name("prm"))
             policy, subdir, previous = sft.outputs["policy"], "", sft.outputs["policy"]

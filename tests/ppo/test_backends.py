@@ -37,9 +37,7 @@ def torch_reference(sft_policy, rows16, tmp_path_factory):
 
 @pytest.mark.parametrize("engine", [
     "zero0", "zero1", "zero2", "zero3",
-    pytest.param("zero2-offload", marks=pytest.mark.xfail(strict=True, reason=(
-        "common/engine.py: DeepSpeed refuses ZeRO-Offload with a client torch AdamW unless the ds_config sets "
-        "zero_force_ds_cpu_optimizer=false (or uses DeepSpeedCPUAdam)"))),
+    "zero2-offload",  # needs zero_force_ds_cpu_optimizer=false in common/engine.py (set)
 ])
 def test_deepspeed_matches_torch(sft_policy, torch_reference, tmp_path, engine):
     adv, (policy, critic, hist) = torch_reference

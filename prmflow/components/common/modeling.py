@@ -170,8 +170,12 @@ def save_pretrained(model: torch.nn.Module, tokenizer, directory: str | Path, ex
     gathered = contextlib.nullcontext()
     if any(hasattr(p, "ds_id") for p in params):  # DeepSpeed ZeRO-3: each rank holds only a shard
         import deepspeed
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-        gathered = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        # only what is not gathered yet: a caller may already hold some inside its own context
+        missing = [p for p in params if getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE]
+        if missing:
+            gathered = deepspeed.zero.GatheredParameters(missing, modifier_rank=None)
     with gathered:
         if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):
             import copy

@@ -97,7 +97,8 @@ def test_bad_rows_name_file_and_line_and_nothing_is_written(tmp_path, case, no_t
         data.load_stepwise(path)
     assert str(path) in str(err.value)
     out = tmp_path / "prm"
-    cfg = config.load(stage.Config, overrides={"task": str(path), "output": str(out), "eval_size": 1, **no_tracking})
+    cfg = config.load(stage.Config, overrides={"task": str(path), "output": str(out), "eval_size": 1,
+                                                 "model_path": "tiny-llama", **no_tracking})
     with pytest.raises(DataError, match=message):
         stage.run(cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.jsonl"]  # no output, no temporaries
@@ -107,7 +108,8 @@ def test_empty_dataset_and_parquet_row_are_named(tmp_path, no_tracking):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match="empty.jsonl' is empty"):
         stage.run(config.load(stage.Config, overrides={"task": str(tmp_path / "empty.jsonl"),
-                                                       "output": str(tmp_path / "prm"), **no_tracking}))
+                                                       "output": str(tmp_path / "prm"),
+                                                       "model_path": "tiny-llama", **no_tracking}))
     pq.write_table(pa.Table.from_pylist([GOOD, {**GOOD, "labels": [1, 0, 2]}]), tmp_path / "bad.parquet")
     with pytest.raises(DataError, match=r"bad.parquet, row 1: label 2 is 2"):
         data.load_stepwise(tmp_path / "bad.parquet")

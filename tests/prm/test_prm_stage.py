@@ -16,8 +16,9 @@ from prmflow.components.prm.metrics import step_metrics
 from prmflow.components.prm.model import PRM
 from prmflow.components.prm.scoring import load_scorer
 
-SHORT = {"train_size": 40, "eval_size": 8, "negatives_per_problem": 1, "max_steps": 6, "micro_batch_size": 8,
-         "warmup_steps": 1, "eval_every": 0, "save_every": 0, "engine.backend": "torch", "tracking.enabled": False}
+SHORT = {"model_path": "tiny-llama", "extra_layers": 0, "train_layers": 0, "lr": 2e-3, "train_size": 40,
+         "eval_size": 8, "negatives_per_problem": 1, "max_steps": 6, "micro_batch_size": 8, "warmup_steps": 1,
+         "eval_every": 0, "save_every": 0, "engine.backend": "torch", "tracking.enabled": False}
 
 
 def make_cfg(tmp_path, name="out", **over):
@@ -123,8 +124,8 @@ def test_rerun_of_a_finished_output_does_nothing(tmp_path, capsys):
 
 
 def test_cli_runs_the_stage_and_refuses_bad_config(tmp_path, capsys):
-    assert cli.main(["prm", "--output", str(tmp_path / "cli"), "--max_steps", "1", "--warmup_steps", "0",
-                     "--train_size", "8", "--eval_size", "4", "--micro_batch_size", "8",
+    assert cli.main(["prm", "--output", str(tmp_path / "cli"), "--model_path", "tiny-llama", "--max_steps", "1",
+                     "--warmup_steps", "0", "--train_size", "8", "--eval_size", "4", "--micro_batch_size", "8",
                      "--engine.backend", "torch", "--tracking.enabled", "false"]) == 0
     assert (tmp_path / "cli" / "manifest.json").is_file()
     assert cli.main(["prm", "--output", str(tmp_path / "x"), "--head.kind", "regression"]) == 2
@@ -151,3 +152,17 @@ def test_extra_layers_start_as_the_identity_and_only_the_top_trains(tmp_path):
     changed = {n for n in trained if not torch.equal(trained[n], start[n])}
     assert changed and all(n.startswith(("model.layers.4.", "model.layers.5.", "model.norm", "score")) for n in changed)
     assert any(n.startswith("model.layers.5.") for n in changed)
+
+
+def test_tracking_records_the_prm_metrics(tmp_path, sqlite_store):
+    from mlflow.tracking import MlflowClient
+
+    cfg = make_cfg(tmp_path, max_steps=4, log_every=2, eval_every=2,
+                   **{"tracking.enabled": True, "tracking.uri": sqlite_store})
+    stage.run(cfg)
+    client = MlflowClient(sqlite_store)
+    (run,) = client.search_runs([client.get_experiment_by_name("prmflow").experiment_id])
+    assert {"train/loss", "train/lr", "train/grad_norm", "eval/step_auc", "eval/step_accuracy",
+            "eval/first_error_recall", "eval/loss", "perf/tokens_per_s"} <= set(run.data.metrics)
+    assert run.data.tags["prmflow.stage"] == "prm" and run.data.params["head.kind"] == "token_classification"
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "eval/step_auc")} == {2, 4}

@@ -40,6 +40,18 @@ class Report:
 REPORT = Report()
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """In-process training on one thread, as the stage subprocesses run (OMP_NUM_THREADS=1): on 2 shared
+    cores a second thread only adds contention, and both runs of a bit-for-bit comparison match it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def reliability() -> Report:
     return REPORT

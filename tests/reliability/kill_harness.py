@@ -128,6 +128,7 @@ def run_attempt(case: StageCase, argv: list[str], run_dir: Path, kill: tuple[str
         attempt = Attempt(rc=0, seconds=0.0)
         sent_at = None
         seen_output = False
+        before = _matches(run_dir, kill[1]) if kill and kill[0] == "event" else {}
         try:
             while proc.poll() is None:
                 now = time.monotonic() - t0
@@ -138,7 +139,8 @@ def run_attempt(case: StageCase, argv: list[str], run_dir: Path, kill: tuple[str
                     seen_output = True
                 if kill is not None and sent_at is None:
                     kind, what, sig = kill
-                    fire = now >= what if kind == "time" else any(run_dir.glob(str(what)))
+                    # an event is a file that appears (or is replaced) during this attempt, not one left by the last
+                    fire = now >= what if kind == "time" else _matches(run_dir, what).items() - before.items()
                     if fire:
                         proc.send_signal(sig)
                         sent_at = time.monotonic()
@@ -157,6 +159,18 @@ def run_attempt(case: StageCase, argv: list[str], run_dir: Path, kill: tuple[str
             attempt.exit_after_signal_s = time.monotonic() - sent_at
     attempt.outputs_read += _check_output(case, out)
     return attempt
+
+
+def _matches(run_dir: Path, pattern) -> dict[str, tuple[int, int]]:
+    """{path: (inode, mtime)} of the files matching `pattern` now."""
+    out = {}
+    for p in run_dir.glob(str(pattern)):
+        try:
+            st = p.stat()
+        except FileNotFoundError:  # renamed away between glob and stat
+            continue
+        out[str(p)] = (st.st_ino, st.st_mtime_ns)
+    return out
 
 
 def _expect_exit(case: StageCase, a: Attempt, run_dir: Path, log_name: str) -> None:

@@ -250,7 +250,13 @@ def test_input_that_is_a_file_not_a_directory(tmp_path):
 
 # --- config files ---------------------------------------------------------------------------------
 
-STAGE_CONFIGS = {"sft": sft.Config, "advantage": advantage.Config}
+def _stage_configs() -> dict:
+    from prmflow import cli
+
+    return {name: module.Config for name, module in cli._available_stages().items()}  # every `prmflow <stage>`
+
+
+STAGE_CONFIGS = _stage_configs()
 
 
 def _keys(cls) -> list[str]:

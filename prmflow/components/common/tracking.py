@@ -252,6 +252,7 @@ class MlflowTracker(NullTracker):
         """Calls that failed at first and were delivered from the queue later."""
         self._queue: deque[dict] = deque()
         self._in_file = False
+        self._file_failed = False
         self._retry_at = 0.0
         self._backoff = FIRST_BACKOFF_S
         self._outage_since: float | None = None
@@ -380,8 +381,10 @@ class MlflowTracker(NullTracker):
                 self._record_run()
             self.fallback.append(op)
         except OSError as e:
-            log.warning("cannot write the tracking fallback file %s (%s); the call is kept in memory only",
-                        self.fallback.path, e)
+            if not self._file_failed:
+                log.warning("cannot write the tracking fallback file %s (%s); calls are kept in memory only",
+                            self.fallback.path, e)
+            self._file_failed = True
 
     def _record_run(self) -> None:
         """Tell the fallback file which MLflow run this tracker's records belong to (once known)."""

@@ -162,6 +162,11 @@ class PRM:
             model, tok = _tiny_scalar_model(str(path), seed, dtype)
         else:
             model, tok = modeling.load_scalar_model(path, dtype)
+        if isinstance(getattr(model, "dropout", None), torch.nn.Dropout):
+            # HF token classifiers default to dropout 0.1 before the head; a scalar regression head
+            # (like a value head) trains better and reproducibly without it
+            model.dropout.p = 0.0
+            model.config.classifier_dropout = 0.0
         return cls(model, tok, head)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model=None) -> torch.Tensor:

@@ -46,11 +46,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Config:
-    model_path: str = "tiny-llama"
-    """Backbone: a causal-LM HF directory (e.g. the SFT policy), an existing PRM directory, or a tiny preset."""
-    extra_layers: int = 0
+    model_path: str = "outputs/sft"
+    """Backbone: a causal-LM HF directory (default: the sft stage's output), an existing PRM directory, or a tiny preset (random init: then use train_layers=0 and extra_layers=0)."""
+    extra_layers: int = 2
     """Decoder layers appended to a causal-LM backbone, starting as the identity: room to compare the backbone's next-token predictions with the tokens actually written (what a verifier does). Costs (layers+extra)/layers compute."""
-    train_layers: int = 0
+    train_layers: int = 2
     """Train only the last train_layers decoder layers (plus the final norm and the head); the rest of the backbone stays frozen. 0 = train everything. With extra_layers = train_layers the verifier reads a frozen policy's own predictions, and a step costs about a third."""
     output: str = "outputs/prm"
     """Directory the trained PRM is written to (HF format + prmflow.json with its head), atomically at the end."""
@@ -84,9 +84,9 @@ class Config:
     """Keep the solutions of one prompt in the same batch (shuffling prompts, not solutions): right and wrong solutions of a problem side by side."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (effective batch = micro_batch_size * grad_accum * GPUs)."""
-    max_steps: int = 1500
+    max_steps: int = 3000
     """Optimizer steps to train for."""
-    lr: float = 2e-3
+    lr: float = 1e-3
     """Peak learning rate (tiny models like a high one; use ~1e-5 for billion-parameter models)."""
     warmup_steps: int = 50
     """Linear warm-up steps from 0 to lr."""
@@ -96,6 +96,8 @@ class Config:
     """AdamW weight decay on matrices (not on norms and biases)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
+    log_every: int = 10
+    """Log train/* and perf/* metrics every this many steps."""
     eval_every: int = 500
     """Evaluate every this many steps (and at the end)."""
     save_every: int = 500
@@ -114,7 +116,8 @@ class Config:
     """MLflow tracking."""
 
     def __post_init__(self):
-        for key in ("train_size", "eval_size", "micro_batch_size", "grad_accum", "max_steps", "max_seq_len"):
+        for key in ("train_size", "eval_size", "micro_batch_size", "grad_accum", "max_steps", "max_seq_len",
+                    "log_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must be at least 1.")
         if self.extra_layers < 0 or self.train_layers < 0:
@@ -258,18 +261,23 @@ def run(cfg: Config) -> dict:
             return _add_best_of_n(cfg, done)
         print(f"prm: '{cfg.output}' is already complete for this config; nothing to do.")
         return done.get("metrics", {})
+    if not modeling.is_tiny(cfg.model_path):
+        modeling.check_model_dir(cfg.model_path)
     if cfg.bon.policy_path:
         modeling.check_model_dir(cfg.bon.policy_path, "bon.policy_path")  # fail before training, not after
     if cfg.policy_samples_path:
         modeling.check_model_dir(cfg.policy_samples_path, "policy_samples_path")
     identity = training_identity(cfg)
+    train_examples, eval_examples = load_data(cfg)  # bad data fails before a model is loaded
+    if modeling.is_tiny(cfg.model_path) and cfg.train_layers:
+        log.warning("model_path=%s is a randomly initialized backbone, and train_layers=%d freezes most of it; "
+                    "use train_layers=0 to train it all.", cfg.model_path, cfg.train_layers)
     torch.manual_seed(cfg.seed)
     prm = PRM.load(cfg.model_path, cfg.head, cfg.engine.dtype, seed=cfg.seed)
     if cfg.extra_layers and saved_head(cfg.model_path) is None:  # not on top of an already trained PRM
         append_identity_layers(prm.model, cfg.extra_layers, cfg.seed)
     if cfg.train_layers:
         freeze_below(prm.model, cfg.train_layers)
-    train_examples, eval_examples = load_data(cfg)
     render = lambda p: tasks.render_prompt(prm.tokenizer, tasks.PromptRecord("", p), cfg.chat_template)  # noqa: E731
     train, dropped = data.tokenize(train_examples, prm.tokenizer, cfg.step_separator, cfg.head.step_tag, cfg.max_seq_len, render)
     held_out, _ = data.tokenize(eval_examples, prm.tokenizer, cfg.step_separator, cfg.head.step_tag, cfg.max_seq_len, render)
@@ -348,7 +356,7 @@ def _train(cfg: Config, prm: PRM, engine: TrainEngine, train, held_out, state, w
         step = state["step"]
         bar.update(1)
         bar.set_postfix(loss=f"{loss_total:.3f}", lr=f"{lr:.2e}", refresh=False)
-        if step % 10 == 0 or step == cfg.max_steps:
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
             tracker.log_metrics({"train/loss": loss_total, "train/lr": lr, "train/grad_norm": grad_norm,
                                  "train/epoch": state["consumed"] / n,
                                  "perf/tokens_per_s": tokens / (time.perf_counter() - t0)}, step=step)

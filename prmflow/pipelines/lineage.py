@@ -5,18 +5,33 @@ from kfp import dsl
 
 
 def init_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, sft_config: dict, prm_config: dict,
-                  rollout_config: dict, advantage_config: dict, ppo_config: dict) -> str:
+                  rollout_config: dict, advantage_config: dict, ppo_config: dict, evaluate_config: dict) -> str:
     """Create the MLflow parent run of this pipeline run, tagged with the KFP run id; returns its id.
+
+    Every stage's config is resolved here (defaults filled in, types coerced, unknown keys refused), so
+    a bad key fails the pipeline in its first CPU step rather than hours later on a GPU node, and the
+    parent run's params are the full, typed configuration (`sft.max_steps` = 12, not the 12.0 a KFP
+    struct parameter turns it into).
 
     The stage configs come as separate parameters: kfp.local pastes a dict that *contains* pipeline
     parameters into its executor JSON unescaped, which breaks the step.
     """
+    from prmflow import cli
+    from prmflow.components.common import config as config_lib
     from prmflow.components.common import tracking
 
     cfg = tracking.TrackingConfig(uri=tracking_uri, experiment=experiment, pipeline_run_id=kfp_run_id)
     sections = {"sft": sft_config, "prm": prm_config, "rollout": rollout_config, "advantage": advantage_config,
-                "ppo": ppo_config}
-    flat = {f"{section}.{key}": value for section, values in sections.items() for key, value in (values or {}).items()}
+                "ppo": ppo_config, "evaluate": evaluate_config}
+    flat, stages = {}, cli._available_stages()
+    for section, values in sections.items():
+        if section not in stages:
+            continue
+        module = stages[section]
+        resolved = config_lib.build(module.Config, config_lib._flatten(dict(values or {})),
+                                    where=f"pipeline config section '{section}'")
+        flat.update({f"{section}.{key}": value for key, value in config_lib.flat_dict(resolved).items()
+                     if not key.startswith("tracking.")})
     run = tracking.start_pipeline_run(cfg, params=flat)
     return run.run_id
 

@@ -1,8 +1,7 @@
 """The prmflow DAG: wiring only (no `from __future__ import annotations`: KFP reads the real types). Each box is a stage's component; all logic lives in the stages.
 
     init_tracking
-      ├─ sft ──────────────┐ policy_0
-      └─ prm ──────────────┤ prm
+      └─ sft ─────────────── policy_0 ──> prm (backbone: the SFT policy, unless prm.model_path is set)
     for k in 0..iterations-1 (unrolled at compile time):
       rollout[shard] x N  (ParallelFor) ── Collected ──> advantage (CPU pool) ──> ppo ──> policy_k+1
     evaluate (if the stage exists)
@@ -97,9 +96,10 @@ def build(spec: PipelineSpec) -> Any:
         exit_task = on_cpu(finish_op(**common), cache=False)
         with dsl.ExitHandler(exit_task, name="track-pipeline-run"):
             init = on_cpu(init_op(**common, sft_config=sft_config, prm_config=prm_config, rollout_config=rollout_config,
-                                  advantage_config=advantage_config, ppo_config=ppo_config), cache=False)
+                                  advantage_config=advantage_config, ppo_config=ppo_config,
+                                  evaluate_config=evaluate_config), cache=False)
             sft = on_gpu(sft_op(config=sft_config, **common).after(init).set_display_name("sft"))
-            prm = on_gpu(prm_op(config=prm_config, **common).after(init).set_display_name("prm"))
+            prm = on_gpu(prm_op(config=prm_config, **common, base=sft.outputs["policy"]).set_display_name("prm"))
             policy, subdir, previous = sft.outputs["policy"], "", sft.outputs["policy"]
             for k in range(pipe.iterations):
                 with dsl.ParallelFor(shards, name=f"rollout-shards-{k}") as shard:

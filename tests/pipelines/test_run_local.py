@@ -1,0 +1,66 @@
+"""`prmflow pipeline run-local`: the real DAG through kfp.local (subprocesses, no docker), tiny budgets.
+
+Every stage runs for real (SFT, PRM on the SFT backbone, two RL iterations of two rollout shards,
+advantage, PPO, evaluate); the MLflow store it leaves behind is what a user would open in the UI.
+"""
+
+import os
+import sys
+
+import pytest
+import yaml
+
+from prmflow import cli
+
+TINY = {
+    "pipeline": {"iterations": 2, "rollout_shards": 2, "experiment": "run-local-test"},
+    "sft": {"model_path": "tiny-llama", "max_steps": 12, "micro_batch_size": 8, "warmup_steps": 1, "eval_size": 4,
+            "eval_every": 0, "save_every": 0, "engine": {"backend": "torch"}},
+    "prm": {"max_steps": 4, "train_size": 16, "eval_size": 4, "micro_batch_size": 8, "warmup_steps": 1,
+            "eval_every": 0, "save_every": 0, "engine": {"backend": "torch"}},
+    "rollout": {"num_prompts": 4, "n_samples": 2, "max_new_tokens": 16},
+    "advantage": {"estimator": "grpo_process"},
+    "ppo": {"epochs": 1, "minibatch_size": 8, "micro_batch_size": 8, "engine": {"backend": "torch"}},
+    "evaluate": {"num_prompts": 4, "n_samples": 2, "max_new_tokens": 16},
+}
+
+
+@pytest.mark.timeout(900)
+def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_text(yaml.safe_dump(TINY))
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.chdir(tmp_path)  # kfp.local writes its local_outputs there
+    # the task subprocesses must import this checkout and stay on one thread each (2-core CI)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+
+    assert cli.main(["pipeline", "run-local", "--config", str(cfg), "--root", str(tmp_path / "root"),
+                     "--param", f"tracking_uri={store}"]) == 0
+
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("run-local-test")
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    parents = [r for r in runs if r.data.tags.get("prmflow.role") == "pipeline"]
+    assert len(parents) == 1, [r.data.tags for r in runs]
+    parent = parents[0]
+    assert parent.info.status == "FINISHED"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == len(runs) - 1  # every stage run hangs under the one parent
+    names = sorted(r.info.run_name for r in children)
+    expected = ["evaluate", "prm", "sft"]
+    for k in (0, 1):
+        expected += [f"rollout-iter{k}", f"rollout-iter{k}", f"advantage-iter{k}", f"ppo-iter{k}"]
+    assert names == sorted(expected)
+    assert all(r.info.status == "FINISHED" for r in children)
+    by_name = {r.info.run_name: r for r in children}
+    # the stages got the pipeline's settings and their inputs from the upstream artifacts
+    assert by_name["sft"].data.params["max_steps"] == "12"
+    assert by_name["prm"].data.params["model_path"].endswith("policy")  # the SFT policy artifact
+    assert by_name["ppo-iter1"].data.params["iteration"] == "1"
+    assert {"train/policy_loss", "train/clip_frac"} <= set(by_name["ppo-iter0"].data.metrics)
+    # the parent carries the whole configuration and the evaluation headline
+    assert parent.data.params["sft.max_steps"] == "12"
+    assert "eval/accuracy" in parent.data.metrics

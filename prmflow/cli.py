@@ -4,6 +4,7 @@
     prmflow sft --help                       # every config key with its description and default
     prmflow sft --config configs/quickstart-cpu.yaml --set max_steps=200
     prmflow make-tiny-model outputs/tiny     # write the tiny preset as a HF directory
+    prmflow tracking-sync outputs/.sft.tracking.jsonl   # upload what MLflow missed while it was down
 
 A stage subcommand builds the stage's Config from `--config FILE` (the file's `<stage>:` section
 when it has one), `--set key=value` and `--key value` flags, then calls `stage.run(config)`. User
@@ -70,6 +71,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     from .pipelines import commands
 
     commands.add_parsers(sub)
+    from .components.common import tracking
+
+    tracking.add_sync_command(sub)
     return parser, stages
 
 

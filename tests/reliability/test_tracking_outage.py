@@ -292,20 +292,39 @@ def test_stage_with_tracking_down_throughout_then_sync(mlflow_server, tmp_path, 
     reliability.add("tracking/real-server", synced_later=counts["delivered"])
 
 
-def test_sync_command_line(flaky, tmp_path, store, capsys):
-    """What `prmflow tracking-sync FILE` does once cli.py calls tracking.add_sync_command(sub)."""
-    import argparse
+def test_sync_command_line(flaky, tmp_path, store, capsys, monkeypatch, reliability):
+    """`prmflow tracking-sync FILE` (cli.main) uploads a fallback file into a real SQLite MLflow store."""
+    from prmflow import cli
 
     flaky.down = True
     fallback = tmp_path / "fb.jsonl"
     cfg = tracking.TrackingConfig(uri=store, experiment="cli", fallback_path=str(fallback), finish_wait_s=0)
-    with tracking.start_stage_run(cfg, "sft") as tracker:
-        tracker.log_metrics({"train/loss": 1.0}, step=1)
+    with tracking.start_stage_run(cfg, "sft", params={"lr": 0.5}) as tracker:
+        for step in (1, 2):
+            tracker.log_metrics({"train/loss": 1.0 / step}, step=step)
+    assert tracker.run_id == ""  # nothing reached the store: it is all in the file
+    untouched = tmp_path / "untouched.jsonl"
+    untouched.write_bytes(fallback.read_bytes())
     flaky.down = False
-    parser = argparse.ArgumentParser(prog="prmflow")
-    tracking.add_sync_command(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["tracking-sync", str(fallback)])
-    assert args.handler(args) == 0
-    assert "3 call(s) delivered" in capsys.readouterr().out  # create_run, the metric, set_terminated
-    with pytest.raises(tracking.TrackingUnavailable, match="does not exist"):
-        args.handler(parser.parse_args(["tracking-sync", str(tmp_path / "missing.jsonl")]))
+    capsys.readouterr()
+    assert cli.main(["tracking-sync", str(fallback)]) == 0
+    # create_run, params, 2 metric batches, set_terminated
+    assert "5 call(s) delivered, 0 refused by the server, 0 already delivered" in capsys.readouterr().out
+    client = MlflowClient(store)
+    run, = client.search_runs([client.get_experiment_by_name("cli").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.5"}
+    assert [s for s, _, _ in history(client, run.info.run_id, "train/loss")] == [1, 2]
+    assert cli.main(["tracking-sync", str(fallback)]) == 0  # again: nothing is sent twice
+    assert "0 call(s) delivered" in capsys.readouterr().out
+    assert len(history(client, run.info.run_id, "train/loss")) == 2
+    # a missing file or an unreachable server: one clear line, exit 2, no traceback
+    assert cli.main(["tracking-sync", str(tmp_path / "missing.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "missing.jsonl' does not exist" in err and "Traceback" not in err
+    clean_http_env(monkeypatch)
+    started = time.perf_counter()
+    assert cli.main(["tracking-sync", str(untouched), "--uri", f"http://127.0.0.1:{free_port()}"]) == 2
+    assert time.perf_counter() - started < 10  # no MLflow retry storm against a dead server
+    err = capsys.readouterr().err
+    assert "untouched.jsonl" in err and "run the same command again" in err and "Traceback" not in err
+    reliability.add("tracking/cli-sync", calls_uploaded_by_command=5)

@@ -471,6 +471,8 @@ def add_sync_command(subparsers) -> None:
 
 
 def _sync_command(args) -> int:
+    if args.uri:  # a server that is still down: one refused connection, not MLflow's minutes of retries
+        _short_http_settings(TrackingConfig(), args.uri)
     counts = sync_fallback(args.file, args.uri)
     print(f"tracking-sync {args.file}: {counts['delivered']} call(s) delivered, {counts['rejected']} refused by the "
           f"server, {counts['skipped']} already delivered before")

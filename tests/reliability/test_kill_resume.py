@@ -1,6 +1,6 @@
 """Kill and resume (SIGKILL and SIGTERM at random moments), and idempotent re-runs, per stage.
 
-CI runs `case.ci_seeds` seeds per stage (sft 1, advantage 2: about a minute on 2 cores); the full
+CI runs `case.ci_seeds` seeds per stage (advantage 2, the others 1); the full
 run is `PRMFLOW_KILL_SEEDS=20 pytest tests/reliability/test_kill_resume.py` (add -s to see each
 seed, PRMFLOW_RELIABILITY_REPORT=FILE for the numbers as JSON).
 """
@@ -75,6 +75,49 @@ def test_advantage_refuses_an_output_made_from_other_rollouts(tmp_path, reliabil
     with pytest.raises(OutputExistsError, match="different inputs"):
         advantage.run(cfg)
     assert _snapshot(tmp_path / "adv") == before
+    reliability.add("idempotence", mismatches_refused=1)
+
+
+def _tiny_policy(path, seed):
+    shutil.rmtree(path, ignore_errors=True)
+    assert cli.main(["make-tiny-model", str(path), "--seed", str(seed)]) == 0
+
+
+def test_rollout_refuses_an_output_sampled_from_another_policy(tmp_path, capsys, reliability):
+    """Same config and paths, but the policy directory was rewritten (a retrained SFT policy): refused."""
+    policy, out = tmp_path / "policy", tmp_path / "ro"
+    argv = ["rollout", "--policy", str(policy), "--output", str(out), "--num_prompts", "2", "--n_samples", "2",
+            "--max_new_tokens", "8", "--tracking.enabled", "false"]
+    _tiny_policy(policy, 0)
+    assert cli.main(argv) == 0
+    before = _snapshot(out)
+    assert cli.main(argv) == 0 and "nothing to do" in capsys.readouterr().out
+    _tiny_policy(policy, 1)
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "different inputs" in err and str(out) in err and "Traceback" not in err, err
+    assert _snapshot(out) == before
+    assert cli.main([*argv, "--overwrite", "true"]) == 0 and _snapshot(out) != before  # asked for: replaced
+    reliability.add("idempotence", mismatches_refused=1)
+
+
+def test_prm_refuses_an_output_trained_on_another_backbone(tmp_path, capsys, reliability):
+    """PRM on an SFT policy directory that was retrained in place: not the same PRM, so an error."""
+    policy, out = tmp_path / "sft", tmp_path / "prm"
+    argv = ["prm", "--model_path", str(policy), "--output", str(out), "--train_size", "16", "--eval_size", "4",
+            "--max_steps", "2", "--warmup_steps", "1", "--micro_batch_size", "8", "--max_seq_len", "96",
+            "--engine.backend", "torch", "--tracking.enabled", "false"]
+    _tiny_policy(policy, 0)
+    assert cli.main(argv) == 0
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert cli.main(argv) == 0 and "nothing to do" in capsys.readouterr().out
+    _tiny_policy(policy, 1)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "different inputs" in err and "Traceback" not in err, err
+    assert _snapshot(out) == before
     reliability.add("idempotence", mismatches_refused=1)
 
 

@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from kill_harness import run_attempt
-from stage_cases import CASES, same_files
+from stage_cases import CASES
 from prmflow.components.common import checkpoint, config, preemption
 from prmflow.components.sft import stage
 
@@ -89,26 +89,79 @@ def test_sigterm_in_process_saves_exits_and_resumes_bit_for_bit(tmp_path, monkey
     assert not work.exists()
 
 
+PRM_SHORT = {"model_path": "tiny-llama", "train_size": 32, "eval_size": 8, "max_steps": 8, "micro_batch_size": 8,
+             "warmup_steps": 2, "eval_every": 5, "save_every": 0, "max_seq_len": 128, "engine.backend": "torch",
+             "tracking.enabled": False}
+
+
+def test_prm_sigterm_in_process_saves_exits_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+    from prmflow.components.prm import stage as prm
+
+    full = config.load(prm.Config, overrides={**PRM_SHORT, "output": str(tmp_path / "full")})
+    prm.run(full)
+    cut = config.load(prm.Config, overrides={**PRM_SHORT, "output": str(tmp_path / "cut")})
+    steps = []
+    real_step = prm.TrainEngine.step
+
+    def step_then_sigterm(self):
+        norm = real_step(self)
+        steps.append(1)
+        if len(steps) == 5:  # the pod is told to stop during step 5 (an eval step)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return norm
+
+    monkeypatch.setattr(prm.TrainEngine, "step", step_then_sigterm)
+    with pytest.raises(preemption.Preempted) as stopped:
+        prm.run(cut)
+    assert stopped.value.code == 143 and stopped.value.stage == "prm" and len(steps) == 5
+    work = checkpoint.work_dir_for(cut.output)
+    state = json.loads((work / "latest" / "state" / "trainer_state.json").read_text())
+    assert state == {"step": 5, "consumed": 40, "eval_pending": True}  # save_every=0: only SIGTERM saved
+    assert not (tmp_path / "cut").exists()
+
+    monkeypatch.setattr(prm.TrainEngine, "step", real_step)
+    evals = []
+    real_eval = prm.evaluate
+    monkeypatch.setattr(prm, "evaluate", lambda *a, **k: evals.append(1) or real_eval(*a, **k))
+    prm.run(cut)
+    assert len(evals) == 2  # the step-5 eval the stop skipped, then the final one
+    a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "cut" / "model.safetensors"))
+    assert a.keys() == b.keys() and all((a[n] == b[n]).all() for n in a)  # bit-for-bit
+    assert not work.exists()
+
+
+#: per stage: (trainer state file in the resume checkpoint, its progress key, the earliest it can stop at, the run's
+#: total, what a resume prints). sft and prm check the flag after their next step (so >= 4); ppo checks it right
+#: after the periodic save, so a SIGTERM landing during that save stops at 3 with that (current) checkpoint.
+RUNNING = {
+    "sft": ("state/trainer_state.json", "step", 4, 10, "sft: resuming from step {}"),
+    "prm": ("state/trainer_state.json", "step", 4, 10, "prm: resuming from step {}"),
+    "ppo": ("actor/trainer_state.json", "update", 3, 16, "ppo: resuming from update {}"),
+}
+
+
 @pytest.mark.slow
-def test_sigterm_to_a_running_sft_process_then_resume(stage_runs, tmp_path, reliability):
-    case = CASES["sft"]
-    _, inputs, ref_dir, _ = stage_runs("sft")
+@pytest.mark.parametrize("name", sorted(RUNNING))
+def test_sigterm_to_a_running_stage_process_then_resume(name, stage_runs, tmp_path, reliability):
+    case = CASES[name]
+    state_file, key, first, total, resumed_line = RUNNING[name]
+    _, inputs, ref_dir, _ = stage_runs(name)
     run = tmp_path / "run"
     argv = case.argv(run, inputs)
-    # wait for the first periodic checkpoint (step 3 of 10): training is surely under way
+    # wait for the first periodic checkpoint (step/update 3): training is surely under way
     stopped = run_attempt(case, argv, run, ("event", ".out.work/latest", signal.SIGTERM), "sigterm")
     err = (run / "logs" / "sigterm.err").read_text()
     assert stopped.rc == 143, err[-2000:]
     assert stopped.exit_after_signal_s < case.grace_s
-    assert "stopped after step" in err and "Traceback" not in err
-    state = json.loads((run / ".out.work" / "latest" / "state" / "trainer_state.json").read_text())
-    assert 4 <= state["step"] < 10  # saved on SIGTERM after the step in progress, not the periodic step-3 save
+    assert "stopped after" in err and "Traceback" not in err
+    state = json.loads((run / ".out.work" / "latest" / state_file).read_text())
+    assert first <= state[key] < total  # saved on SIGTERM after the step in progress (not left at the periodic 3)
     assert not (run / "out").exists()
 
     resumed = run_attempt(case, argv, run, None, "resume")
     assert resumed.rc == 0
-    assert f"resuming from step {state['step']}" in (run / "logs" / "resume.out").read_text()
-    same_files(ref_dir / "out", run / "out")
+    assert resumed_line.format(state[key]) in (run / "logs" / "resume.out").read_text()
+    case.compare(ref_dir / "out", run / "out")
     assert not (run / ".out.work").exists()
-    reliability.add("sigterm", stopped_at_step=state["step"], exit_after_signal_s=round(stopped.exit_after_signal_s, 2),
+    reliability.add(f"sigterm/{name}", stopped_at=state[key], exit_after_signal_s=round(stopped.exit_after_signal_s, 2),
                     resumed_bit_for_bit=1)

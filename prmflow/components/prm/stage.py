@@ -13,8 +13,11 @@ cosine decay, gradient clipping, DeepSpeed or plain PyTorch (the SFT engine). Ev
 eval_every steps on held-out solutions: step AUC, step accuracy and first-error recall. With
 bon.policy_path, the finished PRM reranks N sampled solutions per held-out prompt (best-of-N)
 against majority vote, a random pick and greedy pass@1. Resume: a checkpoint beside the output
-(`.OUTPUT.work/latest`) is picked up on restart with the same config. Re-running a finished
-config does nothing, except adding best-of-N results when bon.* asks for new ones.
+(`.OUTPUT.work/latest`) is picked up on restart with the same config and inputs; SIGTERM (a pod
+being stopped) finishes the step in progress, saves that checkpoint and exits 143
+(common/preemption.py). Re-running a finished config on the same inputs does nothing, except
+adding best-of-N results when bon.* asks for new ones; an existing output from another config or
+other inputs is an error unless overwrite=true.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Literal
 import torch
 from tqdm.auto import tqdm
 
-from ..common import checkpoint, config as config_lib, io, modeling, tasks, tracking
+from ..common import checkpoint, config as config_lib, io, modeling, preemption, tasks, tracking
 from ..common.engine import EngineConfig, OptimSettings, TrainEngine
 from ..common.errors import ConfigError
 from ..common.tasks.arithmetic import ArithmeticConfig
@@ -142,6 +145,23 @@ def training_identity(cfg: Config) -> dict:
     return checkpoint.identity(d)
 
 
+def input_fingerprints(cfg: Config) -> dict[str, str]:
+    """What the weights are trained from besides the config: {path: digest} of the backbone and the
+    policy-samples model when they are prmflow outputs (their manifests' file digests) and of the
+    step data files (their bytes). The same config on a retrained SFT policy or edited labels is a
+    different result: a re-run is refused, a resume checkpoint is not picked up."""
+    out: dict[str, str] = {}
+    for p in (cfg.model_path, cfg.policy_samples_path, *(t for t in (cfg.task, cfg.eval_task) if t != "arithmetic")):
+        path = Path(p) if p else None
+        if path is None:
+            continue
+        if (path / io.MANIFEST).is_file():
+            out.update(io.fingerprint([path]))
+        elif path.is_file():
+            out[str(path)] = io.sha256_file(path)
+    return out
+
+
 # --- data ------------------------------------------------------------------------------------
 
 def load_data(cfg: Config) -> tuple[list[data.StepExample], list[data.StepExample]]:
@@ -212,8 +232,10 @@ def evaluate(prm: PRM, examples: list[data.Tokenized], batch_size: int, model=No
 # --- the stage -------------------------------------------------------------------------------
 
 def _existing_output(cfg: Config) -> dict | None:
-    """The manifest of a finished, intact output trained by the same config, else None (or an error)."""
-    return io.completed_output(cfg.output, {"config": training_identity(cfg)}, cfg.overwrite, "prm")
+    """The manifest of a finished, intact output trained by the same config from the same inputs, else
+    None (or an error)."""
+    return io.completed_output(cfg.output, {"config": training_identity(cfg), "inputs": input_fingerprints(cfg)},
+                               cfg.overwrite, "prm")
 
 
 def _bon_identity(cfg: Config) -> dict:
@@ -259,8 +281,14 @@ def run(cfg: Config) -> dict:
         if cfg.bon.policy_path and done.get("bon") != _bon_identity(cfg):
             modeling.check_model_dir(cfg.bon.policy_path, "bon.policy_path")
             return _add_best_of_n(cfg, done)
-        print(f"prm: '{cfg.output}' is already complete for this config; nothing to do.")
+        print(f"prm: '{cfg.output}' is already complete for this config and these inputs; nothing to do.")
+        checkpoint.clear(checkpoint.work_dir_for(cfg.output))  # left if killed between commit and cleanup
         return done.get("metrics", {})
+    with preemption.Preemption() as stop:
+        return _run(cfg, stop)
+
+
+def _run(cfg: Config, stop: preemption.Preemption) -> dict:
     if not modeling.is_tiny(cfg.model_path):
         modeling.check_model_dir(cfg.model_path)
     if cfg.bon.policy_path:
@@ -268,6 +296,8 @@ def run(cfg: Config) -> dict:
     if cfg.policy_samples_path:
         modeling.check_model_dir(cfg.policy_samples_path, "policy_samples_path")
     identity = training_identity(cfg)
+    inputs = input_fingerprints(cfg)
+    resume_identity = {**identity, "inputs": inputs}  # a checkpoint from other inputs is not resumed
     train_examples, eval_examples = load_data(cfg)  # bad data fails before a model is loaded
     if modeling.is_tiny(cfg.model_path) and cfg.train_layers:
         log.warning("model_path=%s is a randomly initialized backbone, and train_layers=%d freezes most of it; "
@@ -291,7 +321,7 @@ def run(cfg: Config) -> dict:
 
     work = checkpoint.work_dir_for(cfg.output)
     state = {"step": 0, "consumed": 0}
-    resume_from = checkpoint.find(work, identity) if cfg.resume else None
+    resume_from = checkpoint.find(work, resume_identity) if cfg.resume else None
     if resume_from is not None:
         state = engine.load_state(resume_from / "state")
         print(f"prm: resuming from step {state['step']} ({resume_from})")
@@ -304,8 +334,8 @@ def run(cfg: Config) -> dict:
         tracker.log_metrics({"data/train_examples": len(train), "data/train_steps": n_steps,
                              "data/positive_fraction": pos / max(n_steps, 1), "data/dropped_too_long": dropped},
                             step=state["step"])
-        metrics = _train(cfg, prm, engine, train, held_out, state, work, tracker, identity)
-        manifest = {"config": identity, "metrics": metrics, "parents": [cfg.model_path] + (
+        metrics = _train(cfg, prm, engine, train, held_out, state, work, tracker, resume_identity, stop)
+        manifest = {"config": identity, "inputs": inputs, "metrics": metrics, "parents": [cfg.model_path] + (
             [cfg.task] if cfg.task != "arithmetic" else [])}
         with io.atomic_output_dir(cfg.output, "prm", overwrite=True, manifest=manifest) as tmp:
             modeling.save_pretrained(engine.module, prm.tokenizer, tmp,
@@ -320,13 +350,26 @@ def run(cfg: Config) -> dict:
     return metrics
 
 
-def _train(cfg: Config, prm: PRM, engine: TrainEngine, train, held_out, state, work, tracker, identity) -> dict:
+def _preempted(step: int, work: Path) -> preemption.Preempted:
+    stopped = preemption.Preempted("prm", step, str(work / "latest"))
+    log.warning("%s", stopped)
+    print(stopped, file=sys.stderr)
+    return stopped
+
+
+def _train(cfg: Config, prm: PRM, engine: TrainEngine, train, held_out, state, work, tracker, identity,
+           stop: preemption.Preemption = preemption.NEVER) -> dict:
     engine.train()
     n = len(train)
     per_step = cfg.micro_batch_size * cfg.grad_accum
     steps_per_epoch = n // per_step
     metrics: dict = {}
     loss_total = float("nan")
+    if state.pop("eval_pending", False):  # stopped right after an eval step, before evaluating it
+        tracker.log_metrics(evaluate(prm, held_out, cfg.micro_batch_size * 4, model=engine.module), step=state["step"])
+        engine.train()
+    if stop.requested:  # asked to stop before the first step: the checkpoint on disk (if any) is current
+        raise _preempted(state["step"], work)
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="prm", unit="step", dynamic_ncols=True,
                mininterval=0.2 if sys.stderr.isatty() else 10.0)
     t0, tokens = time.perf_counter(), 0
@@ -362,6 +405,11 @@ def _train(cfg: Config, prm: PRM, engine: TrainEngine, train, held_out, state, w
                                  "perf/tokens_per_s": tokens / (time.perf_counter() - t0)}, step=step)
         if not math.isfinite(loss_total):
             log.warning("non-finite loss at step %d", step)
+        if stop.requested and step < cfg.max_steps:  # preempted: save now (the last step always finishes)
+            eval_due = bool(cfg.eval_every) and step % cfg.eval_every == 0
+            checkpoint.save(engine, prm.tokenizer, work, {**state, "eval_pending": eval_due}, identity)
+            bar.close()
+            raise _preempted(step, work)
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
             metrics = evaluate(prm, held_out, cfg.micro_batch_size * 4, model=engine.module)
             engine.train()

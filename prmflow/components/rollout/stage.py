@@ -158,19 +158,30 @@ def _identity(cfg: Config) -> dict:
     return checkpoint.identity(config_lib.to_dict(cfg))
 
 
-def _existing_output(cfg: Config, out: Path) -> dict | None:
-    """Metrics of a finished output written by the same config (nothing to do), else None."""
-    if not out.exists():
-        return None
-    if (out / io.MANIFEST).is_file():
-        manifest = io.read_manifest(out)
-        if manifest.get("config") == _identity(cfg):
-            return manifest.get("metrics", {})
-    if cfg.overwrite:
-        return None
-    hint = " Each shard needs its own output directory (e.g. ITER/shard-3)." if cfg.num_shards > 1 else ""
-    raise OutputExistsError(f"Output '{out}' already exists and was not written by this config.{hint} Pass --overwrite "
-                            f"true to replace it, or choose another --output.")
+def _inputs(cfg: Config) -> dict[str, str]:
+    """{path: digest} of the models and the dataset the rollouts come from: prmflow outputs by their
+    manifests' file digests, data files by their bytes (a tiny preset or a plain HF directory has no
+    entry). The same config on a newer policy in the same place is a different result."""
+    out: dict[str, str] = {}
+    for p in (cfg.policy, cfg.prm, cfg.ref, cfg.critic, cfg.task):
+        path = Path(p) if p else None
+        if path is not None and (path / io.MANIFEST).is_file():
+            out.update(io.fingerprint([path]))
+        elif path is not None and path.is_file():
+            out[str(path)] = io.sha256_file(path)
+    return out
+
+
+def _existing_output(cfg: Config, out: Path, inputs: dict[str, str]) -> dict | None:
+    """Metrics of a finished, intact output written by the same config from the same inputs (nothing
+    to do), else None; any other existing output is an error unless overwrite."""
+    try:
+        done = io.completed_output(out, {"config": _identity(cfg), "inputs": inputs}, cfg.overwrite, "rollout")
+    except OutputExistsError as e:
+        if cfg.num_shards > 1:
+            raise OutputExistsError(f"{e} Each shard needs its own output directory (e.g. ITER/shard-3).") from None
+        raise
+    return None if done is None else done.get("metrics", {})
 
 
 # --- prompts -------------------------------------------------------------------------------------
@@ -302,9 +313,10 @@ def _generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: Sampl
 def run(cfg: Config) -> dict:
     """Sample, score and write this shard's rollouts to `output_dir(cfg)`. Returns the metrics."""
     out = output_dir(cfg)
-    done = _existing_output(cfg, out)
+    inputs = _inputs(cfg)
+    done = _existing_output(cfg, out, inputs)
     if done is not None:
-        print(f"rollout: '{out}' is already complete for this config; nothing to do.")
+        print(f"rollout: '{out}' is already complete for this config and these inputs; nothing to do.")
         return done
     recipes = rewards_lib.build_recipes(cfg.rewards)
     records = [r for i, r in enumerate(_select_prompts(cfg)) if i % cfg.num_shards == cfg.shard]
@@ -352,7 +364,7 @@ def run(cfg: Config) -> dict:
                         "perf/reward_s": reward_s, "perf/score_s": score_s})
         parents = [p for p in (cfg.policy, cfg.prm, cfg.ref, cfg.critic, cfg.task) if p]
         with schema.DatasetWriter(out, "rollouts", config=_identity(cfg), parents=parents,
-                                  overwrite=cfg.overwrite, extra={"metrics": metrics}) as writer:
+                                  overwrite=cfg.overwrite, extra={"metrics": metrics, "inputs": inputs}) as writer:
             writer.write(table)
         tracker.log_metrics(metrics, step=cfg.iteration)
         tracker.log_table(_sample_table(cfg, table), artifact_file=f"rollout_samples_iter{cfg.iteration}_shard{cfg.shard}.json")

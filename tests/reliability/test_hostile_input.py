@@ -8,6 +8,7 @@ dropped optional column) must either work or be refused clearly. Counts go to th
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -22,6 +23,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from prmflow.components.advantage import stage as advantage
 from prmflow.components.common import config, io, modeling, schema
+from prmflow.components.common.engine import EngineConfig
 from prmflow.components.common.errors import ConfigError, DataError, PrmflowError
 from prmflow.components.common.tasks.datasets import load_records
 from prmflow.components.common.tracking import TrackingConfig
@@ -72,19 +74,22 @@ def _with_row(table: pa.Table, name: str, row: int, value) -> pa.Table:
 @st.composite
 def corrupted_tables(draw):
     """(table, column, must_fail): a valid rollouts table with one corruption applied."""
-    t = valid_table()
+    return _corrupt(draw, valid_table(), PRESENT, PER_TOKEN, FLOAT_COLUMNS, NUMERIC_LISTS, schema.REQUIRED)
+
+
+def _corrupt(draw, t: pa.Table, present, per_token, float_columns, numeric_lists, required):
     rows = t.num_rows
     row = draw(st.integers(0, rows - 1))
     kind = draw(st.sampled_from(["drop", "extra", "retype", "ragged", "nonfinite", "null_required", "null_in_list",
                                  "step_end", "duplicate"]))
     if kind == "drop":
-        col = draw(st.sampled_from(PRESENT))
-        return t.drop_columns([col]), col, col in schema.REQUIRED
+        col = draw(st.sampled_from(present))
+        return t.drop_columns([col]), col, col in required
     if kind == "extra":
         col = draw(st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=12).filter(lambda c: c not in schema.ADVANTAGES.names))
         return t.append_column(col, pa.array(range(rows))), col, True
     if kind == "retype":
-        col = draw(st.sampled_from(PRESENT))
+        col = draw(st.sampled_from(present))
         values = draw(st.sampled_from([
             [draw(st.text(max_size=5)) for _ in range(rows)],
             [draw(st.floats(allow_nan=False, allow_infinity=False, width=32)) for _ in range(rows)],
@@ -96,13 +101,13 @@ def corrupted_tables(draw):
         ]))
         return _replace(t, col, values), col, False
     if kind == "ragged":
-        col = draw(st.sampled_from(PER_TOKEN))
+        col = draw(st.sampled_from(per_token))
         values = t.column(col).to_pylist()[row]
         delta = draw(st.sampled_from([-1, 1, 5])) if values else 1
         new = values[:delta] if delta < 0 else values + [0.0] * delta
         return _with_row(t, col, row, new), col, True
     if kind == "nonfinite":
-        col = draw(st.sampled_from(FLOAT_COLUMNS))
+        col = draw(st.sampled_from(float_columns))
         bad = draw(st.sampled_from([math.nan, math.inf, -math.inf]))
         if col == "outcome_reward":
             return _with_row(t, col, row, bad), col, True
@@ -110,10 +115,10 @@ def corrupted_tables(draw):
         values[draw(st.integers(0, len(values) - 1))] = bad
         return _with_row(t, col, row, values), col, True
     if kind == "null_required":
-        col = draw(st.sampled_from(schema.REQUIRED))
+        col = draw(st.sampled_from(required))
         return _with_row(t, col, row, None), col, True
     if kind == "null_in_list":
-        col = draw(st.sampled_from(NUMERIC_LISTS))
+        col = draw(st.sampled_from(numeric_lists))
         values = list(t.column(col).to_pylist()[row])
         values[draw(st.integers(0, len(values) - 1))] = None
         return _with_row(t, col, row, values), col, True
@@ -121,7 +126,7 @@ def corrupted_tables(draw):
         n = len(t.column("response_ids").to_pylist()[row])
         end = draw(st.sampled_from([-1, n, n + 7, 2**31 - 1]))
         return _with_row(t, "step_ends", row, [0, end]), "step_ends", True
-    col = draw(st.sampled_from(PRESENT))  # duplicate
+    col = draw(st.sampled_from(present))  # duplicate
     return t.append_column(col, t.column(col)), col, True
 
 
@@ -173,6 +178,56 @@ def test_rollout_readers_refuse_corrupted_tables_clearly(reliability, case):
         else:
             assert not must_fail, f"advantage wrote an output from corrupted column {col!r}"
             tally(reliability, "hostile/advantage-stage", "accepted_harmless")
+
+
+# --- the advantages hand-off, as the ppo stage reads it ----------------------------------------------
+
+ADV_PER_TOKEN = (*PER_TOKEN, "token_rewards", "advantages", "returns", "kl")
+ADV_PRESENT = (*PRESENT, "prompt_ids", "token_rewards", "advantages", "returns", "kl")
+ADV_FLOATS = (*FLOAT_COLUMNS, "token_rewards", "advantages", "returns", "kl")
+ADV_LISTS = (*NUMERIC_LISTS, "prompt_ids", "token_rewards", "advantages", "returns", "kl")
+#: what ppo (critic off, no KL loss) cannot train without
+PPO_NEEDS = (*schema.REQUIRED, "prompt_ids", "advantages", "old_logprobs")
+
+
+@functools.cache
+def valid_advantages() -> pa.Table:
+    """The advantage stage's own output for valid_table() (+ prompt_ids): what ppo really reads."""
+    t = valid_table()
+    t = t.append_column(schema.ROLLOUTS.field("prompt_ids"), pa.array([[1, 2, 3]] * t.num_rows, pa.list_(pa.int32())))
+    with tempfile.TemporaryDirectory() as tmp:
+        write_handoff(Path(tmp) / "rollouts", t)
+        advantage.run(advantage.Config(input=str(Path(tmp) / "rollouts"), output=str(Path(tmp) / "adv"), estimator="gae",
+                                       kl_coef=0.05, tracking=TrackingConfig(enabled=False)))
+        return schema.read_dataset(Path(tmp) / "adv", "advantages").select(list(ADV_PRESENT))
+
+
+@SETTINGS
+@given(st.data())
+def test_ppo_refuses_corrupted_advantages_clearly(reliability, data):
+    from prmflow.components.ppo import stage as ppo
+
+    table, col, must_fail = data.draw(st.composite(lambda draw: _corrupt(
+        draw, valid_advantages(), ADV_PRESENT, ADV_PER_TOKEN, ADV_FLOATS, ADV_LISTS, PPO_NEEDS))())
+    with tempfile.TemporaryDirectory() as tmp:
+        d, out = Path(tmp) / "advantages", Path(tmp) / "ppo"
+        shard = write_handoff(d, table, {"kind": "advantages"})
+        cfg = ppo.Config(policy_path="tiny-llama", advantages=str(d), output=str(out), minibatch_size=2,
+                         micro_batch_size=2, engine=EngineConfig(backend="torch"), tracking=TrackingConfig(enabled=False))
+        try:
+            rows = ppo.load_batch(cfg)
+        except Exception as e:  # noqa: BLE001
+            assert_clear(e, str(d))
+            assert col in str(e), f"{col!r} not named in: {e}"  # and the directory (or its shard), above
+            with pytest.raises(PrmflowError) as stage_error:  # the whole stage: the same refusal, no output
+                ppo.run(cfg)
+            assert_clear(stage_error.value, str(d))
+            assert not out.exists() and not list(Path(tmp).glob(".ppo*"))
+            tally(reliability, "hostile/ppo-advantages-reader", "clear_error")
+        else:
+            assert not must_fail, f"ppo read corrupted column {col!r} without an error"
+            assert len(rows) == table.num_rows
+            tally(reliability, "hostile/ppo-advantages-reader", "accepted_harmless")
 
 
 @SETTINGS

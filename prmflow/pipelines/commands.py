@@ -4,6 +4,7 @@
     prmflow pipeline submit --host https://kfp.example.com --config configs/pipeline-cluster.yaml \\
         --experiment prm-rl --param 'ppo_config={"lr": 1e-6}'
     prmflow pipeline run-local --config configs/pipeline-local.yaml      # kfp.local, no docker, CPU
+    prmflow pipeline compare --config configs/compare.yaml               # one local run per RL variant + table
     prmflow stage-command ppo --run-id <MLflow run id of that stage>    # docker run line to re-run it
 """
 
@@ -47,6 +48,12 @@ def add_parsers(sub) -> None:
     r.add_argument("--root", default="outputs/kfp-local", help="pipeline root: where artifacts are written")
     r.add_argument("--param", action="append", default=[], metavar="NAME=JSON", help="pipeline parameter")
     r.set_defaults(handler=_run_local)
+
+    cm = psub.add_parser("compare", help="run the pipeline locally once per RL variant (shared SFT and PRM); print a table")
+    cm.add_argument("--config", default="configs/compare.yaml", help="pipeline YAML with a variants: section")
+    cm.add_argument("--root", default="outputs/compare", help="where each variant's artifacts are written")
+    cm.add_argument("--param", action="append", default=[], metavar="NAME=JSON", help="pipeline parameter (all variants)")
+    cm.set_defaults(handler=_compare)
 
     sc = sub.add_parser("stage-command", help="print the `docker run` line that re-runs one stage of a past run")
     sc.add_argument("stage", help="sft, prm, rollout, advantage, ppo or evaluate")
@@ -108,27 +115,85 @@ def _submit(args) -> int:
 
 
 def _run_local(args) -> int:
+    spec = load_spec(args.config, _overrides(args.set))
+    params = _params(args.param)
+    uri, experiment, parent = run_local(spec, params, Path(args.root))
+    _print_summary(uri, experiment, parent)
+    print(f"see the runs with: mlflow ui --backend-store-uri {uri}")
+    return 0
+
+
+def run_local(spec, params: dict, root: Path) -> tuple[str, str, str | None]:
+    """Run the pipeline of `spec` through kfp.local; returns (tracking URI, experiment, parent run id)."""
+    import time
+
     from kfp import local
+    from mlflow.tracking import MlflowClient
 
     from ..components.common import tracking
     from .pipeline import build
+    from .summary import latest_pipeline_run
 
-    spec = load_spec(args.config, _overrides(args.set))
-    params = _params(args.param)
     # the tasks run as subprocesses: give them an absolute store so they all log to the same one
     params.setdefault("tracking_uri", tracking.resolve_uri(tracking.TrackingConfig(uri=spec.pipeline.tracking_uri)))
-    root = Path(args.root).resolve()
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
-    pipeline_fn = build(spec)
-    pipeline_fn(**params)
-    print(f"pipeline finished; artifacts under {root}; runs in {params['tracking_uri']}")
-    print(f"see them with: mlflow ui --backend-store-uri {params['tracking_uri']}")
+    experiment = params.get("experiment", spec.pipeline.experiment)
+    root = root.resolve()
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True,
+               workspace_root=str(root / "workspace"))
+    t0 = time.monotonic()
+    build(spec)(**params)
+    print(f"pipeline finished in {time.monotonic() - t0:.0f} s; artifacts under {root}; runs in {params['tracking_uri']}")
+    parent = latest_pipeline_run(MlflowClient(params["tracking_uri"]), experiment)
+    return params["tracking_uri"], experiment, parent
+
+
+def _print_summary(uri: str, experiment: str, parent: str | None) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from .summary import format_table, pipeline_rows
+
+    if parent is None:  # tracking turned off
+        return
+    print(f"\nMLflow run {parent} (experiment {experiment}):")
+    print(format_table(pipeline_rows(MlflowClient(uri), parent)))
+    print()
+
+
+def _compare(args) -> int:
+    from mlflow.tracking import MlflowClient
+
+    from .compare import comparison_rows, format_rows, load_variants, shared_inputs
+
+    _, variants = load_variants(args.config)
+    params = _params(args.param)
+    root = Path(args.root)
+    runs: dict[str, str] = {}
+    shared: dict[str, str] = {}
+    specs = {name: load_spec(f"{args.config} [variant {name}]", None, data) for name, data in variants.items()}
+    for name, spec in specs.items():  # every variant's config is checked before the first one runs
+        spec.pipeline.run_name = name
+    for i, (name, spec) in enumerate(specs.items()):
+        for key, path in shared.items():
+            if not getattr(spec.pipeline, key):
+                setattr(spec.pipeline, key, path)
+        print(f"=== variant {i + 1}/{len(specs)}: {name}" + (" (SFT policy and PRM imported from the first)" if shared else ""))
+        uri, _, parent = run_local(spec, dict(params), root / name)
+        if parent is None:
+            raise PrmflowError("pipeline compare needs MLflow tracking (it reads every variant's results from it).")
+        runs[name] = parent
+        client = MlflowClient(uri)
+        if not shared:
+            shared = shared_inputs(client, parent)
+    table = format_rows(comparison_rows(client, runs))
+    print("\n" + table)
+    (root / "comparison.txt").write_text(table + "\n")
+    print(f"\nwritten to {root / 'comparison.txt'}; compare the runs with: mlflow ui --backend-store-uri {uri}")
     return 0
 
 
 #: Config keys that hold paths of a stage's inputs; they are mounted read-only into the container.
 INPUT_KEYS = ("model_path", "task", "eval_task", "policy", "prm", "ref", "critic", "input", "kl_state",
-              "policy_path", "advantages", "critic_path", "prm_path", "baseline")
+              "policy_path", "advantages", "critic_path", "prm_path", "baseline", "optimizer_state")
 
 
 def stage_command(stage: str, params: dict[str, str], image: str, output: str) -> list[str]:

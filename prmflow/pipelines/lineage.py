@@ -5,7 +5,8 @@ from kfp import dsl
 
 
 def init_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, sft_config: dict, prm_config: dict,
-                  rollout_config: dict, advantage_config: dict, ppo_config: dict, evaluate_config: dict) -> str:
+                  rollout_config: dict, advantage_config: dict, ppo_config: dict, evaluate_config: dict,
+                  run_name: str = "") -> str:
     """Create the MLflow parent run of this pipeline run, tagged with the KFP run id; returns its id.
 
     Every stage's config is resolved here (defaults filled in, types coerced, unknown keys refused), so
@@ -20,7 +21,8 @@ def init_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, sft_confi
     from prmflow.components.common import config as config_lib
     from prmflow.components.common import tracking
 
-    cfg = tracking.TrackingConfig(uri=tracking_uri, experiment=experiment, pipeline_run_id=kfp_run_id)
+    cfg = tracking.TrackingConfig(uri=tracking_uri, experiment=experiment, pipeline_run_id=kfp_run_id,
+                                  run_name=run_name)
     sections = {"sft": sft_config, "prm": prm_config, "rollout": rollout_config, "advantage": advantage_config,
                 "ppo": ppo_config, "evaluate": evaluate_config}
     flat, stages = {}, cli._available_stages()
@@ -37,7 +39,11 @@ def init_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, sft_confi
 
 
 def finish_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, status: dsl.PipelineTaskFinalStatus):
-    """Exit handler: mark the parent run FINISHED or FAILED and copy the final eval/* metrics onto it."""
+    """Exit handler: mark the parent run FINISHED or FAILED and copy the children's eval/* metrics onto it.
+
+    The evaluate stage's keep their names (eval/accuracy, ...); another stage's are filed under the
+    stage (sft/accuracy, prm/step_auc), so the parent compares runs without one stage's metric
+    shadowing another's."""
     from mlflow.tracking import MlflowClient
 
     from prmflow.components.common import tracking
@@ -51,6 +57,9 @@ def finish_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, status:
         exp = client.get_experiment_by_name(experiment)
         children = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'")
         for child in sorted(children, key=lambda r: r.info.start_time):  # later runs win
-            metrics.update({k: v for k, v in child.data.metrics.items() if k.startswith("eval/")})
+            stage = child.data.tags.get("prmflow.stage", "")
+            for key, value in child.data.metrics.items():
+                if key.startswith("eval/"):  # the evaluate stage's own names; others' under their stage
+                    metrics[key if stage == "evaluate" else f"{stage}/{key[len('eval/'):]}"] = value
     tracking.finish_pipeline_run(cfg, state, metrics)
     print(f"pipeline run {kfp_run_id}: {state}, MLflow parent run {parent}")

@@ -89,7 +89,7 @@ def build(spec: PipelineSpec) -> Any:
         sft_config: dict = spec.stages["sft"], prm_config: dict = spec.stages["prm"],
         rollout_config: dict = spec.stages["rollout"], advantage_config: dict = spec.stages["advantage"],
         ppo_config: dict = spec.stages["ppo"], evaluate_config: dict = spec.stages["evaluate"],
-        tracking_uri: str = pipe.tracking_uri, experiment: str = pipe.experiment,
+        tracking_uri: str = pipe.tracking_uri, experiment: str = pipe.experiment, run_name: str = pipe.run_name,
     ):
         run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
         common = dict(kfp_run_id=run_id, tracking_uri=tracking_uri, experiment=experiment)
@@ -97,17 +97,26 @@ def build(spec: PipelineSpec) -> Any:
         with dsl.ExitHandler(exit_task, name="track-pipeline-run"):
             init = on_cpu(init_op(**common, sft_config=sft_config, prm_config=prm_config, rollout_config=rollout_config,
                                   advantage_config=advantage_config, ppo_config=ppo_config,
-                                  evaluate_config=evaluate_config), cache=False)
-            sft = on_gpu(sft_op(config=sft_config, **common).after(init).set_display_name("sft"))
-            prm = on_gpu(prm_op(config=prm_config, **common, base=sft.outputs["policy"]).set_display_name("prm"))
-            policy, subdir, previous = sft.outputs["policy"], "", sft.outputs["policy"]
+                                  evaluate_config=evaluate_config, run_name=run_name), cache=False)
+            if pipe.sft_model:  # an existing warm-up: imported, not retrained
+                sft_policy = dsl.importer(artifact_uri=pipe.sft_model, artifact_class=dsl.Model,
+                                          reimport=False).set_display_name("sft (imported)").output
+            else:
+                sft_policy = on_gpu(sft_op(config=sft_config, **common).after(init).set_display_name("sft")).outputs["policy"]
+            if pipe.prm_model:
+                prm_model = dsl.importer(artifact_uri=pipe.prm_model, artifact_class=dsl.Model,
+                                         reimport=False).set_display_name("prm (imported)").output
+            else:
+                prm_model = on_gpu(prm_op(config=prm_config, **common, base=sft_policy).after(init)
+                                   .set_display_name("prm")).outputs["prm_model"]
+            policy, subdir, previous = sft_policy, "", sft_policy
             for k in range(pipe.iterations):
                 with dsl.ParallelFor(shards, name=f"rollout-shards-{k}") as shard:
                     roll = on_gpu(rollout_op(
                         config=rollout_config, **common, iteration=k, shard=shard, num_shards=len(shards),
-                        policy=policy, policy_subdir=subdir, prm_model=prm.outputs["prm_model"],
-                        ref=sft.outputs["policy"], critic=previous if k else sft.outputs["policy"],
-                        critic_subdir="critic" if k else "", use_critic=bool(critic)), cache=sampled)
+                        policy=policy, policy_subdir=subdir, prm_model=prm_model,
+                        ref=sft_policy, critic=previous if k else sft_policy,
+                        critic_subdir="critic" if k else "", use_critic=bool(critic)).after(init), cache=sampled)
                     roll.set_display_name(f"rollout-{k}")
                 adv = on_cpu(advantage_op(config=advantage_config, **common, iteration=k,
                                           rollouts=dsl.Collected(roll.outputs["rollouts"]), kl_source=previous,
@@ -118,7 +127,7 @@ def build(spec: PipelineSpec) -> Any:
                 policy, subdir, previous = upd.outputs["updated"], "policy", upd.outputs["updated"]
             if evaluate_op is not None:
                 on_gpu(evaluate_op(config=evaluate_config, **common, policy=policy, policy_subdir=subdir,
-                                   baseline=sft.outputs["policy"], prm_model=prm.outputs["prm_model"]),
+                                   baseline=sft_policy, prm_model=prm_model),
                        cache=sampled).set_display_name("evaluate")
 
     return prmflow_pipeline

@@ -93,6 +93,12 @@ class PipelineConfig:
     """MLflow tracking URI of the stages (not a secret). Empty: from mlflow_secret, else the embedded store."""
     experiment: str = "prmflow"
     """MLflow experiment."""
+    run_name: str = ""
+    """MLflow name of the pipeline's parent run (default: pipeline-<KFP run id>)."""
+    sft_model: str = ""
+    """Start from this SFT policy instead of running the sft stage: an HF model directory or object-store URI (imported with dsl.importer). Reuses one warm-up across runs that compare RL settings."""
+    prm_model: str = ""
+    """Use this trained PRM instead of running the prm stage (directory or URI, imported like sft_model)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Node pools, images, retries, caching, secrets."""
 
@@ -111,19 +117,21 @@ class PipelineSpec:
     stages: dict[str, dict[str, Any]]
 
 
-def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None) -> PipelineSpec:
-    """Read a pipeline YAML; every stage section is checked against its stage's Config now, at compile
-    time, so a typo fails before anything is submitted."""
+def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None,
+              data: dict[str, Any] | None = None) -> PipelineSpec:
+    """Read a pipeline YAML (or take its parsed `data`, `path` then only names it in errors); every
+    stage section is checked against its stage's Config now, at compile time, so a typo fails before
+    anything is submitted."""
     import importlib
 
-    data: dict[str, Any] = {}
-    if path:
+    if data is None and path:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"Pipeline config '{p}' does not exist.")
         data = yaml.safe_load(p.read_text()) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"Pipeline config '{p}' must hold a mapping with a 'pipeline' section and stage sections.")
+    data = data or {}
     unknown = set(data) - {"pipeline", *STAGE_SECTIONS}
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {sorted(unknown)}; known: pipeline, {', '.join(STAGE_SECTIONS)}.")

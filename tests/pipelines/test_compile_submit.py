@@ -217,3 +217,22 @@ def test_stage_command_mounts_inputs_of_a_logged_run(tmp_path, sqlite_store, cap
     assert f"-v {data}:/inputs/task:ro" in line and f"-v {tmp_path / 'again'}:/outputs" in line
     assert "--set task=/inputs/task" in line and "--set output=/outputs/sft" in line and "--set max_steps=2" in line
     assert cli.main(["stage-command", "ppo", "--run-id", run.info.run_id, "--tracking-uri", sqlite_store]) == 2
+
+
+def test_prm_trains_on_the_sft_policy_and_imported_models_replace_their_stages(tmp_path):
+    spec, _, _ = compile_spec(tmp_path)
+    tasks = {t["taskInfo"]["name"]: t for t in all_tasks(spec).values()}
+    base = tasks["prm"]["inputs"]["artifacts"]["base"]["taskOutputArtifact"]
+    assert base == {"outputArtifactKey": "policy", "producerTask": "sft"}
+
+    text = CLUSTER_YAML.replace("pipeline:\n", "pipeline:\n  sft_model: s3://models/sft-7b\n  prm_model: s3://models/prm-7b\n", 1)
+    spec, _, _ = compile_spec(tmp_path, text)
+    names = [t["taskInfo"]["name"] for t in all_tasks(spec).values()]
+    assert "sft" not in names and "prm" not in names
+    importers = {e["importer"]["artifactUri"]["constant"] for e in spec["deploymentSpec"]["executors"].values()
+                 if "importer" in e}
+    assert importers == {"s3://models/sft-7b", "s3://models/prm-7b"}
+    # every rollout still waits for the parent MLflow run, which nothing upstream of it creates now
+    # (KFP hoists the rollout's dependency onto its ParallelFor)
+    loops = [t for t in all_tasks(spec).values() if "parameterIterator" in t]
+    assert len(loops) == 3 and all("init-tracking" in t.get("dependentTasks", []) for t in loops)

@@ -64,3 +64,37 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     # the parent carries the whole configuration and the evaluation headline
     assert parent.data.params["sft.max_steps"] == "12"
     assert "eval/accuracy" in parent.data.metrics
+
+
+@pytest.mark.timeout(900)
+def test_compare_runs_each_variant_on_one_shared_warm_up(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    cfg = {**TINY, "pipeline": {"iterations": 1, "rollout_shards": 1, "experiment": "compare-test"},
+           "variants": {"outcome-only": {"advantage": {"estimator": "grpo"}},
+                        "grpo_process": {"advantage": {"estimator": "grpo_process"}}}}
+    (tmp_path / "compare.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))  # variant order matters
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+
+    assert cli.main(["pipeline", "compare", "--config", str(tmp_path / "compare.yaml"), "--root",
+                     str(tmp_path / "runs"), "--param", f"tracking_uri={store}"]) == 0
+
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("compare-test")
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    parents = {r.info.run_name: r for r in runs if r.data.tags.get("prmflow.role") == "pipeline"}
+    assert set(parents) == {"outcome-only", "grpo_process"}
+    stages = {name: sorted(r.data.tags.get("prmflow.stage") for r in runs
+                           if r.data.tags.get("mlflow.parentRunId") == p.info.run_id) for name, p in parents.items()}
+    assert stages["outcome-only"] == ["advantage", "evaluate", "ppo", "prm", "rollout", "sft"]
+    assert stages["grpo_process"] == ["advantage", "evaluate", "ppo", "rollout"]  # SFT and PRM imported
+    assert parents["grpo_process"].data.params["advantage.estimator"] == "grpo_process"
+    assert parents["outcome-only"].data.params["advantage.estimator"] == "grpo"
+    # both evaluations scored the same SFT policy on the same prompts
+    base = {n: p.data.metrics["eval/baseline_accuracy"] for n, p in parents.items()}
+    assert base["outcome-only"] == base["grpo_process"]
+    table = (tmp_path / "runs" / "comparison.txt").read_text()
+    assert "outcome-only" in table and "grpo_process" in table and "PRM best-of-k" in table

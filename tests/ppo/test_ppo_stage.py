@@ -345,3 +345,22 @@ def test_metrics_reach_mlflow_under_their_names(sft_policy, rows16, tmp_path, sq
                 "train/grad_norm", "train/lr", "train/skipped_updates", "perf/tokens_per_s", "train/kl_coef"):
         assert key in run.data.metrics, key
     assert len(client.get_metric_history(run.info.run_id, "train/policy_loss")) == 3  # 2 updates + the summary
+
+
+def test_next_iteration_continues_the_optimizer(sft_policy, rows16, tmp_path):
+    adv = write_advantages(tmp_path / "adv", rows16[:8], 1.0)
+    small = dict(epochs=1, minibatch_size=4, micro_batch_size=4, rl_iterations=2)
+    out0 = tmp_path / "it0"
+    stage.run(make_cfg(sft_policy, adv, out0, **small))
+    assert (out0 / "optimizer" / "actor" / "optimizer.pt").is_file()
+    carried = stage.run(make_cfg(out0 / "policy", adv, tmp_path / "it1", iteration=1,
+                                 optimizer_state=str(out0 / "optimizer"), **small))
+    fresh = stage.run(make_cfg(out0 / "policy", adv, tmp_path / "fresh", iteration=1, **small))
+    assert carried["train/updates"] == fresh["train/updates"] == 2
+    p_carried, p_fresh = params(tmp_path / "it1" / "policy"), params(tmp_path / "fresh" / "policy")
+    assert any(not torch.equal(p_carried[n], p_fresh[n]) for n in p_carried)  # the moments did change the step
+    with pytest.raises(Exception, match="no actor/ directory"):
+        stage.run(make_cfg(out0 / "policy", adv, tmp_path / "bad", iteration=1, optimizer_state=str(out0), **small))
+    assert not (tmp_path / "bad").exists()
+    off = stage.run(make_cfg(sft_policy, adv, tmp_path / "off", save_optimizer=False, **small))
+    assert off and not (tmp_path / "off" / "optimizer").exists()

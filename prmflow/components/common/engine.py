@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,42 @@ class TrainEngine:
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                        directory / "optimizer.pt")
         (directory / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+
+    def save_optimizer(self, directory: Path) -> None:
+        """Only the optimizer's moments (no schedule, no RNG): what a following run continues from."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.cfg.backend == "deepspeed":
+            # DeepSpeed keeps the moments in its own (possibly partitioned) layout: its checkpoint is the format
+            self.model.save_checkpoint(str(directory / "deepspeed"), tag="moments", save_latest=False)
+        else:
+            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+
+    def load_optimizer(self, directory: Path) -> None:
+        """Continue from the moments `save_optimizer` wrote (for the same parameters, on the same backend)."""
+        directory = Path(directory)
+        if self.cfg.backend == "deepspeed":
+            if not (directory / "deepspeed").is_dir():
+                raise ModelLoadError(f"'{directory}' holds no DeepSpeed optimizer state (written by another backend?).")
+            # the weights in that checkpoint are the ones the model was loaded with (the same run's output)
+            self.model.load_checkpoint(str(directory / "deepspeed"), tag="moments", load_optimizer_states=True,
+                                       load_lr_scheduler_states=False)
+        else:
+            path = directory / "optimizer.pt"
+            if not path.is_file():
+                raise ModelLoadError(f"'{directory}' holds no optimizer.pt (written by the deepspeed backend?).")
+            state = torch.load(path, weights_only=True)
+            shapes = [tuple(p.shape) for g in self.optimizer.param_groups for p in g["params"]]
+            sizes = [len(g["params"]) for g in state["param_groups"]]
+            wrong = sizes != [len(g["params"]) for g in self.optimizer.param_groups] or any(
+                int(i) >= len(shapes) or tuple(v["exp_avg"].shape) != shapes[int(i)] for i, v in state["state"].items())
+            if wrong:
+                raise ModelLoadError(f"optimizer state '{path}' is for other parameters than this model's trainable "
+                                     f"ones; leave optimizer_state empty to start a fresh optimizer.")
+            # keep this run's hyper-parameters (lr, weight decay): only the moments and step counts carry over
+            groups = [{**saved_g, **{k: v for k, v in g.items() if k != "params"}}
+                      for saved_g, g in zip(state["param_groups"], self.optimizer.param_groups)]
+            self.optimizer.load_state_dict({"state": state["state"], "param_groups": groups})
 
     def load_state(self, directory: Path) -> dict:
         """Restore what `save_state` wrote (model weights too, for DeepSpeed); returns trainer_state."""

@@ -16,10 +16,12 @@ def ppo(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, itera
 
     paths = {"policy_path": os.path.join(policy.path, policy_subdir), "advantages": advantages.path,
              "output": updated.path}
-    if resume_previous:  # the critic and the KL controller carry over from the previous iteration
+    if resume_previous:  # the critic, the optimizer and the KL controller carry over from the previous iteration
         paths["kl_state"] = os.path.join(previous.path, "kl_state.json")
         if os.path.isdir(os.path.join(previous.path, "critic")):
             paths["critic_path"] = os.path.join(previous.path, "critic")
+        if os.path.isdir(os.path.join(previous.path, "optimizer")):
+            paths["optimizer_state"] = os.path.join(previous.path, "optimizer")  # Adam continues, not restarts
     metrics = run_stage("ppo", config, paths, kfp_run_id, tracking_uri, experiment, iteration)
     updated.metadata.update(artifact_metadata(metrics))
 

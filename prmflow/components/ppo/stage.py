@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from ..common import checkpoint, config as config_lib, io, modeling, preemption, schema, tasks, tracking
 from ..common.engine import EngineConfig, OptimSettings, TrainEngine
-from ..common.errors import ConfigError, DataError, PrmflowError
+from ..common.errors import ConfigError, DataError, ModelLoadError, PrmflowError
 from ..common.tasks.arithmetic import ArithmeticConfig
 from ..common.tensor_ops import entropy_from_logits, masked_sum, token_logprobs
 from . import kl_control, losses
@@ -144,6 +144,10 @@ class Config:
     """Adaptive control: responses over which beta may change by at most 20% per unit of error."""
     kl_state: str = ""
     """Previous iteration's ppo output (or its kl_state.json), read when the advantages manifest lacks kl_coef_used."""
+    optimizer_state: str = ""
+    """Optimizer moments to continue from: the previous iteration's OUTPUT/optimizer, so the RL iterations train as one long run. Empty = a fresh optimizer, whose first bias-corrected updates are sign-like steps of size lr on every parameter (noisy when an iteration has few updates)."""
+    save_optimizer: bool = True
+    """Write the optimizer moments to OUTPUT/optimizer for the next iteration (costs 2x the trainable parameters in fp32 on disk; turn off for very large models)."""
     ema_decay: float = 0.0
     """Keep an exponential moving average of the policy weights (e.g. 0.99) and write it to OUTPUT/policy_ema (0 = off)."""
     save_every: int = 0
@@ -627,6 +631,8 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
     work = checkpoint.work_dir_for(cfg.output)
     state = {"update": 0, "skipped": 0, "history": []}
     resume_from = checkpoint.find(work, cfg_dict) if cfg.resume else None
+    if resume_from is None and cfg.optimizer_state:
+        _load_moments(Path(cfg.optimizer_state), actor, critic if cfg.critic_path else None)
     if resume_from is not None:
         state = actor.load_state(resume_from / "actor")
         if critic is not None:
@@ -762,6 +768,16 @@ def _kl_control(cfg: Config, samples: list[dict]) -> dict:
             "n_samples": len(per_token), "iteration": cfg.iteration}
 
 
+def _load_moments(root: Path, actor, critic) -> None:
+    """Continue the previous iteration's optimizers (OUTPUT/optimizer/{actor,critic})."""
+    if not (root / "actor").is_dir():
+        raise ModelLoadError(f"optimizer_state '{root}' has no actor/ directory; point it at a ppo output's "
+                             f"optimizer/ directory, or leave it empty for a fresh optimizer.")
+    actor.load_optimizer(root / "actor")
+    if critic is not None and (root / "critic").is_dir():  # (a critic new in this iteration starts fresh)
+        critic.load_optimizer(root / "critic")
+
+
 def _save_resume(work: Path, cfg_dict: dict, actor, critic, ema, state: dict) -> None:
     """`work/latest` (atomically): both engines' state (weights, optimizer, schedule), EMA, trainer state."""
     with io.atomic_output_dir(Path(work) / "latest", "resume-checkpoint", overwrite=True,
@@ -777,7 +793,7 @@ def _save_resume(work: Path, cfg_dict: dict, actor, critic, ema, state: dict) ->
 
 
 def _write_output(cfg, cfg_dict, tokenizer, actor, critic, ema, kl_state, state, metrics) -> None:
-    parents = [cfg.policy_path, cfg.advantages] + ([cfg.critic_path] if cfg.critic_path else [])
+    parents = [cfg.policy_path, cfg.advantages] + [p for p in (cfg.critic_path, cfg.optimizer_state) if p]
     extra = {"stage": "ppo", "iteration": cfg.iteration, "metrics": metrics}
     with io.atomic_output_dir(cfg.output, "ppo", overwrite=True, manifest={
             "config": io.config_identity(cfg_dict), "metrics": metrics, "parents": parents}) as tmp:
@@ -797,5 +813,9 @@ def _write_output(cfg, cfg_dict, tokenizer, actor, critic, ema, kl_state, state,
                                              extra={**extra, "ema_decay": cfg.ema_decay})
                     for n, p in params.items():
                         p.copy_(saved[n])
+        if cfg.save_optimizer:
+            actor.save_optimizer(tmp / "optimizer" / "actor")
+            if critic is not None:
+                critic.save_optimizer(tmp / "optimizer" / "critic")
         kl_control.write_state(tmp / kl_control.KL_STATE_FILE, kl_state)
         (tmp / "updates.jsonl").write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in state["history"]))

@@ -1,0 +1,42 @@
+"""`prmflow pipeline compare` config handling: variants are merged over the base and checked up front."""
+
+import pytest
+import yaml
+
+from prmflow import cli
+from prmflow.components.common.errors import ConfigError
+from prmflow.pipelines.compare import load_variants
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "compare.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_variants_are_laid_over_the_base_without_touching_it(tmp_path):
+    base = {"pipeline": {"iterations": 3}, "advantage": {"estimator": "grpo", "gamma": 0.9},
+            "ppo": {"lr": 1e-4}}
+    path = write(tmp_path, {**base, "variants": {"a": {"advantage": {"estimator": "rloo"}},
+                                                 "b": {"pipeline": {"iterations": 1}, "ppo": {"epochs": 3}}}})
+    data, variants = load_variants(path)
+    assert data == base
+    assert variants["a"]["advantage"] == {"estimator": "rloo", "gamma": 0.9}
+    assert variants["b"]["pipeline"] == {"iterations": 1} and variants["b"]["ppo"] == {"lr": 1e-4, "epochs": 3}
+    assert variants["b"]["advantage"] == base["advantage"]
+
+
+@pytest.mark.parametrize("variants,match", [(None, "'variants' must map"), ({}, "'variants' must map"),
+                                            ({"a": "grpo"}, "variant 'a' must be a mapping")])
+def test_bad_variants_are_named(tmp_path, variants, match):
+    with pytest.raises(ConfigError, match=match):
+        load_variants(write(tmp_path, {"pipeline": {}, "variants": variants}))
+
+
+def test_a_bad_key_in_any_variant_fails_before_anything_runs(tmp_path, capsys):
+    path = write(tmp_path, {"variants": {"good": {"advantage": {"estimator": "grpo"}},
+                                         "typo": {"ppo": {"learning_rate": 1e-4}}}})
+    assert cli.main(["pipeline", "compare", "--config", path, "--root", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert "variant typo" in err and "learning_rate" in err
+    assert not (tmp_path / "runs").exists()

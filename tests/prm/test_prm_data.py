@@ -85,6 +85,13 @@ BAD_ROWS = {
     "no_steps": ({"prompt": "p", "steps": [], "labels": []}, r"line 2: no steps"),
     "no_prompt": ({"steps": ["a"], "labels": [1]}, r"line 2: no 'prompt'"),
     "not_json": ("{nope", r"line 2: not valid JSON"),
+    "no_labels": ({"prompt": GOOD["prompt"], "steps": GOOD["steps"]}, r"line 2: no labels for 3 steps"),
+    "label_nan": ({**GOOD, "labels": [1, float("nan"), 1]}, r"line 2: label 1 is nan"),
+    # a response whose steps are not separated reads as one step: the labels no longer fit
+    "response_without_separator": ({"prompt": GOOD["prompt"], "response": "7+5=12 12*3=36 answer: 36", "labels": [1, 1, 1]},
+                                   r"line 2: 3 labels, but its response cut at the step separator '\\n' has 1 step"),
+    "response_empty": ({"prompt": GOOD["prompt"], "response": " \n ", "labels": []}, r"line 2: no steps"),
+    "too_deep": ("[" * 5000 + "]" * 5000, r"line 2: JSON nested too deeply"),
 }
 
 
@@ -102,6 +109,25 @@ def test_bad_rows_name_file_and_line_and_nothing_is_written(tmp_path, case, no_t
     with pytest.raises(DataError, match=message):
         stage.run(cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.jsonl"]  # no output, no temporaries
+
+
+def test_non_utf8_line_is_named(tmp_path, no_tracking):
+    path = tmp_path / "steps.jsonl"
+    path.write_bytes((json.dumps(GOOD) + "\n").encode() + b'{"prompt": "\xff\xfe"}\n')
+    with pytest.raises(DataError, match=r"steps.jsonl, line 2: not UTF-8 text"):
+        stage.run(config.load(stage.Config, overrides={"task": str(path), "output": str(tmp_path / "prm"),
+                                                       "eval_size": 1, "model_path": "tiny-llama", **no_tracking}))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.jsonl"]
+
+
+def test_bad_eval_file_fails_before_training(tmp_path, no_tracking, monkeypatch):
+    """A bad held-out file is found before any model is loaded or step is trained."""
+    bad = _write(tmp_path / "eval.jsonl", [GOOD, {**GOOD, "labels": [1, 1]}])
+    monkeypatch.setattr(stage.PRM, "load", lambda *a, **k: pytest.fail("the model was loaded before the data was checked"))
+    with pytest.raises(DataError, match=r"eval.jsonl, line 2: 2 labels for 3 steps"):
+        stage.run(config.load(stage.Config, overrides={"eval_task": str(bad), "output": str(tmp_path / "prm"),
+                                                       "train_size": 8, "model_path": "tiny-llama", **no_tracking}))
+    assert not (tmp_path / "prm").exists()
 
 
 def test_empty_dataset_and_parquet_row_are_named(tmp_path, no_tracking):

@@ -97,3 +97,63 @@ def test_missing_policy_writes_nothing(tmp_path):
     with pytest.raises(ModelLoadError, match="policy_path"):
         label.run(cfg)
     assert not (tmp_path / "labels").exists()
+
+
+def test_soft_labels_are_the_fraction_of_continuations_that_reach_the_answer(tmp_path, monkeypatch):
+    """Independent reference: of every N continuations drawn from a prefix, `good` compute exactly,
+    the rest give up with a wrong answer. A prefix that is right so far then reaches the answer in
+    exactly good/completions of its continuations, a wrong one in none, so soft = exact * good/N,
+    hard = exact; label=soft trains on the soft column."""
+    model, tok = modeling.build_tiny_model()
+    modeling.save_pretrained(model, tok, tmp_path / "policy")
+    rng = random.Random(1)
+    problems = {p.prompt: p for p in arithmetic.generate(10, seed=0, split="train")}  # the prompts label.run loads (seed 0)
+    completions, good = 4, 1
+    seen: dict[str, int] = {}
+
+    def fake_generate(model, tokenizer, prompts, *args, **kwargs):
+        out = []
+        for c in prompts:
+            if c in problems:  # a solution: right or with one wrong step
+                out.append(problems[c].solution if rng.random() < 0.4 else arithmetic.corrupt(problems[c], rng)[0])
+                continue
+            k = seen[c] = seen.get(c, 0) + 1  # two solutions may share a prefix: count per draw of N
+            out.append(_perfect_completion(c) if (k - 1) % completions < good else "answer: -1")
+        return out
+
+    monkeypatch.setattr(label, "generate_texts", fake_generate)
+    cfg = config.load(label.Config, overrides={"policy_path": str(tmp_path / "policy"), "output": str(tmp_path / "labels"),
+                                               "prompts": 10, "samples_per_prompt": 2, "completions": completions,
+                                               "label": "soft", "tracking.enabled": False})
+    metrics = label.run(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "labels" / "labels.jsonl").read_text().splitlines()]
+    assert len(rows) == 20
+    abs_err, n = 0.0, 0
+    for row in rows:
+        exact = [float(y) for y in arithmetic.step_labels(row["prompt"], "\n".join(row["steps"]))]
+        want_soft = [y * good / completions for y in exact[:-1]] + [exact[-1]]
+        assert row["soft_labels"] == pytest.approx(want_soft)
+        assert row["hard_labels"] == exact
+        assert row["labels"] == row["soft_labels"]  # label=soft: the column the prm stage trains on
+        abs_err += sum(abs(e - s) for e, s in zip(exact, want_soft))
+        n += len(exact)
+    assert any(0 < s < 1 for row in rows for s in row["soft_labels"])
+    assert metrics["label/agreement"] == 1.0
+    assert metrics["label/soft_mae"] == pytest.approx(abs_err / n)
+    loaded = data.load_stepwise(tmp_path / "labels")
+    assert [e.labels for e in loaded] == [r["soft_labels"] for r in rows]
+
+
+def test_prompts_without_answers_are_a_data_error_and_nothing_is_written(tmp_path):
+    from prmflow.components.common.errors import DataError
+
+    model, tok = modeling.build_tiny_model()
+    modeling.save_pretrained(model, tok, tmp_path / "policy")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "1+1?", "answer": "2"}) + "\n"
+                       + json.dumps({"id": "b", "prompt": "2+2?"}) + "\n")
+    cfg = config.load(label.Config, overrides={"policy_path": str(tmp_path / "policy"), "output": str(tmp_path / "labels"),
+                                               "task": str(prompts), "tracking.enabled": False})
+    with pytest.raises(DataError, match=r"prompt 'b' has no reference answer"):
+        label.run(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy", "prompts.jsonl"]

@@ -58,6 +58,30 @@ def test_resume_after_a_checkpoint_gives_the_uninterrupted_result(tmp_path, monk
     assert not checkpoint.work_dir_for(cut.output).exists()
 
 
+def test_a_checkpoint_from_another_config_is_not_resumed(tmp_path, monkeypatch):
+    """Preempted with one learning rate, restarted with another: the restart trains from step 0 and
+    gives what an uninterrupted run with the new rate gives (not a blend of the two)."""
+    real_save = checkpoint.save
+
+    def preempted(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt("preempted")
+
+    monkeypatch.setattr(stage.checkpoint, "save", preempted)
+    with pytest.raises(KeyboardInterrupt):
+        stage.run(make_cfg(tmp_path, "cut", save_every=3, lr=2e-3))
+    assert checkpoint.work_dir_for(str(tmp_path / "cut")).exists()
+    monkeypatch.setattr(stage.checkpoint, "save", real_save)
+
+    steps = []
+    monkeypatch.setattr(stage.TrainEngine, "step", lambda self, _orig=stage.TrainEngine.step: (steps.append(1), _orig(self))[1])
+    stage.run(make_cfg(tmp_path, "cut", save_every=3, lr=5e-3))
+    assert len(steps) == 6  # from scratch
+    stage.run(make_cfg(tmp_path, "fresh", save_every=3, lr=5e-3))
+    a, b = weights(tmp_path / "cut"), weights(tmp_path / "fresh")
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
 def test_deepspeed_and_plain_engines_agree(tmp_path):
     stage.run(make_cfg(tmp_path, "plain", max_steps=3, grad_accum=2, micro_batch_size=4))
     stage.run(make_cfg(tmp_path, "ds", max_steps=3, grad_accum=2, micro_batch_size=4, **{"engine.backend": "deepspeed"}))

@@ -29,7 +29,7 @@ import torch
 from ..common import steps as steps_lib, tasks
 from ..common.errors import DataError
 from ..common.tasks import arithmetic
-from .model import encode
+from .model import encode, has_shared_readout
 
 
 @dataclass
@@ -86,14 +86,21 @@ def check_example(ex: StepExample, separator: str) -> StepExample:
 def _rows(path: Path) -> tuple[list[tuple[int, dict]], str]:
     if path.suffix in (".jsonl", ".json"):
         rows = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}, line {lineno}: not UTF-8 text ({e.reason} at byte {e.start}). "
+                                    f"Save the file as UTF-8.") from None
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}, line {lineno}: not valid JSON ({e.msg}). Fix or remove the line.") from None
+                except RecursionError:
+                    raise DataError(f"{path}, line {lineno}: JSON nested too deeply to be a stepwise row.") from None
                 if not isinstance(row, dict):
                     raise DataError(f"{path}, line {lineno}: expected a JSON object, got {type(row).__name__}.")
                 rows.append((lineno, row))
@@ -131,6 +138,11 @@ def load_stepwise(path: str | Path, separator: str = "\n", n: int | None = None)
         step_list = row.get("steps")
         if step_list is None and isinstance(row.get("response"), str):
             step_list = steps_lib.steps(row["response"], separator)
+            labels = row.get("labels")
+            if step_list and isinstance(labels, list) and len(labels) != len(step_list):
+                raise DataError(f"{where}: {len(labels)} labels, but its response cut at the step separator "
+                                f"{separator!r} has {len(step_list)} step(s). Separate every step with {separator!r} "
+                                f"(or give a 'steps' list), one label per step.")
         prompt = row.get("prompt")
         out.append(check_example(StepExample(
             prompt=prompt, steps=step_list, labels=row.get("labels"), answer=None if row.get("answer") is None else str(row["answer"]),
@@ -212,6 +224,10 @@ def tokenize(examples: list[StepExample], tokenizer, separator: str, step_tag: s
     out, dropped = [], 0
     for ex in examples:
         enc = encode(tokenizer, render(ex.prompt), ex.response(separator), separator, step_tag)
+        if has_shared_readout(enc):  # two labels on one token: the loss could not tell them apart
+            raise DataError(f"{ex.where}: the tokenizer puts the end of two steps in one token (steps {ex.steps!r}), so "
+                            f"they have no separate readout. Set head.step_tag to a string this tokenizer keeps as "
+                            f"its own token, so every step ends in one.")
         if len(enc.input_ids) > max_seq_len:
             dropped += 1
             continue

@@ -19,6 +19,7 @@ mapping, and `steps.step_end_tokens` places the last token of each step.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -91,21 +92,31 @@ def encode(tokenizer, prompt: str, response: str, separator: str = "\n", step_ta
     """Token ids of prompt + response and the readout position of every step.
 
     Steps are `steps.step_spans(response, separator)`; a step's readout is its last token (or the
-    last token of its tag). With `max_length`, the ids are cut to that many tokens and steps whose
-    readout falls beyond it get no position (`n_steps` still counts them).
+    last token of its tag). A step whose characters all lie in the token that ends the step before
+    (a tokenizer merging across the separator, e.g. "3\nanswer: 3") gets that same token: the two
+    steps share a readout, as the rollout stage's step_ends do (`has_shared_readout` tells;
+    training refuses such rows, scoring gives both steps the same score). With `max_length`, the
+    ids are cut to that many tokens and steps whose readout falls beyond it get no position
+    (`n_steps` still counts them).
     """
     p_ids = prompt_ids(tokenizer, prompt)
     text, spans = tag_steps(response, separator, step_tag)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ends = steps.step_end_tokens(enc["offset_mapping"], spans)
-    if len(ends) != len(spans):
-        raise ValueError(f"{len(spans)} steps but only {len(ends)} have tokens in {response!r}")
+    if len(ends) != len(spans):  # the last token starting before each step's end, shared or not
+        starts = [a for a, _ in enc["offset_mapping"]]
+        ends = [bisect.bisect_left(starts, end) - 1 for _, end in spans]
     ids = p_ids + list(enc["input_ids"])
     ends = [len(p_ids) + e for e in ends]
     if max_length is not None and len(ids) > max_length:
         ids = ids[:max_length]
         ends = [e for e in ends if e < max_length]
     return Encoded(ids, ends, len(spans))
+
+
+def has_shared_readout(enc: Encoded) -> bool:
+    """Two steps read out at the same token (see `encode`)."""
+    return len(set(enc.step_ends)) != len(enc.step_ends)
 
 
 def step_logits(logits: torch.Tensor, head: HeadConfig, good_id: int | None = None, bad_id: int | None = None) -> torch.Tensor:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..common.errors import DataError
-from .model import PRM, HeadConfig, encode, saved_separator
+from .model import PRM, HeadConfig, encode, has_shared_readout, saved_separator
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,8 @@ class PRMScorer:
         tokenizer (never takes policy token ids).
 
         A step whose readout token lies beyond max_length cannot be seen by the model and scores 0.0
-        (a logged warning says how many).
+        (a logged warning says how many). Steps that end in the same token (a tokenizer merging across
+        the separator) get that token's score each, with a logged warning.
         """
         if len(prompts) != len(responses):
             raise DataError(f"score() got {len(prompts)} prompts but {len(responses)} responses; pass one prompt per response.")
@@ -60,6 +61,10 @@ class PRMScorer:
         encoded = [encode(self.prm.tokenizer, p, r, self.step_separator, self.prm.head.step_tag, self.max_length)
                    for p, r in zip(prompts, responses)]
         out: list[list[float]] = [[0.0] * e.n_steps for e in encoded]
+        shared = sum(has_shared_readout(e) for e in encoded)
+        if shared:
+            log.warning("%d responses have steps that end in the same token of this PRM's tokenizer; those steps "
+                        "share one score (set head.step_tag to give every step a token of its own)", shared)
         cut = sum(e.n_steps - len(e.step_ends) for e in encoded)
         if cut:
             log.warning("%d steps lie beyond max_length=%d tokens and score 0.0", cut, self.max_length)

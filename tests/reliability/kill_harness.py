@@ -71,6 +71,8 @@ class Attempt:
     trigger: str = ""
     exit_after_signal_s: float | None = None
     outputs_read: int = 0
+    resumed: bool = False
+    """The stage said it continued from a resume checkpoint ("resuming from ..." on stdout)."""
 
 
 @dataclass
@@ -155,6 +157,7 @@ def run_attempt(case: StageCase, argv: list[str], run_dir: Path, kill: tuple[str
                 proc.wait()
         attempt.rc = proc.returncode
         attempt.seconds = time.monotonic() - t0
+        attempt.resumed = "resuming from" in (logs / f"{log_name}.out").read_text(errors="replace")
         if sent_at is not None:
             attempt.exit_after_signal_s = time.monotonic() - sent_at
     attempt.outputs_read += _check_output(case, out)
@@ -254,6 +257,8 @@ def summary(results: list[SeedResult]) -> dict:
         "sigterm_default_death": sum(a.rc == -signal.SIGTERM for a in kills),
         "sigterm_exit_s_max": round(exits[-1], 2) if exits else None,
         "finished_before_kill": sum(a.signal is not None and a.rc == 0 for r in results for a in r.attempts),
+        "attempts_resumed_from_checkpoint": sum(a.resumed for r in results for a in r.attempts),
+        "seeds_that_resumed": sum(any(a.resumed for a in r.attempts) for r in results),
         "output_reads": sum(a.outputs_read for r in results for a in r.attempts),
     }
 

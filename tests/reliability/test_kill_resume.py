@@ -30,7 +30,8 @@ def test_killed_stage_resumes_to_the_uninterrupted_result(name, stage_runs, reli
     for seed in range(seeds_for(case)):
         result = kill_and_resume(case, root, inputs, seed, ref_dir, ref_seconds)
         results.append(result)
-        print(f"{name} seed {seed}: " + ", ".join(f"{a.trigger or 'run'}->{a.rc}" for a in result.attempts))
+        print(f"{name} seed {seed}: " + ", ".join(f"{a.trigger or 'run'}->{a.rc}{' (resumed)' if a.resumed else ''}"
+                                                  for a in result.attempts))
         shutil.rmtree(root / f"seed-{seed}")
     s = summary(results)
     reliability.add(f"kill-resume/{name}", reference_s=round(ref_seconds, 1), **s)

@@ -126,6 +126,7 @@ def _run_local(args) -> int:
 def run_local(spec, params: dict, root: Path) -> tuple[str, str, str | None]:
     """Run the pipeline of `spec` through kfp.local; returns (tracking URI, experiment, parent run id)."""
     import time
+    import warnings
 
     from kfp import local
     from mlflow.tracking import MlflowClient
@@ -141,7 +142,10 @@ def run_local(spec, params: dict, root: Path) -> tuple[str, str, str | None]:
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True,
                workspace_root=str(root / "workspace"))
     t0 = time.monotonic()
-    build(spec)(**params)
+    with warnings.catch_warnings():
+        # kfp.local's notes that it ignores the cluster settings (images, GPUs, node pools) here, per task
+        warnings.filterwarnings("ignore", message=".*(non-Python base image|have no effect in the current local runner).*")
+        build(spec)(**params)
     print(f"pipeline finished in {time.monotonic() - t0:.0f} s; artifacts under {root}; runs in {params['tracking_uri']}")
     parent = latest_pipeline_run(MlflowClient(params["tracking_uri"]), experiment)
     return params["tracking_uri"], experiment, parent

@@ -3,8 +3,10 @@ moments, start it again with the same arguments, and check what a user and a dow
 
 For every seed of a `StageCase`:
   1. a seeded RNG picks 1..max_kills kills, each one a signal from `case.signals` fired either at a
-     random time (a fraction of the uninterrupted run's duration) or the moment a file matching
-     one of `case.kill_events` appears (mid-checkpoint, mid-commit);
+     random time (a fraction of the uninterrupted run's duration; for a stage with a checkpoint, the
+     first kill of two seeds in three lands after the reference run's first checkpoint, so the
+     restart resumes) or the moment a file matching one of `case.kill_events` appears
+     (mid-checkpoint, mid-commit);
   2. while the stage runs, a reader polls the output path: whenever it exists it must be a whole,
      committed output (`case.read` passes: manifest present, checksums match, data readable);
   3. after every kill: SIGKILL -> exit -9; SIGTERM -> exit 143 within `case.grace_s` with its resume
@@ -73,6 +75,8 @@ class Attempt:
     outputs_read: int = 0
     resumed: bool = False
     """The stage said it continued from a resume checkpoint ("resuming from ..." on stdout)."""
+    checkpoint_at_s: float | None = None
+    """Seconds after the start when `case.checkpoint` first existed (the first periodic save)."""
 
 
 @dataclass
@@ -136,6 +140,8 @@ def run_attempt(case: StageCase, argv: list[str], run_dir: Path, kill: tuple[str
                 now = time.monotonic() - t0
                 if now > case.timeout_s:
                     raise AssertionError(f"{case.name}: {log_name} did not finish within {case.timeout_s} s")
+                if case.checkpoint and attempt.checkpoint_at_s is None and any(run_dir.glob(case.checkpoint)):
+                    attempt.checkpoint_at_s = now
                 if not seen_output and out.exists():  # once committed it never changes: read it once
                     attempt.outputs_read += _check_output(case, out)
                     seen_output = True
@@ -205,7 +211,19 @@ def reference(case: StageCase, root: Path, inputs: Path) -> tuple[Path, float]:
     run_dir.mkdir(parents=True)
     a = run_attempt(case, case.argv(run_dir, inputs), run_dir, None, "reference")
     _expect_exit(case, a, run_dir, "reference")
+    (run_dir / "logs" / "reference.json").write_text(json.dumps({"seconds": a.seconds, "checkpoint_at_s": a.checkpoint_at_s}))
     return run_dir, a.seconds
+
+
+def _first_kill_s(case: StageCase, rng: random.Random, ref_dir: Path, ref_seconds: float) -> float:
+    """When the first kill of a seed fires. A training stage spends most of a tiny run starting up (imports,
+    model load), so uniform times would mostly kill it before its first checkpoint and test a restart,
+    not a resume: two seeds in three aim between the reference run's first checkpoint and its end."""
+    timing = ref_dir / "logs" / "reference.json"
+    first_ckpt = json.loads(timing.read_text()).get("checkpoint_at_s") if timing.is_file() else None
+    if first_ckpt is not None and rng.random() < 2 / 3:
+        return rng.uniform(first_ckpt, first_ckpt + 0.9 * (ref_seconds - first_ckpt))
+    return rng.uniform(0.1, 0.8) * ref_seconds
 
 
 def kill_and_resume(case: StageCase, root: Path, inputs: Path, seed: int, ref_dir: Path, ref_seconds: float) -> SeedResult:
@@ -223,7 +241,8 @@ def kill_and_resume(case: StageCase, root: Path, inputs: Path, seed: int, ref_di
             if case.kill_events and k > 0 and rng.random() < 0.5:
                 kill = ("event", rng.choice(case.kill_events), sig)
             else:  # the first kill lands well inside the run, later ones anywhere up to its end
-                kill = ("time", rng.uniform(0.1, 0.8 if k == 0 else 1.05) * ref_seconds, sig)
+                kill = ("time", _first_kill_s(case, rng, ref_dir, ref_seconds) if k == 0
+                        else rng.uniform(0.1, 1.05) * ref_seconds, sig)
         name = f"attempt-{k}"
         a = run_attempt(case, argv, run_dir, kill, name)
         while k == 0 and a.rc == 0 and a.signal is None and kill[1] > 0.5:

@@ -327,4 +327,17 @@ def test_sync_command_line(flaky, tmp_path, store, capsys, monkeypatch, reliabil
     assert time.perf_counter() - started < 10  # no MLflow retry storm against a dead server
     err = capsys.readouterr().err
     assert "untouched.jsonl" in err and "run the same command again" in err and "Traceback" not in err
+    # no --uri: each call goes where it was meant to go, here a server that is still down
+    flaky.down = True
+    meant = tmp_path / "meant.jsonl"
+    dead = tracking.TrackingConfig(uri=f"http://127.0.0.1:{free_port()}", experiment="cli", fallback_path=str(meant),
+                                   finish_wait_s=0)
+    with tracking.start_stage_run(dead, "sft") as tracker:
+        tracker.log_metrics({"train/loss": 1.0}, step=1)
+    clean_http_env(monkeypatch)
+    started = time.perf_counter()
+    assert cli.main(["tracking-sync", str(meant)]) == 2
+    assert time.perf_counter() - started < 10
+    err = capsys.readouterr().err
+    assert dead.uri in err and "meant.jsonl" in err and "Traceback" not in err
     reliability.add("tracking/cli-sync", calls_uploaded_by_command=5)

@@ -434,7 +434,10 @@ def sync_fallback(path: str | Path, uri: str | None = None) -> dict[str, int]:
             counts["skipped"] += 1
             continue
         target_uri = uri or r.get("uri") or DEFAULT_STORE
-        client = clients.setdefault(target_uri, MlflowClient(tracking_uri=target_uri))
+        if target_uri not in clients:  # a server still down: one refused connection, not minutes of MLflow retries
+            _short_http_settings(TrackingConfig(), target_uri)
+            clients[target_uri] = MlflowClient(tracking_uri=target_uri)
+        client = clients[target_uri]
         try:
             if r["op"] == "create_run":
                 if r["key"] not in runs:
@@ -471,8 +474,6 @@ def add_sync_command(subparsers) -> None:
 
 
 def _sync_command(args) -> int:
-    if args.uri:  # a server that is still down: one refused connection, not MLflow's minutes of retries
-        _short_http_settings(TrackingConfig(), args.uri)
     counts = sync_fallback(args.file, args.uri)
     print(f"tracking-sync {args.file}: {counts['delivered']} call(s) delivered, {counts['rejected']} refused by the "
           f"server, {counts['skipped']} already delivered before")

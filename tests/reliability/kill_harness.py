@@ -2,11 +2,11 @@
 moments, start it again with the same arguments, and check what a user and a downstream stage see.
 
 For every seed of a `StageCase`:
-  1. a seeded RNG picks 1..max_kills kills, each one a signal from `case.signals` fired either at a
-     random time (a fraction of the uninterrupted run's duration; for a stage with a checkpoint, the
-     first kill of two seeds in three lands after the reference run's first checkpoint, so the
-     restart resumes) or the moment a file matching one of `case.kill_events` appears
-     (mid-checkpoint, mid-commit);
+  1. a seeded RNG picks 1..max_kills kills, each one a signal from `case.signals` fired at a
+     random time (a fraction of the uninterrupted run's duration), or the moment a file matching
+     one of `case.kill_events` appears (mid-checkpoint, mid-commit), or, for the first kill of two
+     seeds in three of a stage with a resume checkpoint, a random delay after its first checkpoint
+     appears (so the restart resumes, however fast or slow the shared machine is today);
   2. while the stage runs, a reader polls the output path: whenever it exists it must be a whole,
      committed output (`case.read` passes: manifest present, checksums match, data readable);
   3. after every kill: SIGKILL -> exit -9; SIGTERM -> exit 143 within `case.grace_s` with its resume
@@ -123,7 +123,8 @@ def _check_output(case: StageCase, out: Path) -> int:
 
 def run_attempt(case: StageCase, argv: list[str], run_dir: Path, kill: tuple[str, object, int] | None,
                 log_name: str) -> Attempt:
-    """Start the stage; fire `kill` = (kind 'time'|'event', seconds|glob, signal) if it comes first."""
+    """Start the stage; fire `kill` = (kind, what, signal) if it comes first: ('time', seconds), ('event', glob)
+    or ('after', (glob, seconds)): that long after a file matching glob first appears."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     out = run_dir / case.output
@@ -134,7 +135,9 @@ def run_attempt(case: StageCase, argv: list[str], run_dir: Path, kill: tuple[str
         attempt = Attempt(rc=0, seconds=0.0)
         sent_at = None
         seen_output = False
-        before = _matches(run_dir, kill[1]) if kill and kill[0] == "event" else {}
+        watch = (kill[1] if kill[0] == "event" else kill[1][0]) if kill and kill[0] in ("event", "after") else None
+        before = _matches(run_dir, watch) if watch else {}
+        seen_at = None
         try:
             while proc.poll() is None:
                 now = time.monotonic() - t0
@@ -148,11 +151,17 @@ def run_attempt(case: StageCase, argv: list[str], run_dir: Path, kill: tuple[str
                 if kill is not None and sent_at is None:
                     kind, what, sig = kill
                     # an event is a file that appears (or is replaced) during this attempt, not one left by the last
-                    fire = now >= what if kind == "time" else _matches(run_dir, what).items() - before.items()
+                    if kind == "time":
+                        fire = now >= what
+                    else:
+                        if seen_at is None and _matches(run_dir, watch).items() - before.items():
+                            seen_at = now
+                        fire = seen_at is not None and now - seen_at >= (what[1] if kind == "after" else 0)
                     if fire:
                         proc.send_signal(sig)
                         sent_at = time.monotonic()
-                        attempt.signal, attempt.trigger = sig, f"{kind}:{what if kind == 'event' else round(now, 2)}"
+                        label = round(now, 2) if kind == "time" else what if kind == "event" else f"{what[0]}+{what[1]:.2f}s"
+                        attempt.signal, attempt.trigger = sig, f"{kind}:{label}"
                 if sent_at is not None and attempt.signal == signal.SIGTERM and time.monotonic() - sent_at > case.grace_s:
                     raise AssertionError(f"{case.name}: still running {case.grace_s} s after SIGTERM "
                                          f"(Kubernetes would SIGKILL it now); see {logs / log_name}.err")
@@ -215,15 +224,16 @@ def reference(case: StageCase, root: Path, inputs: Path) -> tuple[Path, float]:
     return run_dir, a.seconds
 
 
-def _first_kill_s(case: StageCase, rng: random.Random, ref_dir: Path, ref_seconds: float) -> float:
-    """When the first kill of a seed fires. A training stage spends most of a tiny run starting up (imports,
-    model load), so uniform times would mostly kill it before its first checkpoint and test a restart,
-    not a resume: two seeds in three aim between the reference run's first checkpoint and its end."""
+def _first_kill(case: StageCase, rng: random.Random, ref_dir: Path, ref_seconds: float, sig: int) -> tuple:
+    """The first kill of a seed. A training stage spends most of a tiny run starting up (imports, model
+    load), so uniform times would mostly kill it before its first checkpoint and test a restart, not a
+    resume: two seeds in three fire a random delay after the first checkpoint appears, up to 60% of what
+    the reference run had left from there (the rest is the final eval, the commit and the process exit)."""
     timing = ref_dir / "logs" / "reference.json"
     first_ckpt = json.loads(timing.read_text()).get("checkpoint_at_s") if timing.is_file() else None
-    if first_ckpt is not None and rng.random() < 2 / 3:
-        return rng.uniform(first_ckpt, first_ckpt + 0.9 * (ref_seconds - first_ckpt))
-    return rng.uniform(0.1, 0.8) * ref_seconds
+    if case.checkpoint and first_ckpt is not None and rng.random() < 2 / 3:
+        return ("after", (case.checkpoint, rng.uniform(0, 0.6 * (ref_seconds - first_ckpt))), sig)
+    return ("time", rng.uniform(0.1, 0.8) * ref_seconds, sig)
 
 
 def kill_and_resume(case: StageCase, root: Path, inputs: Path, seed: int, ref_dir: Path, ref_seconds: float) -> SeedResult:
@@ -241,14 +251,14 @@ def kill_and_resume(case: StageCase, root: Path, inputs: Path, seed: int, ref_di
             if case.kill_events and k > 0 and rng.random() < 0.5:
                 kill = ("event", rng.choice(case.kill_events), sig)
             else:  # the first kill lands well inside the run, later ones anywhere up to its end
-                kill = ("time", _first_kill_s(case, rng, ref_dir, ref_seconds) if k == 0
-                        else rng.uniform(0.1, 1.05) * ref_seconds, sig)
+                kill = (_first_kill(case, rng, ref_dir, ref_seconds, sig) if k == 0
+                        else ("time", rng.uniform(0.1, 1.05) * ref_seconds, sig))
         name = f"attempt-{k}"
         a = run_attempt(case, argv, run_dir, kill, name)
-        while k == 0 and a.rc == 0 and a.signal is None and kill[1] > 0.5:
+        while k == 0 and a.rc == 0 and a.signal is None and (kill[1] > 0.5 if kill[0] == "time" else kill[1][1] > 0.05):
             # the machine sped up and the run ended before its first kill: start the seed over, killing sooner
             shutil.rmtree(run_dir / case.output)
-            kill = (kill[0], kill[1] / 2, kill[2])
+            kill = (kill[0], kill[1] / 2 if kill[0] == "time" else (kill[1][0], kill[1][1] / 2), kill[2])
             a = run_attempt(case, argv, run_dir, kill, name)
         result.attempts.append(a)
         _expect_exit(case, a, run_dir, name)
@@ -271,7 +281,7 @@ def summary(results: list[SeedResult]) -> dict:
     return {
         "seeds": len(results), "matched": sum(r.matched for r in results), "kills": len(kills),
         "kills_by_signal": by_signal,
-        "kills_by_trigger": {t: sum(a.trigger.startswith(t) for a in kills) for t in ("time", "event")},
+        "kills_by_trigger": {t: sum(a.trigger.startswith(t) for a in kills) for t in ("time", "event", "after")},
         "sigterm_checkpointed": sum(a.rc == 143 for a in kills),
         "sigterm_default_death": sum(a.rc == -signal.SIGTERM for a in kills),
         "sigterm_exit_s_max": round(exits[-1], 2) if exits else None,

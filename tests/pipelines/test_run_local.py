@@ -26,7 +26,7 @@ TINY = {
 
 
 @pytest.mark.timeout(900)
-def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monkeypatch):
+def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
 
     cfg = tmp_path / "pipeline.yaml"
@@ -64,6 +64,17 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     # the parent carries the whole configuration and the evaluation headline
     assert parent.data.params["sft.max_steps"] == "12"
     assert "eval/accuracy" in parent.data.metrics
+    assert parent.data.metrics["sft/accuracy"] == by_name["sft"].data.metrics["eval/accuracy"]
+    assert "prm/step_auc" in parent.data.metrics and "eval/step_auc" not in parent.data.metrics
+    # the closing table: one row per stage/iteration, numbers as MLflow has them
+    table = capsys.readouterr().out.split(f"MLflow run {parent.info.run_id}")[1]
+    rows = {line.split("  ")[0].strip(): line.split()[-4:] for line in table.splitlines()[2:] if line.strip()}
+    assert {"sft", "iter 0", "iter 1", "sft (same prompts)", "final"} <= set(rows)
+    assert rows["final"][0] == f"{parent.data.metrics['eval/accuracy']:.3f}"
+    shards = [r for r in children if r.info.run_name == "rollout-iter1"]
+    reward = sum(r.data.metrics["rollout/reward_mean"] * r.data.metrics["rollout/samples"] for r in shards) / sum(
+        r.data.metrics["rollout/samples"] for r in shards)
+    assert rows["iter 1"][1] == f"{reward:.3f}"  # the batch mean over both shards
 
 
 @pytest.mark.timeout(900)

@@ -77,6 +77,8 @@ class Attempt:
     """The stage said it continued from a resume checkpoint ("resuming from ..." on stdout)."""
     checkpoint_at_s: float | None = None
     """Seconds after the start when `case.checkpoint` first existed (the first periodic save)."""
+    commit_at_s: float | None = None
+    """Seconds after the start when the output's temporary sibling first existed (training is over)."""
 
 
 @dataclass
@@ -145,6 +147,8 @@ def run_attempt(case: StageCase, argv: list[str], run_dir: Path, kill: tuple[str
                     raise AssertionError(f"{case.name}: {log_name} did not finish within {case.timeout_s} s")
                 if case.checkpoint and attempt.checkpoint_at_s is None and any(run_dir.glob(case.checkpoint)):
                     attempt.checkpoint_at_s = now
+                if attempt.commit_at_s is None and any(run_dir.glob(f".{case.output}.tmp-*")):
+                    attempt.commit_at_s = now
                 if not seen_output and out.exists():  # once committed it never changes: read it once
                     attempt.outputs_read += _check_output(case, out)
                     seen_output = True
@@ -220,19 +224,21 @@ def reference(case: StageCase, root: Path, inputs: Path) -> tuple[Path, float]:
     run_dir.mkdir(parents=True)
     a = run_attempt(case, case.argv(run_dir, inputs), run_dir, None, "reference")
     _expect_exit(case, a, run_dir, "reference")
-    (run_dir / "logs" / "reference.json").write_text(json.dumps({"seconds": a.seconds, "checkpoint_at_s": a.checkpoint_at_s}))
+    (run_dir / "logs" / "reference.json").write_text(json.dumps({"seconds": a.seconds, "checkpoint_at_s": a.checkpoint_at_s,
+                                                                 "commit_at_s": a.commit_at_s}))
     return run_dir, a.seconds
 
 
 def _first_kill(case: StageCase, rng: random.Random, ref_dir: Path, ref_seconds: float, sig: int) -> tuple:
     """The first kill of a seed. A training stage spends most of a tiny run starting up (imports, model
-    load), so uniform times would mostly kill it before its first checkpoint and test a restart, not a
-    resume: two seeds in three fire a random delay after the first checkpoint appears, up to 60% of what
-    the reference run had left from there (the rest is the final eval, the commit and the process exit)."""
-    timing = ref_dir / "logs" / "reference.json"
-    first_ckpt = json.loads(timing.read_text()).get("checkpoint_at_s") if timing.is_file() else None
-    if case.checkpoint and first_ckpt is not None and rng.random() < 2 / 3:
-        return ("after", (case.checkpoint, rng.uniform(0, 0.6 * (ref_seconds - first_ckpt))), sig)
+    load, and the one-time imports of the first save), so uniform times would mostly kill it before its first
+    checkpoint or after its last step, and test a restart, not a resume: two seeds in three fire a random
+    delay after the first checkpoint appears, within the time the reference run then trained before it
+    began to commit its output."""
+    timing = json.loads((ref_dir / "logs" / "reference.json").read_text())
+    first_ckpt, commit = timing.get("checkpoint_at_s"), timing.get("commit_at_s")
+    if case.checkpoint and first_ckpt is not None and commit is not None and rng.random() < 2 / 3:
+        return ("after", (case.checkpoint, rng.uniform(0, 0.9 * (commit - first_ckpt))), sig)
     return ("time", rng.uniform(0.1, 0.8) * ref_seconds, sig)
 
 

@@ -190,3 +190,20 @@ def test_tracking_records_the_prm_metrics(tmp_path, sqlite_store):
             "eval/first_error_recall", "eval/loss", "perf/tokens_per_s"} <= set(run.data.metrics)
     assert run.data.tags["prmflow.stage"] == "prm" and run.data.params["head.kind"] == "token_classification"
     assert {m.step for m in client.get_metric_history(run.info.run_id, "eval/step_auc")} == {2, 4}
+
+
+def test_a_labelled_file_can_be_judged_on_the_exact_arithmetic_split(tmp_path):
+    """eval_task=arithmetic: a PRM trained on a file (e.g. prm-label output) is evaluated against the
+    exact checker's held-out split, and every file row trains."""
+    from prmflow.components.common.tasks import arithmetic
+
+    rows = [{"prompt": f"Compute left to right: {a}+2\n", "steps": [f"{a}+2={a + 2}", f"answer: {a + 2}"], "labels": [1, 0.5]}
+            for a in range(1, 7)]
+    path = tmp_path / "labels.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = make_cfg(tmp_path, task=str(path), eval_task="arithmetic", eval_size=5)
+    train, held_out = stage.load_data(cfg)
+    assert [e.steps for e in train] == [r["steps"] for r in rows]
+    want = data.arithmetic_examples(5, 0, "eval", arithmetic.ArithmeticConfig(), SHORT["negatives_per_problem"])
+    assert [(e.prompt, e.steps, e.labels) for e in held_out] == [(e.prompt, e.steps, e.labels) for e in want]
+    assert any(min(e.labels) == 0 for e in held_out)

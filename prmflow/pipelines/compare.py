@@ -26,9 +26,8 @@ import yaml
 
 from ..components.common.errors import ConfigError
 
-#: Columns of the comparison table: (header, metric on the parent run).
-COLUMNS = [("pass@1", "eval/accuracy"), ("SFT pass@1", "eval/baseline_accuracy"), ("majority", "eval/majority"),
-           ("PRM best-of-k", "eval/bon_min"), ("pass@k", None), ("last train reward", None)]
+#: Columns of the comparison table.
+COLUMNS = ["pass@1", "SFT pass@1", "majority", "PRM best-of-k", "pass@k", "last train reward"]
 
 
 def load_variants(path: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -62,11 +61,10 @@ def _deep_merge(base: dict, over: dict) -> dict:
 
 def shared_inputs(client, parent_run_id: str) -> dict[str, str]:
     """The SFT policy and PRM directories a finished pipeline run produced (from its child runs' params)."""
-    parent = client.get_run(parent_run_id)
-    runs = client.search_runs([parent.info.experiment_id], max_results=5000,
-                              filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
+    from .summary import child_runs
+
     found = {}
-    for run in runs:
+    for run in child_runs(client, parent_run_id):
         stage = run.data.tags.get("prmflow.stage")
         if stage in ("sft", "prm") and run.data.params.get("output"):
             found[f"{stage}_model"] = run.data.params["output"]
@@ -83,15 +81,15 @@ def comparison_rows(client, runs: dict[str, str]) -> list[tuple[str, list[float]
         pass_k = next((v for k, v in metrics.items() if k.startswith("eval/pass_at_")), math.nan)
         iters = [r for r in pipeline_rows(client, run_id) if r.stage.startswith("iter ")]
         last_reward = iters[-1].values.get("reward", math.nan) if iters else math.nan
-        values = [metrics.get(key, math.nan) if key else math.nan for _, key in COLUMNS]
-        values[4], values[5] = pass_k, last_reward
-        rows.append((name, values))
+        rows.append((name, [metrics.get("eval/accuracy", math.nan), metrics.get("eval/baseline_accuracy", math.nan),
+                            metrics.get("eval/majority", math.nan), metrics.get("eval/bon_min", math.nan),
+                            pass_k, last_reward]))
     return rows
 
 
 def format_rows(rows: list[tuple[str, list[float]]]) -> str:
     width = max([len("variant")] + [len(n) for n, _ in rows])
-    lines = ["variant".ljust(width) + "".join(f"  {h:>17}" for h, _ in COLUMNS)]
+    lines = ["variant".ljust(width) + "".join(f"  {h:>17}" for h in COLUMNS)]
     for name, values in rows:
         lines.append(name.ljust(width) + "".join(f"  {'-' if math.isnan(v) else f'{v:.3f}':>17}" for v in values))
     return "\n".join(lines)

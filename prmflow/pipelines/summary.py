@@ -31,12 +31,9 @@ COLUMNS = [("held-out pass@1", "pass1"), ("train reward", "reward"), ("train acc
 
 def pipeline_rows(client, parent_run_id: str) -> list[Row]:
     """One row for SFT, one per RL iteration, and the final evaluation, from the parent's child runs."""
-    parent = client.get_run(parent_run_id)
-    children = client.search_runs([parent.info.experiment_id], max_results=5000,
-                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
     rows: list[Row] = []
     by_stage: dict[str, list] = defaultdict(list)
-    for run in children:
+    for run in child_runs(client, parent_run_id):
         by_stage[run.data.tags.get("prmflow.stage", "")].append(run)
     for run in by_stage.get("sft", [])[:1]:
         rows.append(Row("sft", {"pass1": run.data.metrics.get("eval/accuracy", math.nan)}))
@@ -63,6 +60,13 @@ def pipeline_rows(client, parent_run_id: str) -> list[Row]:
             rows.append(Row("sft (same prompts)", {"pass1": m["eval/baseline_accuracy"]}))
         rows.append(Row("final", {"pass1": m.get("eval/accuracy", math.nan)}))
     return rows
+
+
+def child_runs(client, parent_run_id: str) -> list:
+    """The stage runs filed under a pipeline's parent run."""
+    parent = client.get_run(parent_run_id)
+    return client.search_runs([parent.info.experiment_id], max_results=5000,
+                              filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
 
 
 def format_table(rows: list[Row]) -> str:

@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import shlex
 import sys
@@ -142,13 +144,27 @@ def run_local(spec, params: dict, root: Path) -> tuple[str, str, str | None]:
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True,
                workspace_root=str(root / "workspace"))
     t0 = time.monotonic()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _root_handlers_kept():
         # kfp.local's notes that it ignores the cluster settings (images, GPUs, node pools) here, per task
         warnings.filterwarnings("ignore", message=".*(non-Python base image|have no effect in the current local runner).*")
         build(spec)(**params)
     print(f"pipeline finished in {time.monotonic() - t0:.0f} s; artifacts under {root}; runs in {params['tracking_uri']}")
     parent = latest_pipeline_run(MlflowClient(params["tracking_uri"]), experiment)
     return params["tracking_uri"], experiment, parent
+
+
+@contextlib.contextmanager
+def _root_handlers_kept():
+    """kfp.local swaps the root logger's handlers for a StreamHandler on the sys.stdout of that moment and,
+    on some paths, leaves it there: a later log record in the same process (a test, a notebook) then
+    writes to a stream that may be closed. Put back the handlers and level we had."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 
 def _print_summary(uri: str, experiment: str, parent: str | None) -> None:

@@ -4,6 +4,7 @@ Every stage runs for real (SFT, PRM on the SFT backbone, two RL iterations of tw
 advantage, PPO, evaluate); the MLflow store it leaves behind is what a user would open in the UI.
 """
 
+import logging
 import os
 import sys
 
@@ -37,8 +38,11 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
 
+    handlers = logging.getLogger().handlers[:]
     assert cli.main(["pipeline", "run-local", "--config", str(cfg), "--root", str(tmp_path / "root"),
                      "--param", f"tracking_uri={store}"]) == 0
+    # kfp.local swapped the root logger's handlers; a later record must not go to its (closed) stream
+    assert logging.getLogger().handlers == handlers
 
     client = MlflowClient(store)
     exp = client.get_experiment_by_name("run-local-test")

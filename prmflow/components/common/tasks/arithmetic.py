@@ -39,6 +39,16 @@ class ArithmeticConfig:
     """Operands are drawn from 1..max_operand (multipliers from 2..min(max_operand, 5))."""
     max_value: int = 200
     """Reject problems whose intermediate results leave 0..max_value (keeps numbers short)."""
+    direct_answer_frac: float = 0.0
+    """Fraction of problems whose reference solution is the `answer: N` line alone, with no working
+    (picked by a hash of the problem, so the same problems in every run). Warm-up data from a mixed
+    source: SFT learns to skip the steps that often, and RL can learn that working them out pays."""
+
+    def __post_init__(self):
+        if not 0.0 <= self.direct_answer_frac <= 1.0:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"arithmetic.direct_answer_frac={self.direct_answer_frac} must be in [0, 1].")
 
 
 @dataclass
@@ -74,6 +84,11 @@ def _split_of(text: str) -> str:
     return next(name for name, r in SPLITS.items() if bucket in r)
 
 
+def _unit(text: str) -> float:
+    """A number in [0, 1) fixed by `text`."""
+    return int(hashlib.sha256(text.encode()).hexdigest()[:13], 16) / 16 ** 13
+
+
 def generate(n: int, seed: int = 0, split: str = "train", cfg: ArithmeticConfig | None = None) -> list[Problem]:
     """`n` distinct problems of `split`, deterministic in (seed, split, cfg)."""
     cfg = cfg or ArithmeticConfig()
@@ -104,6 +119,8 @@ def generate(n: int, seed: int = 0, split: str = "train", cfg: ArithmeticConfig 
             continue
         seen.add(expr)
         steps, value = solve(start, ops)
+        if cfg.direct_answer_frac and _unit(f"direct:{expr}") < cfg.direct_answer_frac:
+            steps = steps[-1:]
         pid = "arith-" + hashlib.sha1(expr.encode()).hexdigest()[:12]
         out.append(Problem(pid, f"{PROMPT_PREFIX}{expr}\n", str(value), start, ops, steps))
     return out

@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from prmflow.components.common import tasks
-from prmflow.components.common.errors import DataError
+from prmflow.components.common.errors import ConfigError, DataError
 from prmflow.components.common.tasks import arithmetic as ar
 
 
@@ -22,6 +22,22 @@ def test_generation_is_deterministic_and_solutions_are_right():
         assert ar.verify(p.solution, p.answer) == 1.0
         assert ar.first_error(p.prompt, p.solution) is None
         assert len(p.steps) == len(p.ops) + 1
+
+
+def test_direct_answer_frac_keeps_the_problems_and_drops_the_working_of_that_share():
+    plain = ar.generate(2000, seed=3)
+    mixed = ar.generate(2000, seed=3, cfg=ar.ArithmeticConfig(direct_answer_frac=0.3))
+    assert [p.prompt for p in mixed] == [p.prompt for p in plain]  # the same problems, in the same order
+    bare = [m for m in mixed if len(m.steps) == 1]
+    assert 0.27 < len(bare) / len(mixed) < 0.33
+    for m, p in zip(mixed, plain):
+        assert m.solution in (p.solution, f"answer: {p.answer}")  # the answer line alone, or untouched
+        assert ar.verify(m.solution, m.answer) == 1.0
+    again = ar.generate(2000, seed=3, cfg=ar.ArithmeticConfig(direct_answer_frac=0.3))
+    assert [m.solution for m in again] == [m.solution for m in mixed]
+    assert all(len(m.steps) == 1 for m in ar.generate(50, seed=3, cfg=ar.ArithmeticConfig(direct_answer_frac=1.0)))
+    with pytest.raises(ConfigError, match="direct_answer_frac=1.5 must be in"):
+        ar.ArithmeticConfig(direct_answer_frac=1.5)
 
 
 def test_splits_are_disjoint_whatever_the_seed():

@@ -40,3 +40,18 @@ def test_a_bad_key_in_any_variant_fails_before_anything_runs(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "variant typo" in err and "learning_rate" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_shipped_comparison_runs_the_quickstarts_budget():
+    """configs/compare.yaml claims 'the quickstart's budget three ways': every stage section matches."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    quick = yaml.safe_load((root / "quickstart.yaml").read_text())
+    base, variants = load_variants(str(root / "compare.yaml"))
+    for section in ("sft", "prm", "rollout", "ppo", "evaluate"):
+        assert base[section] == quick[section], section
+    assert {k: v for k, v in base["pipeline"].items() if k != "experiment"} == \
+        {k: v for k, v in quick["pipeline"].items() if k != "experiment"}
+    for v in variants.values():  # only the advantage recipe differs
+        assert {k: s for k, s in v.items() if k != "advantage"} == base

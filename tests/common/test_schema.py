@@ -24,6 +24,15 @@ def rollouts(n=4, prompt="p", start=0, **override):
     return pa.table(rows)
 
 
+def test_reading_some_columns_returns_just_those(tmp_path):
+    out = schema.write_dataset(tmp_path / "r", rollouts(), "rollouts")
+    full = schema.read_dataset(out, "rollouts")
+    part = schema.read_dataset(out, "rollouts", ["response_ids", "old_logprobs"])
+    assert part.column_names == ["response_ids", "old_logprobs"]
+    assert part.to_pylist() == full.select(["response_ids", "old_logprobs"]).to_pylist()
+    assert schema.read_dataset(out, "rollouts", ["values"]).column("values").null_count == 4  # stored as nulls
+
+
 def test_round_trip_fills_missing_nullable_columns(tmp_path):
     out = schema.write_dataset(tmp_path / "r", rollouts(), "rollouts", config={"a": 1}, parents=["sft"])
     table = schema.read_dataset(out, "rollouts")

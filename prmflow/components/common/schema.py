@@ -345,9 +345,13 @@ class Dataset:
                 yield table
 
     def read(self, columns: Iterable[str] | None = None) -> pa.Table:
-        tables = list(self.iter_batches(batch_size=1 << 20, columns=columns))
+        """Everything, conformed and validated; with `columns`, just those columns as their schema
+        types (a column that is not stored is a DataError naming it)."""
+        cols = list(columns) if columns is not None else None
+        tables = list(self.iter_batches(batch_size=1 << 20, columns=cols, validate_rows=cols is None))
         if not tables:
-            return schema_for(self.kind).empty_table()
+            full = schema_for(self.kind)
+            return full.empty_table() if cols is None else pa.schema([full.field(c) for c in cols]).empty_table()
         return pa.concat_tables(tables)
 
 

@@ -207,3 +207,26 @@ def test_a_labelled_file_can_be_judged_on_the_exact_arithmetic_split(tmp_path):
     want = data.arithmetic_examples(5, 0, "eval", arithmetic.ArithmeticConfig(), SHORT["negatives_per_problem"])
     assert [(e.prompt, e.steps, e.labels) for e in held_out] == [(e.prompt, e.steps, e.labels) for e in want]
     assert any(min(e.labels) == 0 for e in held_out)
+
+
+def test_policy_samples_join_the_training_data_labelled_by_the_checker(sft_policy, tmp_path):
+    """policy_samples_from_backbone samples the backbone (the pipeline's SFT policy) exactly as
+    policy_samples_path naming it does; every sample carries the exact checker's step labels."""
+    from prmflow.components.common.errors import ConfigError
+    from prmflow.components.common.tasks import arithmetic
+
+    base = dict(model_path=str(sft_policy), train_size=12, policy_samples=2)
+    plain, _ = stage.load_data(make_cfg(tmp_path, **{**base, "model_path": str(sft_policy)}))
+    by_path, _ = stage.load_data(make_cfg(tmp_path, **base, policy_samples_path=str(sft_policy)))
+    by_switch, _ = stage.load_data(make_cfg(tmp_path, **base, policy_samples_from_backbone=True))
+    key = lambda es: [(e.prompt, e.steps, e.labels) for e in es]  # noqa: E731
+    assert key(by_switch) == key(by_path)
+    samples = by_switch[len(plain):]
+    assert key(by_switch[:len(plain)]) == key(plain) and len(samples) == 12 * 2
+    for e in samples:  # the checker's labels, recomputed here: 1 up to the first wrong step, 0 after
+        first = arithmetic.first_error(e.prompt, "\n".join(e.steps))
+        assert e.labels == [1.0 if first is None or k < first else 0.0 for k in range(len(e.steps))]
+    with pytest.raises(ConfigError, match="set one of them"):
+        make_cfg(tmp_path, **base, policy_samples_from_backbone=True, policy_samples_path=str(sft_policy))
+    with pytest.raises(ConfigError, match="need task=arithmetic"):
+        make_cfg(tmp_path, **base, policy_samples_from_backbone=True, task=str(tmp_path / "labels.jsonl"))

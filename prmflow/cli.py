@@ -87,24 +87,11 @@ def _make_tiny(args) -> int:
     return 0
 
 
-class _StderrHandler(logging.StreamHandler):
-    """Writes to sys.stderr as it is when a record is emitted, not as it was when main() first ran
-    (a later main() in the same process, or a replaced stderr, would otherwise log to a closed stream)."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value):
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser, stages = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[_StderrHandler()],
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.command:
         parser.print_help()

@@ -216,7 +216,7 @@ def test_policy_samples_join_the_training_data_labelled_by_the_checker(sft_polic
     from prmflow.components.common.tasks import arithmetic
 
     base = dict(model_path=str(sft_policy), train_size=12, policy_samples=2)
-    plain, _ = stage.load_data(make_cfg(tmp_path, **{**base, "model_path": str(sft_policy)}))
+    plain, _ = stage.load_data(make_cfg(tmp_path, **base))
     by_path, _ = stage.load_data(make_cfg(tmp_path, **base, policy_samples_path=str(sft_policy)))
     by_switch, _ = stage.load_data(make_cfg(tmp_path, **base, policy_samples_from_backbone=True))
     key = lambda es: [(e.prompt, e.steps, e.labels) for e in es]  # noqa: E731
@@ -230,3 +230,5 @@ def test_policy_samples_join_the_training_data_labelled_by_the_checker(sft_polic
         make_cfg(tmp_path, **base, policy_samples_from_backbone=True, policy_samples_path=str(sft_policy))
     with pytest.raises(ConfigError, match="need task=arithmetic"):
         make_cfg(tmp_path, **base, policy_samples_from_backbone=True, task=str(tmp_path / "labels.jsonl"))
+    with pytest.raises(ConfigError, match="untrained preset"):
+        make_cfg(tmp_path, **{**base, "model_path": "tiny-llama"}, policy_samples_from_backbone=True)

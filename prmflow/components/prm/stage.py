@@ -141,7 +141,9 @@ class Config:
                               "for other data, label samples with `prmflow prm-label` and pass them as task.")
         if not self.step_separator:
             raise ConfigError("step_separator is empty; steps need a separator (the default is a newline).")
-
+        if self.policy_samples_from_backbone and modeling.is_tiny(self.model_path):
+            raise ConfigError(f"policy_samples_from_backbone=true samples model_path, but '{self.model_path}' is an "
+                              f"untrained preset; point model_path at a trained policy (e.g. the sft output).")
 
     @property
     def samples_policy(self) -> str:
@@ -304,8 +306,8 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
         modeling.check_model_dir(cfg.model_path)
     if cfg.bon.policy_path:
         modeling.check_model_dir(cfg.bon.policy_path, "bon.policy_path")  # fail before training, not after
-    if cfg.samples_policy:
-        modeling.check_model_dir(cfg.samples_policy, "policy_samples_path" if cfg.policy_samples_path else "model_path")
+    if cfg.policy_samples_path:  # with policy_samples_from_backbone it is model_path, checked above
+        modeling.check_model_dir(cfg.policy_samples_path, "policy_samples_path")
     identity = training_identity(cfg)
     inputs = input_fingerprints(cfg)
     resume_identity = {**identity, "inputs": inputs}  # a checkpoint from other inputs is not resumed

@@ -65,7 +65,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         p.set_defaults(stage=name)
     tiny = sub.add_parser("make-tiny-model", help="write a tiny preset model (config + tokenizer, random init) as a HF directory")
     tiny.add_argument("output", help="directory to create")
-    tiny.add_argument("--preset", default="tiny-llama", help="tiny-llama or tiny-qwen2")
+    tiny.add_argument("--preset", default="tiny-llama", help="tiny-llama, tiny-qwen2 or tiny-llava (vision-language)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(stage=None, handler=_make_tiny)
     from .pipelines import commands
@@ -80,7 +80,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 def _make_tiny(args) -> int:
     from .components.common import io, modeling
 
-    model, tok = modeling.build_tiny_model(args.preset, seed=args.seed)
+    if not modeling.is_tiny(args.preset):
+        known = sorted([*modeling.TINY_PRESETS, *modeling.TINY_VL_PRESETS])
+        print(f"error: unknown preset '{args.preset}'; known presets: {', '.join(known)}.", file=sys.stderr)
+        return 2
+    model, tok = modeling.load_causal_lm(args.preset, seed=args.seed)
     with io.atomic_output_dir(args.output, "policy", manifest={"config": {"preset": args.preset, "seed": args.seed}}) as tmp:
         modeling.save_pretrained(model, tok, tmp)
     print(f"wrote {args.preset} ({sum(p.numel() for p in model.parameters()):,} parameters) to {args.output}")

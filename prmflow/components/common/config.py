@@ -170,8 +170,16 @@ def _unknown_key(key: str, valid: typing.Iterable[str], where: str) -> ConfigErr
 def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
     """Make a `cls` from a flat {dotted key: value} mapping, coercing and checking every value."""
     leaves = _flat_fields(cls)
-    prefixes = {k.rsplit(".", 1)[0] for k in leaves if "." in k}
+    prefixes = {".".join(k.split(".")[:i]) for k in leaves for i in range(1, k.count(".") + 1)}  # every section
     mappings = [k for k, (t, _, _) in leaves.items() if t is dict or typing.get_origin(t) is dict]
+
+    def flatten(key: str, value: Any) -> dict[str, Any]:  # {"engine": {"backend": ...}} -> {"engine.backend": ...}
+        if key in prefixes and key not in leaves and isinstance(value, dict):
+            return {k2: v2 for k, v in value.items() for k2, v2 in flatten(f"{key}.{k}", v).items()}
+        return {key: value}
+
+    nested = {k2: v2 for k, v in values.items() if k in prefixes and k not in leaves for k2, v2 in flatten(k, v).items()}
+    values = {**nested, **{k: v for k, v in values.items() if not (k in prefixes and k not in leaves)}}  # dotted keys win
     for key in values:
         inside_mapping = any(key.startswith(m + ".") for m in mappings)  # a dict field's own keys
         if key not in leaves and key not in prefixes and not inside_mapping:

@@ -13,8 +13,11 @@ import torch
 @torch.no_grad()
 def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, batch_size: int = 64,
                    do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-                   add_special_tokens: bool = True) -> list[str]:
-    """One response per prompt. Deterministic for a given seed."""
+                   add_special_tokens: bool = True, images: list[list[bytes]] | None = None) -> list[str]:
+    """One response per prompt. Deterministic for a given seed.
+
+    `images`: per prompt its encoded images (vision-language models; the prompt text carries their
+    placeholders, see tasks.render_prompt); the tokenizer must carry the model's processor."""
     was_training = model.training
     model.eval()
     side = tokenizer.padding_side
@@ -22,12 +25,25 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 6
     device = next(model.parameters()).device
     out: list[str] = []
     gen = torch.Generator().manual_seed(seed)
+    from .vision import processor_of
+
+    processor = processor_of(tokenizer)
     try:
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i:i + batch_size]
-            enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
+            chunk_images = [b for row in images[i:i + batch_size] for b in row] if images else []
+            if chunk_images:
+                from .vision import decode_image
+
+                pil = [decode_image(b, f"prompt {i + k}") for k, b in enumerate(chunk_images)]
+                enc = processor(text=chunk, images=pil, return_tensors="pt", padding=True,
+                                              add_special_tokens=add_special_tokens).to(device)
+            else:
+                enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
             kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                           eos_token_id=tokenizer.eos_token_id, do_sample=do_sample)
+            if processor is not None:  # never generate an image placeholder: no image stands behind it
+                kwargs["suppress_tokens"] = [tokenizer.convert_tokens_to_ids(processor.image_token)]
             if do_sample:
                 kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
                 torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))

@@ -3,8 +3,14 @@
 Every checkpoint is a plain HF directory (config.json, model.safetensors, tokenizer files), so any
 stage, `transformers` and vLLM load it unchanged. `model_path` is either such a directory (a real
 model on a cluster, e.g. a Qwen2.5 math model) or the name of a tiny preset (`tiny-llama`,
-`tiny-qwen2`) that is built from a config with a character tokenizer the project makes: nothing
-is downloaded at run time.
+`tiny-qwen2`, and the vision-language `tiny-llava`) that is built from a config with a character
+tokenizer (and for `tiny-llava` an image processor) the project makes: nothing is downloaded at run
+time.
+
+A vision-language directory (its config has a `vision_config`: LLaVA, Qwen2-VL, ...) loads through
+`AutoModelForImageTextToText`; its tokenizer comes from `AutoProcessor` and carries the processor
+(`vision.processor_of`), and `save_pretrained` writes the processor back, so every stage's output
+is again a complete VL directory.
 
 Loading is safe by default: weights come from safetensors only (a pickled pytorch_model.bin, which
 can run code when unpickled, is refused), `trust_remote_code` stays off unless a config turns it on,
@@ -37,19 +43,66 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def build_tokenizer(alphabet: list[str] | None = None):
-    """A character-level tokenizer (one token per character) in the standard HF fast format."""
+#: Tiny vision-language presets: a LLaVA model (CLIP vision tower, Llama text model). Its 56x56
+#: images are 2x2 patches of 28 pixels, so an image is 4 tokens (a column of two per digit of the
+#: visual task; 14-pixel patches, 16 tokens, learned to read far slower). (LLaVA rather than Qwen2-VL
+#: because Qwen2-VL's processor needs torchvision, whose CPU build does not install next to the
+#: CPU torch wheel here; a Qwen2-VL directory loads through the same code where torchvision is.)
+TINY_VL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llava": dict(
+        text=dict(model_type="llama", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+        vision=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, image_size=56, patch_size=28, projection_dim=64),
+    ),
+}
+IMAGE_TOKEN = "<image>"
+
+
+def build_tokenizer(alphabet: list[str] | None = None, extra_special: list[str] | None = None):
+    """A character-level tokenizer (one token per character) in the standard HF fast format;
+    `extra_special` tokens (e.g. an image placeholder) are kept whole."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = alphabet or ALPHABET
-    vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS.values()) + chars)}
+    extra = list(extra_special or [])
+    vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS.values()) + extra + chars)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char (newlines too) is a token
     core.decoder = decoders.Fuse()  # join characters back without spaces
     tok = PreTrainedTokenizerFast(tokenizer_object=core, **SPECIAL_TOKENS)
+    if extra:
+        tok.add_special_tokens({"additional_special_tokens": extra})
     tok.model_max_length = 4096
     return tok
+
+
+def build_tiny_vl_model(preset: str = "tiny-llava", seed: int = 0):
+    """A freshly initialized tiny LLaVA model and its tokenizer (carrying the processor)."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from . import vision
+
+    spec = TINY_VL_PRESETS[preset]
+    tok = build_tokenizer(extra_special=[IMAGE_TOKEN])
+    side = spec["vision"]["image_size"]
+    images = CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+                                   image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    processor = LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=spec["vision"]["patch_size"],
+                               vision_feature_select_strategy="default", image_token=IMAGE_TOKEN,
+                               num_additional_image_tokens=1)
+    ids = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = LlavaConfig(text_config=dict(vocab_size=len(tok), tie_word_embeddings=True, **ids, **spec["text"]),
+                      vision_config=dict(spec["vision"]), image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN),
+                      vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlavaForConditionalGeneration(cfg)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model, vision.attach(processor)
 
 
 def build_tiny_model(preset: str = "tiny-llama", seed: int = 0, **overrides: Any):
@@ -73,7 +126,20 @@ def build_tiny_model(preset: str = "tiny-llama", seed: int = 0, **overrides: Any
 
 
 def is_tiny(model_path: str) -> bool:
-    return model_path in TINY_PRESETS
+    return model_path in TINY_PRESETS or model_path in TINY_VL_PRESETS
+
+
+def is_vision(model_path: str | Path) -> bool:
+    """A vision-language model: the tiny VL preset, or a directory whose config has a vision_config."""
+    if str(model_path) in TINY_VL_PRESETS:
+        return True
+    if is_tiny(str(model_path)):
+        return False
+    cfg = Path(model_path) / "config.json"
+    try:
+        return cfg.is_file() and "vision_config" in json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def check_model_dir(path: str | Path, what: str = "model_path") -> Path:
@@ -114,11 +180,15 @@ def _check_shard_names(p: Path, what: str) -> None:
 
 def load_tokenizer(model_path: str | Path, trust_remote_code: bool = False):
     """The tokenizer of a model directory (or of the tiny presets), with a pad token set."""
+    if str(model_path) in TINY_VL_PRESETS:
+        return build_tiny_vl_model(str(model_path))[1]
     if is_tiny(str(model_path)):
         return build_tokenizer()
     from transformers import AutoTokenizer
 
     p = check_model_dir(model_path)
+    if is_vision(p):
+        return _load_vl_tokenizer(p, trust_remote_code)
     try:
         tok = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -128,17 +198,40 @@ def load_tokenizer(model_path: str | Path, trust_remote_code: bool = False):
     return tok
 
 
+def _load_vl_tokenizer(p: Path, trust_remote_code: bool):
+    from transformers import AutoProcessor
+
+    from . import vision
+
+    try:
+        processor = AutoProcessor.from_pretrained(p, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        raise ModelLoadError(f"Cannot load the processor of vision-language model '{p}': {e}") from None
+    if getattr(processor, "image_token", None) is None or getattr(processor, "tokenizer", None) is None:
+        raise ModelLoadError(f"'{p}' is a vision-language model, but its processor ({type(processor).__name__}) has no "
+                             f"tokenizer or image token; save the model's own processor into the directory.")
+    tok = vision.attach(processor)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 def load_causal_lm(model_path: str | Path, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False):
-    """(model, tokenizer) from a model directory or a tiny preset name."""
+    """(model, tokenizer) from a model directory or a tiny preset name. A vision-language directory
+    gives an image-text-to-text model and a tokenizer carrying its processor."""
+    if str(model_path) in TINY_VL_PRESETS:
+        model, tok = build_tiny_vl_model(str(model_path), seed=seed)
+        return model.to(torch_dtype(dtype)), tok
     if is_tiny(str(model_path)):
         model, tok = build_tiny_model(str(model_path), seed=seed)
         return model.to(torch_dtype(dtype)), tok
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     p = check_model_dir(model_path)
+    auto = AutoModelForImageTextToText if is_vision(p) else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
-                                                     use_safetensors=True)
+        model = auto.from_pretrained(p, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
+                                     use_safetensors=True)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"Cannot load a causal LM from '{p}': {e}") from None
     tok = load_tokenizer(p, trust_remote_code=trust_remote_code)
@@ -182,7 +275,9 @@ def save_pretrained(model: torch.nn.Module, tokenizer, directory: str | Path, ex
 
             model = copy.deepcopy(model).merge_and_unload()
         model.save_pretrained(directory, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
+    from .vision import processor_of
+
+    (processor_of(tokenizer) or tokenizer).save_pretrained(directory)  # a VL processor saves its tokenizer too
     if extra:
         (directory / "prmflow.json").write_text(json.dumps(extra, indent=2, sort_keys=True, default=str))
 

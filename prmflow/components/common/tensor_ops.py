@@ -49,7 +49,12 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
 
     input_ids, attention_mask: (B, T) -> (B, T-1), entry t-1 scoring token t. Position ids follow
     the attention mask, so left- and right-padded batches score the same tokens identically.
+    `model_kwargs`: e.g. a vision-language batch's pixel inputs; a model with multimodal rope
+    (Qwen2-VL) places its tokens itself and must get a right-padded batch.
     """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **model_kwargs)
+    from .vision import own_positions
+
+    if not own_positions(model):
+        model_kwargs = {"position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0), **model_kwargs}
+    out = model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
     return token_logprobs(out.logits[:, :-1], input_ids[:, 1:])

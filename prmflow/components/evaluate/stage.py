@@ -38,7 +38,7 @@ class Config:
     output: str = "outputs/eval"
     """Directory for metrics.json, samples.jsonl and per_step.html (written atomically)."""
     task: str = "arithmetic"
-    """Held-out prompts with answers: 'arithmetic' (its test split) or a .jsonl/.parquet dataset."""
+    """Held-out prompts with answers: 'arithmetic' or 'visual' (their test split; visual needs a vision-language policy) or a .jsonl/.parquet dataset."""
     num_prompts: int = 200
     """Held-out prompts to evaluate on."""
     n_samples: int = 8
@@ -95,9 +95,11 @@ def run(cfg: Config) -> dict:
             from ..prm.scoring import PRMScorer
 
             scorer = PRMScorer(cfg.prm, step_separator=cfg.step_separator)
-            flat = scorer.score([p for p in prompts for _ in range(cfg.n_samples)], [c for cs in candidates for c in cs])
+            images = bestofn.prompt_images(records)
+            flat = scorer.score([p for p in prompts for _ in range(cfg.n_samples)], [c for cs in candidates for c in cs],
+                                images=[im for im in images for _ in range(cfg.n_samples)] if images else None)
             scores = [flat[i * cfg.n_samples:(i + 1) * cfg.n_samples] for i in range(len(records))]
-            greedy_scores = scorer.score(prompts, greedy)
+            greedy_scores = scorer.score(prompts, greedy, images=images)
         else:
             scores = [[[] for _ in cs] for cs in candidates]
             greedy_scores = [None] * len(records)

@@ -42,7 +42,7 @@ from typing import Literal
 import torch
 from tqdm.auto import tqdm
 
-from ..common import checkpoint, config as config_lib, io, modeling, preemption, schema, tasks, tracking
+from ..common import checkpoint, config as config_lib, io, modeling, preemption, schema, tasks, tracking, vision
 from ..common.engine import EngineConfig, OptimSettings, TrainEngine
 from ..common.errors import ConfigError, DataError, ModelLoadError, PrmflowError
 from ..common.tasks.arithmetic import ArithmeticConfig
@@ -229,7 +229,7 @@ def load_batch(cfg: Config) -> list[dict]:
                    "old_logprobs": " (or set recompute_old_logprobs=true)"}.get(name, "")
             raise DataError(f"'{cfg.advantages}': column '{name}' is null in row {first} (prompt_id="
                             f"{table.column('prompt_id')[first].as_py()!r}){why}.")
-    cols = {name: table.column(name).to_pylist() for name in ("prompt_ids", "response_ids", *TOKEN_FIELDS, "kl")}
+    cols = {name: table.column(name).to_pylist() for name in ("prompt_ids", "response_ids", *TOKEN_FIELDS, "kl", "images")}
     rows = [{name: cols[name][i] for name in cols} for i in range(table.num_rows)]
     for i, r in enumerate(rows):
         if not r["prompt_ids"]:
@@ -248,6 +248,7 @@ class MicroBatch:
     mask: torch.Tensor           # (B, R) bool: real response tokens
     fields: dict[str, torch.Tensor]  # (B, R) float per-token columns, 0 where masked
     rows: list[int]
+    pixels: dict[str, torch.Tensor] = field(default_factory=dict)  # the prompts' images (vision-language)
 
     @property
     def tokens(self) -> int:
@@ -256,7 +257,14 @@ class MicroBatch:
     def to(self, device) -> "MicroBatch":
         move = lambda t: t.to(device)  # noqa: E731
         return MicroBatch(move(self.input_ids), move(self.attention_mask), move(self.position_ids),
-                          move(self.response_ids), move(self.mask), {k: move(v) for k, v in self.fields.items()}, self.rows)
+                          move(self.response_ids), move(self.mask), {k: move(v) for k, v in self.fields.items()}, self.rows,
+                          {k: move(v) for k, v in self.pixels.items()})
+
+    def model_kwargs(self, model) -> dict:
+        """What the forward pass takes besides ids and mask: 1-D positions (unless the model places
+        its tokens itself, Qwen2-VL's multimodal rope) and the pixel inputs."""
+        pos = {} if vision.own_positions(model) else {"position_ids": self.position_ids}
+        return {**pos, **self.pixels}
 
 
 def collate(samples: list[dict], rows: list[int], pad_id: int, fields=TOKEN_FIELDS + ("pg_mask",)) -> MicroBatch:
@@ -278,7 +286,8 @@ def collate(samples: list[dict], rows: list[int], pad_id: int, fields=TOKEN_FIEL
         for k in out:
             out[k][b, :r] = torch.as_tensor(s[k], dtype=torch.float32)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    return MicroBatch(ids, attn, position_ids, ids[:, P:], mask, out, list(rows))
+    pixels = vision.batch_pixels([samples[i].get("pixels") or {} for i in rows])
+    return MicroBatch(ids, attn, position_ids, ids[:, P:], mask, out, list(rows), pixels)
 
 
 def minibatch_plan(n: int, cfg: Config) -> list[list[int]]:
@@ -317,8 +326,8 @@ def response_logits(engine, mb: MicroBatch, keep: bool) -> torch.Tensor:
     """Logits of the positions that predict the response tokens: (B, R, V)."""
     R = mb.response_ids.shape[1]
     extra = {"logits_to_keep": R + 1} if keep else {}
-    out = engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                 use_cache=False, **extra)
+    out = engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
+                 **mb.model_kwargs(engine), **extra)
     return out.logits[:, -(R + 1):-1]
 
 
@@ -339,6 +348,9 @@ def _gathered(engine):
 
 
 def load_critic(cfg: Config, policy_vocab: int):
+    if modeling.is_vision(cfg.policy_path):
+        raise ConfigError(f"critic=true, but the policy '{cfg.policy_path}' is a vision-language model; critics are "
+                          f"text-only so far. Use a critic-free estimator (grpo, rloo, reinforce_baseline, grpo_process).")
     fresh = not cfg.critic_path
     path = cfg.critic_path or (cfg.policy_path if cfg.critic_init == "policy" else cfg.prm_path)
     critic, _ = modeling.load_scalar_model(path, cfg.engine.dtype)
@@ -433,8 +445,7 @@ class Updater:
             from ..sft import data as sft_data
 
             ptx_mb = {k: v.to(self.actor.device) for k, v in ptx_mb.items()}
-            logits = self.actor(input_ids=ptx_mb["input_ids"], attention_mask=ptx_mb["attention_mask"],
-                                use_cache=False).logits
+            logits = self.actor(**sft_data.model_inputs(ptx_mb), use_cache=False).logits
             ce_sum, _ = sft_data.response_loss(logits, ptx_mb["labels"])
             loss = loss + cfg.ptx_coef * ce_sum / max(ptx_tokens, 1)
             stats["ptx_loss"] = float(ce_sum.detach()) / max(ptx_tokens, 1)
@@ -527,6 +538,9 @@ def precompute(cfg: Config, samples: list[dict], plan: list[list[int]], actor: T
     keep = _accepts_logits_to_keep(actor.module)
     entropies: dict[int, torch.Tensor] = {}
     for rows in chunks:
+        rows = [i for i in rows if not samples[i].get("image_mismatch")]  # their batches are skipped
+        if not rows:
+            continue
         mb = collate(samples, rows, pad_id, fields=()).to(actor.device)
         if need_logp or need_entropy:
             logits = response_logits(actor, mb, keep)
@@ -551,12 +565,31 @@ def precompute(cfg: Config, samples: list[dict], plan: list[list[int]], actor: T
             start += r
 
 
+def attach_pixels(cfg: Config, samples: list[dict], vis: "vision.Vision | None") -> None:
+    """Re-feed the prompts' images: each sample gets the pixel inputs of its `images` (decoded and
+    processed again with the policy's image processor) and, when its image tokens do not match
+    them, the reason (`image_mismatch`): the update of any minibatch holding it is skipped."""
+    if not any(s.get("images") for s in samples):
+        return
+    if vis is None:
+        raise DataError(f"'{cfg.advantages}' has rows with images, but the policy '{cfg.policy_path}' is text-only; "
+                        f"train a vision-language policy on them.")
+    cache: dict[tuple, dict] = {}
+    for i, s in enumerate(samples):
+        images = s.get("images") or []
+        key = tuple(images)
+        if key not in cache:
+            cache[key] = vis.pixels(images, f"'{cfg.advantages}', row {i}")
+        s["pixels"] = cache[key]
+        s["image_mismatch"] = vis.mismatch(s["prompt_ids"] + s["response_ids"], s["pixels"])  # what the model sees
+
+
 def load_ptx(cfg: Config, tokenizer):
     """Tokenized supervised examples for the ptx loss (prompt masked, response + EOS trained on)."""
     from ..sft import data as sft_data
 
     akw = config_lib.to_dict(cfg.arithmetic)
-    records = tasks.load(cfg.ptx_task, "train", cfg.ptx_size, cfg.seed, **akw) if cfg.ptx_task == "arithmetic" \
+    records = tasks.load(cfg.ptx_task, "train", cfg.ptx_size, cfg.seed, **akw) if cfg.ptx_task in tasks.TASKS \
         else tasks.load(cfg.ptx_task, n=cfg.ptx_size)
     examples, _ = sft_data.tokenize(records, tokenizer, cfg.max_seq_len, cfg.chat_template, where=cfg.ptx_task)
     return examples
@@ -615,8 +648,9 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
 
     torch.manual_seed(cfg.seed)
     model, tokenizer = modeling.load_causal_lm(cfg.policy_path, cfg.engine.dtype)
+    attach_pixels(cfg, samples, vision.Vision.of(tokenizer, model.config))
     disable_dropout(model)
-    critic_model = load_critic(cfg, model.config.vocab_size) if cfg.critic else None
+    critic_model = load_critic(cfg, getattr(model.config, "vocab_size", None)) if cfg.critic else None
     actor = _engine(model, cfg, cfg.lr, cfg.rl_iterations * actor_updates, cfg.iteration * actor_updates,
                     cfg.micro_batch_size)
     critic = (_engine(critic_model, cfg, cfg.critic_lr, cfg.rl_iterations * n_updates, cfg.iteration * n_updates,
@@ -652,6 +686,11 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
                                  tracker, stop)
         applied = [h for h in state["history"] if not h.get("skipped")]
         if not any(h["actor"] for h in applied):
+            if state.get("image_skipped"):
+                raise DataError(f"ppo: every policy update of this run was skipped, {state['image_skipped']} of them "
+                                f"because image tokens did not match the images (first: "
+                                f"{next(h['reason'] for h in state['history'] if h.get('reason'))}). Nothing was written "
+                                f"to '{cfg.output}'. Write the rollouts with the policy's own processor.")
             raise TrainingDivergedError(
                 f"ppo: every policy update of this run ({actor_updates}) was skipped because a loss or gradient "
                 f"was NaN/inf. Nothing was written to '{cfg.output}'. Lower lr, clamp advantages "
@@ -682,6 +721,20 @@ def _train(cfg, cfg_dict, updater: Updater, samples, plan, ptx_examples, tokeniz
     while state["update"] < n_updates:
         u = state["update"]
         train_actor = u >= cfg.critic_warmup_updates
+        bad = next((i for i in plan[u] if samples[i].get("image_mismatch")), None)
+        if bad is not None:  # the image tokens of a prompt do not match its images: skip, with the reason
+            why = f"row {bad}: {samples[bad]['image_mismatch']}"
+            log.warning("ppo: update %d skipped: %s", u + 1, why)
+            bar.write(f"update {u + 1}: skipped ({why})")
+            state["update"] += 1
+            state["skipped"] += 1
+            state["image_skipped"] = state.get("image_skipped", 0) + 1
+            state["history"].append({"skipped": True, "reason": why, "update": u + 1,
+                                     "epoch": u // (n_updates // cfg.epochs), "actor": train_actor})
+            tracker.log_metrics({"train/skipped_updates": state["skipped"],
+                                 "train/skipped_image_mismatch": state["image_skipped"]}, step=u + 1)
+            bar.update(1)
+            continue
         micro = [collate(samples, rows, tokenizer.pad_token_id) for rows in micro_split(plan[u], cfg.micro_batch_size)]
         ptx = (ptx_batch(cfg, ptx_examples, u, n_micro, tokenizer.pad_token_id)
                if ptx_examples is not None and train_actor else None)
@@ -727,6 +780,7 @@ def _summary(state: dict, n_updates: int, tokens: int, seconds: float) -> dict:
     keys = sorted({k for h in recent for k, v in h.items() if isinstance(v, float)})
     metrics = {f"train/{k}": sum(h[k] for h in recent if k in h) / sum(1 for h in recent if k in h) for k in keys}
     metrics.update({"train/updates": n_updates, "train/skipped_updates": state["skipped"],
+                    "train/skipped_image_mismatch": state.get("image_skipped", 0),
                     "perf/tokens_per_s": tokens / max(seconds, 1e-9)})
     return metrics
 

@@ -51,7 +51,7 @@ class BestOfNConfig:
     prompts: int = 200
     """Held-out prompts (arithmetic 'test' split, or the first rows of task)."""
     task: str = "arithmetic"
-    """Prompts with reference answers: 'arithmetic' (its test split) or a .jsonl/.parquet dataset."""
+    """Prompts with reference answers: 'arithmetic' or 'visual' (their test split) or a .jsonl/.parquet dataset."""
     temperature: float = 1.0
     """Sampling temperature of the N solutions (1.0 = the policy's own distribution)."""
     top_p: float = 1.0
@@ -99,7 +99,7 @@ def majority_value(answers: list[str | None], correct: list[float]) -> float:
 def extract_answer(record: tasks.PromptRecord, response: str) -> str | None:
     """The final answer a response commits to (normalized number when it parses)."""
     got = arithmetic.extract_answer(response)
-    if got is None and record.source != "arithmetic":
+    if got is None and record.source not in tasks.TASKS:
         import re
 
         numbers = re.findall(r"-?\d+(?:\.\d+)?", response.replace(",", ""))
@@ -136,19 +136,27 @@ def sample(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConf
     """(N sampled solutions per prompt, one greedy solution per prompt, rendered prompts)."""
     policy, tok = modeling.load_causal_lm(policy_path)
     prompts = [tasks.render_prompt(tok, r, chat_template) for r in records]
-    special = not (chat_template and getattr(tok, "chat_template", None))
+    special = not any(tasks.templated(tok, r, chat_template) for r in records)
     flat = [p for p in prompts for _ in range(cfg.n)]
+    images = prompt_images(records)
+    flat_images = [im for im in images for _ in range(cfg.n)] if images else None
     sampled = generate_texts(policy, tok, flat, cfg.max_new_tokens, batch_size=cfg.batch_size, do_sample=True,
-                             temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, add_special_tokens=special)
+                             temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, add_special_tokens=special,
+                             images=flat_images)
     greedy = generate_texts(policy, tok, prompts, cfg.max_new_tokens, batch_size=cfg.batch_size,
-                            add_special_tokens=special)
+                            add_special_tokens=special, images=images)
     return [sampled[i * cfg.n:(i + 1) * cfg.n] for i in range(len(records))], greedy, prompts
+
+
+def prompt_images(records: list[tasks.PromptRecord]) -> list[list[bytes]] | None:
+    """Per record its images, or None when no record has any (text prompts)."""
+    return [r.images or [] for r in records] if any(r.images for r in records) else None
 
 
 def load_prompts(cfg: BestOfNConfig, arithmetic_cfg: arithmetic.ArithmeticConfig | None = None,
                  seed: int = 0) -> list[tasks.PromptRecord]:
     akw = config_lib.to_dict(arithmetic_cfg or arithmetic.ArithmeticConfig())
-    split = "test" if cfg.task == "arithmetic" else "eval"
+    split = "test" if cfg.task in tasks.TASKS else "eval"
     records = tasks.load(cfg.task, split, cfg.prompts, seed, **akw)
     missing = [r.prompt_id for r in records if r.answer is None]
     if missing:
@@ -169,7 +177,9 @@ def evaluate(prm_path: str, cfg: BestOfNConfig, arithmetic_cfg: arithmetic.Arith
     records = load_prompts(cfg, arithmetic_cfg, seed)
     candidates, greedy, prompts = sample(cfg.policy_path, records, cfg, chat_template)
     scorer = PRMScorer(prm_path, batch_size=cfg.batch_size, step_separator=step_separator)
-    flat = scorer.score([p for p in prompts for _ in range(cfg.n)], [c for cs in candidates for c in cs])
+    images = prompt_images(records)
+    flat = scorer.score([p for p in prompts for _ in range(cfg.n)], [c for cs in candidates for c in cs],
+                        images=[im for im in images for _ in range(cfg.n)] if images else None)
     scores = [flat[i * cfg.n:(i + 1) * cfg.n] for i in range(len(records))]
     metrics = score_table(records, candidates, scores, greedy, cfg.aggregations)
     metrics["perf/prm_tokens_per_s"] = scorer.tokens_per_s

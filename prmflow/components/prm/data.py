@@ -42,6 +42,8 @@ class StepExample:
     source: str = "dataset"
     where: str = ""
     """file and line (or 'arithmetic') the example came from, for error messages."""
+    images: list[bytes] | None = None
+    """The prompt's images (a vision-language PRM sees them too), None for text."""
 
     def response(self, separator: str = "\n") -> str:
         return separator.join(self.steps)
@@ -53,6 +55,7 @@ class Tokenized:
     step_ends: list[int]
     labels: list[float]
     example: StepExample = field(repr=False)
+    pixels: dict = field(default_factory=dict, repr=False)
 
 
 # --- reading and checking --------------------------------------------------------------------
@@ -144,10 +147,13 @@ def load_stepwise(path: str | Path, separator: str = "\n", n: int | None = None)
                                 f"{separator!r} has {len(step_list)} step(s). Separate every step with {separator!r} "
                                 f"(or give a 'steps' list), one label per step.")
         prompt = row.get("prompt")
+        from ..common.vision import read_image_list
+
         out.append(check_example(StepExample(
             prompt=prompt, steps=step_list, labels=row.get("labels"), answer=None if row.get("answer") is None else str(row["answer"]),
             prompt_id=str(row.get("id") or row.get("prompt_id") or f"{path.name}:{where_n}"),
-            source=str(row.get("source") or "dataset"), where=where), separator))
+            source=str(row.get("source") or "dataset"), where=where,
+            images=read_image_list(row.get("images"), path.parent, where) or None), separator))
         if n is not None and len(out) >= n:
             break
     return out
@@ -204,26 +210,51 @@ def arithmetic_examples(n: int, seed: int, split: str, cfg: arithmetic.Arithmeti
     return out
 
 
+def visual_examples(n: int, seed: int, split: str, negatives_per_problem: int = 1) -> list[StepExample]:
+    """The visual task's counterpart of `arithmetic_examples`: for each of n problems (an image of
+    two digits) the reference solution and `negatives_per_problem` `visual.corrupt` ones (a misread
+    digit, a wrong result or a wrong answer line), labelled by the exact checker."""
+    from ..common.tasks import visual
+
+    rng = random.Random(f"prm-visual:{seed}:{split}")
+    out = []
+    for p in visual.generate(n, seed=seed, split=split):
+        for r in [p.solution] + [visual.corrupt(p, rng)[0] for _ in range(negatives_per_problem)]:
+            out.append(StepExample(p.prompt, visual.split_steps(r), [float(y) for y in visual.step_labels(p.prompt_id, r)],
+                                   p.answer, p.prompt_id, "visual", f"visual:{split}", [p.image]))
+    return out
+
+
+def _exact_labels(r: tasks.PromptRecord, response: str) -> list[int]:
+    if r.source == "visual":
+        from ..common.tasks import visual
+
+        return visual.step_labels(r.prompt_id, response)
+    return arithmetic.step_labels(r.prompt, response)
+
+
 def from_records(records: list[tasks.PromptRecord], responses: list[str], separator: str = "\n") -> list[StepExample]:
-    """Exactly labelled examples for sampled responses to arithmetic prompts (e.g. policy samples)."""
+    """Exactly labelled examples for sampled responses to built-in task prompts (e.g. policy samples)."""
     out = []
     for r, resp in zip(records, responses):
         s = steps_lib.steps(resp, separator)
         if not s:
             continue
-        out.append(StepExample(r.prompt, s, [float(y) for y in arithmetic.step_labels(r.prompt, separator.join(s))],
-                               r.answer, r.prompt_id, r.source, "policy sample"))
+        out.append(StepExample(r.prompt, s, [float(y) for y in _exact_labels(r, separator.join(s))],
+                               r.answer, r.prompt_id, r.source, "policy sample", r.images))
     return out
 
 
 # --- tensors ---------------------------------------------------------------------------------
 
 def tokenize(examples: list[StepExample], tokenizer, separator: str, step_tag: str, max_seq_len: int,
-             render=lambda prompt: prompt) -> tuple[list[Tokenized], int]:
-    """Token ids and step readout positions; examples longer than max_seq_len are dropped (counted)."""
+             render=lambda prompt, images=None: prompt) -> tuple[list[Tokenized], int]:
+    """Token ids and step readout positions; examples longer than max_seq_len are dropped (counted).
+    `render(prompt, images)` gives the prompt text the model reads (with image placeholders)."""
     out, dropped = [], 0
     for ex in examples:
-        enc = encode(tokenizer, render(ex.prompt), ex.response(separator), separator, step_tag)
+        enc = encode(tokenizer, render(ex.prompt, ex.images), ex.response(separator), separator, step_tag,
+                     images=ex.images)
         if has_shared_readout(enc):  # two labels on one token: the loss could not tell them apart
             raise DataError(f"{ex.where}: the tokenizer puts the end of two steps in one token (steps {ex.steps!r}), so "
                             f"they have no separate readout. Set head.step_tag to a string this tokenizer keeps as "
@@ -234,13 +265,14 @@ def tokenize(examples: list[StepExample], tokenizer, separator: str, step_tag: s
         if len(enc.step_ends) != len(ex.labels):
             raise DataError(f"{ex.where}: {len(ex.labels)} labels but the response has {len(enc.step_ends)} steps "
                             f"when cut by {separator!r}.")
-        out.append(Tokenized(enc.input_ids, enc.step_ends, ex.labels, ex))
+        out.append(Tokenized(enc.input_ids, enc.step_ends, ex.labels, ex, enc.pixels))
     return out, dropped
 
 
 def collate(batch: list[Tokenized], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded input_ids and attention_mask (B, T); step_mask (B, T) true at readout tokens;
-    targets (B, T) float, the step label at readout tokens and 0 elsewhere."""
+    targets (B, T) float, the step label at readout tokens and 0 elsewhere; plus the batch's pixel
+    inputs (vision-language, `vision.batch_pixels`)."""
     T = max(len(e.input_ids) for e in batch)
     ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), T), dtype=torch.long)
@@ -251,7 +283,15 @@ def collate(batch: list[Tokenized], pad_id: int) -> dict[str, torch.Tensor]:
         mask[i, :len(e.input_ids)] = 1
         step_mask[i, e.step_ends] = True
         targets[i, e.step_ends] = torch.tensor(e.labels)
-    return {"input_ids": ids, "attention_mask": mask, "step_mask": step_mask, "targets": targets}
+    from ..common.vision import batch_pixels
+
+    return {"input_ids": ids, "attention_mask": mask, "step_mask": step_mask, "targets": targets,
+            **batch_pixels([e.pixels for e in batch])}
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The pixel inputs of a collated batch (what the PRM's forward takes besides ids and mask)."""
+    return {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "step_mask", "targets")}
 
 
 def step_bce(z: torch.Tensor, targets: torch.Tensor, step_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -267,7 +307,7 @@ def step_bce(z: torch.Tensor, targets: torch.Tensor, step_mask: torch.Tensor) ->
 def policy_examples(policy_path: str, records: list[tasks.PromptRecord], samples: int, separator: str = "\n",
                     max_new_tokens: int = 64, seed: int = 0, chat_template: bool = True,
                     batch_size: int = 256) -> list[StepExample]:
-    """The policy's own solutions to arithmetic prompts, labelled by the exact checker.
+    """The policy's own solutions to built-in task prompts (arithmetic, visual), labelled by the exact checker.
 
     A PRM is used on the policy's mistakes (best-of-N, RL); training on them, not only on synthetic
     corruptions, matches that distribution (the PRM800K recipe, with the checker as the labeller).
@@ -279,8 +319,9 @@ def policy_examples(policy_path: str, records: list[tasks.PromptRecord], samples
     rendered = [tasks.render_prompt(tok, r, chat_template) for r in records]
     special = not (chat_template and getattr(tok, "chat_template", None))
     owners = [r for r in records for _ in range(samples)]
+    images = [r.images or [] for r in records for _ in range(samples)] if any(r.images for r in records) else None
     texts = generate_texts(policy, tok, [p for p in rendered for _ in range(samples)], max_new_tokens,
-                           batch_size=batch_size, do_sample=True, seed=seed, add_special_tokens=special)
+                           batch_size=batch_size, do_sample=True, seed=seed, add_special_tokens=special, images=images)
     out = from_records(owners, texts, separator)
     for ex in out:
         ex.where = f"sample of {policy_path}"

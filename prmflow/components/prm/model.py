@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -61,6 +61,7 @@ class Encoded:
     input_ids: list[int]
     step_ends: list[int]  # index into input_ids of the readout token of each step
     n_steps: int  # steps in the response; > len(step_ends) only when truncated
+    pixels: dict = field(default_factory=dict, repr=False)  # the prompt's images (vision-language PRM)
 
 
 def tag_steps(response: str, separator: str, step_tag: str) -> tuple[str, list[tuple[int, int]]]:
@@ -79,16 +80,26 @@ def tag_steps(response: str, separator: str, step_tag: str) -> tuple[str, list[t
     return "".join(parts), new_spans
 
 
-def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """Prompt tokens; special tokens (BOS) are added unless the prompt already starts with them
-    (a chat-templated prompt carries its own)."""
+def prompt_ids(tokenizer, prompt: str, images: list[bytes] | None = None) -> tuple[list[int], dict]:
+    """Prompt tokens and the pixel inputs of its images; special tokens (BOS) are added unless the
+    prompt already starts with them (a chat-templated prompt carries its own). With images the
+    prompt must carry their placeholders (tasks.render_prompt puts them in)."""
     bos = tokenizer.bos_token
     add = not (bos and prompt.startswith(bos))
-    return tokenizer(prompt, add_special_tokens=add)["input_ids"]
+    if images:
+        from ..common.errors import DataError
+        from ..common.vision import Vision, processor_of
+
+        processor = processor_of(tokenizer)
+        if processor is None:
+            raise DataError("a prompt with images needs a vision-language PRM (a model directory with its processor); "
+                            "this PRM is text-only.")
+        return Vision(processor).encode_prompt(prompt, images, "PRM prompt", add_special_tokens=add)
+    return tokenizer(prompt, add_special_tokens=add)["input_ids"], {}
 
 
 def encode(tokenizer, prompt: str, response: str, separator: str = "\n", step_tag: str = "",
-           max_length: int | None = None) -> Encoded:
+           max_length: int | None = None, images: list[bytes] | None = None) -> Encoded:
     """Token ids of prompt + response and the readout position of every step.
 
     Steps are `steps.step_spans(response, separator)`; a step's readout is its last token (or the
@@ -99,7 +110,7 @@ def encode(tokenizer, prompt: str, response: str, separator: str = "\n", step_ta
     ids are cut to that many tokens and steps whose readout falls beyond it get no position
     (`n_steps` still counts them).
     """
-    p_ids = prompt_ids(tokenizer, prompt)
+    p_ids, pixels = prompt_ids(tokenizer, prompt, images)
     text, spans = tag_steps(response, separator, step_tag)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ends = steps.step_end_tokens(enc["offset_mapping"], spans)
@@ -111,7 +122,7 @@ def encode(tokenizer, prompt: str, response: str, separator: str = "\n", step_ta
     if max_length is not None and len(ids) > max_length:
         ids = ids[:max_length]
         ends = [e for e in ends if e < max_length]
-    return Encoded(ids, ends, len(spans))
+    return Encoded(ids, ends, len(spans), pixels)
 
 
 def has_shared_readout(enc: Encoded) -> bool:
@@ -167,6 +178,10 @@ class PRM:
         elif saved is not None and saved.kind != head.kind:
             raise ConfigError(f"'{path}' is a PRM with head.kind={saved.kind}, but head.kind={head.kind} was asked "
                               f"for. Set head.kind={saved.kind} (or start from a plain causal-LM directory).")
+        if head.kind != "lm_tokens" and modeling.is_vision(path) and saved is None:
+            raise ConfigError(f"'{path}' is a vision-language model: read its steps with head.kind=lm_tokens (the LM's "
+                              f"own good/bad-token logits, so the PRM sees the image through the model's own class); "
+                              f"a token-classification head exists for text models only.")
         if head.kind == "lm_tokens":
             model, tok = modeling.load_causal_lm(path, dtype, seed=seed)
         elif modeling.is_tiny(str(path)):
@@ -180,10 +195,10 @@ class PRM:
             model.config.classifier_dropout = 0.0
         return cls(model, tok, head)
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model=None) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model=None, **pixels) -> torch.Tensor:
         """Step logits for every token: (B, T) ids and mask -> (B, T) float32. `model` lets a
-        training engine's wrapper run the forward pass."""
-        out = (model or self.model)(input_ids=input_ids, attention_mask=attention_mask)
+        training engine's wrapper run the forward pass; `pixels`: the batch's image inputs."""
+        out = (model or self.model)(input_ids=input_ids, attention_mask=attention_mask, **pixels)
         return step_logits(out.logits, self.head, self.good_id, self.bad_id)
 
     def metadata(self, separator: str) -> dict:

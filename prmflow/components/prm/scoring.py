@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..common.errors import DataError
+from ..common.vision import batch_pixels
 from .model import PRM, HeadConfig, encode, has_shared_readout, saved_separator
 
 log = logging.getLogger(__name__)
@@ -41,15 +42,17 @@ class PRMScorer:
             log.warning("PRM %s was trained with step separator %r, scoring with %r", path, saved, step_separator)
         self.batch_size = batch_size
         self.step_separator = step_separator
-        self.max_length = max_length or getattr(self.prm.model.config, "max_position_embeddings", None)
+        text_cfg = getattr(self.prm.model.config, "text_config", None) or self.prm.model.config
+        self.max_length = max_length or getattr(text_cfg, "max_position_embeddings", None)
         self.path = str(path)
         self.tokens_per_s = 0.0
 
     @torch.no_grad()
-    def score(self, prompts: list[str], responses: list[str]) -> list[list[float]]:
+    def score(self, prompts: list[str], responses: list[str], images: list[list[bytes]] | None = None) -> list[list[float]]:
         """Per-step probability of being correct, one list per response, one float per step
         (steps = steps.steps(response, step_separator)). Re-tokenizes the text with the PRM's own
-        tokenizer (never takes policy token ids).
+        tokenizer (never takes policy token ids). `images`: per response its prompt's images (a
+        vision-language PRM sees them too; their placeholders are put in front of the prompt).
 
         A step whose readout token lies beyond max_length cannot be seen by the model and scores 0.0
         (a logged warning says how many). Steps that end in the same token (a tokenizer merging across
@@ -58,8 +61,16 @@ class PRMScorer:
         if len(prompts) != len(responses):
             raise DataError(f"score() got {len(prompts)} prompts but {len(responses)} responses; pass one prompt per response.")
         t0 = time.perf_counter()
-        encoded = [encode(self.prm.tokenizer, p, r, self.step_separator, self.prm.head.step_tag, self.max_length)
-                   for p, r in zip(prompts, responses)]
+        images = images or [[] for _ in prompts]
+        if any(images):
+            from ..common.vision import Vision, processor_of
+
+            vis = Vision(processor_of(self.prm.tokenizer)) if processor_of(self.prm.tokenizer) is not None else None
+            if vis is None:
+                raise DataError(f"responses with images need a vision-language PRM; '{self.path}' is text-only.")
+            prompts = [vis.render(p, len(im), chat_template=False) for p, im in zip(prompts, images)]
+        encoded = [encode(self.prm.tokenizer, p, r, self.step_separator, self.prm.head.step_tag, self.max_length, im)
+                   for p, r, im in zip(prompts, responses, images)]
         out: list[list[float]] = [[0.0] * e.n_steps for e in encoded]
         shared = sum(has_shared_readout(e) for e in encoded)
         if shared:
@@ -76,7 +87,8 @@ class PRMScorer:
             if not idx:
                 continue
             ids, mask = right_pad([encoded[i].input_ids for i in idx], pad)
-            z = self.prm(ids.to(self.device), mask.to(self.device))  # (B, T)
+            pixels = batch_pixels([encoded[i].pixels for i in idx], self.device)
+            z = self.prm(ids.to(self.device), mask.to(self.device), **pixels)  # (B, T)
             probs = torch.sigmoid(z).cpu()
             for row, i in enumerate(idx):
                 ends = encoded[i].step_ends

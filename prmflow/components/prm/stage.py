@@ -36,9 +36,9 @@ from typing import Literal
 import torch
 from tqdm.auto import tqdm
 
-from ..common import checkpoint, config as config_lib, io, modeling, preemption, tasks, tracking
+from ..common import checkpoint, config as config_lib, io, modeling, preemption, tasks, tracking, vision
 from ..common.engine import EngineConfig, OptimSettings, TrainEngine
-from ..common.errors import ConfigError
+from ..common.errors import ConfigError, DataError
 from ..common.tasks.arithmetic import ArithmeticConfig
 from . import bestofn, data
 from .metrics import step_metrics
@@ -58,7 +58,7 @@ class Config:
     output: str = "outputs/prm"
     """Directory the trained PRM is written to (HF format + prmflow.json with its head), atomically at the end."""
     task: str = "arithmetic"
-    """Training data: 'arithmetic' (exact step labels, incl. deliberately wrong steps) or a stepwise .jsonl/.parquet file (prompt, steps, labels)."""
+    """Training data: 'arithmetic' or 'visual' (built-in tasks, exact step labels, incl. deliberately wrong steps; visual needs a vision-language backbone and head.kind=lm_tokens) or a stepwise .jsonl/.parquet file (prompt, steps, labels, optional images)."""
     eval_task: str = ""
     """Held-out step data: a stepwise file, or 'arithmetic' (its 'eval' split, exact labels: how to judge a PRM trained on prm-label output against the checker). Empty = the arithmetic 'eval' split for task=arithmetic, else the last eval_size rows of the task file."""
     train_size: int = 6000
@@ -136,8 +136,8 @@ class Config:
         if self.policy_samples_from_backbone and self.policy_samples_path:
             raise ConfigError("policy_samples_from_backbone=true and policy_samples_path both name the policy to sample; "
                               "set one of them.")
-        if self.samples_policy and self.task != "arithmetic":
-            raise ConfigError("policy_samples_path / policy_samples_from_backbone need task=arithmetic (its checker labels the samples); "
+        if self.samples_policy and self.task not in tasks.TASKS:
+            raise ConfigError("policy_samples_path / policy_samples_from_backbone need a built-in task (arithmetic or visual: its checker labels the samples); "
                               "for other data, label samples with `prmflow prm-label` and pass them as task.")
         if not self.step_separator:
             raise ConfigError("step_separator is empty; steps need a separator (the default is a newline).")
@@ -164,7 +164,7 @@ def input_fingerprints(cfg: Config) -> dict[str, str]:
     step data files (their bytes). The same config on a retrained SFT policy or edited labels is a
     different result: a re-run is refused, a resume checkpoint is not picked up."""
     out: dict[str, str] = {}
-    for p in (cfg.model_path, cfg.samples_policy, *(t for t in (cfg.task, cfg.eval_task) if t != "arithmetic")):
+    for p in (cfg.model_path, cfg.samples_policy, *(t for t in (cfg.task, cfg.eval_task) if t not in tasks.TASKS)):
         path = Path(p) if p else None
         if path is None:
             continue
@@ -179,16 +179,19 @@ def input_fingerprints(cfg: Config) -> dict[str, str]:
 
 def load_data(cfg: Config) -> tuple[list[data.StepExample], list[data.StepExample]]:
     """(train, held-out) step-labelled examples."""
-    if cfg.task == "arithmetic":
-        train = data.arithmetic_examples(cfg.train_size, cfg.seed, "train", cfg.arithmetic, cfg.negatives_per_problem)
+    if cfg.task in tasks.TASKS:
+        train = (data.arithmetic_examples(cfg.train_size, cfg.seed, "train", cfg.arithmetic, cfg.negatives_per_problem)
+                 if cfg.task == "arithmetic" else data.visual_examples(cfg.train_size, cfg.seed, "train", cfg.negatives_per_problem))
         if cfg.samples_policy:
-            records = tasks.load("arithmetic", "train", cfg.train_size, cfg.seed, **config_lib.to_dict(cfg.arithmetic))
+            records = tasks.load(cfg.task, "train", cfg.train_size, cfg.seed, **config_lib.to_dict(cfg.arithmetic))
             train += data.policy_examples(cfg.samples_policy, records, cfg.policy_samples, cfg.step_separator,
                                           seed=cfg.seed, chat_template=cfg.chat_template)
     else:
         train = data.load_stepwise(cfg.task, cfg.step_separator)
-    if cfg.eval_task and cfg.eval_task != "arithmetic":
+    if cfg.eval_task and cfg.eval_task not in tasks.TASKS:
         held_out = data.load_stepwise(cfg.eval_task, cfg.step_separator, n=cfg.eval_size)
+    elif "visual" in (cfg.task, cfg.eval_task) and cfg.eval_task != "arithmetic":
+        held_out = data.visual_examples(cfg.eval_size, cfg.seed, "eval", cfg.negatives_per_problem)
     elif cfg.task == "arithmetic" or cfg.eval_task == "arithmetic":
         held_out = data.arithmetic_examples(cfg.eval_size, cfg.seed, "eval", cfg.arithmetic, cfg.negatives_per_problem)
     else:
@@ -196,7 +199,7 @@ def load_data(cfg: Config) -> tuple[list[data.StepExample], list[data.StepExampl
             raise ConfigError(f"{cfg.task} has {len(train)} rows, not more than eval_size={cfg.eval_size}; "
                               f"lower eval_size or pass eval_task.")
         train, held_out = train[:-cfg.eval_size], train[-cfg.eval_size:]
-    if cfg.task != "arithmetic":
+    if cfg.task not in tasks.TASKS:
         train = train[:cfg.train_size]
     return train, held_out
 
@@ -231,7 +234,8 @@ def predict(prm: PRM, examples: list[data.Tokenized], batch_size: int, model=Non
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
         b = data.collate(chunk, prm.tokenizer.pad_token_id)
-        probs = torch.sigmoid(prm(b["input_ids"].to(device), b["attention_mask"].to(device), model=model)).cpu()
+        pixels = {k: v.to(device) for k, v in data.model_inputs(b).items()}
+        probs = torch.sigmoid(prm(b["input_ids"].to(device), b["attention_mask"].to(device), model=model, **pixels)).cpu()
         out += [probs[j, e.step_ends].tolist() for j, e in enumerate(chunk)]
     model.train(was_training)
     return out
@@ -321,7 +325,8 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
         append_identity_layers(prm.model, cfg.extra_layers, cfg.seed)
     if cfg.train_layers:
         freeze_below(prm.model, cfg.train_layers)
-    render = lambda p: tasks.render_prompt(prm.tokenizer, tasks.PromptRecord("", p), cfg.chat_template)  # noqa: E731
+    render = lambda p, images=None: tasks.render_prompt(prm.tokenizer, tasks.PromptRecord("", p, images=images),  # noqa: E731
+                                                        cfg.chat_template)
     train, dropped = data.tokenize(train_examples, prm.tokenizer, cfg.step_separator, cfg.head.step_tag, cfg.max_seq_len, render)
     held_out, _ = data.tokenize(eval_examples, prm.tokenizer, cfg.step_separator, cfg.head.step_tag, cfg.max_seq_len, render)
     per_step = cfg.micro_batch_size * cfg.grad_accum
@@ -347,9 +352,10 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
         tracker.log_metrics({"data/train_examples": len(train), "data/train_steps": n_steps,
                              "data/positive_fraction": pos / max(n_steps, 1), "data/dropped_too_long": dropped},
                             step=state["step"])
-        metrics = _train(cfg, prm, engine, train, held_out, state, work, tracker, resume_identity, stop)
+        metrics = _train(cfg, prm, engine, train, held_out, state, work, tracker, resume_identity, stop,
+                         vision.Vision.of(prm.tokenizer, prm.model.config))
         manifest = {"config": identity, "inputs": inputs, "metrics": metrics, "parents": [cfg.model_path] + (
-            [cfg.task] if cfg.task != "arithmetic" else [])}
+            [cfg.task] if cfg.task not in tasks.TASKS else [])}
         with io.atomic_output_dir(cfg.output, "prm", overwrite=True, manifest=manifest) as tmp:
             modeling.save_pretrained(engine.module, prm.tokenizer, tmp,
                                      extra={**prm.metadata(cfg.step_separator), "metrics": metrics})
@@ -371,7 +377,7 @@ def _preempted(step: int, work: Path) -> preemption.Preempted:
 
 
 def _train(cfg: Config, prm: PRM, engine: TrainEngine, train, held_out, state, work, tracker, identity,
-           stop: preemption.Preemption = preemption.NEVER) -> dict:
+           stop: preemption.Preemption = preemption.NEVER, vis: "vision.Vision | None" = None) -> dict:
     engine.train()
     n = len(train)
     per_step = cfg.micro_batch_size * cfg.grad_accum
@@ -385,20 +391,34 @@ def _train(cfg: Config, prm: PRM, engine: TrainEngine, train, held_out, state, w
         raise _preempted(state["step"], work)
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="prm", unit="step", dynamic_ncols=True,
                mininterval=0.2 if sys.stderr.isatty() else 10.0)
-    t0, tokens = time.perf_counter(), 0
+    t0, tokens, skipped_in_a_row = time.perf_counter(), 0, 0
     ids = {}
     groups = [ids.setdefault(e.example.prompt, len(ids)) for e in train]
     order = functools.lru_cache(maxsize=2)(lambda epoch: epoch_order(groups, cfg.seed, epoch, cfg.group_by_prompt))
     while state["step"] < cfg.max_steps:
         epoch, offset = divmod(state["consumed"] // per_step, steps_per_epoch)
         chosen = order(epoch)[offset * per_step:(offset + 1) * per_step]
+        skip = vision.check_batch(vis, [train[i].input_ids for i in chosen], [train[i].pixels for i in chosen],
+                                  f"prm step {state['step'] + 1}")
+        if skip:  # image tokens that do not match the images: the model would fail on this batch
+            log.warning("skipping the batch of %s", skip)
+            state["consumed"] += per_step
+            state["skipped_batches"] = state.get("skipped_batches", 0) + 1
+            tracker.log_metrics({"train/skipped_image_mismatch": state["skipped_batches"]}, step=state["step"])
+            skipped_in_a_row += 1
+            if skipped_in_a_row >= steps_per_epoch:
+                raise DataError(f"prm: every batch of a whole epoch was skipped because its image tokens do not match "
+                                f"its images (last: {skip}). Check that the processor saved with the model is the one "
+                                f"the data was tokenized with.")
+            continue
+        skipped_in_a_row = 0
         micro = [data.collate([train[i] for i in chosen[j:j + cfg.micro_batch_size]], prm.tokenizer.pad_token_id)
                  for j in range(0, per_step, cfg.micro_batch_size)]
         n_step_tokens = sum(int(b["step_mask"].sum()) for b in micro)
         loss_total = 0.0
         for b in micro:
             b = {k: v.to(engine.device) for k, v in b.items()}
-            z = prm(b["input_ids"], b["attention_mask"], model=engine)  # (B, T) step logits
+            z = prm(b["input_ids"], b["attention_mask"], model=engine, **data.model_inputs(b))  # (B, T) step logits
             # BCE on step positions only; this micro-batch's share of the optimizer step's step-mean
             loss_sum, _ = data.step_bce(z, b["targets"], b["step_mask"])
             loss = loss_sum / n_step_tokens

@@ -13,6 +13,10 @@ string, kept in the text) or "length" (max_new_tokens reached).
 top-k or top-p. That is the distribution the PPO ratio and the KL term are taken under, and what
 vLLM returns in its default `raw_logprobs` mode, so the two engines record the same quantity.
 
+Vision-language prompts: `images` gives per prompt its encoded images (their placeholders are
+already expanded in the prompt's ids, see common/vision.py); the HF engine feeds their pixel inputs
+to the prefill, vLLM gets them as multi-modal data.
+
 The HF engine is a KV-cache loop: one prefill per prompt (its cache is copied for the n samples),
 then one forward of a single token per step. Sequences that finish are dropped from the batch
 (their cache rows too), so a batch runs only as long as its longest live sample. The naive
@@ -69,7 +73,8 @@ class Engine(Protocol):
     """generate(prompts as token ids, params) -> for every prompt, its params.n completions."""
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 progress: Callable[[int], None] | None = None) -> list[list[Completion]]: ...
+                 progress: Callable[[int], None] | None = None,
+                 images: Sequence[Sequence[bytes]] | None = None) -> list[list[Completion]]: ...
 
 
 # --- sampling ----------------------------------------------------------------------------------
@@ -157,7 +162,15 @@ class HFEngine:
     """
 
     def __init__(self, model, tokenizer, batch_size: int = 64, device: str | torch.device | None = None):
+        from ..common.vision import Vision, own_positions
+
+        if own_positions(model):
+            raise ValueError(f"{type(model).__name__} places its tokens with multimodal rope (Qwen2-VL style); the HF "
+                             f"engine's KV-cache loop uses 1-D positions. Sample it with engine=vllm.")
+        self.vision = Vision.of(tokenizer, model.config)
         self.model = model
+        self._no_sample = torch.tensor([self.vision.image_token_id] if self.vision else [], dtype=torch.long,
+                                       device=torch.device(device) if device else next(model.parameters()).device)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.device = torch.device(device) if device else next(model.parameters()).device
@@ -170,16 +183,24 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
+                 progress: Callable[[int], None] | None = None,
+                 images: Sequence[Sequence[bytes]] | None = None) -> list[list[Completion]]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        if images is not None and any(images) and self.vision is None:
+            raise ValueError("prompts with images need a vision-language model (its tokenizer carries the processor)")
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         per_batch = max(1, self.batch_size // params.n)
         out: list[list[Completion]] = [[] for _ in prompts]
         for b in range(0, len(order), per_batch):
             chunk = order[b:b + per_batch]
-            done = self._generate_batch([prompts[i] for i in chunk], params, generator)
+            pixels = {}
+            if images is not None and any(images[i] for i in chunk):
+                from ..common.vision import batch_pixels
+
+                pixels = batch_pixels([self.vision.pixels(images[i], f"prompt {i}") for i in chunk], self.device)
+            done = self._generate_batch([prompts[i] for i in chunk], params, generator, pixels)
             for k, i in enumerate(chunk):
                 out[i] = done[k * params.n:(k + 1) * params.n]
             if progress is not None:
@@ -187,7 +208,7 @@ class HFEngine:
         return out
 
     def _generate_batch(self, prompts: list[Sequence[int]], params: SamplingParams,
-                        generator: torch.Generator) -> list[Completion]:
+                        generator: torch.Generator, pixels: dict | None = None) -> list[Completion]:
         model, n, T = self.model, params.n, params.max_new_tokens
         stops = StopStrings(self.tokenizer, params.stop)
         eos = torch.tensor(self.eos_ids if not params.ignore_eos else [], dtype=torch.long, device=self.device)
@@ -195,7 +216,8 @@ class HFEngine:
         # prefill the prompts once, then copy each prompt's cache for its n samples
         ids, mask = left_pad(prompts, self.pad_id, self.device)  # (P, L)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **self._prefill_kwargs)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **self._prefill_kwargs,
+                    **(pixels or {}))
         cache = out.past_key_values
         logits = out.logits[:, -1].float()  # (P, V)
         next_pos = positions[:, -1] + 1  # (P,)
@@ -211,6 +233,8 @@ class HFEngine:
         rows = torch.arange(B, device=self.device)  # output row of each live batch row
         for t in range(T):
             logp = torch.log_softmax(logits, dim=-1)  # (b, V) raw distribution, recorded
+            if self.vision is not None:  # an image placeholder in a response would have no image behind it
+                logits = logits.index_fill(-1, self._no_sample, float("-inf"))
             tok = sample_tokens(logits, params, generator)  # (b,)
             tokens[rows, t] = tok
             logps[rows, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
@@ -277,10 +301,16 @@ class VLLMEngine:
             self.llm = LLM(**kwargs)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
+                 progress: Callable[[int], None] | None = None,
+                 images: Sequence[Sequence[bytes]] | None = None) -> list[list[Completion]]:
         from vllm import SamplingParams as VSamplingParams
 
+        from ..common.vision import decode_image
+
         requests = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
+        for i, req in enumerate(requests):  # placeholders already expanded in the ids; vLLM matches them
+            if images is not None and images[i]:
+                req["multi_modal_data"] = {"image": [decode_image(b, f"prompt {i}") for b in images[i]]}
         sampling = [VSamplingParams(
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
             max_tokens=params.max_new_tokens, stop=list(params.stop) or None, include_stop_str_in_output=True,

@@ -298,6 +298,7 @@ class Part:
 
 #: The default recipe table: the arithmetic task's verifier, and the math verifier for every other source.
 DEFAULT_RECIPES = [{"source": "arithmetic", "component": "arithmetic", "weight": 1.0},
+                   {"source": "visual", "component": "arithmetic", "weight": 1.0},  # same `answer: N` line
                    {"source": "default", "component": "math", "weight": 1.0}]
 
 

@@ -24,6 +24,7 @@ import torch
 
 from ..common import steps as steps_lib
 from ..common.tensor_ops import sequence_logprobs
+from ..common.vision import batch_pixels
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for the first bytes of a character split across tokens
 
@@ -115,17 +116,20 @@ def _batches(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]
 
 @torch.no_grad()
 def forward_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], batch_size: int = 32,
-                     pad_id: int = 0, progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
+                     pad_id: int = 0, progress: Callable[[int], None] | None = None,
+                     pixels: Sequence[dict] | None = None) -> list[np.ndarray]:
     """log p(response token t | prompt + response[:t]) under `model`: one (R_i,) float32 array per row.
 
     The slow equivalent: for each row alone, log_softmax(model(prompt + response).logits[0, :-1])
-    gathered at the next tokens, then entries prompt_len - 1 ... prompt_len + R - 2.
+    gathered at the next tokens, then entries prompt_len - 1 ... prompt_len + R - 2. `pixels`: per
+    row the pixel inputs of its prompt's images (vision-language), fed with its batch.
     """
     model.eval()
     device = next(model.parameters()).device
     out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(prompts)
     for idx, ids, mask, p_lens, r_lens in _batches(prompts, responses, batch_size, pad_id, device):
-        lp = sequence_logprobs(model, ids, mask).float().cpu().numpy()  # (B, T-1): entry j scores token j+1
+        extra = batch_pixels([pixels[i] for i in idx], device) if pixels is not None else {}
+        lp = sequence_logprobs(model, ids, mask, **extra).float().cpu().numpy()  # (B, T-1): entry j scores token j+1
         for r, i in enumerate(idx):
             out[i] = lp[r, p_lens[r] - 1:p_lens[r] - 1 + r_lens[r]].astype(np.float32)
         if progress is not None:
@@ -156,12 +160,14 @@ def forward_values(critic, prompts: Sequence[Sequence[int]], responses: Sequence
 
 
 def prm_step_rewards(prm_path: str, prompts: list[str], responses: list[str], batch_size: int = 32,
-                     device: str | None = None, separator: str = "\n") -> list[list[float]]:
-    """P(step correct) for every step of every response, from the PRM's own tokenization of the text."""
+                     device: str | None = None, separator: str = "\n",
+                     images: list[list[bytes]] | None = None) -> list[list[float]]:
+    """P(step correct) for every step of every response, from the PRM's own tokenization of the
+    text (and the prompt's images, for a vision-language PRM)."""
     from ..prm.scoring import PRMScorer
 
     scorer = PRMScorer(prm_path, batch_size=batch_size, device=device, step_separator=separator)
     try:
-        return scorer.score(prompts, responses)
+        return scorer.score(prompts, responses, images=images)
     finally:
         del scorer

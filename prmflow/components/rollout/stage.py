@@ -39,7 +39,7 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from ..common import checkpoint, config as config_lib, io, modeling, schema, tasks, tracking
+from ..common import checkpoint, config as config_lib, io, modeling, schema, tasks, tracking, vision
 from ..common.errors import ConfigError, DataError, ModelLoadError, OutputExistsError
 from ..common.tasks.arithmetic import ArithmeticConfig
 from . import rewards as rewards_lib
@@ -62,7 +62,7 @@ class Config:
     critic: str = ""
     """Critic (scalar-head model) for per-token values, needed by GAE. Empty: no values."""
     task: str = "arithmetic"
-    """Prompts: 'arithmetic' (built-in task) or a .jsonl/.parquet dataset (prompt/messages, answer, source)."""
+    """Prompts: 'arithmetic' or 'visual' (built-in tasks; visual needs a vision-language policy) or a .jsonl/.parquet dataset (prompt/messages, answer, source, images)."""
     split: str = "train"
     """Split of the arithmetic task (a dataset file is one split)."""
     num_prompts: int = 64
@@ -131,8 +131,8 @@ class Config:
             raise ConfigError(f"temperature is {self.temperature}; use 0 (greedy) or a positive value.")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p is {self.top_p}; it must be in (0, 1].")
-        if self.task == "arithmetic" and self.num_prompts == 0:
-            raise ConfigError("num_prompts=0 (every row) needs a dataset file; the arithmetic task needs a count.")
+        if self.task in tasks.TASKS and self.num_prompts == 0:
+            raise ConfigError(f"num_prompts=0 (every row) needs a dataset file; the {self.task} task needs a count.")
         if not self.step_separator:
             raise ConfigError("step_separator is empty; steps need a separator (the shared default is a newline).")
         if self.engine == "vllm" and modeling.is_tiny(self.policy):
@@ -193,8 +193,8 @@ def _select_prompts(cfg: Config) -> list[tasks.PromptRecord]:
     dataset file: rows k*num_prompts ... (k+1)*num_prompts - 1 of one seeded shuffle of the file,
     wrapping around, so iterations walk through the data in epochs; num_prompts=0 = all rows.
     """
-    if cfg.task == "arithmetic":
-        return tasks.load("arithmetic", cfg.split, cfg.num_prompts, cfg.seed * 100_003 + cfg.iteration,
+    if cfg.task in tasks.TASKS:
+        return tasks.load(cfg.task, cfg.split, cfg.num_prompts, cfg.seed * 100_003 + cfg.iteration,
                           **config_lib.to_dict(cfg.arithmetic))
     rows = tasks.load(cfg.task)
     if not rows:
@@ -210,7 +210,8 @@ def _select_prompts(cfg: Config) -> list[tasks.PromptRecord]:
 def _model_window(path: str) -> int | None:
     """Positions the model can attend over (max_position_embeddings), None if it does not say."""
     if modeling.is_tiny(path):
-        return modeling.TINY_PRESETS[path].get("max_position_embeddings")
+        spec = modeling.TINY_PRESETS.get(path) or modeling.TINY_VL_PRESETS[path]["text"]
+        return spec.get("max_position_embeddings")
     from transformers import AutoConfig
 
     try:
@@ -237,15 +238,15 @@ def tokenize_prompts(cfg: Config, tokenizer, records: list[tasks.PromptRecord], 
                               f"{window}-token window; lower one of them.")
     texts, ids, truncated = [], [], 0
     for r in records:
-        text = tasks.render_prompt(tokenizer, r, cfg.chat_template)
-        p_ids = tokenizer(text, add_special_tokens=text == r.prompt)["input_ids"]
+        text, p_ids, _ = tasks.encode_prompt(tokenizer, r, cfg.chat_template, cfg.task)
         if not p_ids:
             raise DataError(f"{cfg.task}: prompt_id={r.prompt_id!r} tokenizes to no tokens; remove the row or fix its prompt.")
         if limit and len(p_ids) > limit:
-            if cfg.on_long_prompt == "fail":
+            if cfg.on_long_prompt == "fail" or r.images:
                 raise DataError(f"{cfg.task}: prompt_id={r.prompt_id!r} is {len(p_ids)} tokens, longer than {limit} "
                                 f"(max_prompt_len, or the window minus max_new_tokens). Shorten it, raise the limit, "
-                                f"or set on_long_prompt=truncate.")
+                                + ("or use smaller images (a prompt with images is never cut: it would split an "
+                                   "image's tokens)." if r.images else "or set on_long_prompt=truncate."))
             p_ids = p_ids[-limit:]  # keep the end: the question's last words and the generation prompt
             text = tokenizer.decode(p_ids)
             truncated += 1
@@ -288,7 +289,7 @@ def _load_scorer_model(path: str, cfg: Config, scalar: bool):
     return model.to(_device(cfg)).eval()
 
 
-def _generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: SamplingParams):
+def _generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: SamplingParams, images=None):
     """Sample with the configured engine. Returns (completions per prompt, the HF policy for
     scoring, timings); with vLLM the engine is shut down first, then the HF policy is loaded."""
     t0 = time.perf_counter()
@@ -300,7 +301,7 @@ def _generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: Sampl
     load_s = time.perf_counter() - t0
     bar = _progress(len(prompt_ids), f"rollout iter {cfg.iteration}: generate", "prompt")
     t0 = time.perf_counter()
-    completions = engine.generate(prompt_ids, params, progress=bar.update)
+    completions = engine.generate(prompt_ids, params, progress=bar.update, images=images)
     generate_s = time.perf_counter() - t0
     bar.close()
     if cfg.engine == "vllm":
@@ -328,13 +329,18 @@ def run(cfg: Config) -> dict:
     torch.manual_seed(cfg.seed)
     tokenizer = modeling.load_tokenizer(cfg.policy)
     _check_shared_tokenizer(tokenizer, cfg)
+    has_images = any(r.images for r in records)
+    if cfg.critic and vision.processor_of(tokenizer) is not None:
+        raise ConfigError(f"critic is set, but the policy '{cfg.policy}' is a vision-language model; critics are "
+                          f"text-only so far. Use a critic-free estimator (grpo, rloo, reinforce_baseline, grpo_process).")
     prompt_texts, prompt_ids, truncated = tokenize_prompts(cfg, tokenizer, records, _model_window(cfg.policy))
     params = SamplingParams(n=cfg.n_samples, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_new_tokens=cfg.max_new_tokens, stop=list(cfg.stop), seed=_sampling_seed(cfg))
     tracker = tracking.start_stage_run(cfg.tracking, "rollout", params=config_lib.flat_dict(cfg), iteration=cfg.iteration,
                                        tags={"prmflow.output": str(out.resolve()), "prmflow.shard": f"{cfg.shard}/{cfg.num_shards}"})
     with tracker:
-        completions, policy, timing = _generate(cfg, tokenizer, prompt_ids, params)
+        images = [r.images or [] for r in records] if has_images else None
+        completions, policy, timing = _generate(cfg, tokenizer, prompt_ids, params, images)
         rows = [(i, j, c) for i, group in enumerate(completions) for j, c in enumerate(group)]
         n_tokens = sum(len(c.token_ids) for _, _, c in rows)
 
@@ -353,7 +359,7 @@ def run(cfg: Config) -> dict:
         p_ids = [prompt_ids[i] for i, _, _ in rows]
         r_ids = [c.token_ids for _, _, c in rows]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        columns = _score(cfg, policy, records, rows, p_ids, r_ids, responses, pad)
+        columns = _score(cfg, policy, tokenizer, records, rows, p_ids, r_ids, responses, pad)
         del policy
         score_s = time.perf_counter() - t0
 
@@ -373,16 +379,22 @@ def run(cfg: Config) -> dict:
     return metrics
 
 
-def _score(cfg: Config, policy, records, rows, p_ids, r_ids, responses, pad) -> dict[str, list | None]:
+def _score(cfg: Config, policy, tokenizer, records, rows, p_ids, r_ids, responses, pad) -> dict[str, list | None]:
     bs, total = cfg.score_batch_size, len(rows)
+    pixels = images = None
+    if any(r.images for r in records):  # each prompt's pixel inputs once, shared by its samples
+        vis = vision.Vision.of(tokenizer, policy.config)
+        per_prompt = [vis.pixels(r.images or [], f"{cfg.task}, prompt_id={r.prompt_id!r}") for r in records]
+        pixels = [per_prompt[i] for i, _, _ in rows]
+        images = [records[i].images or [] for i, _, _ in rows]
     bar = _progress(total, "rollout: old logprobs", "resp")
-    old = scoring.forward_logprobs(policy, p_ids, r_ids, bs, pad, progress=bar.update)
+    old = scoring.forward_logprobs(policy, p_ids, r_ids, bs, pad, progress=bar.update, pixels=pixels)
     bar.close()
     ref = values = step_rewards = None
     if cfg.ref:
         ref_model = _load_scorer_model(cfg.ref, cfg, scalar=False)
         bar = _progress(total, "rollout: ref logprobs", "resp")
-        ref = scoring.forward_logprobs(ref_model, p_ids, r_ids, bs, pad, progress=bar.update)
+        ref = scoring.forward_logprobs(ref_model, p_ids, r_ids, bs, pad, progress=bar.update, pixels=pixels)
         bar.close()
         del ref_model
     if cfg.critic:
@@ -393,7 +405,7 @@ def _score(cfg: Config, policy, records, rows, p_ids, r_ids, responses, pad) -> 
         del critic
     if cfg.prm:
         step_rewards = scoring.prm_step_rewards(cfg.prm, [records[i].prompt for i, _, _ in rows], responses, bs,
-                                                str(_device(cfg)), cfg.step_separator)
+                                                str(_device(cfg)), cfg.step_separator, images=images)
     return {"old_logprobs": old, "ref_logprobs": ref, "values": values, "step_rewards": step_rewards}
 
 
@@ -419,6 +431,7 @@ def _table(cfg, records, prompt_texts, rows, p_ids, r_ids, responses, ends, scor
         "response": pa.array(responses, pa.string()),
         "prompt_ids": pa.array(p_ids, i32),
         "response_ids": pa.array(r_ids, i32),
+        "images": pa.array([records[i].images for i, _, _ in rows], pa.list_(pa.binary())),
         "finish_reason": pa.array([c.finish_reason for _, _, c in rows], pa.string()),
         "behavior_logprobs": _f32_lists([c.logprobs for _, _, c in rows], n),
         "old_logprobs": _f32_lists(columns["old_logprobs"], n),

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..common import tasks
+from ..common import tasks, vision
 from ..common.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -18,6 +18,8 @@ IGNORE = -100
 class Example:
     input_ids: list[int]
     labels: list[int]  # IGNORE on prompt tokens
+    pixels: dict = field(default_factory=dict, repr=False)
+    """Pixel inputs of the prompt's images (vision-language), {} for text."""
 
 
 def tokenize(records: list[tasks.PromptRecord], tokenizer, max_seq_len: int, chat_template: bool = True,
@@ -27,15 +29,13 @@ def tokenize(records: list[tasks.PromptRecord], tokenizer, max_seq_len: int, cha
     for r in records:
         if not r.response:
             raise DataError(f"{where}: prompt {r.prompt_id!r} has no response to train on.")
-        text = tasks.render_prompt(tokenizer, r, chat_template)
-        templated = text != r.prompt
-        p_ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        _, p_ids, pixels = tasks.encode_prompt(tokenizer, r, chat_template, where)
         r_ids = tokenizer(r.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         ids = p_ids + r_ids
-        if len(ids) > max_seq_len:
+        if len(ids) > max_seq_len:  # dropped, never cut: a cut could split an image's tokens
             dropped += 1
             continue
-        examples.append(Example(ids, [IGNORE] * len(p_ids) + r_ids))
+        examples.append(Example(ids, [IGNORE] * len(p_ids) + r_ids, pixels))
     if dropped:
         log.warning("%s: dropped %d of %d examples longer than max_seq_len=%d", where, dropped, len(records), max_seq_len)
     if not examples:
@@ -44,7 +44,8 @@ def tokenize(records: list[tasks.PromptRecord], tokenizer, max_seq_len: int, cha
 
 
 def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest example: input_ids, attention_mask, labels, each (B, T)."""
+    """Right-pad to the longest example: input_ids, attention_mask, labels, each (B, T); plus the
+    batch's pixel inputs (vision-language, `vision.batch_pixels`)."""
     T = max(len(e.input_ids) for e in batch)
     ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), T), IGNORE, dtype=torch.long)
@@ -54,7 +55,12 @@ def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
         ids[i, :n] = torch.tensor(e.input_ids)
         labels[i, :n] = torch.tensor(e.labels)
         mask[i, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, **vision.batch_pixels([e.pixels for e in batch])}
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the model's forward takes from a collated batch (everything but the labels)."""
+    return {k: v for k, v in batch.items() if k != "labels"}
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:

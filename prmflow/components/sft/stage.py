@@ -28,9 +28,9 @@ from typing import Literal
 import torch
 from tqdm.auto import tqdm
 
-from ..common import checkpoint, config as config_lib, io, modeling, preemption, tasks, tracking
+from ..common import checkpoint, config as config_lib, io, modeling, preemption, tasks, tracking, vision
 from ..common.engine import EngineConfig, OptimSettings, TrainEngine
-from ..common.errors import ConfigError, OutputExistsError
+from ..common.errors import ConfigError, DataError, OutputExistsError
 from ..common.generation import generate_texts
 from ..common.tasks.arithmetic import ArithmeticConfig
 from . import data
@@ -41,13 +41,13 @@ log = logging.getLogger(__name__)
 @dataclass
 class Config:
     model_path: str = "tiny-llama"
-    """HF model directory to start from, or a tiny preset (tiny-llama, tiny-qwen2) built from a config."""
+    """HF model directory to start from, or a tiny preset (tiny-llama, tiny-qwen2; tiny-llava for images) built from a config."""
     output: str = "outputs/sft"
     """Directory the trained policy is written to (HF format), atomically at the end."""
     task: str = "arithmetic"
-    """Training data: 'arithmetic' (built-in task) or a .jsonl/.parquet file with prompt/messages + response/answer."""
+    """Training data: 'arithmetic' or 'visual' (built-in tasks; visual needs a vision-language model) or a .jsonl/.parquet file with prompt/messages + response/answer (+ images)."""
     eval_task: str = ""
-    """Held-out data: empty = the arithmetic 'eval' split, or the last eval_size rows of a dataset file."""
+    """Held-out data: empty = the built-in task's 'eval' split, or the last eval_size rows of a dataset file."""
     train_size: int = 6000
     """Training examples drawn from the task (for a dataset file: at most this many rows)."""
     eval_size: int = 200
@@ -115,14 +115,14 @@ class Config:
 
 def _load_data(cfg: Config) -> tuple[list[tasks.PromptRecord], list[tasks.PromptRecord]]:
     akw = config_lib.to_dict(cfg.arithmetic)
-    if cfg.task == "arithmetic":
-        train = tasks.load("arithmetic", "train", cfg.train_size, cfg.seed, **akw)
+    if cfg.task in tasks.TASKS:
+        train = tasks.load(cfg.task, "train", cfg.train_size, cfg.seed, **akw)
     else:
         train = tasks.load(cfg.task, n=None)
     if cfg.eval_task:
         held_out = tasks.load(cfg.eval_task, "eval", cfg.eval_size, cfg.seed, **akw)
-    elif cfg.task == "arithmetic":
-        held_out = tasks.load("arithmetic", "eval", cfg.eval_size, cfg.seed, **akw)
+    elif cfg.task in tasks.TASKS:
+        held_out = tasks.load(cfg.task, "eval", cfg.eval_size, cfg.seed, **akw)
     else:
         if len(train) <= cfg.eval_size:
             raise ConfigError(f"{cfg.task} has {len(train)} rows, not more than eval_size={cfg.eval_size}; "
@@ -147,12 +147,13 @@ def evaluate(model, tokenizer, examples: list[data.Example], records: list[tasks
     for i in range(0, len(examples), cfg.micro_batch_size):
         batch = data.collate(examples[i:i + cfg.micro_batch_size], tokenizer.pad_token_id)
         batch = {k: v.to(next(model.parameters()).device) for k, v in batch.items()}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = model(**data.model_inputs(batch)).logits
         loss, n = data.response_loss(logits, batch["labels"])
         total, count = total + float(loss), count + n
     prompts = [tasks.render_prompt(tokenizer, r, cfg.chat_template) for r in records]
     responses = generate_texts(model, tokenizer, prompts, cfg.eval_max_new_tokens, batch_size=100,
-                               add_special_tokens=not cfg.chat_template or not getattr(tokenizer, "chat_template", None))
+                               add_special_tokens=not any(tasks.templated(tokenizer, r, cfg.chat_template) for r in records),
+                               images=[r.images or [] for r in records] if any(r.images for r in records) else None)
     correct = [tasks.verify(r, resp) for r, resp in zip(records, responses)]
     model.train()
     return {"eval/loss": total / max(count, 1), "eval/accuracy": sum(correct) / len(correct)}
@@ -191,6 +192,7 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
     cfg_dict = config_lib.to_dict(cfg)
     torch.manual_seed(cfg.seed)
     model, tokenizer = modeling.load_causal_lm(cfg.model_path, cfg.engine.dtype, seed=cfg.seed)
+    vis = vision.Vision.of(tokenizer, model.config)
     train_records, eval_records = _load_data(cfg)
     train_ex, dropped = data.tokenize(train_records, tokenizer, cfg.max_seq_len, cfg.chat_template, where=cfg.task)
     eval_ex, _ = data.tokenize(eval_records, tokenizer, cfg.max_seq_len, cfg.chat_template, where=cfg.eval_task or cfg.task)
@@ -216,7 +218,7 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
                                        tags={"prmflow.output": str(Path(cfg.output).resolve())})
     with tracker:
         tracker.log_metrics({"data/train_examples": len(train_ex), "data/dropped_too_long": dropped}, step=state["step"])
-        metrics = _train(cfg, engine, tokenizer, train_ex, eval_ex, eval_records, state, work, tracker, cfg_dict, stop)
+        metrics = _train(cfg, engine, tokenizer, train_ex, eval_ex, eval_records, state, work, tracker, cfg_dict, stop, vis)
         with io.atomic_output_dir(cfg.output, "policy", overwrite=True,
                                   manifest={"config": checkpoint.identity(cfg_dict), "metrics": metrics,
                                             "parents": [cfg.model_path]}) as tmp:
@@ -234,7 +236,7 @@ def _preempted(step: int, work: Path) -> preemption.Preempted:
 
 
 def _train(cfg, engine, tokenizer, train_ex, eval_ex, eval_records, state, work, tracker, cfg_dict,
-           stop: preemption.Preemption = preemption.NEVER) -> dict:
+           stop: preemption.Preemption = preemption.NEVER, vis: "vision.Vision | None" = None) -> dict:
     engine.train()
     n = len(train_ex)
     per_step = cfg.micro_batch_size * cfg.grad_accum
@@ -246,18 +248,32 @@ def _train(cfg, engine, tokenizer, train_ex, eval_ex, eval_records, state, work,
         raise _preempted(state["step"], work)
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="sft", unit="step", dynamic_ncols=True,
                mininterval=0.2 if sys.stderr.isatty() else 10.0)
-    t0, tokens = time.perf_counter(), 0
+    t0, tokens, skipped_in_a_row = time.perf_counter(), 0, 0
     while state["step"] < cfg.max_steps:
         epoch, offset = divmod(state["consumed"] // per_step, steps_per_epoch)
         order = data.epoch_order(n, cfg.seed, epoch)
         chosen = order[offset * per_step:(offset + 1) * per_step]
+        skip = vision.check_batch(vis, [train_ex[i].input_ids for i in chosen], [train_ex[i].pixels for i in chosen],
+                                  f"sft step {state['step'] + 1}")
+        if skip:  # image tokens that do not match the images: the model would fail on this batch
+            log.warning("skipping the batch of %s", skip)
+            state["consumed"] += per_step
+            state["skipped_batches"] = state.get("skipped_batches", 0) + 1
+            tracker.log_metrics({"train/skipped_image_mismatch": state["skipped_batches"]}, step=state["step"])
+            skipped_in_a_row += 1
+            if skipped_in_a_row >= steps_per_epoch:
+                raise DataError(f"sft: every batch of a whole epoch was skipped because its image tokens do not match "
+                                f"its images (last: {skip}). Check that the processor saved with the model is the one "
+                                f"the data was tokenized with.")
+            continue
+        skipped_in_a_row = 0
         micro = [data.collate([train_ex[i] for i in chosen[j:j + cfg.micro_batch_size]], tokenizer.pad_token_id)
                  for j in range(0, per_step, cfg.micro_batch_size)]
         n_tokens = sum(int((b["labels"][:, 1:] != data.IGNORE).sum()) for b in micro)
         loss_total = 0.0
         for b in micro:
             b = {k: v.to(engine.device) for k, v in b.items()}
-            logits = engine(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            logits = engine(**data.model_inputs(b)).logits
             loss_sum, _ = data.response_loss(logits, b["labels"])
             loss = loss_sum / n_tokens  # this micro-batch's share of the step's token-mean
             engine.backward(loss)

@@ -1,8 +1,9 @@
-"""Prompt sources: the built-in arithmetic task and user datasets (JSONL / Parquet).
+"""Prompt sources: the built-in arithmetic and visual tasks and user datasets (JSONL / Parquet).
 
 `load(task, split, n, seed)` returns PromptRecords whatever the source; `render_prompt` turns a
 record into the text the policy sees (the tokenizer's chat template when it has one and the config
-asks for it, else the plain prompt).
+asks for it, else the plain prompt; a record with images gets one image placeholder per image,
+see common/vision.py); `encode_prompt` gives its token ids and pixel inputs.
 """
 
 from __future__ import annotations
@@ -22,13 +23,26 @@ class PromptRecord:
     """Chat messages the prompt came from, when the dataset is chat-style."""
     source: str = "arithmetic"
     """Which task/reward recipe the row belongs to."""
+    images: list[bytes] | None = None
+    """Encoded images of a vision-language prompt (checked when read), None for text."""
+
+
+TASKS = ("arithmetic", "visual")
+"""Built-in tasks; anything else names a dataset file."""
 
 
 def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, **task_kwargs) -> list[PromptRecord]:
-    """Records of `task`: 'arithmetic' or the path of a .jsonl / .parquet dataset.
+    """Records of `task`: 'arithmetic', 'visual' (images of two digits to compute with, for
+    vision-language policies) or the path of a .jsonl / .parquet dataset.
 
     For a dataset file, `split` picks nothing (pass a file per split); `n` keeps the first n rows.
+    `task_kwargs` configure the arithmetic task (the visual task uses its defaults).
     """
+    if task == "visual":
+        from . import visual
+
+        problems = visual.generate(n if n is not None else 1000, seed=seed, split=split)
+        return [PromptRecord(p.prompt_id, p.prompt, p.answer, p.solution, None, "visual", [p.image]) for p in problems]
     if task == "arithmetic":
         from . import arithmetic
 
@@ -43,11 +57,44 @@ def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, *
 
 def render_prompt(tokenizer, record: PromptRecord, chat_template: bool = True) -> str:
     """The prompt text the policy sees for `record`."""
+    if record.images:
+        from ..errors import DataError
+        from ..vision import Vision, processor_of
+
+        processor = processor_of(tokenizer)
+        if processor is None:
+            raise DataError(f"prompt {record.prompt_id!r} has {len(record.images)} image(s), but the model is text-only. "
+                            f"Use a vision-language model directory (with its processor), or drop the images.")
+        return Vision(processor).render(record.prompt, len(record.images), chat_template, record.messages)
     use_template = chat_template and getattr(tokenizer, "chat_template", None)
     if use_template:
         messages = record.messages or [{"role": "user", "content": record.prompt}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return record.prompt
+
+
+def templated(tokenizer, record: PromptRecord, chat_template: bool = True) -> bool:
+    """Whether `render_prompt` wraps this record in a chat template (which then brings its own
+    special tokens; a plain prompt gets the tokenizer's)."""
+    if not chat_template:
+        return False
+    from ..vision import processor_of
+
+    holder = processor_of(tokenizer) if record.images else tokenizer
+    return bool(getattr(holder, "chat_template", None))
+
+
+def encode_prompt(tokenizer, record: PromptRecord, chat_template: bool = True, where: str = "prompt"):
+    """(text, token ids, pixel inputs) of `record` as the policy sees it; pixel inputs are {} for text."""
+    text = render_prompt(tokenizer, record, chat_template)
+    special = not templated(tokenizer, record, chat_template)
+    if not record.images:
+        return text, tokenizer(text, add_special_tokens=special)["input_ids"], {}
+    from ..vision import Vision, processor_of
+
+    ids, pixels = Vision(processor_of(tokenizer)).encode_prompt(
+        text, record.images, f"{where}, prompt_id={record.prompt_id!r}", add_special_tokens=special)
+    return text, ids, pixels
 
 
 def verify(record: PromptRecord, response: str) -> float:
@@ -58,7 +105,7 @@ def verify(record: PromptRecord, response: str) -> float:
     """
     if record.answer is None:
         raise ValueError(f"prompt {record.prompt_id!r} has no reference answer to verify against")
-    if record.source == "arithmetic":
+    if record.source in ("arithmetic", "visual"):
         from . import arithmetic
 
         return arithmetic.verify(response, record.answer)

@@ -6,7 +6,11 @@ Accepted fields per row (names configurable):
 - `answer` (optional): the reference final answer, used by verifiers;
 - `response` (optional): the SFT target when the prompt is plain text;
 - `id` (optional): a stable prompt id; otherwise a hash of the prompt;
-- `source` (optional): which reward recipe scores the row (mixed datasets).
+- `source` (optional): which reward recipe scores the row (mixed datasets);
+- `images` (optional): the images of a vision-language prompt: one or a list of image paths
+  (relative to the dataset file's directory), encoded bytes (Parquet binary), or
+  {"bytes"/"path": ...} dicts (the Hugging Face datasets Image feature); each is checked
+  (decodable, size limits) when the dataset is read.
 GSM8K-style data ({"question", "answer": "...#### 42"}) drops in with prompt_field=question; the
 number after `####` becomes the answer and the text before it the response.
 """
@@ -74,7 +78,12 @@ def load_records(path: str | Path, prompt_field: str = "prompt", answer_field: s
     out = []
     for where_n, row in rows:
         where = f"{path}, {unit} {where_n}"
-        out.append(_record(row, where, prompt_field, answer_field, response_field, require_answer, require_response))
+        rec = _record(row, where, prompt_field, answer_field, response_field, require_answer, require_response)
+        if row.get("images") is not None:
+            from ..vision import read_image_list
+
+            rec.images = read_image_list(row["images"], path.parent, where) or None
+        out.append(rec)
     return out
 
 

@@ -96,3 +96,24 @@ def test_cli_flags_and_set():
     cfg = config.from_args(Cfg, args)
     assert cfg.lr == 0.01 and cfg.inner.depth == 5
     assert "Learning rate." in parser.format_help()
+
+
+def test_lists_on_the_command_line_take_commas_or_yaml_brackets():
+    from prmflow.components.sft import stage
+
+    assert config.build(stage.Config, {"freeze": "model.a, model.b"}).freeze == ["model.a", "model.b"]
+    assert config.build(stage.Config, {"freeze": "[model.a, model.b]"}).freeze == ["model.a", "model.b"]
+    with pytest.raises(ConfigError, match="key 'freeze' is not a valid list"):
+        config.build(stage.Config, {"freeze": "[model.a"})
+
+
+def test_nested_section_mappings_are_the_same_as_dotted_keys():
+    from prmflow.components.prm import stage
+
+    nested = config.build(stage.Config, {"head": {"kind": "lm_tokens"}, "tracking": {"enabled": False}})
+    dotted = config.build(stage.Config, {"head.kind": "lm_tokens", "tracking.enabled": False})
+    assert nested == dotted and nested.head.kind == "lm_tokens" and not nested.tracking.enabled
+    assert config.build(stage.Config, {"head": {"kind": "lm_tokens"}, "head.kind": "token_classification"}).head.kind \
+        == "token_classification"  # an explicit dotted key wins over the section mapping
+    with pytest.raises(ConfigError, match="'head.knd' is not a config key"):
+        config.build(stage.Config, {"head": {"knd": "lm_tokens"}})

@@ -132,11 +132,11 @@ def test_prompt_placeholders_expand_to_one_token_per_image_feature(tiny_vl):
     _, model, tok = tiny_vl
     rec = tasks.load("visual", "train", 1, 0)[0]
     text, ids, pixels = tasks.encode_prompt(tok, rec)
-    assert text == "<image>" + rec.prompt
+    assert text == rec.prompt + "<image>"  # after the text: the first position is a causal LM's attention sink
     image_id = model.config.image_token_index
-    # a 56x56 image is 2x2 patches of 28 pixels (CLS dropped): 4 image tokens, then the text
-    assert ids[:4] == [image_id] * 4 and image_id not in ids[4:]
-    assert tok.decode(ids[4:]) == rec.prompt
+    # a 56x56 image is 2x2 patches of 28 pixels (CLS dropped): the text, then 4 image tokens
+    assert ids[-4:] == [image_id] * 4 and image_id not in ids[:-4]
+    assert tok.decode(ids[:-4]) == rec.prompt
     assert pixels["pixel_values"].shape == (1, 3, 56, 56)
 
 

@@ -228,7 +228,7 @@ def test_policy_samples_join_the_training_data_labelled_by_the_checker(sft_polic
         assert e.labels == [1.0 if first is None or k < first else 0.0 for k in range(len(e.steps))]
     with pytest.raises(ConfigError, match="set one of them"):
         make_cfg(tmp_path, **base, policy_samples_from_backbone=True, policy_samples_path=str(sft_policy))
-    with pytest.raises(ConfigError, match="need task=arithmetic"):
+    with pytest.raises(ConfigError, match="need a built-in task"):
         make_cfg(tmp_path, **base, policy_samples_from_backbone=True, task=str(tmp_path / "labels.jsonl"))
     with pytest.raises(ConfigError, match="untrained preset"):
         make_cfg(tmp_path, **{**base, "model_path": "tiny-llama"}, policy_samples_from_backbone=True)

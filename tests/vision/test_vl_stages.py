@@ -107,8 +107,8 @@ def test_ppo_skips_a_batch_whose_image_tokens_do_not_match(chain, tmp_path, capl
     prompt_ids = table.column("prompt_ids").to_pylist()
     image_id = modeling.load_causal_lm(chain / "sft")[0].config.image_token_index
     bad_row = 5
-    assert prompt_ids[bad_row][:4] == [image_id] * 4
-    prompt_ids[bad_row] = prompt_ids[bad_row][1:]  # one image token lost
+    assert prompt_ids[bad_row][-4:] == [image_id] * 4
+    prompt_ids[bad_row] = prompt_ids[bad_row][:-1]  # one image token lost
     table = table.set_column(table.schema.get_field_index("prompt_ids"), "prompt_ids",
                              pa.array(prompt_ids, pa.list_(pa.int32())))
     schema.write_dataset(tmp_path / "adv", table, "advantages")
@@ -192,7 +192,7 @@ def test_sft_skips_a_batch_whose_image_tokens_do_not_match(tmp_path, caplog, mon
     def short(tokenizer, record, chat_template=True, where="prompt"):
         text, ids, pixels = real(tokenizer, record, chat_template, where)
         calls.append(record.prompt_id)
-        return text, (ids[1:] if len(calls) == 1 else ids), pixels  # the first example loses one image token
+        return text, (ids[:-1] if len(calls) == 1 else ids), pixels  # the first example loses one image token
 
     monkeypatch.setattr(sft_data.tasks, "encode_prompt", short)
     with caplog.at_level(logging.WARNING):
@@ -203,3 +203,33 @@ def test_sft_skips_a_batch_whose_image_tokens_do_not_match(tmp_path, caplog, mon
     messages = [r.getMessage() for r in caplog.records if "skipping the batch" in r.getMessage()]
     assert messages and all("3 image tokens in the sequence but its images make 4 features" in m for m in messages)
     assert io.read_manifest(tmp_path / "sft")["kind"] == "policy"  # the other batch trained; the run finished
+
+
+def test_sft_freezes_the_named_modules(tmp_path):
+    from safetensors.torch import load_file
+
+    base = tmp_path / "base"
+    model, tok = modeling.load_causal_lm("tiny-llava")
+    modeling.save_pretrained(model, tok, base)
+    sft.run(config.build(sft.Config, {
+        "model_path": str(base), "task": "visual", "output": str(tmp_path / "sft"), "max_steps": 2, "warmup_steps": 1,
+        "train_size": 16, "eval_size": 2, "micro_batch_size": 8, "eval_every": 0, "save_every": 0,
+        "freeze": "model.vision_tower, model.multi_modal_projector", "engine": {"backend": "torch"}, "tracking": OFF}))
+    before, after = load_file(str(base / "model.safetensors")), load_file(str(tmp_path / "sft" / "model.safetensors"))
+    # (LLaVA's files keep the original checkpoint names: vision_tower.*, multi_modal_projector.*, language_model.*)
+    frozen = [k for k in before if k.startswith(("vision_tower.", "multi_modal_projector."))]
+    assert frozen and all(torch.equal(before[k], after[k]) for k in frozen)
+    assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("language_model."))
+    with pytest.raises(ConfigError, match="freeze: no parameter name starts with 'model.vision'"):
+        sft.run(config.build(sft.Config, {
+            "model_path": "tiny-llama", "output": str(tmp_path / "x"), "max_steps": 2, "warmup_steps": 1,
+            "freeze": "model.vision", "tracking": OFF}))
+
+
+def test_prm_label_refuses_image_prompts_clearly(chain, tmp_path):
+    from prmflow.components.prm import label
+
+    with pytest.raises(DataError, match="has images; prm-label labels text prompts only"):
+        label.run(config.build(label.Config, {"policy_path": str(chain / "sft"), "task": "visual", "prompts": 2,
+                                              "output": str(tmp_path / "labels"), "tracking": OFF}))
+    assert not (tmp_path / "labels").exists()

@@ -106,7 +106,12 @@ def _coerce(value: Any, typ: Any, key: str, where: str) -> Any:
         )
     if origin in (list, tuple):
         inner = args[0] if args else str
-        if isinstance(value, str):
+        if isinstance(value, str) and value.strip().startswith("["):  # YAML flow list: [a, b]
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{where}: key '{key}' is not a valid list ({e}); write a, b or [a, b].") from None
+        elif isinstance(value, str):
             value = [v for v in (s.strip() for s in value.split(",")) if v] if value else []
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: key '{key}' must be a list, got {value!r}.")

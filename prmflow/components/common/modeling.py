@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .errors import ModelLoadError
+from .errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def build_tiny_vl_model(preset: str = "tiny-llava", seed: int = 0):
     tok = build_tokenizer(extra_special=[IMAGE_TOKEN])
     side = spec["vision"]["image_size"]
     images = CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
-                                   image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+                                   image_mean=[0.9, 0.9, 0.9], image_std=[0.5, 0.5, 0.5])
     processor = LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=spec["vision"]["patch_size"],
                                vision_feature_select_strategy="default", image_token=IMAGE_TOKEN,
                                num_additional_image_tokens=1)
@@ -238,6 +238,19 @@ def load_causal_lm(model_path: str | Path, dtype: str = "float32", seed: int = 0
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
+
+
+def freeze(model, prefixes: list[str]) -> None:
+    """Stop training the parameters whose names start with one of `prefixes` (each must match one)."""
+    names = [n for n, _ in model.named_parameters()]
+    for prefix in prefixes:
+        hits = [n for n in names if n.startswith(prefix)]
+        if not hits:
+            parts = sorted({".".join(n.split(".")[:2]) for n in names})
+            raise ConfigError(f"freeze: no parameter name starts with '{prefix}'; this model's start with {parts}.")
+        for n, p in model.named_parameters():
+            if n in hits:
+                p.requires_grad_(False)
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -5,7 +5,9 @@ processor (`AutoModelForImageTextToText` + `AutoProcessor`: LLaVA, Qwen2-VL, ...
 token ids as the hand-off currency for VL rows too:
 
 - a prompt's text carries one image placeholder per image (the processor's `image_token`, added
-  in front of the text when the prompt has none); `Vision.encode_prompt` runs the processor, which
+  after the text when the prompt has none: the first position of a sequence becomes the attention
+  sink of a causal LM, and an image there is squashed into a constant: the tiny model, images
+  first and no BOS token, never learned to read them); `Vision.encode_prompt` runs the processor, which
   expands every placeholder into the image's feature tokens, so `prompt_ids` in the rollouts is
   exactly what the policy was conditioned on;
 - the images themselves travel as encoded bytes (`images`, list<binary>, in rollouts and
@@ -147,8 +149,8 @@ class Vision:
     # prompts ------------------------------------------------------------------------------------
     def render(self, prompt: str, n_images: int, chat_template: bool = True, messages: list | None = None) -> str:
         """The prompt text with one image placeholder per image: the processor's chat template when
-        it has one (images first in the user turn), else placeholders in front of the text unless
-        the text already carries them."""
+        it has one (images first in the user turn), else placeholders after the text unless the
+        text already carries them."""
         if n_images == 0:
             return prompt
         template = getattr(self.processor, "chat_template", None)
@@ -164,8 +166,8 @@ class Vision:
             return prompt
         if have:
             raise DataError(f"the prompt has {have} image placeholders ({self.image_token!r}) for {n_images} images; "
-                            f"give one per image or none (then they are put in front of the text).")
-        return self.image_token * n_images + prompt
+                            f"give one per image or none (then they are put after the text).")
+        return prompt + self.image_token * n_images
 
     def encode_prompt(self, text: str, images: Sequence[bytes], where: str = "prompt",
                       add_special_tokens: bool = True) -> tuple[list[int], dict[str, torch.Tensor]]:

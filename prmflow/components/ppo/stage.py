@@ -160,6 +160,8 @@ class Config:
     """Difficulty of the arithmetic task (for ptx_task=arithmetic)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Training backend (policy and critic alike)."""
+    freeze: list[str] = field(default_factory=list)
+    """Parameter-name prefixes of the policy kept frozen (e.g. model.vision_tower, as the SFT warm-up froze them)."""
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
     """MLflow tracking."""
 
@@ -649,6 +651,7 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
     torch.manual_seed(cfg.seed)
     model, tokenizer = modeling.load_causal_lm(cfg.policy_path, cfg.engine.dtype)
     attach_pixels(cfg, samples, vision.Vision.of(tokenizer, model.config))
+    modeling.freeze(model, cfg.freeze)
     disable_dropout(model)
     critic_model = load_critic(cfg, getattr(model.config, "vocab_size", None)) if cfg.critic else None
     actor = _engine(model, cfg, cfg.lr, cfg.rl_iterations * actor_updates, cfg.iteration * actor_updates,

@@ -145,6 +145,10 @@ def run(cfg: Config) -> dict:
     for r in records:
         if r.answer is None:
             raise DataError(f"{cfg.task}: prompt {r.prompt_id!r} has no reference answer; prm-label needs one per prompt.")
+        if r.images:
+            raise DataError(f"{cfg.task}: prompt {r.prompt_id!r} has images; prm-label labels text prompts only so far "
+                            f"(its labels file has no images column). For the visual task the PRM stage labels exactly "
+                            f"with the checker: prmflow prm --task visual.")
     torch.manual_seed(cfg.seed)
     policy, tok = modeling.load_causal_lm(cfg.policy_path)
     special = not (cfg.chat_template and getattr(tok, "chat_template", None))

@@ -52,7 +52,7 @@ class PRMScorer:
         """Per-step probability of being correct, one list per response, one float per step
         (steps = steps.steps(response, step_separator)). Re-tokenizes the text with the PRM's own
         tokenizer (never takes policy token ids). `images`: per response its prompt's images (a
-        vision-language PRM sees them too; their placeholders are put in front of the prompt).
+        vision-language PRM sees them too; their placeholders follow the prompt text).
 
         A step whose readout token lies beyond max_length cannot be seen by the model and scores 0.0
         (a logged warning says how many). Steps that end in the same token (a tokenizer merging across

@@ -82,6 +82,8 @@ class Config:
     """Write a resume checkpoint every this many steps (0 = only at the end)."""
     eval_max_new_tokens: int = 64
     """Greedy decoding budget for held-out accuracy."""
+    freeze: list[str] = field(default_factory=list)
+    """Parameter-name prefixes kept frozen, e.g. model.vision_tower: a vision-language model then trains its projector and language model only (LLaVA's recipe)."""
     lora_r: int = 0
     """LoRA rank; 0 trains all weights. LoRA is saved merged into the base weights."""
     lora_alpha: int = 16
@@ -200,6 +202,7 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
     if len(train_ex) < per_step:
         raise ConfigError(f"{len(train_ex)} training examples are fewer than one optimizer step "
                           f"(micro_batch_size*grad_accum={per_step}); lower them or add data.")
+    modeling.freeze(model, cfg.freeze)
     if cfg.lora_r:
         model = _apply_lora(model, cfg)
     engine = TrainEngine(model, cfg.engine, OptimSettings(

@@ -51,7 +51,7 @@ class VisualConfig:
     """The operations drawn from, a string of + - * (each problem uses one)."""
     image_size: int = 56
     """Side of the square images in pixels; a multiple of 28."""
-    jitter: int = 4
+    jitter: int = 2
     """Largest random shift, in pixels, of each digit from the centre of its half (x and y)."""
     direct_answer_frac: float = 0.0
     """Fraction of problems whose reference solution is the `answer: N` line alone, with no working
@@ -99,20 +99,23 @@ def _font(size: int) -> ImageFont.FreeTypeFont:
     return ImageFont.load_default(size=size)
 
 
-def render_image(left: int, right: int, size: int, rng: random.Random, jitter: int = 4) -> bytes:
+def render_image(left: int, right: int, size: int, rng: random.Random, jitter: int = 2) -> bytes:
     """PNG bytes of a size x size RGB image: `left` and `right` each in a dark random gray on a
-    light random gray background, in a random font size, centred in their half and shifted by up
-    to `jitter` pixels (less where the digit would leave its half). Deterministic in rng's state."""
+    light random gray background, in a random font size, centred in its own square cell of the top
+    half (side size/2) and shifted by up to `jitter` pixels (less where the digit would leave its
+    cell); the bottom half stays empty. One digit per cell means a vision tower whose patches are
+    cells (the tiny VL preset: 28-pixel patches) sees each digit whole in one patch; a digit split
+    across two patches took the tiny model far longer to learn to read. Deterministic in rng's state."""
     img = Image.new("RGB", (size, size), (rng.randint(215, 255),) * 3)
     draw = ImageDraw.Draw(img)
     half = size // 2
     for digit, x0 in ((left, 0), (right, half)):
-        font = _font(round(size * rng.uniform(0.38, 0.5)))
+        font = _font(round(size * rng.uniform(0.34, 0.38)))
         x1, y1, x2, y2 = draw.textbbox((0, 0), str(digit), font=font)
         jx = max(0, min(jitter, (half - (x2 - x1)) // 2))
-        jy = max(0, min(jitter, (size - (y2 - y1)) // 2))
+        jy = max(0, min(jitter, (half - (y2 - y1)) // 2))
         x = x0 + (half - (x2 - x1)) / 2 - x1 + rng.randint(-jx, jx)
-        y = (size - (y2 - y1)) / 2 - y1 + rng.randint(-jy, jy)
+        y = (half - (y2 - y1)) / 2 - y1 + rng.randint(-jy, jy)
         draw.text((x, y), str(digit), fill=(rng.randint(0, 90),) * 3, font=font)
     buf = io.BytesIO()
     img.save(buf, format="PNG", compress_level=1)

@@ -55,3 +55,16 @@ def test_the_shipped_comparison_runs_the_quickstarts_budget():
         {k: v for k, v in quick["pipeline"].items() if k != "experiment"}
     for v in variants.values():  # only the advantage recipe differs
         assert {k: s for k, s in v.items() if k != "advantage"} == base
+
+
+def test_the_vl_quickstart_compiles_with_images_in_every_stage(tmp_path):
+    """configs/quickstart-vl.yaml is a valid pipeline whose stages all run the visual task on the VL preset."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    assert cli.main(["pipeline", "compile", "--config", str(root / "quickstart-vl.yaml"), "-o", str(tmp_path / "p.yaml")]) == 0
+    cfg = yaml.safe_load((root / "quickstart-vl.yaml").read_text())
+    assert cfg["sft"]["model_path"] == "tiny-llava"
+    assert all(cfg[stage]["task"] == "visual" for stage in ("sft", "prm", "rollout", "evaluate"))
+    assert cfg["prm"]["head"]["kind"] == "lm_tokens"  # a VL PRM reads the LM's own logits: it sees the image
+    assert "tiny-llava" in (tmp_path / "p.yaml").read_text()

@@ -28,12 +28,15 @@ code that only has the tokenizer can still reach the images' processor.
 from __future__ import annotations
 
 import io as _io
+import logging
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from .errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
 
 MAX_IMAGE_BYTES = 16 * 1024 * 1024
 """Largest encoded image accepted (bytes)."""
@@ -222,13 +225,12 @@ class Vision:
 def own_positions(model) -> bool:
     """A model that places its tokens itself (Qwen2-VL's multimodal rope: 3-D positions over the
     image grid), so callers must not pass 1-D position_ids; it then needs right-padded batches."""
-    cfg = getattr(unwrap_config(model), "text_config", None) or unwrap_config(model)
+    from .modeling import unwrap
+
+    cfg = unwrap(model).config
+    cfg = getattr(cfg, "text_config", None) or cfg
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     return isinstance(rope, dict) and "mrope_section" in rope
-
-
-def unwrap_config(model):
-    return getattr(getattr(model, "module", model), "config", None)
 
 
 def batch_pixels(items: Sequence[dict[str, torch.Tensor]], device=None) -> dict[str, torch.Tensor]:
@@ -251,3 +253,30 @@ def check_batch(vision: "Vision | None", ids: Sequence[Sequence[int]], pixels: S
         if why:
             return f"{where}, sequence {k}: {why}"
     return None
+
+
+class BatchGuard:
+    """The image-token check before every update of a stage that trains on its own examples (sft,
+    prm): `skips(examples, state, tracker)` is True when the batch must be skipped (logged, counted in
+    state["skipped_batches"] and `train/skipped_image_mismatch`); a whole epoch of skipped batches in a
+    row is a DataError, so a wrong processor cannot spin forever. Examples need `input_ids` and `pixels`."""
+
+    def __init__(self, vision: "Vision | None", stage: str, batches_per_epoch: int):
+        self.vision, self.stage, self.batches_per_epoch = vision, stage, batches_per_epoch
+        self.in_a_row = 0
+
+    def skips(self, examples: Sequence, state: dict, tracker) -> bool:
+        why = check_batch(self.vision, [e.input_ids for e in examples], [e.pixels for e in examples],
+                          f"{self.stage} step {state['step'] + 1}")
+        if not why:
+            self.in_a_row = 0
+            return False
+        log.warning("skipping the batch of %s", why)
+        state["skipped_batches"] = state.get("skipped_batches", 0) + 1
+        tracker.log_metrics({"train/skipped_image_mismatch": state["skipped_batches"]}, step=state["step"])
+        self.in_a_row += 1
+        if self.in_a_row >= self.batches_per_epoch:
+            raise DataError(f"{self.stage}: every batch of a whole epoch was skipped because its image tokens do not "
+                            f"match its images (last: {why}). Check that the processor saved with the model is the "
+                            f"one the data was tokenized with.")
+        return True

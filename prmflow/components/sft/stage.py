@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from ..common import checkpoint, config as config_lib, io, modeling, preemption, tasks, tracking, vision
 from ..common.engine import EngineConfig, OptimSettings, TrainEngine
-from ..common.errors import ConfigError, DataError, OutputExistsError
+from ..common.errors import ConfigError, OutputExistsError
 from ..common.generation import generate_texts
 from ..common.tasks.arithmetic import ArithmeticConfig
 from . import data
@@ -251,25 +251,15 @@ def _train(cfg, engine, tokenizer, train_ex, eval_ex, eval_records, state, work,
         raise _preempted(state["step"], work)
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="sft", unit="step", dynamic_ncols=True,
                mininterval=0.2 if sys.stderr.isatty() else 10.0)
-    t0, tokens, skipped_in_a_row = time.perf_counter(), 0, 0
+    t0, tokens = time.perf_counter(), 0
+    guard = vision.BatchGuard(vis, "sft", steps_per_epoch)
     while state["step"] < cfg.max_steps:
         epoch, offset = divmod(state["consumed"] // per_step, steps_per_epoch)
         order = data.epoch_order(n, cfg.seed, epoch)
         chosen = order[offset * per_step:(offset + 1) * per_step]
-        skip = vision.check_batch(vis, [train_ex[i].input_ids for i in chosen], [train_ex[i].pixels for i in chosen],
-                                  f"sft step {state['step'] + 1}")
-        if skip:  # image tokens that do not match the images: the model would fail on this batch
-            log.warning("skipping the batch of %s", skip)
+        if guard.skips([train_ex[i] for i in chosen], state, tracker):  # image tokens that do not match the images
             state["consumed"] += per_step
-            state["skipped_batches"] = state.get("skipped_batches", 0) + 1
-            tracker.log_metrics({"train/skipped_image_mismatch": state["skipped_batches"]}, step=state["step"])
-            skipped_in_a_row += 1
-            if skipped_in_a_row >= steps_per_epoch:
-                raise DataError(f"sft: every batch of a whole epoch was skipped because its image tokens do not match "
-                                f"its images (last: {skip}). Check that the processor saved with the model is the one "
-                                f"the data was tokenized with.")
             continue
-        skipped_in_a_row = 0
         micro = [data.collate([train_ex[i] for i in chosen[j:j + cfg.micro_batch_size]], tokenizer.pad_token_id)
                  for j in range(0, per_step, cfg.micro_batch_size)]
         n_tokens = sum(int((b["labels"][:, 1:] != data.IGNORE).sum()) for b in micro)

@@ -27,7 +27,7 @@ from prmflow.components.common.engine import EngineConfig
 from prmflow.components.common.errors import ConfigError, DataError, PrmflowError
 from prmflow.components.common.tasks.datasets import load_records
 from prmflow.components.common.tracking import TrackingConfig
-from prmflow.components.sft import data as sft_data
+from prmflow.components.lib import supervised_data as sft_data
 from prmflow.components.sft import stage as sft
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,

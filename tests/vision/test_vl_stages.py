@@ -185,7 +185,7 @@ def test_evaluate_scores_vl_policies_with_the_vl_prm(chain, tmp_path):
 def test_sft_skips_a_batch_whose_image_tokens_do_not_match(tmp_path, caplog, monkeypatch):
     """The check before every SFT update: examples made to mismatch (a processor that expands one
     image token fewer) are skipped with the reason, and nothing crashes."""
-    from prmflow.components.sft import data as sft_data
+    from prmflow.components.lib import supervised_data as sft_data
 
     real, calls = sft_data.tasks.encode_prompt, []
 

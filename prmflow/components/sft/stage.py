@@ -33,7 +33,7 @@ from ..common.engine import EngineConfig, OptimSettings, TrainEngine
 from ..common.errors import ConfigError, OutputExistsError
 from ..common.generation import generate_texts
 from ..common.tasks.arithmetic import ArithmeticConfig
-from . import data
+from ..lib import supervised_data as data
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,9 @@ manifest carries `schema_version`, the row count and a sha256 per shard. Readers
 the columns and their types, and the per-token columns' lengths, and fail with a `DataError` that
 names the file, the column and the offending prompt_id.
 
-Several directories (rollout shards written by separate pods) read as one dataset.
+Several directories (rollout shards written by separate pods) read as one dataset. What does not
+depend on the hand-off kinds lives below this module: opening and streaming Parquet files and the
+read-ahead / write-behind threads in parquet_io.py, the vectorized row scans of `validate` in arrow_ops.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import io
+from . import arrow_ops, io, parquet_io
 from .errors import DataError
 
 SCHEMA_VERSION = 1
@@ -180,46 +182,13 @@ def validate(table: pa.Table, kind: str, where: str = "table") -> None:
                     f"{where}: column 'step_ends' points outside the response (0..len(response_ids)-1) in {_first_bad(table, mask)}."
                 )
     for f in table.schema:
-        bad = _null_entry_rows(table.column(f.name))
+        bad = arrow_ops.null_entry_rows(table.column(f.name))
         if bad is not None and bad.any():
             raise DataError(f"{where}: column '{f.name}' has a null entry inside its list in {_first_bad(table, bad)}; "
                             f"a list may be null as a whole, but not hold nulls.")
-        bad = _nonfinite_rows(table.column(f.name))
+        bad = arrow_ops.nonfinite_rows(table.column(f.name))
         if bad is not None and bad.any():
             raise DataError(f"{where}: column '{f.name}' holds NaN or inf in {_first_bad(table, bad)}.")
-
-
-def _null_entry_rows(col: pa.ChunkedArray) -> np.ndarray | None:
-    """Boolean mask of rows whose numeric list (token ids, per-token floats) holds a null element."""
-    t = col.type
-    if not (pa.types.is_list(t) and (pa.types.is_floating(t.value_type) or pa.types.is_integer(t.value_type))):
-        return None
-    flat = pc.list_flatten(col)
-    if not flat.null_count:
-        return None
-    parents = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
-    out = np.zeros(len(col), bool)
-    out[parents[pc.is_null(flat).to_numpy(zero_copy_only=False)]] = True
-    return out
-
-
-def _nonfinite_rows(col: pa.ChunkedArray) -> np.ndarray | None:
-    """Boolean mask of rows holding a NaN/inf anywhere in a float, list<float> or map<_, float> column."""
-    t = col.type
-    if pa.types.is_floating(t):
-        return ~pc.fill_null(pc.is_finite(col), True).to_numpy(zero_copy_only=False)
-    if pa.types.is_map(t) and pa.types.is_floating(t.item_type):
-        col = pa.chunked_array([pa.ListArray.from_arrays(c.offsets, c.items) for c in col.chunks],
-                               type=pa.list_(t.item_type))
-    elif not (pa.types.is_list(t) and pa.types.is_floating(t.value_type)):
-        return None
-    flat = pc.list_flatten(col)
-    finite = pc.fill_null(pc.is_finite(flat), True).to_numpy(zero_copy_only=False)
-    out = np.zeros(len(col), bool)
-    if not finite.all():
-        parents = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
-        out[parents[~finite]] = True
-    return out
 
 
 # --- writing -----------------------------------------------------------------------------------
@@ -333,10 +302,10 @@ class Dataset:
         """
         cols = list(columns) if columns is not None else None
         for path in self.files:
-            pf = _open_parquet(path)
+            pf = parquet_io.open_parquet(path)
             _check_columns(pf.schema_arrow, self.kind, path, cols if not validate_rows else None)
             present = None if cols is None else [c for c in cols if c in pf.schema_arrow.names]
-            for table in _read_tables(pf, path, batch_size, present):
+            for table in parquet_io.read_tables(pf, path, batch_size, present):
                 if validate_rows:
                     table = conform(table, self.kind, where=str(path))
                     validate(table, self.kind, where=str(path))
@@ -353,32 +322,6 @@ class Dataset:
             full = schema_for(self.kind)
             return full.empty_table() if cols is None else pa.schema([full.field(c) for c in cols]).empty_table()
         return pa.concat_tables(tables)
-
-
-def _open_parquet(path: Path) -> pq.ParquetFile:
-    # pre_buffer=False: the default keeps every column chunk read so far until the file is closed,
-    # so memory would grow with the shard (750 MB to stream a 700 MB shard; 50 MB without)
-    try:
-        pf = pq.ParquetFile(path, pre_buffer=False)
-        pf.schema_arrow, pf.reader.column_paths  # noqa: B018 - decode the footer now, inside the try
-        return pf
-    except (pa.ArrowException, OSError, ValueError) as e:  # ValueError: undecodable names in a damaged footer
-        raise DataError(f"'{path}' is not a readable Parquet file ({e}). Re-run the stage that wrote it.") from None
-
-
-def _read_tables(pf: pq.ParquetFile, path: Path, batch_size: int, columns: list[str] | None) -> Iterator[pa.Table]:
-    """The file's record batches as tables; a corrupt page or footer is a DataError naming the file."""
-    try:
-        batches = pf.iter_batches(batch_size=batch_size, columns=columns)
-        while True:
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            yield pa.Table.from_batches([batch])
-    except (pa.ArrowException, OSError, ValueError) as e:
-        raise DataError(f"'{path}' cannot be read: it is damaged or not the Parquet file its manifest describes "
-                        f"({e}). Re-run the stage that wrote it.") from None
 
 
 def _check_columns(schema: pa.Schema, kind: str, path: Path, cols: list[str] | None) -> None:
@@ -434,7 +377,7 @@ def open_dataset(dirs: str | Path | Sequence[str | Path], kind: str, verify_chec
 def _check_row_count(d: Path, manifest: dict) -> None:
     """The shards' footers must hold the rows the manifest promises (no shard dropped from 'files')."""
     shards = [io.safe_child(d, name) for name in sorted(manifest["files"]) if name.endswith(".parquet")]
-    stored = sum(_open_parquet(p).metadata.num_rows for p in shards)
+    stored = sum(parquet_io.open_parquet(p).metadata.num_rows for p in shards)
     if stored != manifest.get("rows", 0):
         raise DataError(f"'{d}': field 'rows' of its {io.MANIFEST} says {manifest.get('rows', 0)} rows, but the "
                         f"shards it lists hold {stored}. Re-run the stage that wrote it.")

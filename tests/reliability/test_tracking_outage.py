@@ -58,9 +58,9 @@ def store(tmp_path_factory):
 @pytest.fixture
 def flaky(monkeypatch, store):
     client = FlakyClient(store)
-    monkeypatch.setattr(tracking, "_client", lambda uri: client)
-    monkeypatch.setattr(tracking, "FIRST_BACKOFF_S", 0.05)
-    monkeypatch.setattr(tracking, "MAX_BACKOFF_S", 0.05)
+    monkeypatch.setattr(tracking.runs, "mlflow_client", lambda uri: client)
+    monkeypatch.setattr(tracking.tracker, "FIRST_BACKOFF_S", 0.05)
+    monkeypatch.setattr(tracking.tracker, "MAX_BACKOFF_S", 0.05)
     return client
 
 
@@ -199,7 +199,7 @@ def test_training_survives_a_real_mlflow_server_going_down_and_coming_back(mlflo
     untracked = config.load(sft.Config, overrides={**SFT, "output": str(tmp_path / "untracked"), "tracking.enabled": False})
     sft.run(untracked)
 
-    monkeypatch.setattr(tracking, "MAX_BACKOFF_S", 2.0)
+    monkeypatch.setattr(tracking.tracker, "MAX_BACKOFF_S", 2.0)
     clean_http_env(monkeypatch)
     cfg = config.load(sft.Config, overrides={**SFT, "output": str(tmp_path / "out"), "tracking.uri": server.uri,
                                              "tracking.experiment": "outage", "tracking.finish_wait_s": 300})

@@ -1,0 +1,91 @@
+"""Uploading a fallback file later: `sync_fallback(path)` and its CLI, `prmflow tracking-sync FILE`.
+
+Replays are idempotent: MLflow drops a metric point it already holds (same key, step, timestamp
+and value), a deferred run is found again by its `prmflow.run_key` tag instead of being created
+twice, and every delivered call gets a `done` line so a second sync skips it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import PrmflowError
+from .config import DEFAULT_STORE, TrackingConfig, limit_http_retries
+from .delivery import create_run, deliver, is_permanent, short_error
+from .outbox import FallbackLog
+
+
+class TrackingUnavailable(PrmflowError):
+    """The tracking server could not be reached to upload a fallback file."""
+
+
+def sync_fallback(path: str | Path, uri: str | None = None) -> dict[str, int]:
+    """Upload the calls in fallback file `path` that were never delivered; safe to run again.
+
+    `uri` overrides the tracking URI recorded with each call. Returns counts: delivered, rejected
+    (refused by the server, e.g. an artifact file that no longer exists) and skipped (already
+    delivered). Raises TrackingUnavailable, naming the file, when the server cannot be reached;
+    what was delivered before that is marked and not sent again.
+    """
+    from mlflow.tracking import MlflowClient
+
+    fb = FallbackLog(path)
+    if not fb.path.is_file():
+        raise TrackingUnavailable(f"Tracking fallback file '{fb.path}' does not exist.")
+    records = fb.read()
+    done = {r.get("id") for r in records if r["op"] == "done"}
+    runs = {r["key"]: (r["run_id"], r.get("parent_run_id", "")) for r in records if r["op"] == "run_created"}
+    clients: dict[str, Any] = {}
+    counts = {"delivered": 0, "rejected": 0, "skipped": 0}
+    for r in records:
+        if r["op"] in ("done", "run_created"):
+            continue
+        if r.get("id") in done:
+            counts["skipped"] += 1
+            continue
+        target_uri = uri or r.get("uri") or DEFAULT_STORE
+        if target_uri not in clients:  # a server still down: one refused connection, not minutes of MLflow retries
+            limit_http_retries(TrackingConfig(), target_uri)
+            clients[target_uri] = MlflowClient(tracking_uri=target_uri)
+        client = clients[target_uri]
+        try:
+            if r["op"] == "create_run":
+                if r["key"] not in runs:
+                    run_id, parent = create_run(client, r, dedupe=True)
+                    runs[r["key"]] = (run_id, parent)
+                    fb.append({"op": "run_created", "key": r["key"], "run_id": run_id, "parent_run_id": parent,
+                               "uri": target_uri})
+            else:
+                run_id, parent = runs.get(r["key"], ("", ""))
+                target = parent if r.get("run") == "parent" else run_id
+                if not target:
+                    raise FileNotFoundError(f"no run is recorded for key {r['key']!r}")
+                deliver(client, r, target)
+        except Exception as e:  # noqa: BLE001
+            if not is_permanent(e):
+                raise TrackingUnavailable(
+                    f"Cannot upload '{fb.path}' to {target_uri}: {short_error(e)}. {counts['delivered']} call(s) were "
+                    f"delivered and marked; run the same command again when the server is back.") from None
+            fb.append({"op": "done", "id": r.get("id"), "rejected": short_error(e)})
+            counts["rejected"] += 1
+            continue
+        fb.append({"op": "done", "id": r.get("id")})
+        counts["delivered"] += 1
+    return counts
+
+
+def add_sync_command(subparsers) -> None:
+    """Register `prmflow tracking-sync FILE [--uri URI]` on the CLI's subparsers."""
+    p = subparsers.add_parser("tracking-sync", help="upload tracking calls a stage kept in its fallback file while "
+                                                    "MLflow was unreachable (safe to repeat)")
+    p.add_argument("file", help="the .<output>.tracking.jsonl fallback file beside a stage output")
+    p.add_argument("--uri", default=None, help="tracking URI to upload to (default: the one each call was meant for)")
+    p.set_defaults(stage=None, handler=_sync_command)
+
+
+def _sync_command(args) -> int:
+    counts = sync_fallback(args.file, args.uri)
+    print(f"tracking-sync {args.file}: {counts['delivered']} call(s) delivered, {counts['rejected']} refused by the "
+          f"server, {counts['skipped']} already delivered before")
+    return 0

@@ -272,13 +272,10 @@ def test_empty_switches_follow_the_estimator_through_overrides():
     assert stage.Config().switches() == (False, True, False)  # grpo_process
 
 
-def test_docs_cover_every_key_and_estimator():
+def test_docs_cover_every_estimator():
+    # every key's README row is generated and checked for every stage in tests/test_docs.py
     docs = config.field_docs(stage.Config)
     readme = (Path(stage.__file__).parent / "README.md").read_text()
-    for key in config.flat_dict(stage.Config()):
-        assert key.split(".")[0] in docs
-        documented = "`tracking.*`" if key.startswith("tracking.") else f"`{key}`"  # common's keys: one row
-        assert documented in readme, f"README.md does not document {key}"
     for name in ESTIMATORS:
         assert f"`{name}`" in readme and name in docs["estimator"]
     title, command = stage.__doc__.strip().split("\n\n")[:2]  # the house layout: a title line, then the command

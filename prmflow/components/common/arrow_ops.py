@@ -1,7 +1,8 @@
 """Vectorized row scans over Arrow columns: which rows hold a bad value (no Python loop over rows).
 
 schema.validate uses them to name the first offending row of a hand-off; each returns a (B,)
-boolean mask over the column's rows, or None when the column's type cannot hold such a value.
+boolean mask over the column's rows, or None when there is nothing to look for (a type that cannot
+hold such a value; for null entries also a column without any).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import pytest
 
 from prmflow.components.common.errors import ConfigError
 from prmflow.components.common.tasks import arithmetic
-from prmflow.components.rollout import rewards
-from prmflow.components.rollout.rewards import RewardError, RewardInput
+from prmflow.components.rollout import reward_components, rewards
+from prmflow.components.rollout.reward_components import RewardError, RewardInput
 
 
 def item(response, answer="12", source="arithmetic", pid="p0", k=0, prompt="Compute left to right: 7+5\n"):
@@ -38,13 +38,13 @@ def item(response, answer="12", source="arithmetic", pid="p0", k=0, prompt="Comp
     ("no number here", "12", 0.0),
 ])
 def test_math_verifier(response, answer, want):
-    (score,) = rewards.math_verifier()([item(response, answer, source="math")])
+    (score,) = reward_components.math_verifier()([item(response, answer, source="math")])
     assert score == want
 
 
 def test_arithmetic_component_agrees_with_the_task_verifier():
     responses = ["7+5=12\nanswer: 12", "7+5=13\nanswer: 13", "7+5=12", "answer: 12\n"]
-    got = rewards.arithmetic_verifier()([item(r) for r in responses])
+    got = reward_components.arithmetic_verifier()([item(r) for r in responses])
     assert got == [arithmetic.verify(r, "12") for r in responses] == [1.0, 0.0, 0.0, 1.0]
 
 

@@ -98,28 +98,10 @@ def encode_prompt(tokenizer, record: PromptRecord, chat_template: bool = True, w
 
 
 def verify(record: PromptRecord, response: str) -> float:
-    """1.0 when `response` reaches the record's reference answer, else 0.0.
-
-    The arithmetic task checks its `answer: N` line exactly; other sources compare the number on an
-    `answer:` line (or else the last number in the response) with the reference numerically.
-    """
+    """1.0 when `response` reaches the record's reference answer, else 0.0: the one grader
+    (grader.py) in the convention of the record's source, the same one the RL reward uses."""
     if record.answer is None:
         raise ValueError(f"prompt {record.prompt_id!r} has no reference answer to verify against")
-    if record.source in ("arithmetic", "visual"):
-        from . import arithmetic
+    from .grader import grade
 
-        return arithmetic.verify(response, record.answer)
-    import re
-
-    from . import arithmetic
-
-    got = arithmetic.extract_answer(response)
-    if got is None:
-        numbers = re.findall(r"-?\d+(?:\.\d+)?", response.replace(",", ""))
-        got = numbers[-1] if numbers else None
-    if got is None:
-        return 0.0
-    try:
-        return 1.0 if abs(float(got) - float(record.answer.replace(",", ""))) < 1e-6 else 0.0
-    except ValueError:
-        return 1.0 if got.strip() == record.answer.strip() else 0.0
+    return grade(record.source, response, record.answer)

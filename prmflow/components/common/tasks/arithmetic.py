@@ -25,8 +25,10 @@ ANSWER_PREFIX = "answer: "
 STEP_SEPARATOR = "\n"
 SPLITS = {"train": range(0, 8), "eval": range(8, 9), "test": range(9, 10)}
 
-_STEP_RE = re.compile(r"^\s*(-?\d+)\s*([+\-*])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
-_ANSWER_RE = re.compile(r"^\s*answer\s*:\s*(-?\d+)\s*$", re.IGNORECASE)
+STEP_RE = re.compile(r"^\s*(-?\d+)\s*([+\-*])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
+"""A computation step `a<op>b=c`; groups a, op, b, c (shared with the visual task)."""
+ANSWER_RE = re.compile(r"^\s*answer\s*:\s*(-?\d+)\s*$", re.IGNORECASE)
+"""The final `answer: N` line with an integer N; group N (shared with the visual task)."""
 
 
 @dataclass
@@ -65,26 +67,28 @@ class Problem:
         return STEP_SEPARATOR.join(self.steps)
 
 
-def _apply(a: int, op: str, b: int) -> int:
+def apply_op(a: int, op: str, b: int) -> int:
+    """The value of `a op b` for op in + - *."""
     return a + b if op == "+" else a - b if op == "-" else a * b
 
 
 def solve(start: int, ops: list[tuple[str, int]]) -> tuple[list[str], int]:
     steps, value = [], start
     for op, b in ops:
-        nxt = _apply(value, op, b)
+        nxt = apply_op(value, op, b)
         steps.append(f"{value}{op}{b}={nxt}")
         value = nxt
     steps.append(f"{ANSWER_PREFIX}{value}")
     return steps, value
 
 
-def _split_of(text: str) -> str:
+def split_of(text: str) -> str:
+    """The split a problem belongs to, fixed by a hash of its identity `text` (so splits never overlap)."""
     bucket = int(hashlib.sha256(text.encode()).hexdigest(), 16) % 10
     return next(name for name, r in SPLITS.items() if bucket in r)
 
 
-def _unit(text: str) -> float:
+def hash_unit(text: str) -> float:
     """A number in [0, 1) fixed by `text`."""
     return int(hashlib.sha256(text.encode()).hexdigest()[:13], 16) / 16 ** 13
 
@@ -107,7 +111,7 @@ def generate(n: int, seed: int = 0, split: str = "train", cfg: ArithmeticConfig 
         for _ in range(rng.randint(cfg.min_ops, cfg.max_ops)):
             op = rng.choice("+-*")
             b = rng.randint(2, min(cfg.max_operand, 5)) if op == "*" else rng.randint(1, cfg.max_operand)
-            value = _apply(value, op, b)
+            value = apply_op(value, op, b)
             if not 0 <= value <= cfg.max_value:
                 ok = False
                 break
@@ -115,11 +119,11 @@ def generate(n: int, seed: int = 0, split: str = "train", cfg: ArithmeticConfig 
         if not ok:
             continue
         expr = str(start) + "".join(f"{op}{b}" for op, b in ops)
-        if expr in seen or _split_of(expr) != split:
+        if expr in seen or split_of(expr) != split:
             continue
         seen.add(expr)
         steps, value = solve(start, ops)
-        if cfg.direct_answer_frac and _unit(f"direct:{expr}") < cfg.direct_answer_frac:
+        if cfg.direct_answer_frac and hash_unit(f"direct:{expr}") < cfg.direct_answer_frac:
             steps = steps[-1:]
         pid = "arith-" + hashlib.sha1(expr.encode()).hexdigest()[:12]
         out.append(Problem(pid, f"{PROMPT_PREFIX}{expr}\n", str(value), start, ops, steps))
@@ -137,7 +141,7 @@ def parse_problem(prompt: str) -> tuple[int, list[tuple[str, int]]] | None:
 def extract_answer(response: str) -> str | None:
     """The number on the last `answer: N` line, or None when there is none (a format error)."""
     for line in reversed(response.strip().split(STEP_SEPARATOR)):
-        m = _ANSWER_RE.match(line)
+        m = ANSWER_RE.match(line)
         if m:
             return m.group(1)
     return None
@@ -171,11 +175,11 @@ def first_error(prompt: str, response: str) -> int | None:
             return k
         line = steps[k]
         if k < len(ops):
-            m = _STEP_RE.match(line)
+            m = STEP_RE.match(line)
             if not m or [int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))] != _parts(want):
                 return k
         else:
-            m = _ANSWER_RE.match(line)
+            m = ANSWER_RE.match(line)
             if not m or int(m.group(1)) != int(want[len(ANSWER_PREFIX):]):
                 return k
     if len(steps) > len(expected):
@@ -184,7 +188,7 @@ def first_error(prompt: str, response: str) -> int | None:
 
 
 def _parts(step: str) -> list:
-    m = _STEP_RE.match(step)
+    m = STEP_RE.match(step)
     assert m, step
     return [int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))]
 
@@ -206,7 +210,7 @@ def corrupt(problem: Problem, rng: random.Random) -> tuple[str, int]:
     value = problem.start
     steps = []
     for i, (op, b) in enumerate(problem.ops):
-        nxt = _apply(value, op, b)
+        nxt = apply_op(value, op, b)
         if i == k:
             nxt += rng.choice([-3, -2, -1, 1, 2, 3])
         steps.append(f"{value}{op}{b}={nxt}")

@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from PIL import Image, ImageDraw, ImageFont
 
 from .arithmetic import (  # noqa: F401  (extract_answer, split_steps, verify: this task's API too)
-    ANSWER_PREFIX, SPLITS, STEP_SEPARATOR, _ANSWER_RE, _apply, _split_of, _unit, extract_answer, split_steps, verify)
+    ANSWER_PREFIX, ANSWER_RE, SPLITS, STEP_RE, STEP_SEPARATOR, apply_op, extract_answer, hash_unit, split_of,
+    split_steps, verify)
 
 _OP_CODES = {"+": "p", "-": "m", "*": "t"}
 _CODE_OPS = {c: op for op, c in _OP_CODES.items()}
 _ID_RE = re.compile(r"^vis-(\d)([pmt])(\d)-[0-9a-f]{12}$")
 _READ_RE = re.compile(r"^\s*read\s*:\s*(\d+)\s+(\d+)\s*$", re.IGNORECASE)
-_STEP_RE = re.compile(r"^\s*(-?\d+)\s*([+\-*])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
 
 
 @dataclass
@@ -89,7 +89,7 @@ class Problem:
 
 def solve(left: int, op: str, right: int) -> tuple[list[str], int]:
     """The reference steps and the value of `left op right`."""
-    value = _apply(left, op, right)
+    value = apply_op(left, op, right)
     return [f"read: {left} {right}", f"{left}{op}{right}={value}", f"{ANSWER_PREFIX}{value}"], value
 
 
@@ -134,11 +134,11 @@ def generate(n: int, seed: int = 0, split: str = "train", cfg: VisualConfig | No
         left, op, right = rng.randint(0, 9), rng.choice(cfg.ops), rng.randint(0, 9)
         identity = f"{left}{op}{right}:{rng.getrandbits(32)}"
         pid = f"vis-{left}{_OP_CODES[op]}{right}-" + hashlib.sha1(identity.encode()).hexdigest()[:12]
-        if pid in seen or _split_of(identity) != split:
+        if pid in seen or split_of(identity) != split:
             continue
         seen.add(pid)
         steps, value = solve(left, op, right)
-        if cfg.direct_answer_frac and _unit(f"direct:{identity}") < cfg.direct_answer_frac:
+        if cfg.direct_answer_frac and hash_unit(f"direct:{identity}") < cfg.direct_answer_frac:
             steps = steps[-1:]
         image = render_image(left, right, cfg.image_size, random.Random(f"render:{identity}"), cfg.jitter)
         prompt = f"Compute left{op}right with the two digits shown.\n"
@@ -162,8 +162,8 @@ def first_error(prompt_id: str, response: str) -> int | None:
     if parsed is None:
         raise ValueError(f"not a visual-task prompt_id: {prompt_id!r}")
     left, op, right = parsed
-    value = _apply(left, op, right)
-    checks = [(_READ_RE, [left, right]), (_STEP_RE, [left, op, right, value]), (_ANSWER_RE, [value])]
+    value = apply_op(left, op, right)
+    checks = [(_READ_RE, [left, right]), (STEP_RE, [left, op, right, value]), (ANSWER_RE, [value])]
     steps = split_steps(response)
     for k, (regex, want) in enumerate(checks):
         if k >= len(steps):
@@ -188,13 +188,13 @@ def corrupt(problem: Problem, rng: random.Random) -> tuple[str, int]:
     A misread is only drawn where some misread changes the value (not 0*0).
     """
     left, op, right = problem.left, problem.op, problem.right
-    value = _apply(left, op, right)
+    value = apply_op(left, op, right)
     misreads = [(a, b) for a in range(10) for b in range(10)
-                if (a == left) != (b == right) and _apply(a, op, b) != value]
+                if (a == left) != (b == right) and apply_op(a, op, b) != value]
     k = rng.randrange(3) if misreads else rng.randrange(1, 3)
     if k == 0:
         left, right = rng.choice(misreads)
-    shown = _apply(left, op, right) + (rng.choice([-3, -2, -1, 1, 2, 3]) if k == 1 else 0)
+    shown = apply_op(left, op, right) + (rng.choice([-3, -2, -1, 1, 2, 3]) if k == 1 else 0)
     answer = shown + (rng.choice([-2, -1, 1, 2]) if k == 2 else 0)
     steps = [f"read: {left} {right}", f"{left}{op}{right}={shown}", f"{ANSWER_PREFIX}{answer}"]
     return STEP_SEPARATOR.join(steps), k

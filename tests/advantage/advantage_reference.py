@@ -1,7 +1,7 @@
 """Slow, obviously-correct references for the advantage stage, and a random rollouts generator.
 
 Everything here loops over samples and tokens in plain Python on lists, straight from the
-definitions in ARCHITECTURE.md "The math"; nothing is imported from the stage's math.
+definitions in docs/design.md ("Token rewards", "Advantage estimators"); nothing is imported from the stage's math.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ float32 when it writes.
 
     ESTIMATORS["gae"].fn(EstimatorInput(...)) -> (advantages (N,), returns (N,))
 
-The definitions are those of ARCHITECTURE.md "The math"; each docstring names the slow loop it
-equals, and tests/advantage compares the two on random ragged batches.
+The definitions are those of docs/design.md "Token rewards" and "Advantage estimators"; each
+docstring names the slow loop it equals, and tests/advantage compares the two on random ragged batches.
 """
 
 from __future__ import annotations

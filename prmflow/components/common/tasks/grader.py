@@ -1,6 +1,6 @@
 """The one grader: does a response reach the reference answer?
 
-RL's verifier rewards (rollout/verifiers.py) and every reported accuracy (`tasks.verify`: SFT eval,
+The reward recipe's verifier components (rollout) and every reported accuracy (`tasks.verify`: SFT eval,
 prm-label, best-of-N, evaluate) call `grade`, so the accuracy we report measures what RL optimizes
 (nanochat's tasks own correctness the same way: the RL reward calls the task's `evaluate`).
 

@@ -13,7 +13,7 @@ from prmflow import cli
 from prmflow.components.common import config, io, modeling, schema, steps, tasks
 from prmflow.components.common.errors import ConfigError, DataError, OutputExistsError
 from prmflow.components.common.tasks import arithmetic
-from prmflow.components.rollout import stage
+from prmflow.components.rollout import prompts, stage
 from prmflow.components.rollout.rewards import RewardError
 
 SMALL = {"num_prompts": 8, "n_samples": 2, "max_new_tokens": 48, "tracking.enabled": False}
@@ -102,15 +102,15 @@ def test_step_rewards_come_from_the_prms_own_tokens(scored_run, shuffled_prm, sf
     _, policy_tok = modeling.load_causal_lm(sft_policy)
     prm.eval()
     assert prm_tok.get_vocab() != policy_tok.get_vocab()
-    prompts = {r.prompt_id: r.prompt for r in tasks.load("arithmetic", "train", 8, seed=0)}
+    questions = {r.prompt_id: r.prompt for r in tasks.load("arithmetic", "train", 8, seed=0)}
     fed_policy_ids_differs = False
     for r in rows:
-        text = prompts[r["prompt_id"]] + r["response"]
+        text = questions[r["prompt_id"]] + r["response"]
         vocab = prm_tok.get_vocab()
         ids = torch.tensor([[vocab[c] for c in text]])
         with torch.no_grad():
             z = prm(ids).logits[0, :, 0]
-        at = [len(prompts[r["prompt_id"]]) + end - 1 for _, end in steps.step_spans(r["response"])]
+        at = [len(questions[r["prompt_id"]]) + end - 1 for _, end in steps.step_spans(r["response"])]
         want = torch.sigmoid(z[at])
         assert torch.allclose(torch.tensor(r["step_rewards"]), want, atol=1e-5)
         with torch.no_grad():  # what feeding the policy's ids would have given
@@ -149,7 +149,7 @@ def test_shards_read_back_as_one_dataset(tmp_path, sft_policy):
     rows = schema.read_dataset(out, "rollouts").to_pylist()
     keys = [(r["prompt_id"], r["sample_idx"]) for r in rows]
     assert len(keys) == len(set(keys)) == 10
-    expected = [r.prompt_id for r in stage._select_prompts(make_cfg(sft_policy, out, **over))]
+    expected = [r.prompt_id for r in prompts.select_prompts(make_cfg(sft_policy, out, **over))]
     assert {r["prompt_id"] for r in rows} == set(expected)
     shard1 = schema.read_dataset(out / "shard-1", "rollouts").to_pylist()
     assert {r["prompt_id"] for r in shard1} == set(expected[1::2])
@@ -162,7 +162,7 @@ def test_iterations_draw_fresh_prompts_from_a_dataset(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Compute left to right: {i}+1\n", "answer": str(i + 1)}) + "\n"
                             for i in range(5)))
-    pick = lambda k: [r.prompt_id for r in stage._select_prompts(  # noqa: E731
+    pick = lambda k: [r.prompt_id for r in prompts.select_prompts(  # noqa: E731
         config.load(stage.Config, overrides={"task": str(data), "num_prompts": 3, "iteration": k}))]
     first, second, third = pick(0), pick(1), pick(2)
     assert sorted(first + second[:2]) == [f"q{i}" for i in range(5)]  # one pass over the data...

@@ -1,0 +1,109 @@
+"""The rollout stage's config: what to sample from, how, how to score it, and where to write."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..common import modeling, tasks, tracking
+from ..common.errors import ConfigError
+from ..common.tasks.arithmetic import ArithmeticConfig
+from . import rewards as rewards_lib
+from .engines import VLLMSettings
+
+
+@dataclass
+class Config:
+    policy: str = "tiny-llama"
+    """Policy to sample from: HF model directory (the sft or ppo output) or a tiny preset."""
+    output: str = "outputs/rollouts"
+    """Rollouts directory to create; with num_shards > 1 this shard's own directory (e.g. ITER/shard-3)."""
+    prm: str = ""
+    """PRM directory for step_rewards (its own tokenizer re-reads the text). Empty: no step_rewards."""
+    ref: str = ""
+    """Reference model for ref_logprobs (the KL term), sharing the policy's tokenizer. Empty: no ref_logprobs."""
+    critic: str = ""
+    """Critic (scalar-head model) for per-token values, needed by GAE. Empty: no values."""
+    task: str = "arithmetic"
+    """Prompts: 'arithmetic' or 'visual' (built-in tasks; visual needs a vision-language policy) or a .jsonl/.parquet dataset (prompt/messages, answer, source, images)."""
+    split: str = "train"
+    """Split of the arithmetic task (a dataset file is one split)."""
+    num_prompts: int = 64
+    """Prompts per iteration over all shards; 0 = every row of a dataset file."""
+    n_samples: int = 4
+    """Responses sampled per prompt (a group, for GRPO/RLOO baselines)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 = greedy (then n_samples > 1 repeats the same response)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1 = off)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0 = off)."""
+    max_new_tokens: int = 64
+    """Most tokens per response (EOS included); longer responses end with finish_reason 'length'."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a response ends once its text contains one (kept in the response)."""
+    seed: int = 0
+    """Seed of prompt selection and sampling; with iteration and shard it fixes every sample."""
+    iteration: int = 0
+    """RL iteration k (the policy version): written to every row; picks this iteration's prompts."""
+    batch_size: int = 64
+    """Sequences (prompts x samples) per generation batch of the HF engine."""
+    score_batch_size: int = 32
+    """Sequences per forward pass when scoring (old/ref logprobs, values, PRM)."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Sampling engine: hf (CPU or GPU, transformers) or vllm (GPU node pools, the gpu extra)."""
+    device: str = ""
+    """Torch device for the HF engine and the scoring models; empty = cuda when available, else cpu."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Model dtype for sampling and scoring; bfloat16 halves GPU memory, float32 is exact on CPU."""
+    chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template when it has one (as SFT did)."""
+    max_prompt_len: int = 0
+    """Longest prompt in tokens; 0 = the model's window minus max_new_tokens."""
+    on_long_prompt: Literal["truncate", "fail"] = "truncate"
+    """A longer prompt keeps its last max_prompt_len tokens (counted, logged) or fails the stage."""
+    step_separator: str = "\n"
+    """Text between reasoning steps (step_ends and the PRM's steps); the shared default is a newline."""
+    rewards: list = field(default_factory=lambda: [dict(e) for e in rewards_lib.DEFAULT_RECIPES])
+    """Outcome reward table: entries {source, component, weight, name, ...params}; a row's recipe is its source's entries (else source 'default'). YAML text on the command line."""
+    shard: int = 0
+    """This pod's shard: it samples the prompts with index % num_shards == shard."""
+    num_shards: int = 1
+    """Pods sampling this iteration in parallel, each into its own output; their parent reads as one dataset."""
+    log_samples: int = 16
+    """Responses (with per-step PRM scores) logged as an MLflow table artifact."""
+    overwrite: bool = False
+    """Replace an existing output written by a different config (otherwise that is an error)."""
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    """Difficulty of the built-in arithmetic task."""
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
+    """vLLM engine settings (engine=vllm only)."""
+    tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
+    """MLflow tracking."""
+
+    def __post_init__(self):
+        for key in ("n_samples", "max_new_tokens", "batch_size", "score_batch_size", "num_shards"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} is {getattr(self, key)}; it must be at least 1.")
+        for key in ("num_prompts", "max_prompt_len", "top_k", "log_samples", "iteration"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} is {getattr(self, key)}; it must be 0 or more.")
+        if not 0 <= self.shard < self.num_shards:
+            raise ConfigError(f"shard is {self.shard} with num_shards={self.num_shards}; use 0 <= shard < num_shards.")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature is {self.temperature}; use 0 (greedy) or a positive value.")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p is {self.top_p}; it must be in (0, 1].")
+        if self.task in tasks.TASKS and self.num_prompts == 0:
+            raise ConfigError(f"num_prompts=0 (every row) needs a dataset file; the {self.task} task needs a count.")
+        if not self.step_separator:
+            raise ConfigError("step_separator is empty; steps need a separator (the shared default is a newline).")
+        if self.engine == "vllm" and modeling.is_tiny(self.policy):
+            raise ConfigError(f"engine=vllm needs a model directory; '{self.policy}' is a tiny preset. "
+                              f"Write it with `prmflow make-tiny-model DIR` or use engine=hf.")
+        if not self.policy:
+            raise ConfigError("policy is empty; point it at the policy's model directory.")
+        self.rewards = rewards_lib.parse_table(self.rewards)  # YAML text from the command line -> entries
+        # a malformed recipe fails here; user functions are imported when the stage runs (the machine
+        # that compiles a pipeline may not have them)
+        rewards_lib.build_recipes(self.rewards, import_functions=False)

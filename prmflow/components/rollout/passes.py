@@ -1,0 +1,112 @@
+"""The model passes of a rollout: sample with the engine, then score what was sampled.
+
+Sampling (engines.py) gives token ids, behavior_logprobs and finish_reason per sample. Scoring
+(scoring.py) recomputes old_logprobs with a fresh full forward of the policy (never copied from
+behavior_logprobs), ref_logprobs from `ref` (the KL term), values from `critic`, and step_rewards
+from the PRM on the re-tokenized text. One model is on the device at a time.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from ..common import modeling, tasks, vision
+from ..common.errors import ConfigError
+from . import scoring
+from .config import Config
+from .engines import Completion, HFEngine, SamplingParams, VLLMEngine
+
+
+def device(cfg: Config) -> torch.device:
+    """The configured device; empty = cuda when available, else cpu."""
+    return torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def sampling_seed(cfg: Config) -> int:
+    """One seed per (seed, iteration, shard), so shards and iterations draw independent samples."""
+    return ((cfg.seed * 1_000_003 + cfg.iteration) * 1_009 + cfg.shard) % (2**63)
+
+
+def progress(total: int, desc: str, unit: str) -> tqdm:
+    """A progress bar that redraws at most every 10 s when stderr is a log file, not a terminal."""
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 10.0)
+
+
+def check_shared_tokenizer(policy_tok, cfg: Config) -> None:
+    """ref and critic score the policy's token ids, so they must share its tokenizer (checked before sampling)."""
+    vocab = policy_tok.get_vocab()
+    for what, path in (("ref", cfg.ref), ("critic", cfg.critic)):
+        if path and modeling.load_tokenizer(path).get_vocab() != vocab:
+            raise ConfigError(f"{what} '{path}' has a different tokenizer from the policy '{cfg.policy}'; the {what} model "
+                              f"scores the policy's token ids, so it must share the policy's tokenizer (start it from "
+                              f"the same base model).")
+
+
+def load_scorer_model(path: str, cfg: Config, scalar: bool):
+    """The ref (a causal LM) or the critic (scalar=True: a scalar-head model), on the device, in eval mode."""
+    model, _ = (modeling.load_scalar_model(path, cfg.dtype) if scalar
+                else modeling.load_causal_lm(path, cfg.dtype, seed=cfg.seed))
+    return model.to(device(cfg)).eval()
+
+
+def generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: SamplingParams, images=None):
+    """Sample with the configured engine. Returns (completions per prompt, the HF policy for
+    scoring, timings); with vLLM the engine is shut down first, then the HF policy is loaded."""
+    t0 = time.perf_counter()
+    if cfg.engine == "hf":
+        policy, _ = modeling.load_causal_lm(cfg.policy, cfg.dtype, seed=cfg.seed)
+        engine = HFEngine(policy, tokenizer, cfg.batch_size, device(cfg))
+    else:
+        engine = VLLMEngine(cfg.policy, cfg.dtype, seed=sampling_seed(cfg), settings=cfg.vllm)
+    load_s = time.perf_counter() - t0
+    bar = progress(len(prompt_ids), f"rollout iter {cfg.iteration}: generate", "prompt")
+    t0 = time.perf_counter()
+    completions = engine.generate(prompt_ids, params, progress=bar.update, images=images)
+    generate_s = time.perf_counter() - t0
+    bar.close()
+    if cfg.engine == "vllm":
+        engine.close()  # free the GPU for the scoring models
+        policy, _ = modeling.load_causal_lm(cfg.policy, cfg.dtype, seed=cfg.seed)
+        policy.to(device(cfg))
+    return completions, policy, {"perf/load_s": load_s, "perf/generate_s": generate_s}
+
+
+def score(cfg: Config, policy, tokenizer, records: list[tasks.PromptRecord], rows: list[tuple[int, int, Completion]],
+          p_ids: list[list[int]], r_ids: list[list[int]], responses: list[str], pad: int) -> dict[str, list | None]:
+    """The model passes over every sampled response, one model on the device at a time.
+
+    rows: (prompt index into records, sample index, completion) per response; p_ids/r_ids/responses
+    are aligned with rows. Returns per-response arrays: old_logprobs, ref_logprobs and values (T_r,)
+    over the response tokens, step_rewards (S_r,) per step; None where ref/critic/prm is not set.
+    """
+    bs, total = cfg.score_batch_size, len(rows)
+    pixels = images = None
+    if any(r.images for r in records):  # each prompt's pixel inputs once, shared by its samples
+        vis = vision.Vision.of(tokenizer, policy.config)
+        per_prompt = [vis.pixels(r.images or [], f"{cfg.task}, prompt_id={r.prompt_id!r}") for r in records]
+        pixels = [per_prompt[i] for i, _, _ in rows]
+        images = [records[i].images or [] for i, _, _ in rows]
+    bar = progress(total, "rollout: old logprobs", "resp")
+    old = scoring.forward_logprobs(policy, p_ids, r_ids, bs, pad, progress=bar.update, pixels=pixels)
+    bar.close()
+    ref = values = step_rewards = None
+    if cfg.ref:
+        ref_model = load_scorer_model(cfg.ref, cfg, scalar=False)
+        bar = progress(total, "rollout: ref logprobs", "resp")
+        ref = scoring.forward_logprobs(ref_model, p_ids, r_ids, bs, pad, progress=bar.update, pixels=pixels)
+        bar.close()
+        del ref_model
+    if cfg.critic:
+        critic = load_scorer_model(cfg.critic, cfg, scalar=True)
+        bar = progress(total, "rollout: values", "resp")
+        values = scoring.forward_values(critic, p_ids, r_ids, bs, pad, progress=bar.update)
+        bar.close()
+        del critic
+    if cfg.prm:
+        step_rewards = scoring.prm_step_rewards(cfg.prm, [records[i].prompt for i, _, _ in rows], responses, bs,
+                                                str(device(cfg)), cfg.step_separator, images=images)
+    return {"old_logprobs": old, "ref_logprobs": ref, "values": values, "step_rewards": step_rewards}

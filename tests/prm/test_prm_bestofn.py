@@ -10,7 +10,7 @@ import pytest
 
 from prmflow.components.common import tasks
 from prmflow.components.common.tasks import arithmetic
-from prmflow.components.prm import bestofn
+from prmflow.components.lib import bestofn
 
 
 def _record(expr="7+5*3", answer="36"):

@@ -15,7 +15,7 @@ from prmflow.components.common import config
 from prmflow.components.common.errors import DataError
 from prmflow.components.common.tasks import arithmetic
 from prmflow.components.prm import data, stage
-from prmflow.components.prm.metrics import roc_auc, step_metrics
+from prmflow.components.lib.prm_metrics import roc_auc, step_metrics
 
 GOOD = {"prompt": "Compute left to right: 7+5*3\n", "steps": ["7+5=12", "12*3=36", "answer: 36"], "labels": [1, 1, 1]}
 

@@ -9,7 +9,7 @@ import torch
 
 from prmflow.components.common.tasks import arithmetic
 from prmflow.components.prm import data
-from prmflow.components.prm.model import PRM, encode
+from prmflow.components.lib.prm_model import PRM, encode
 
 
 def _last_char_positions(response: str, steps: list[str], tag: str = "") -> list[int]:
@@ -109,7 +109,7 @@ def test_a_step_swallowed_by_the_previous_token_shares_its_readout(tmp_path):
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     from prmflow.components.common import modeling
-    from prmflow.components.prm.scoring import PRMScorer
+    from prmflow.components.lib.prm_scoring import PRMScorer
 
     tok = _bpe_tokenizer(pre_tokenize=False)
     examples = data.arithmetic_examples(60, seed=4, split="eval", cfg=arithmetic.ArithmeticConfig())

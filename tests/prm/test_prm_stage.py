@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 from prmflow import cli
 from prmflow.components.common import checkpoint, config
 from prmflow.components.prm import data, stage
-from prmflow.components.prm.metrics import step_metrics
-from prmflow.components.prm.model import PRM
-from prmflow.components.prm.scoring import load_scorer
+from prmflow.components.lib.prm_metrics import step_metrics
+from prmflow.components.lib.prm_model import PRM
+from prmflow.components.lib.prm_scoring import load_scorer
 
 SHORT = {"model_path": "tiny-llama", "extra_layers": 0, "train_layers": 0, "lr": 2e-3, "train_size": 40,
          "eval_size": 8, "negatives_per_problem": 1, "max_steps": 6, "micro_batch_size": 8, "warmup_steps": 1,
@@ -159,7 +159,7 @@ def test_cli_runs_the_stage_and_refuses_bad_config(tmp_path, capsys):
 
 def test_extra_layers_start_as_the_identity_and_only_the_top_trains(tmp_path):
     from prmflow.components.common import modeling
-    from prmflow.components.prm.model import append_identity_layers, freeze_below
+    from prmflow.components.lib.prm_model import append_identity_layers, freeze_below
 
     lm, tok = modeling.build_tiny_model("tiny-llama", seed=0)
     lm.eval()

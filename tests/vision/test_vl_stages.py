@@ -16,7 +16,7 @@ from prmflow.components.common.errors import ConfigError, DataError
 from prmflow.components.evaluate import stage as evaluate
 from prmflow.components.ppo import stage as ppo
 from prmflow.components.prm import stage as prm
-from prmflow.components.prm.scoring import PRMScorer
+from prmflow.components.lib.prm_scoring import PRMScorer
 from prmflow.components.rollout import stage as rollout
 from prmflow.components.sft import stage as sft
 
@@ -75,7 +75,7 @@ def test_the_vl_prm_sees_the_image(chain):
 
 
 def test_a_text_prm_refuses_images():
-    from prmflow.components.prm.model import prompt_ids
+    from prmflow.components.lib.prm_model import prompt_ids
 
     with pytest.raises(DataError, match="needs a vision-language PRM"):
         prompt_ids(modeling.load_tokenizer("tiny-llama"), "<image>x", tasks.load("visual", "test", 1, 0)[0].images)
@@ -83,7 +83,7 @@ def test_a_text_prm_refuses_images():
 
 def test_the_vl_prm_needs_the_lm_tokens_head(chain):
     with pytest.raises(ConfigError, match="vision-language model: read its steps with head.kind=lm_tokens"):
-        from prmflow.components.prm.model import PRM
+        from prmflow.components.lib.prm_model import PRM
 
         PRM.load(str(chain / "sft"))
 

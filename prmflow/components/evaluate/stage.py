@@ -21,7 +21,8 @@ from pathlib import Path
 from ..common import config as config_lib, io, modeling, tasks, tracking
 from ..common.errors import ConfigError
 from ..common.tasks import arithmetic
-from ..prm import bestofn
+from ..lib import bestofn
+from ..lib.prm_scoring import PRMScorer
 from . import report
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,6 @@ def run(cfg: Config) -> dict:
     with tracker:
         candidates, greedy, prompts = bestofn.sample(cfg.policy, records, bon_cfg, cfg.chat_template)
         if cfg.prm:
-            from ..prm.scoring import PRMScorer
-
             scorer = PRMScorer(cfg.prm, step_separator=cfg.step_separator)
             images = bestofn.prompt_images(records)
             flat = scorer.score([p for p in prompts for _ in range(cfg.n_samples)], [c for cs in candidates for c in cs],

@@ -1,1 +1,3 @@
-"""The PRM stage: train a process reward model, label steps Math-Shepherd style, score, rerank."""
+"""The PRM stages: train a process reward model (`prm`) and label steps Math-Shepherd style
+(`prm-label`). The PRM itself, its scoring and best-of-N live in `components/lib`, which rollout and
+evaluate use too."""

@@ -29,7 +29,7 @@ import torch
 from ..common import steps as steps_lib, tasks
 from ..common.errors import DataError
 from ..common.tasks import arithmetic
-from .model import encode, has_shared_readout
+from ..lib.prm_model import encode, has_shared_readout
 
 
 @dataclass

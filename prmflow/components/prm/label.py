@@ -30,7 +30,7 @@ from ..common.generation import generate_texts
 from ..common.tasks import arithmetic
 from ..common.tasks.arithmetic import ArithmeticConfig
 from .data import StepExample, write_jsonl
-from .metrics import roc_auc
+from ..lib.prm_metrics import roc_auc
 
 log = logging.getLogger(__name__)
 

@@ -40,9 +40,10 @@ from ..common import checkpoint, config as config_lib, io, modeling, preemption,
 from ..common.engine import EngineConfig, OptimSettings, TrainEngine
 from ..common.errors import ConfigError
 from ..common.tasks.arithmetic import ArithmeticConfig
-from . import bestofn, data
-from .metrics import step_metrics
-from .model import PRM, HeadConfig, append_identity_layers, freeze_below, saved_head
+from ..lib import bestofn
+from ..lib.prm_metrics import step_metrics
+from ..lib.prm_model import PRM, HeadConfig, append_identity_layers, freeze_below, saved_head
+from . import data
 
 log = logging.getLogger(__name__)
 

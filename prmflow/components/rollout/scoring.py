@@ -10,7 +10,7 @@ Every per-token quantity is aligned with response_ids (see the rollouts contract
 - `step_ends`: the index in response_ids of the last token of each step, placed by
   `steps.step_end_tokens` on the character offsets of the policy's own tokens in the decoded
   response (`token_offsets`).
-- PRM step rewards come from the PRM's own tokenization of the text (`prm.scoring.PRMScorer`),
+- PRM step rewards come from the PRM's own tokenization of the text (`lib.prm_scoring.PRMScorer`),
   never from the policy's ids, so a PRM with another tokenizer scores the same steps.
 """
 
@@ -25,6 +25,7 @@ import torch
 from ..common import steps as steps_lib
 from ..common.tensor_ops import sequence_logprobs
 from ..common.vision import batch_pixels
+from ..lib.prm_scoring import PRMScorer
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for the first bytes of a character split across tokens
 
@@ -164,8 +165,6 @@ def prm_step_rewards(prm_path: str, prompts: list[str], responses: list[str], ba
                      images: list[list[bytes]] | None = None) -> list[list[float]]:
     """P(step correct) for every step of every response, from the PRM's own tokenization of the
     text (and the prompt's images, for a vision-language PRM)."""
-    from ..prm.scoring import PRMScorer
-
     scorer = PRMScorer(prm_path, batch_size=batch_size, device=device, step_separator=separator)
     try:
         return scorer.score(prompts, responses, images=images)

@@ -6,7 +6,7 @@
 
 The text is re-tokenized with the PRM's own tokenizer (the policy's token ids are never used, so
 a PRM and a policy with different tokenizers work together); the score of a step is
-sigmoid(step logit) read at exactly the step's last token (`model.encode`).
+sigmoid(step logit) read at exactly the step's last token (`prm_model.encode`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from ..common.errors import DataError
-from ..common.vision import batch_pixels
-from .model import PRM, HeadConfig, encode, has_shared_readout, saved_separator
+from ..common.vision import Vision, batch_pixels, processor_of
+from .prm_model import PRM, HeadConfig, encode, has_shared_readout, saved_separator
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,6 @@ class PRMScorer:
         t0 = time.perf_counter()
         images = images or [[] for _ in prompts]
         if any(images):
-            from ..common.vision import Vision, processor_of
-
             vis = Vision(processor_of(self.prm.tokenizer)) if processor_of(self.prm.tokenizer) is not None else None
             if vis is None:
                 raise DataError(f"responses with images need a vision-language PRM; '{self.path}' is text-only.")

@@ -17,14 +17,16 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..common import config as config_lib, modeling, tasks
+from ..common import config as config_lib, modeling, steps as steps_lib, tasks
 from ..common.errors import ConfigError
 from ..common.generation import generate_texts
 from ..common.tasks import arithmetic
-from .metrics import roc_auc
+from .prm_metrics import roc_auc
+from .prm_scoring import PRMScorer
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +102,6 @@ def extract_answer(record: tasks.PromptRecord, response: str) -> str | None:
     """The final answer a response commits to (normalized number when it parses)."""
     got = arithmetic.extract_answer(response)
     if got is None and record.source not in tasks.TASKS:
-        import re
-
         numbers = re.findall(r"-?\d+(?:\.\d+)?", response.replace(",", ""))
         got = numbers[-1] if numbers else None
     if got is None:
@@ -172,8 +172,6 @@ def evaluate(prm_path: str, cfg: BestOfNConfig, arithmetic_cfg: arithmetic.Arith
     When the prompts are arithmetic, the sampled steps also have exact labels, and
     eval/bon_step_auc says how well the PRM ranks the policy's own steps.
     """
-    from .scoring import PRMScorer
-
     records = load_prompts(cfg, arithmetic_cfg, seed)
     candidates, greedy, prompts = sample(cfg.policy_path, records, cfg, chat_template)
     scorer = PRMScorer(prm_path, batch_size=cfg.batch_size, step_separator=step_separator)
@@ -187,7 +185,7 @@ def evaluate(prm_path: str, cfg: BestOfNConfig, arithmetic_cfg: arithmetic.Arith
         ys, ss = [], []
         for rec, cands, sc in zip(records, candidates, scores):
             for c, s in zip(cands, sc):
-                labels = arithmetic.step_labels(rec.prompt, step_separator.join(_steps(c, step_separator)))
+                labels = arithmetic.step_labels(rec.prompt, step_separator.join(steps_lib.steps(c, step_separator)))
                 if len(labels) == len(s):
                     ys += labels
                     ss += s
@@ -201,8 +199,3 @@ def evaluate(prm_path: str, cfg: BestOfNConfig, arithmetic_cfg: arithmetic.Arith
             table["correct"].append(tasks.verify(rec, c))
     return metrics, table
 
-
-def _steps(text: str, separator: str) -> list[str]:
-    from ..common.steps import steps
-
-    return steps(text, separator)

@@ -20,6 +20,7 @@ mapping, and `steps.step_end_tokens` places the last token of each step.
 from __future__ import annotations
 
 import bisect
+import copy
 import json
 import logging
 from dataclasses import asdict, dataclass, field
@@ -27,9 +28,11 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from transformers import AutoModelForTokenClassification
 
 from ..common import modeling, steps
-from ..common.errors import ConfigError, ModelLoadError
+from ..common.errors import ConfigError, DataError, ModelLoadError
+from ..common.vision import Vision, processor_of
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +90,6 @@ def prompt_ids(tokenizer, prompt: str, images: list[bytes] | None = None) -> tup
     bos = tokenizer.bos_token
     add = not (bos and prompt.startswith(bos))
     if images:
-        from ..common.errors import DataError
-        from ..common.vision import Vision, processor_of
-
         processor = processor_of(tokenizer)
         if processor is None:
             raise DataError("a prompt with images needs a vision-language PRM (a model directory with its processor); "
@@ -215,8 +215,6 @@ def append_identity_layers(model: torch.nn.Module, n: int, seed: int = 0) -> tor
     this digit the one the backbone expected?) and a backbone whose last layer makes its predictions
     has no layer left to make it. The result is still a plain HF model with num_hidden_layers + n.
     """
-    import copy
-
     if n <= 0:
         return model
     backbone = getattr(model, model.base_model_prefix)
@@ -285,8 +283,6 @@ def saved_separator(path: str | Path) -> str | None:
 
 def _tiny_scalar_model(preset: str, seed: int, dtype: str):
     """A token-classification model on a freshly initialized tiny backbone (score head at zero)."""
-    from transformers import AutoModelForTokenClassification
-
     lm, tok = modeling.build_tiny_model(preset, seed=seed)
     cfg = lm.config
     cfg.num_labels = 1

@@ -107,3 +107,14 @@ def test_grading_leaves_other_alarm_timers_running():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     assert remaining > 900
+
+
+@pytest.mark.parametrize("source,responses,key", [
+    ("math", ["answer: 0.75", "#### 3/4", r"\boxed{\frac{3}{4}}", r"\boxed{\dfrac{6}{8}}"], "3/4"),
+    ("gsm8k", ["#### 1,000", "answer: 1000", "so 1000.0"], "1000"),
+    ("arithmetic", ["7+5=12\nanswer: 12", "answer: 012"], "12"),
+    ("arithmetic", [r"\boxed{12}", "7+5=12"], None),  # no answer line: a format error
+    ("math", ["no number here"], None),
+])
+def test_answer_key_is_one_value_per_answer(source, responses, key):
+    assert {grader.answer_key(source, r) for r in responses} == {key}

@@ -10,6 +10,7 @@ Each source is graded in its own convention:
 - anything else (user datasets: GSM8K, MATH, ...): `grade_math`, which takes the response's final
   answer (the last \\boxed{...}, else an `answer:` line, else GSM8K's `#### N`, else the last
   number) and compares it with the reference by `answers_match`.
+`answer_key` names the answer a response commits to in the same convention (best-of-N's majority vote).
 
 `answers_match` compares plain numbers (integers, decimals, a/b fractions, negative, with thousands
 separators) exactly as rationals, and everything else (\\frac, \\sqrt, %, degrees, intervals,
@@ -57,6 +58,30 @@ def grade_math(response: str, answer: str) -> float:
     """1.0 when the response's final answer equals `answer` (numbers exactly, LaTeX by math-verify), else 0.0."""
     got = final_answer(response)
     return 1.0 if got is not None and answers_match(got, answer) else 0.0
+
+
+def answer_key(source: str, response: str) -> str | None:
+    """A canonical text of the answer `response` commits to (equal keys: the same answer, for majority
+    votes), in the convention of `source`; None when it commits to none (a format error).
+
+    Plain numbers and what math-verify parses become the value's text (`0.75`, `3/4` and `\\frac{3}{4}`
+    all give "3/4"); anything else its text without spaces.
+    """
+    if source in EXACT_SOURCES:
+        got = arithmetic.extract_answer(response)
+        return None if got is None else str(int(got))
+    got = final_answer(response)
+    if got is None:
+        return None
+    value = plain_number(got)
+    if value is not None:
+        return str(value)
+    if len(got) <= MAX_ANSWER_CHARS:
+        parse, _ = _math_verify()
+        parsed = parse(f"\\boxed{{{got}}}", parsing_timeout=None)
+        if parsed and _tractable(parsed[0]) and not isinstance(parsed[0], str):
+            return str(parsed[0])
+    return re.sub(r"\s+", "", got)
 
 
 # --- extraction ----------------------------------------------------------------------------------

@@ -98,6 +98,7 @@ def test_loss_aggregation_matches_hand_value_and_is_micro_batch_invariant(sft_po
     ref_loss = aggregate(per_row)
     ref_loss.backward()
     ref_norm = torch.sqrt(sum((q.grad ** 2).sum() for q in model.parameters() if q.grad is not None)).item()
+    ref_grad = {k: q.grad for k, q in model.named_parameters() if q.grad is not None}
     at_ratio_one = aggregate([-torch.full((n,), a[i]) for i, n in enumerate(lens)])  # per-token loss -A
     assert ref_loss.item() == pytest.approx(at_ratio_one.item(), rel=1e-4)
     outs = []
@@ -109,9 +110,21 @@ def test_loss_aggregation_matches_hand_value_and_is_micro_batch_invariant(sft_po
         assert h["policy_loss"] == pytest.approx(ref_loss.item(), rel=1e-4)
         assert h["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)  # same gradient, not just the same loss
         outs.append(params(out / "policy"))
-    # Adam's first step is about lr * sign(grad): a few elements whose gradient is ~0 may differ by a bit
+    # Both policies took the same first Adam step. That step is lr * g / (|g| + eps) per element, about
+    # lr * sign(g): where g is near 0 it is decided by float summation order (the two micro-batch sizes
+    # add the gradient up differently), and the two runs may move such an element in opposite directions.
+    # The paths agree to rel 1e-4 on the gradient (grad_norm above), so an element whose reference
+    # gradient is below 1e-4 of the tensor's largest may flip; every other element must move identically,
+    # and every trained tensor must have moved.
+    before = params(sft_policy)
     for k in outs[0]:
-        assert torch.allclose(outs[0][k], outs[1][k], atol=1e-5), k
+        g = ref_grad.get(k)
+        if g is None:
+            continue
+        assert not torch.equal(outs[0][k], before[k]), f"{k} did not move"
+        differs = ~torch.isclose(outs[0][k], outs[1][k], rtol=0, atol=1e-5)
+        noisy = g.abs() <= 1e-4 * g.abs().max()
+        assert not (differs & ~noisy).any(), f"{k}: {int((differs & ~noisy).sum())} elements with a clear gradient moved differently"
 
 
 # --- critic, warm-up and KL control ------------------------------------------------------------

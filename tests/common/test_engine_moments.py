@@ -74,3 +74,60 @@ def test_moments_of_another_model_are_refused(tmp_path):
         other.load_optimizer(tmp_path / "moments")
     with pytest.raises(ModelLoadError, match="no optimizer.pt"):
         other.load_optimizer(tmp_path / "nowhere")
+
+
+# --- the step's gradient norm and a discarded step, on every backend -------------------------------
+
+BACKENDS = [("torch", 0), ("deepspeed", 0), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3)]
+
+
+def _accumulate(engine: TrainEngine, batches) -> None:
+    """One optimizer step's backward calls: each micro-batch's loss as its share of the step."""
+    for ids in batches:
+        engine.backward(engine(input_ids=ids, labels=ids).loss / len(batches))
+
+
+@pytest.mark.parametrize("backend,zero", BACKENDS[1:])
+def test_grad_norm_equals_the_torch_backends(backend, zero):
+    """The pre-clip gradient norm of one step of two micro-batches: ZeRO-0 included (DeepSpeed does not
+    report one there; the engine computes it), independent of the backend."""
+    norms = {}
+    for key in (("torch", 0), (backend, zero)):
+        engine = TrainEngine(modeling.build_tiny_model("tiny-llama", seed=0)[0], EngineConfig(*key),
+                             OptimSettings(lr=1e-2, total_steps=4, max_grad_norm=0.5), micro_batch_size=4, grad_accum=2)
+        engine.train()
+        _accumulate(engine, _batches()[:2])
+        norms[key] = engine.step()
+    assert norms[(backend, zero)] == pytest.approx(norms[("torch", 0)], rel=1e-5)
+    assert norms[("torch", 0)] > 0.5  # clipping was active: the norm is the one before clipping
+
+
+@pytest.mark.parametrize("backend,zero", BACKENDS)
+def test_discarded_step_leaves_no_trace(backend, zero):
+    """discard() after a micro-batch (and, where the gradients are visible, after a whole step whose
+    gradient is NaN although its loss is finite): the next steps land where they land without it."""
+    def run(discard: bool) -> dict[str, torch.Tensor]:
+        engine = TrainEngine(modeling.build_tiny_model("tiny-llama", seed=0)[0], EngineConfig(backend, zero),
+                             OptimSettings(lr=1e-2, total_steps=4, schedule="linear"), micro_batch_size=4, grad_accum=2)
+        engine.train()
+        batches = _batches()
+        if discard:
+            engine.backward(engine(input_ids=batches[3], labels=batches[3]).loss)  # half a step, then dropped
+            engine.discard()
+            if zero == 0:  # ZeRO-0 and torch keep p.grad: a finite loss with a NaN gradient is caught
+                p = next(q for q in engine.module.parameters() if q.requires_grad)
+                for _ in range(2):
+                    engine.backward(torch.sqrt((p - p.detach()).abs()).sum())  # value 0, gradient NaN
+                assert not engine.grads_finite()
+                engine.discard()
+        for k in range(2):
+            _accumulate(engine, batches[2 * k:2 * k + 2])
+            assert engine.grads_finite()
+            engine.step()
+        assert engine.lr == pytest.approx(1e-2 * 2 / 4)  # the schedule took exactly the two real steps
+        with engine.gathered():
+            return _params(engine)
+
+    with_discard, without = run(True), run(False)
+    for name, value in without.items():
+        torch.testing.assert_close(with_discard[name], value, rtol=0, atol=0, msg=name)

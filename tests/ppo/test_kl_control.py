@@ -1,8 +1,7 @@
-import json
-
 import pytest
 
-from prmflow.components.common.errors import DataError
+from prmflow.components.common.errors import ConfigError
+from prmflow.components.lib import kl_state
 from prmflow.components.ppo import kl_control
 
 
@@ -34,17 +33,29 @@ def test_adaptive_controller_converges_toward_target_direction():
 
 def test_state_round_trip_through_file_or_directory(tmp_path):
     c = kl_control.make_controller("adaptive", 0.02, 3.0, 500)
-    kl_control.write_state(tmp_path / kl_control.KL_STATE_FILE, {**c.state(), "iteration": 2})
-    assert kl_control.read_state(tmp_path)["kl_coef"] == 0.02
-    assert kl_control.read_state(tmp_path / "kl_state.json")["mode"] == "adaptive"
+    kl_state.write(tmp_path / kl_state.KL_STATE_FILE, {**c.state(), "iteration": 2})
+    assert kl_state.read(tmp_path)["kl_coef"] == 0.02
+    assert kl_state.read(tmp_path / "kl_state.json")["mode"] == "adaptive"
+    assert kl_state.read_kl_coef(tmp_path) == 0.02
 
 
-def test_bad_state_files_are_reported(tmp_path):
-    with pytest.raises(DataError, match="does not exist"):
-        kl_control.read_state(tmp_path / "missing.json")
-    (tmp_path / "kl_state.json").write_text(json.dumps({"beta": 1}))
-    with pytest.raises(DataError, match="kl_coef"):
-        kl_control.read_state(tmp_path)
+@pytest.mark.parametrize("content,match", [
+    (None, "does not exist"),
+    ("not json", "not valid JSON"),
+    ('["kl_coef"]', "no field 'kl_coef'"),
+    ('{"beta": 1}', "no field 'kl_coef'"),
+    ('{"kl_coef": -1}', "kl_coef=-1; it must be a finite number >= 0"),
+    ('{"kl_coef": NaN}', "kl_coef=nan"),
+    ('{"kl_coef": "0.1"}', "kl_coef='0.1'"),
+    ('{"kl_coef": true}', "kl_coef=True"),
+])
+def test_bad_state_files_name_the_key_the_file_and_the_field(tmp_path, content, match):
+    path = tmp_path / "kl_state.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=match) as err:
+        kl_state.read(tmp_path / "kl_state.json")
+    assert str(err.value).startswith(f"kl_state '{path}'")
 
 
 def test_kl_per_response_is_the_mean_of_sums():

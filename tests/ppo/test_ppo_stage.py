@@ -9,7 +9,8 @@ import torch
 from ppo_helpers import FAST, params, score, write_advantages
 from prmflow.components.common import config, modeling, tracking
 from prmflow.components.common.errors import ConfigError, DataError, OutputExistsError
-from prmflow.components.ppo import kl_control, stage
+from prmflow.components.lib import kl_state, supervised_data
+from prmflow.components.ppo import batch, models, prepass, ptx, stage
 
 
 def make_cfg(policy, adv, out, **overrides):
@@ -131,7 +132,7 @@ def test_loss_aggregation_matches_hand_value_and_is_micro_batch_invariant(sft_po
 
 def test_critic_warmup_value_loss_and_adaptive_kl(sft_policy, rows16, tmp_path):
     kl_in = tmp_path / "prev"
-    kl_control.write_state(kl_in / "kl_state.json", {"kl_coef": 0.1, "mode": "adaptive"})
+    kl_state.write(kl_in / "kl_state.json", {"kl_coef": 0.1, "mode": "adaptive"})
     adv = write_advantages(tmp_path / "adv", rows16, lambda i, t: (-1) ** i, returns=0.5, values=0.0,
                            kl=lambda i, t: 0.01 * (i % 4))
     out = tmp_path / "out"
@@ -166,9 +167,9 @@ def test_top_entropy_mask_selects_highest_entropy_tokens_and_only_they_train(sft
     cfg = make_cfg(sft_policy, tmp_path / "unused", tmp_path / "x", epochs=1, minibatch_size=8,
                    micro_batch_size=4, top_entropy_frac=0.25)
     model, tok = modeling.load_causal_lm(sft_policy)
-    actor = stage._engine(model, cfg, cfg.lr, 1, 0, 4)
+    actor = models.make_engine(model, cfg, cfg.lr, 1, 0, 4)
     samples = [dict(r) for r in rows]
-    stage.precompute(cfg, samples, stage.minibatch_plan(8, cfg), actor, None, tok.pad_token_id)
+    prepass.precompute(cfg, samples, batch.minibatch_plan(8, cfg), actor, None, tok.pad_token_id)
     # independent entropies: one row at a time, full logits, -(p log p).sum()
     ent = []
     with torch.no_grad():
@@ -194,8 +195,6 @@ def test_top_entropy_mask_selects_highest_entropy_tokens_and_only_they_train(sft
 # --- ptx ---------------------------------------------------------------------------------------
 
 def test_ptx_loss_is_the_supervised_token_mean_and_is_trained(sft_policy, rows16, tmp_path):
-    from prmflow.components.sft import data as sft_data
-
     rows = rows16[:8]
     adv = write_advantages(tmp_path / "adv", rows, 0.0)
     out = tmp_path / "out"
@@ -203,15 +202,15 @@ def test_ptx_loss_is_the_supervised_token_mean_and_is_trained(sft_policy, rows16
                    ptx_size=64, ptx_batch_size=8)
     stage.run(cfg)
     model, tok = modeling.load_causal_lm(sft_policy)
-    examples = stage.load_ptx(cfg, tok)
-    micro, _ = stage.ptx_batch(cfg, examples, 0, 2, tok.pad_token_id)
+    examples = ptx.load_ptx(cfg, tok)
+    micro, _ = ptx.ptx_batch(cfg, examples, 0, 2, tok.pad_token_id)
 
     def ce(m):  # token-mean cross-entropy over every response token of the update's ptx examples
         total, count = 0.0, 0
         with torch.no_grad():
             for b in micro:
                 logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-                s, n = sft_data.response_loss(logits, b["labels"])
+                s, n = supervised_data.response_loss(logits, b["labels"])
                 total, count = total + float(s), count + n
         return total / count
 
@@ -232,7 +231,7 @@ def _bad(rows, bad_rows):
 def test_nan_update_is_skipped_and_counted(sft_policy, rows16, tmp_path):
     rows = rows16[:8]
     cfg = make_cfg(sft_policy, tmp_path / "adv", tmp_path / "out", epochs=1, minibatch_size=4, micro_batch_size=2)
-    first = stage.minibatch_plan(8, cfg)[0]
+    first = batch.minibatch_plan(8, cfg)[0]
     adv = write_advantages(tmp_path / "adv", _bad(rows, {first[3]}), -1.0)  # in the 2nd micro-batch of update 1
     m = stage.run(cfg)
     h = history(tmp_path / "out")
@@ -333,13 +332,13 @@ def test_bad_configs_are_rejected(overrides, match):
         config.load(stage.Config, overrides=overrides)
 
 
-def test_cli_help_lists_the_knobs():
+def test_cli_help_lists_the_knobs(capsys):
     from prmflow import cli
 
-    parser, stages = cli.build_parser()
-    assert "ppo" in stages
-    sub = parser._subparsers._group_actions[0].choices["ppo"]
-    text = sub.format_help()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["ppo", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
     for key in ("--clip_eps_high", "--loss_agg", "--kl_control", "--critic_warmup_updates", "--engine.zero_stage"):
         assert key in text
 

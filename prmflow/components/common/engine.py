@@ -1,25 +1,32 @@
 """The training engine shared by sft, prm and ppo: DeepSpeed or plain PyTorch behind one API.
 
-    engine = TrainEngine(model, cfg.engine, OptimSettings(lr=..., total_steps=..., ...))
-    for micro_batch in optimizer_step_batches:
+    engine = TrainEngine(model, cfg.engine, OptimSettings(lr=..., total_steps=..., ...), micro, grad_accum)
+    for micro_batch in optimizer_step_batches:          # grad_accum of them
         loss = per_token_loss.sum() / tokens_in_whole_optimizer_step   # the caller's share
         engine.backward(loss)
-    grad_norm = engine.step()          # clip, optimizer step, LR schedule, zero grads
+    if engine.grads_finite():
+        grad_norm = engine.step()      # clip, optimizer step, LR schedule, zero grads
+    else:
+        engine.discard()               # as if the step's micro-batches had never been seen
 
 The caller scales each micro-batch loss as its share of the optimizer step's objective, so a
 token-mean over the whole accumulated batch is exact (DeepSpeed's own 1/gas scaling is turned off).
+The engine counts backward calls against grad_accum and tells DeepSpeed where the accumulation
+boundary is, so a discarded step never leaves DeepSpeed's own micro-step count out of phase.
 DeepSpeed runs ZeRO 0-3 (optionally with optimizer offload) and initializes torch.distributed with
 gloo on CPU machines and nccl on GPUs; a single process needs no launcher. Both backends give the
-same parameters up to floating-point noise (tests check this).
+same parameters and the same gradient norms up to floating-point noise (tests check this).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import socket
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -54,12 +61,21 @@ class EngineConfig:
 @dataclass
 class OptimSettings:
     lr: float
+    """Peak learning rate of AdamW."""
     total_steps: int
+    """Optimizer steps the LR schedule spans (over a whole RL run for ppo, not just this process)."""
     warmup_steps: int = 0
+    """Linear warm-up steps at the start of the schedule."""
     schedule: str = "cosine"
+    """A transformers scheduler name: constant, constant_with_warmup, linear, cosine."""
     weight_decay: float = 0.0
+    """AdamW weight decay on matrices (not on norms and biases)."""
     max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 = off)."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    start_step: int = 0
+    """Steps of the schedule already taken by earlier runs (ppo iteration k starts at k x its updates)."""
 
 
 def _free_port() -> int:
@@ -131,6 +147,10 @@ class TrainEngine:
             if cfg.dtype == "bfloat16":
                 model.to(torch.bfloat16)
             self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        with warnings.catch_warnings():  # stepping a scheduler before its optimizer is what we mean here
+            warnings.simplefilter("ignore")
+            for _ in range(optim.start_step):
+                self.scheduler.step()
 
     @property
     def module(self) -> torch.nn.Module:
@@ -144,38 +164,83 @@ class TrainEngine:
         self.model.train(mode)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate the gradient of `loss` (already scaled by the caller as its share of the step)."""
+        """Accumulate the gradient of `loss` (already scaled by the caller as its share of the step).
+
+        The grad_accum-th call since the last step() or discard() is the accumulation boundary
+        (DeepSpeed reduces gradients there); the optimizer steps only in step(), so the gradients
+        can be checked in between.
+        """
+        boundary = self._micro + 1 == self.grad_accum
         if self.cfg.backend == "deepspeed":
+            self.model.set_gradient_accumulation_boundary(boundary)
             self.model.backward(loss, scale_wrt_gas=False)
-            self.model.step()  # DeepSpeed counts micro-steps and steps the optimizer at the boundary
+            if not boundary:
+                self.model.step()  # a micro-step: DeepSpeed expects one step() per backward
         else:
             loss.backward()
         self._micro += 1
 
+    def grads_finite(self) -> bool:
+        """Whether the gradients accumulated so far are all finite (call before step()).
+
+        It reads the gradients where they live as `p.grad` (torch, DeepSpeed ZeRO-0). ZeRO 1-3 keep
+        the reduced gradients in their own partitions, where this sees none and returns True: there
+        the caller's check that every loss is finite before backward is the guard.
+        """
+        norm = self._grad_norm()
+        return norm is None or bool(torch.isfinite(norm))
+
     def step(self) -> float:
-        """Finish the optimizer step after `grad_accum` backward calls; returns the gradient norm."""
+        """Finish the optimizer step after `grad_accum` backward calls; returns the gradient norm
+        before clipping (the same number on every backend)."""
         if self._micro != self.grad_accum:
             raise RuntimeError(f"step() after {self._micro} backward calls; expected grad_accum={self.grad_accum}")
         self._micro = 0
         if self.cfg.backend == "deepspeed":
+            own = self._grad_norm()  # ZeRO-0 in fp32 clips p.grad without recording the norm
+            self.model.step()
             norm = self.model.get_global_grad_norm()
+            norm = norm if norm is not None else own
             return float(norm) if norm is not None else float("nan")
         if self.max_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_grad_norm)
         else:
-            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.trainable if p.grad is not None]))
+            norm = self._grad_norm()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def skip_step(self) -> None:
-        """Drop the accumulated gradients without stepping (used when a loss was NaN/inf)."""
+    def discard(self) -> None:
+        """Drop the gradients accumulated since the last step, with no optimizer or LR-schedule step
+        (a loss or gradient was NaN/inf): the parameters, moments and schedule are as if the
+        discarded micro-batches had never been seen."""
         self._micro = 0
         if self.cfg.backend == "deepspeed":
             self.model.zero_grad()
+            opt = self.model.optimizer
+            if hasattr(opt, "bit16_groups"):  # ZeRO 1/2 keep their own accumulators
+                opt.zero_grad(set_to_none=True)
+                if isinstance(getattr(opt, "all_grad_tensors", None), dict):
+                    opt.all_grad_tensors.clear()
+            elif hasattr(opt, "zero_grad"):
+                opt.zero_grad(set_to_none=True)
         else:
             self.optimizer.zero_grad(set_to_none=True)
+
+    def gathered(self) -> contextlib.AbstractContextManager:
+        """Context in which `module`'s parameters are whole, to read or save them (ZeRO-3 partitions
+        them across ranks; elsewhere they already are)."""
+        if self.cfg.backend == "deepspeed" and self.cfg.zero_stage == 3:
+            import deepspeed
+
+            return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+        return contextlib.nullcontext()
+
+    def _grad_norm(self) -> torch.Tensor | None:
+        """2-norm of the gradients held in `p.grad` of the trainable parameters; None when there are none."""
+        grads = [p.grad for p in self.trainable if p.grad is not None]
+        return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])) if grads else None
 
     @property
     def lr(self) -> float:

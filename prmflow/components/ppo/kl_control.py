@@ -1,11 +1,9 @@
 """The KL-penalty coefficient beta of the token reward r_t = -beta * kl_t, fixed or adaptive.
 
 The coefficient is state that crosses iterations: the advantage stage of iteration k uses beta_k
-to build rewards, the ppo stage of iteration k measures the KL of that batch and writes
-beta_{k+1} to `OUTPUT/kl_state.json`, which the next iteration's advantage and ppo stages read.
-
-    {"kl_coef": 0.051, "mode": "adaptive", "target": 6.0, "horizon": 10000,
-     "previous_kl_coef": 0.05, "measured_kl": 7.2, "n_samples": 64, "iteration": 3}
+to build rewards, the ppo stage of iteration k measures the KL of that batch (`next_state`) and
+writes beta_{k+1} to `OUTPUT/kl_state.json` (the file's format and its one reader and writer:
+prmflow/components/lib/kl_state.py), which the next iteration's advantage and ppo stages read.
 
 Adaptive rule (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", 2.2):
     beta <- beta * (1 + clip(kl / target - 1, -0.2, 0.2) * n_samples / horizon)
@@ -14,15 +12,16 @@ where kl is the batch's KL per response (the sum over its tokens, averaged over 
 
 from __future__ import annotations
 
-import json
+import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from ..common import io
+from ..common import schema
 from ..common.errors import DataError
+from ..lib import kl_state
+from .config import Config
 
-KL_STATE_FILE = "kl_state.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,34 +66,45 @@ def make_controller(mode: str, kl_coef: float, target: float = 6.0, horizon: int
     raise ValueError(f"unknown KL control mode {mode!r}; known: {sorted(KL_CONTROLLERS)}")
 
 
-def state_path(path: str | Path) -> Path:
-    """`path` itself when it is a file, else `path/kl_state.json` (a ppo output directory)."""
-    p = Path(path)
-    return p / KL_STATE_FILE if p.is_dir() else p
-
-
-def read_state(path: str | Path) -> dict[str, Any]:
-    """The controller state written by the previous iteration's ppo stage (file or its output dir)."""
-    p = state_path(path)
-    if not p.is_file():
-        raise DataError(f"KL controller state '{p}' does not exist. Pass the previous iteration's ppo output "
-                        f"(or its {KL_STATE_FILE}) as kl_state, or leave kl_state empty on the first iteration.")
-    try:
-        state = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"'{p}' is not valid JSON ({e}). Re-run the ppo stage that wrote it.") from None
-    coef = state.get("kl_coef") if isinstance(state, dict) else None
-    if not isinstance(coef, (int, float)) or coef < 0:
-        raise DataError(f"'{p}' has no non-negative number 'kl_coef'. Re-run the ppo stage that wrote it.")
-    return state
-
-
-def write_state(path: str | Path, state: dict[str, Any]) -> None:
-    io.write_json_atomic(state_path(path), state)
-
-
 def kl_per_response(kl_tokens: list[list[float]]) -> float:
     """Mean over responses of the sum of their per-token KL (nats per response)."""
     if not kl_tokens:
         return 0.0
     return sum(float(sum(k)) for k in kl_tokens) / len(kl_tokens)
+
+
+def beta_used(cfg: Config) -> float:
+    """The KL coefficient the advantage stage built this batch's rewards with.
+
+    Its manifest records it (`kl_coef_used`); otherwise the kl_state file, otherwise kl_coef.
+    """
+    manifests = schema.open_dataset(cfg.advantages, "advantages", verify_checksums=False).manifests
+    used = {m.get("kl_coef_used") for m in manifests}
+    used.discard(None)
+    if len(used) == 1:
+        return float(used.pop())
+    if len(used) > 1:
+        raise DataError(f"'{cfg.advantages}' mixes shards built with different KL coefficients {sorted(used)}.")
+    return kl_state.read_kl_coef(cfg.kl_state) if cfg.kl_state else cfg.kl_coef
+
+
+def next_state(cfg: Config, samples: list[dict]) -> dict[str, Any]:
+    """Update beta with this batch's KL per response and return the state for the next iteration."""
+    beta = beta_used(cfg)
+    if cfg.kl_control == "adaptive" and beta == 0:
+        log.warning("ppo: adaptive KL control of a zero coefficient keeps it at zero (the rule is multiplicative); "
+                    "start the advantage stage with kl_coef > 0")
+    controller = make_controller(cfg.kl_control, beta, cfg.kl_target, cfg.kl_horizon)
+    per_token = []
+    for s in samples:  # the hand-off's kl column when present, else k1 of old vs reference
+        if s["kl"] is not None:
+            per_token.append(s["kl"])
+        elif s["ref_logprobs"] is not None and s["old_logprobs"] is not None:
+            per_token.append([a - b for a, b in zip(s["old_logprobs"], s["ref_logprobs"])])
+    measured = kl_per_response(per_token)
+    if per_token:
+        controller.update(measured, len(per_token))
+    elif cfg.kl_control == "adaptive":
+        log.warning("ppo: the batch has neither 'kl' nor 'ref_logprobs'; the adaptive KL coefficient is unchanged")
+    return {**controller.state(), "previous_kl_coef": beta, "measured_kl": measured,
+            "n_samples": len(per_token), "iteration": cfg.iteration}

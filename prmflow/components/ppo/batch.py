@@ -1,0 +1,120 @@
+"""The batch: the advantages hand-off as rows, cut into minibatches (one optimizer update each) and
+micro-batches (one forward/backward each).
+
+A micro-batch puts prompts left-padded and responses right-padded, so the logits of the response
+positions are one slice of the sequence (the LM head never runs on prompt positions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..common import schema, vision
+from ..common.errors import DataError
+from .config import Config
+
+TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "returns", "values")
+
+
+def _needed_columns(cfg: Config) -> list[str]:
+    """The columns this config reads, which must not be null in any row."""
+    need = ["prompt_ids", "response_ids", "advantages"]
+    need += [] if cfg.recompute_old_logprobs else ["old_logprobs"]
+    need += ["returns"] if cfg.critic else []
+    need += ["ref_logprobs"] if cfg.kl_loss_coef else []
+    return need
+
+
+def load_batch(cfg: Config) -> list[dict]:
+    """The advantages hand-off as one dict per response: prompt_ids, response_ids and per-token lists."""
+    table = schema.open_dataset(cfg.advantages, "advantages").read()
+    if table.num_rows == 0:
+        raise DataError(f"'{cfg.advantages}' holds no rows; the ppo stage needs at least "
+                        f"minibatch_size={cfg.minibatch_size}.")
+    for name in _needed_columns(cfg):
+        col = table.column(name)
+        if col.null_count:
+            first = next(i for i, v in enumerate(col.is_null().to_pylist()) if v)
+            why = {"returns": " (critic=true needs GAE returns)", "ref_logprobs": " (kl_loss_coef > 0 needs them)",
+                   "old_logprobs": " (or set recompute_old_logprobs=true)"}.get(name, "")
+            raise DataError(f"'{cfg.advantages}': column '{name}' is null in row {first} (prompt_id="
+                            f"{table.column('prompt_id')[first].as_py()!r}){why}.")
+    cols = {name: table.column(name).to_pylist() for name in ("prompt_ids", "response_ids", *TOKEN_FIELDS, "kl", "images")}
+    rows = [{name: cols[name][i] for name in cols} for i in range(table.num_rows)]
+    for i, r in enumerate(rows):
+        if not r["prompt_ids"]:
+            raise DataError(f"'{cfg.advantages}': row {i} has empty prompt_ids; the first response token needs a prompt.")
+    return rows
+
+
+@dataclass
+class MicroBatch:
+    """Prompts left-padded, responses right-padded: response token t of every row sits at column P + t."""
+
+    input_ids: torch.Tensor      # (B, P + R)
+    attention_mask: torch.Tensor  # (B, P + R)
+    position_ids: torch.Tensor   # (B, P + R), following the attention mask
+    response_ids: torch.Tensor   # (B, R)
+    mask: torch.Tensor           # (B, R) bool: real response tokens
+    fields: dict[str, torch.Tensor]  # (B, R) float per-token columns, 0 where masked
+    rows: list[int]
+    pixels: dict[str, torch.Tensor] = field(default_factory=dict)  # the prompts' images (vision-language)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    def to(self, device) -> "MicroBatch":
+        move = lambda t: t.to(device)  # noqa: E731
+        return MicroBatch(move(self.input_ids), move(self.attention_mask), move(self.position_ids),
+                          move(self.response_ids), move(self.mask), {k: move(v) for k, v in self.fields.items()}, self.rows,
+                          {k: move(v) for k, v in self.pixels.items()})
+
+    def model_kwargs(self, model) -> dict:
+        """What the forward pass takes besides ids and mask: 1-D positions (unless the model places
+        its tokens itself, Qwen2-VL's multimodal rope) and the pixel inputs."""
+        pos = {} if vision.own_positions(model) else {"position_ids": self.position_ids}
+        return {**pos, **self.pixels}
+
+
+def collate(samples: list[dict], rows: list[int], pad_id: int, fields=TOKEN_FIELDS + ("pg_mask",)) -> MicroBatch:
+    """The `rows` of `samples` as one micro-batch; a per-token field is included when every row has it."""
+    P = max(len(samples[i]["prompt_ids"]) for i in rows)
+    R = max(max(len(samples[i]["response_ids"]) for i in rows), 1)
+    B = len(rows)
+    ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + R), dtype=torch.long)
+    mask = torch.zeros((B, R), dtype=torch.bool)
+    out = {k: torch.zeros((B, R), dtype=torch.float32) for k in fields
+           if all(samples[i].get(k) is not None for i in rows)}
+    for b, i in enumerate(rows):
+        s = samples[i]
+        p, r = len(s["prompt_ids"]), len(s["response_ids"])
+        ids[b, P - p:P] = torch.tensor(s["prompt_ids"])
+        ids[b, P:P + r] = torch.tensor(s["response_ids"], dtype=torch.long)
+        attn[b, P - p:P + r] = 1
+        mask[b, :r] = True
+        for k in out:
+            out[k][b, :r] = torch.as_tensor(s[k], dtype=torch.float32)
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    pixels = vision.batch_pixels([samples[i].get("pixels") or {} for i in rows])
+    return MicroBatch(ids, attn, position_ids, ids[:, P:], mask, out, list(rows), pixels)
+
+
+def minibatch_plan(n: int, cfg: Config) -> list[list[int]]:
+    """Row indices of every update: `epochs` shuffles (fixed by seed and iteration), each cut into minibatches."""
+    per_epoch = n // cfg.minibatch_size
+    plan = []
+    for epoch in range(cfg.epochs):
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + cfg.iteration * 1_009 + epoch)
+        perm = torch.randperm(n, generator=g).tolist()
+        plan += [perm[k * cfg.minibatch_size:(k + 1) * cfg.minibatch_size] for k in range(per_epoch)]
+    return plan
+
+
+def micro_split(rows: list[int], size: int) -> list[list[int]]:
+    """The rows of one minibatch in micro-batches of `size` (the last may be smaller)."""
+    return [rows[j:j + size] for j in range(0, len(rows), size)]
+

@@ -1,0 +1,84 @@
+"""Passes over the batch before the first update: what the hand-off lacks or the config recomputes
+(old log-probs, the top-entropy token mask, V_old from a new critic), and the prompts' images.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..common import vision
+from ..common.engine import TrainEngine
+from ..common.errors import DataError
+from ..common.tensor_ops import entropy_from_logits, token_logprobs
+from . import losses
+from .batch import collate, micro_split
+from .config import Config
+from .models import accepts_logits_to_keep, response_logits, response_values
+
+
+@torch.no_grad()
+def precompute(cfg: Config, samples: list[dict], plan: list[list[int]], actor: TrainEngine,
+               critic: TrainEngine | None, pad_id: int) -> None:
+    """Fill what the hand-off lacks or what the config asks to recompute, with the starting weights.
+
+    Runs the micro-batches of the first epoch in training order, so a recomputed old_logprobs is
+    bit-identical to what the first update computes (its ratio is exactly 1).
+    """
+    need_logp = cfg.recompute_old_logprobs
+    need_entropy = cfg.top_entropy_frac < 1
+    need_values = critic is not None and any(s["values"] is None for s in samples)
+    if not (need_logp or need_entropy or need_values):
+        return
+    per_epoch = len(samples) // cfg.minibatch_size
+    seen = [i for rows in plan[:per_epoch] for i in rows]
+    rest = sorted(set(range(len(samples))) - set(seen))
+    chunks = [c for rows in plan[:per_epoch] for c in micro_split(rows, cfg.micro_batch_size)]
+    chunks += micro_split(rest, cfg.micro_batch_size)
+    keep = accepts_logits_to_keep(actor.module)
+    entropies: dict[int, torch.Tensor] = {}
+    for rows in chunks:
+        rows = [i for i in rows if not samples[i].get("image_mismatch")]  # their batches are skipped
+        if not rows:
+            continue
+        mb = collate(samples, rows, pad_id, fields=()).to(actor.device)
+        if need_logp or need_entropy:
+            logits = response_logits(actor, mb, keep)
+            logp, ent = token_logprobs(logits, mb.response_ids).cpu(), entropy_from_logits(logits).cpu()
+        if need_values:
+            values = response_values(critic, mb).cpu()
+        for b, i in enumerate(rows):
+            r = len(samples[i]["response_ids"])
+            if need_logp:
+                samples[i]["old_logprobs"] = logp[b, :r].tolist()
+            if need_entropy:
+                entropies[i] = ent[b, :r]
+            if need_values:
+                samples[i]["values"] = values[b, :r].tolist()
+    if need_entropy:  # threshold over every token of the batch, not per micro-batch
+        order = sorted(entropies)
+        keep_mask = losses.top_fraction(torch.cat([entropies[i] for i in order]), cfg.top_entropy_frac)
+        start = 0
+        for i in order:
+            r = entropies[i].numel()
+            samples[i]["pg_mask"] = keep_mask[start:start + r].float().tolist()
+            start += r
+
+
+def attach_pixels(cfg: Config, samples: list[dict], vis: "vision.Vision | None") -> None:
+    """Re-feed the prompts' images: each sample gets the pixel inputs of its `images` (decoded and
+    processed again with the policy's image processor) and, when its image tokens do not match
+    them, the reason (`image_mismatch`): the update of any minibatch holding it is skipped."""
+    if not any(s.get("images") for s in samples):
+        return
+    if vis is None:
+        raise DataError(f"'{cfg.advantages}' has rows with images, but the policy '{cfg.policy_path}' is text-only; "
+                        f"train a vision-language policy on them.")
+    cache: dict[tuple, dict] = {}
+    for i, s in enumerate(samples):
+        images = s.get("images") or []
+        key = tuple(images)
+        if key not in cache:
+            cache[key] = vis.pixels(images, f"'{cfg.advantages}', row {i}")
+        s["pixels"] = cache[key]
+        s["image_mismatch"] = vis.mismatch(s["prompt_ids"] + s["response_ids"], s["pixels"])  # what the model sees
+

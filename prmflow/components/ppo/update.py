@@ -1,0 +1,147 @@
+"""One PPO update: the actor's clipped surrogate (plus entropy, KL and ptx terms) and the critic's
+clipped value loss over the micro-batches of one minibatch, then one optimizer step of each.
+
+Each micro-batch loss is its exact share of the minibatch objective (`losses.Normalizer` counts the
+tokens of the whole minibatch), so gradient accumulation changes nothing but memory. Log-probs are
+recomputed under the current policy in every micro-batch; the ratio's denominator is old_logprobs.
+If any loss or gradient is NaN/inf the whole update is discarded (no step, no schedule step).
+
+Formulas (`losses.py` has each as a pure function):
+- clipped surrogate, PPO (Schulman et al. 2017, eq. 7, https://arxiv.org/abs/1707.06347) with
+  separate low/high clip (DAPO, https://arxiv.org/abs/2503.14476) and dual clip
+  (Ye et al. 2020, https://arxiv.org/abs/1912.09729);
+- KL estimators k1/k2/k3: http://joschu.net/blog/kl-approx.html;
+- clipped value loss: as in OpenAI baselines' ppo2 (https://github.com/openai/baselines);
+- Dr. GRPO aggregation (Liu et al. 2025, https://arxiv.org/abs/2503.20783);
+- ptx loss: InstructGPT's pretraining mix (Ouyang et al. 2022, eq. 2, https://arxiv.org/abs/2203.02155).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..common.engine import TrainEngine
+from ..common.tensor_ops import entropy_from_logits, masked_sum, token_logprobs
+from ..lib import supervised_data
+from . import losses
+from .batch import MicroBatch
+from .config import Config
+from .models import accepts_logits_to_keep, response_logits, response_values
+
+#: Statistics summed over the minibatch's tokens and reported as per-token means.
+TOKEN_MEANS = ("entropy", "clip_frac", "dual_clip_frac", "approx_kl", "value_clip_frac")
+
+
+class Updater:
+    """Runs one optimizer update of the actor and/or the critic on one minibatch."""
+
+    def __init__(self, cfg: Config, actor: TrainEngine, critic: TrainEngine | None, max_len: int):
+        self.cfg, self.actor, self.critic, self.max_len = cfg, actor, critic, max_len  # max_len: Dr. GRPO's constant
+        self.keep = accepts_logits_to_keep(actor.module)
+
+    def actor_loss(self, mb: MicroBatch, norm: losses.Normalizer, pg_norm: losses.Normalizer, ptx_mb, ptx_tokens):
+        """This micro-batch's share of the policy objective and its statistics (sums over its tokens)."""
+        cfg, f, mask = self.cfg, mb.fields, mb.mask
+        logits = response_logits(self.actor, mb, self.keep)                       # (B, R, V)
+        logp = token_logprobs(logits, mb.response_ids)                            # (B, R)
+        adv = f["advantages"].clamp(-cfg.advantage_clip, cfg.advantage_clip) if cfg.advantage_clip else f["advantages"]
+
+        # policy loss: -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A), rho = exp(logp - old_logp)
+        pg = losses.ppo_policy_loss(logp, f["old_logprobs"], adv, mask, cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip)
+        pg_mask = mask & (f["pg_mask"] > 0) if "pg_mask" in f else mask          # (B, R) top-entropy tokens
+        pg_loss = losses.aggregate(cfg.loss_agg, pg.loss, pg_mask, pg_norm)
+        loss = pg_loss
+
+        # entropy bonus (the metric is computed without a graph when there is no bonus)
+        with torch.set_grad_enabled(cfg.entropy_coef > 0 and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if cfg.entropy_coef > 0 else logits.detach())  # (B, R)
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * losses.aggregate(cfg.loss_agg, entropy, mask, norm)
+        stats = {"policy_loss": float(pg_loss.detach()), "entropy": float(masked_sum(entropy.detach(), mask)),
+                 "clip_frac": float(pg.clipped.sum()), "dual_clip_frac": float(pg.dual_clipped.sum()),
+                 "approx_kl": float(masked_sum(losses.kl_estimate("k3", f["old_logprobs"], logp.detach(), mask), mask)),
+                 "ratio_max": float(torch.where(mask, pg.ratio.detach(), 0).max()),
+                 "ratio_min": float(torch.where(mask, pg.ratio.detach(), float("inf")).min())}
+
+        # KL loss to the reference (GRPO style), estimator k1/k2/k3
+        if cfg.kl_loss_coef > 0:
+            kl = losses.kl_estimate(cfg.kl_loss_estimator, logp, f["ref_logprobs"], mask)  # (B, R)
+            kl_loss = losses.aggregate(cfg.loss_agg, kl, mask, norm)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            stats["kl_loss"] = float(kl_loss.detach())
+
+        # ptx loss: token-mean cross-entropy on reference solutions, its share of the update's tokens
+        if ptx_mb is not None:
+            ptx_mb = {k: v.to(self.actor.device) for k, v in ptx_mb.items()}
+            logits = self.actor(**supervised_data.model_inputs(ptx_mb), use_cache=False).logits
+            ce_sum, _ = supervised_data.response_loss(logits, ptx_mb["labels"])
+            loss = loss + cfg.ptx_coef * ce_sum / max(ptx_tokens, 1)
+            stats["ptx_loss"] = float(ce_sum.detach()) / max(ptx_tokens, 1)
+        return loss, stats
+
+    def critic_loss(self, mb: MicroBatch, norm: losses.Normalizer):
+        """This micro-batch's share of the clipped value loss: V may move value_clip from V_old."""
+        f = mb.fields
+        values = response_values(self.critic, mb)                                 # (B, R)
+        vl = losses.clipped_value_loss(values, f["values"], f["returns"], mb.mask, self.cfg.value_clip)
+        loss = losses.token_mean(vl.loss, mb.mask, norm)
+        return loss, {"value_loss": float(loss.detach()), "value_clip_frac": float(vl.clipped.sum())}
+
+    def update(self, micro: list[MicroBatch], train_actor: bool, ptx_batch=None) -> dict | None:
+        """One optimizer update over the micro-batches of a minibatch; None when it was skipped."""
+        norm = losses.Normalizer.of([m.mask for m in micro], self.max_len)
+        pg_norm = (losses.Normalizer.of([m.mask & (m.fields["pg_mask"] > 0) for m in micro], self.max_len)
+                   if "pg_mask" in micro[0].fields else norm)
+        engines = ([self.actor] if train_actor else []) + ([self.critic] if self.critic is not None else [])
+        ptx_micro, ptx_tokens = ptx_batch if (train_actor and ptx_batch is not None) else ([None] * len(micro), 0)
+        sums: dict[str, float] = {}
+
+        # forward and backward, micro-batch by micro-batch; a NaN/inf loss discards the whole update
+        for j, mb in enumerate(micro):
+            mb = mb.to(self.actor.device)
+            pending = []
+            if train_actor:
+                loss, stats = self.actor_loss(mb, norm, pg_norm, ptx_micro[j], ptx_tokens)
+                pending.append((self.actor, loss))
+                _accumulate(sums, stats)
+            if self.critic is not None:
+                loss, stats = self.critic_loss(mb, norm)
+                pending.append((self.critic, loss))
+                _accumulate(sums, stats)
+            if not all(bool(torch.isfinite(loss.detach())) for _, loss in pending):
+                return _discard(engines)
+            for engine, loss in pending:
+                engine.backward(loss)
+            sums["tokens"] = sums.get("tokens", 0) + mb.tokens
+        if not all(engine.grads_finite() for engine in engines):
+            return _discard(engines)
+
+        # optimizer steps and the update's statistics
+        out = {k: v for k, v in sums.items() if k in ("policy_loss", "kl_loss", "ptx_loss", "value_loss", "tokens")}
+        out.update({k: sums[k] / max(norm.tokens, 1) for k in TOKEN_MEANS if k in sums})
+        if train_actor:
+            out.update(ratio_max=sums["ratio_max"], ratio_min=sums["ratio_min"], lr=self.actor.lr)
+            out["grad_norm"] = self.actor.step()
+        if self.critic is not None:
+            out["critic_lr"] = self.critic.lr
+            out["critic_grad_norm"] = self.critic.step()
+        return out
+
+
+def _discard(engines: list[TrainEngine]) -> None:
+    for engine in engines:
+        engine.discard()
+    return None
+
+
+def _accumulate(sums: dict, stats: dict) -> None:
+    """Add a micro-batch's statistics: sums, except the ratio's extremes."""
+    for k, v in stats.items():
+        if k == "ratio_max":
+            sums[k] = max(sums.get(k, -math.inf), v)
+        elif k == "ratio_min":
+            sums[k] = min(sums.get(k, math.inf), v)
+        else:
+            sums[k] = sums.get(k, 0.0) + v

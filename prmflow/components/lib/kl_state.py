@@ -3,7 +3,8 @@
 The KL coefficient beta of the token reward r_t = -beta * kl_t crosses iterations: the ppo stage
 of iteration k measures the KL of its batch and writes beta_{k+1} to OUTPUT/kl_state.json; the
 advantage stage of iteration k+1 builds its rewards with it, and the ppo stage of k+1 continues
-the controller from it. Only `kl_coef` is needed to read the file; the rest records how it came:
+the controller from it (docs/design.md, "The KL coefficient across iterations"). Only `kl_coef`
+is needed to read the file; the rest records how it came:
 
     {"kl_coef": 0.051, "mode": "adaptive", "target": 6.0, "horizon": 10000,
      "previous_kl_coef": 0.05, "measured_kl": 7.2, "n_samples": 64, "iteration": 3}

@@ -1,4 +1,5 @@
-"""PPO losses as pure tensor functions, each written from its definition in ARCHITECTURE.md.
+"""PPO losses as pure tensor functions, each written from its definition in docs/design.md
+("The PPO update").
 
 Every per-token tensor is (B, T): B responses, T = the longest response of the batch, with a
 boolean `mask` (B, T) that is true on real response tokens. Masked-out entries are replaced with

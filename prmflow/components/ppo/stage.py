@@ -24,6 +24,12 @@ single slice (the LM head never runs on prompt positions). Dropout is turned off
 ratio differ from 1 without any update). Resume: `.OUTPUT.work/latest` holds both engines' state;
 on SIGTERM the update in progress finishes, the checkpoint is saved and the process exits 143. A
 finished output with the same config and the same input fingerprints is left alone.
+
+This file is the run: loading, the update loop, resume and output. The rest of the stage:
+config.py (the knobs), batch.py (hand-off rows -> minibatches -> micro-batches), models.py (policy
+and critic forward passes, their engines), prepass.py (old log-probs, entropy mask, V_old, images),
+ptx.py (the supervised data), update.py (one update: the losses, top to bottom), losses.py (the
+formulas as tensor functions), kl_control.py (beta for the next iteration).
 """
 
 from __future__ import annotations

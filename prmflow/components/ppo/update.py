@@ -6,7 +6,7 @@ tokens of the whole minibatch), so gradient accumulation changes nothing but mem
 recomputed under the current policy in every micro-batch; the ratio's denominator is old_logprobs.
 If any loss or gradient is NaN/inf the whole update is discarded (no step, no schedule step).
 
-Formulas (`losses.py` has each as a pure function):
+Formulas (docs/design.md, "The PPO update"; `losses.py` has each as a pure function):
 - clipped surrogate, PPO (Schulman et al. 2017, eq. 7, https://arxiv.org/abs/1707.06347) with
   separate low/high clip (DAPO, https://arxiv.org/abs/2503.14476) and dual clip
   (Ye et al. 2020, https://arxiv.org/abs/1912.09729);

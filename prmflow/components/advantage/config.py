@@ -2,19 +2,18 @@
 plan it resolves to: the estimator, beta, and which rollout columns each pass needs and why.
 
 Bad combinations are rejected in `Config.__post_init__` with a message naming the key to change;
-`resolve` reads the KL-controller state and states, per column, what to do when it is missing.
+`resolve` reads the KL-controller state (lib/kl_state.py, the one reader of kl_state.json) and
+states, per column, what to do when it is missing.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 from ..common.errors import ConfigError
 from ..common.tracking import TrackingConfig
+from ..lib.kl_state import read_kl_coef
 from .estimators import ESTIMATORS, Estimator
 from .rewards import KL_ESTIMATORS, STEP_REWARD_MODES
 
@@ -152,7 +151,7 @@ class Plan:
 
 def resolve(cfg: Config) -> Plan:
     """The plan for `cfg`: its estimator, beta (kl_state read now) and why each column is needed."""
-    beta = _read_kl_state(cfg.kl_state) if cfg.kl_state else cfg.kl_coef
+    beta = read_kl_coef(cfg.kl_state) if cfg.kl_state else cfg.kl_coef
     est = ESTIMATORS[cfg.estimator]
     name = f"estimator={est.name}"
     outcome, steps, whiten = cfg.switches()
@@ -171,21 +170,3 @@ def resolve(cfg: Config) -> Plan:
         why = f"the KL penalty is on (beta={beta:g}). Re-score the rollouts, or set kl_coef=0 and kl_state=''"
         needs["old_logprobs"] = needs["ref_logprobs"] = why
     return Plan(cfg, est, beta, outcome, steps, whiten, needs, where=f"rollouts '{cfg.input}'")
-
-
-def _read_kl_state(path: str) -> float:
-    """beta from the ppo stage's KL-controller state: a file {"kl_coef": float, ...} or a ppo output
-    directory holding kl_state.json (the format of ppo/kl_control.py)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "kl_state.json"
-    if not p.is_file():
-        raise ConfigError(f"kl_state '{p}' does not exist. Pass the previous iteration's ppo output (or its "
-                          f"kl_state.json), or set kl_state='' to use kl_coef on the first iteration.")
-    try:
-        beta = float(json.loads(p.read_text())["kl_coef"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"kl_state '{p}' must be JSON like {{\"kl_coef\": 0.05}} ({e!r}).") from None
-    if not (math.isfinite(beta) and beta >= 0):
-        raise ConfigError(f"kl_state '{p}' holds kl_coef={beta}; it must be a finite number >= 0.")
-    return beta

@@ -89,7 +89,7 @@ def make_rollouts(path: Path, sequences: int, max_len: int, seed: int = 0, chunk
 
 def stage_config(inp: Path, out: Path, estimator: str = "gae") -> stage.Config:
     """KL penalty on where the estimator uses token rewards (GRPO-style ones take KL in the loss)."""
-    kl_coef = 0.05 if stage.ESTIMATORS[estimator].uses_token_rewards else 0.0
+    kl_coef = 0.05 if estimators.ESTIMATORS[estimator].uses_token_rewards else 0.0
     return stage.Config(input=str(inp), output=str(out), estimator=estimator, kl_coef=kl_coef, gamma=1.0,
                         lam=0.95, overwrite=True, tracking=TrackingConfig(enabled=False))
 

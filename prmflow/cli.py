@@ -14,36 +14,15 @@ errors (bad config, bad data, a directory that is not a model) print one paragra
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
 
+from . import stages
 from .components.common import config as config_lib
+from .components.common import io, modeling, tracking
 from .components.common.errors import PrmflowError
-
-#: Stage subcommands, in pipeline order: name -> module with `Config` and `run(config)`.
-STAGES = {
-    "sft": "prmflow.components.sft.stage",
-    "prm": "prmflow.components.prm.stage",
-    "prm-label": "prmflow.components.prm.label",
-    "rollout": "prmflow.components.rollout.stage",
-    "advantage": "prmflow.components.advantage.stage",
-    "ppo": "prmflow.components.ppo.stage",
-    "evaluate": "prmflow.components.evaluate.stage",
-}
-
-
-def _available_stages() -> dict[str, object]:
-    found = {}
-    for name, module in STAGES.items():
-        try:
-            found[name] = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name and (e.name == module or module.startswith(e.name + ".")):
-                continue  # that stage is not part of this build yet
-            raise
-    return found
+from .pipelines import commands
 
 
 def _summary(module) -> str:
@@ -52,13 +31,14 @@ def _summary(module) -> str:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    stages = _available_stages()
+    """The `prmflow` parser, and {name: module} of the stages it has a subcommand for."""
+    stage_modules = stages.available()
     parser = argparse.ArgumentParser(
         prog="prmflow", description="RL fine-tuning with step-level process rewards, stage by stage.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in stages.items():
+    for name, module in stage_modules.items():
         p = sub.add_parser(name, help=_summary(module), description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         config_lib.add_arguments(p, module.Config)
@@ -68,18 +48,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     tiny.add_argument("--preset", default="tiny-llama", help="tiny-llama, tiny-qwen2 or tiny-llava (vision-language)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(stage=None, handler=_make_tiny)
-    from .pipelines import commands
-
     commands.add_parsers(sub)
-    from .components.common import tracking
-
     tracking.add_sync_command(sub)
-    return parser, stages
+    return parser, stage_modules
 
 
 def _make_tiny(args) -> int:
-    from .components.common import io, modeling
-
     if not modeling.is_tiny(args.preset):
         known = sorted([*modeling.TINY_PRESETS, *modeling.TINY_VL_PRESETS])
         print(f"error: unknown preset '{args.preset}'; known presets: {', '.join(known)}.", file=sys.stderr)
@@ -93,7 +67,7 @@ def _make_tiny(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parser, stages = build_parser()
+    parser, stage_modules = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -103,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "handler", None):
             return args.handler(args)
-        module = stages[args.stage]
+        module = stage_modules[args.stage]
         cfg = config_lib.from_args(module.Config, args, section=args.stage)
         module.run(cfg)
         return 0

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -19,6 +18,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from .. import stages
 from ..components.common.errors import ConfigError, PrmflowError
 from .settings import load_spec
 
@@ -58,7 +58,7 @@ def add_parsers(sub) -> None:
     cm.set_defaults(handler=_compare)
 
     sc = sub.add_parser("stage-command", help="print the `docker run` line that re-runs one stage of a past run")
-    sc.add_argument("stage", help="sft, prm, rollout, advantage, ppo or evaluate")
+    sc.add_argument("stage", help=f"{', '.join(stages.PIPELINE_STAGES[:-1])} or {stages.PIPELINE_STAGES[-1]}")
     sc.add_argument("--run-id", required=True, help="MLflow run id of that stage's run")
     sc.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     sc.add_argument("--image", default="", help="image to run (default: the stage's CPU/GPU image)")

@@ -17,7 +17,7 @@ def init_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, sft_confi
     The stage configs come as separate parameters: kfp.local pastes a dict that *contains* pipeline
     parameters into its executor JSON unescaped, which breaks the step.
     """
-    from prmflow import cli
+    from prmflow import stages
     from prmflow.components.common import config as config_lib
     from prmflow.components.common import tracking
 
@@ -25,12 +25,11 @@ def init_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, sft_confi
                                   run_name=run_name)
     sections = {"sft": sft_config, "prm": prm_config, "rollout": rollout_config, "advantage": advantage_config,
                 "ppo": ppo_config, "evaluate": evaluate_config}
-    flat, stages = {}, cli._available_stages()
+    flat, available = {}, stages.available()
     for section, values in sections.items():
-        if section not in stages:
+        if section not in available:
             continue
-        module = stages[section]
-        resolved = config_lib.build(module.Config, config_lib._flatten(dict(values or {})),
+        resolved = config_lib.build(available[section].Config, config_lib.flatten(dict(values or {})),
                                     where=f"pipeline config section '{section}'")
         flat.update({f"{section}.{key}": value for key, value in config_lib.flat_dict(resolved).items()
                      if not key.startswith("tracking.")})

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from .. import stages
 from ..components.common import config as config_lib
 from ..components.common.errors import ConfigError
 
@@ -23,8 +24,6 @@ from ..components.common.errors import ConfigError
 #: pipeline YAML (cluster.cpu_image / cluster.gpu_image) or $PRMFLOW_CPU_IMAGE / $PRMFLOW_GPU_IMAGE.
 DEFAULT_CPU_IMAGE = os.environ.get("PRMFLOW_CPU_IMAGE", "ghcr.io/prmflow/prmflow-cpu:0.1.0")
 DEFAULT_GPU_IMAGE = os.environ.get("PRMFLOW_GPU_IMAGE", "ghcr.io/prmflow/prmflow-gpu:0.1.0")
-
-STAGE_SECTIONS = ("sft", "prm", "rollout", "advantage", "ppo", "evaluate")
 
 
 @dataclass
@@ -122,8 +121,6 @@ def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None,
     """Read a pipeline YAML (or take its parsed `data`, `path` then only names it in errors); every
     stage section is checked against its stage's Config now, at compile time, so a typo fails before
     anything is submitted."""
-    import importlib
-
     if data is None and path:
         p = Path(path)
         if not p.is_file():
@@ -132,23 +129,18 @@ def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None,
         if not isinstance(data, dict):
             raise ConfigError(f"Pipeline config '{p}' must hold a mapping with a 'pipeline' section and stage sections.")
     data = data or {}
-    unknown = set(data) - {"pipeline", *STAGE_SECTIONS}
+    sections = stages.PIPELINE_STAGES
+    unknown = set(data) - {"pipeline", *sections}
     if unknown:
-        raise ConfigError(f"{path}: unknown section(s) {sorted(unknown)}; known: pipeline, {', '.join(STAGE_SECTIONS)}.")
-    pipe = config_lib.build(PipelineConfig, config_lib._flatten(data.get("pipeline") or {}), where=f"{path} [pipeline]")
+        raise ConfigError(f"{path}: unknown section(s) {sorted(unknown)}; known: pipeline, {', '.join(sections)}.")
+    pipe = config_lib.build(PipelineConfig, config_lib.flatten(data.get("pipeline") or {}), where=f"{path} [pipeline]")
     if overrides:
-        pipe = config_lib.build(PipelineConfig, {**config_lib._flatten(config_lib.to_dict(pipe)), **overrides}, "command line")
-    from .. import cli
-
-    stages: dict[str, dict[str, Any]] = {}
-    for name in STAGE_SECTIONS:
+        pipe = config_lib.build(PipelineConfig, {**config_lib.flatten(config_lib.to_dict(pipe)), **overrides}, "command line")
+    available = stages.available()
+    stage_configs: dict[str, dict[str, Any]] = {}
+    for name in sections:
         section = data.get(name) or {}
-        module_name = cli.STAGES.get(name)
-        try:
-            module = importlib.import_module(module_name) if module_name else None
-        except ModuleNotFoundError:
-            module = None
-        if module is not None:
-            config_lib.build(module.Config, config_lib._flatten(section), where=f"{path} [{name}]")
-        stages[name] = section
-    return PipelineSpec(pipe, stages)
+        if name in available:
+            config_lib.build(available[name].Config, config_lib.flatten(section), where=f"{path} [{name}]")
+        stage_configs[name] = section
+    return PipelineSpec(pipe, stage_configs)

@@ -1,5 +1,5 @@
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import pytest
 
@@ -117,3 +117,122 @@ def test_nested_section_mappings_are_the_same_as_dotted_keys():
         == "token_classification"  # an explicit dotted key wins over the section mapping
     with pytest.raises(ConfigError, match="'head.knd' is not a config key"):
         config.build(stage.Config, {"head": {"knd": "lm_tokens"}})
+
+
+# --- renamed keys -----------------------------------------------------------------------------------
+
+@dataclass
+class Sampling:
+    n: int = 1
+    """Samples per prompt."""
+    temperature: float = 1.0
+    """Softmax temperature."""
+    renamed: ClassVar[dict[str, str]] = {"temp": "temperature"}  # a section's own renames, relative to it
+
+
+@dataclass
+class Renamed:
+    policy: str = ""
+    """The policy directory."""
+    sampling: Sampling = field(default_factory=Sampling)
+    """How to sample."""
+    renamed: ClassVar[dict[str, str]] = {"policy_path": "policy", "n_samples": "sampling.n", "gen": "sampling"}
+
+
+def _cli(argv: list[str], path=None) -> Renamed:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser, Renamed)
+    return config.from_args(Renamed, parser.parse_args((["--config", str(path)] if path else []) + argv))
+
+
+def _yaml(tmp_path, text: str):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("make,old,new", [
+    (lambda tmp: config.build(Renamed, {"policy_path": "/p", "n_samples": 4, "sampling.temp": 0.5}), "policy_path", "policy"),
+    (lambda tmp: config.build(Renamed, {"policy_path": "/p", "gen": {"n": 4}, "sampling": {"temp": 0.5}}), "gen", "sampling"),
+    (lambda tmp: config.load(Renamed, _yaml(tmp, "policy_path: /p\nn_samples: 4\nsampling:\n  temp: 0.5\n")), "n_samples", "sampling.n"),
+    (lambda tmp: config.load(Renamed, _yaml(tmp, "policy: /p\ngen:\n  n: 4\n  temp: 0.5\n")), "gen", "sampling"),
+    (lambda tmp: config.load(Renamed, overrides={"policy_path": "/p", "gen.n": 4, "sampling.temp": "0.5"}), "gen", "sampling"),
+    (lambda tmp: _cli(["--set", "policy_path=/p", "--n_samples", "4", "--sampling.temp", "0.5"]), "sampling.temp", "sampling.temperature"),
+    (lambda tmp: _cli(["--policy_path", "/p", "--gen.n", "4", "--gen.temp", "0.5"]), "policy_path", "policy"),
+])
+def test_old_keys_load_as_the_new_ones_with_a_deprecation_warning(tmp_path, caplog, make, old, new):
+    with pytest.warns(FutureWarning) as warned:
+        cfg = make(tmp_path)
+    assert (cfg.policy, cfg.sampling.n, cfg.sampling.temperature) == ("/p", 4, 0.5)
+    messages = [str(w.message) for w in warned]
+    assert [m for m in messages if f"'{old}' is deprecated, use '{new}' instead" in m and "next release" in m], messages
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("prmflow") and r.levelname == "WARNING"]
+    assert [m for m in logged if f"'{old}' is deprecated, use '{new}'" in m], logged
+
+
+def test_new_keys_load_without_a_warning(recwarn):
+    cfg = config.build(Renamed, {"policy": "/p", "sampling": {"n": 4}})
+    assert (cfg.policy, cfg.sampling.n) == ("/p", 4)
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
+
+
+@pytest.mark.parametrize("values,old,new", [
+    ({"policy_path": "/a", "policy": "/b"}, "policy_path", "policy"),
+    ({"n_samples": 2, "sampling": {"n": 3}}, "n_samples", "sampling.n"),
+    ({"n_samples": 2, "sampling.n": 3}, "n_samples", "sampling.n"),
+    ({"gen": {"n": 2}, "sampling": {"n": 3}}, "gen.n", "sampling.n"),
+    ({"sampling": {"temp": 0.5, "temperature": 0.7}}, "sampling.temp", "sampling.temperature"),
+])
+def test_an_old_key_with_its_new_one_is_an_error_naming_both(values, old, new):
+    with pytest.raises(ConfigError) as e:
+        config.build(Renamed, values, where="my.yaml")
+    assert f"both '{old}' and '{new}' are set" in str(e.value) and str(e.value).startswith("my.yaml")
+
+
+def test_an_old_and_a_new_key_for_different_settings_combine(tmp_path):
+    with pytest.warns(FutureWarning):
+        cfg = config.build(Renamed, {"gen": {"n": 2}, "sampling": {"temperature": 0.5}})
+    assert (cfg.sampling.n, cfg.sampling.temperature) == (2, 0.5)
+    with pytest.warns(FutureWarning):  # the command line still overrides the file, whichever name each uses
+        assert _cli(["--policy_path", "/cli"], _yaml(tmp_path, "policy: /file\n")).policy == "/cli"
+    with pytest.raises(ConfigError, match="both 'policy_path' and 'policy' are set"):
+        _cli(["--policy_path", "/a", "--policy", "/b"])
+
+
+def test_old_flags_are_hidden_from_help():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser, Renamed)
+    text = parser.format_help()
+    assert "--policy " in text and "--sampling.temperature" in text
+    assert not any(f"--{old}" in text for old in ("policy_path", "n_samples", "gen.n", "sampling.temp "))
+
+
+def test_a_mapping_to_a_key_that_does_not_exist_fails_where_it_is_declared():
+    @dataclass
+    class Typo:
+        policy: str = ""
+        """The policy."""
+        renamed: ClassVar[dict[str, str]] = {"policy_path": "polcy"}
+
+    @dataclass
+    class Stale:
+        policy: str = ""
+        """The policy."""
+        renamed: ClassVar[dict[str, str]] = {"policy": "policy"}
+
+    with pytest.raises(TypeError, match="maps 'policy_path' to 'polcy', which is not a key of Typo"):
+        config.build(Typo, {})
+    with pytest.raises(TypeError, match="maps 'policy', which is still a key of Stale"):
+        config.build(Stale, {})
+
+
+def test_every_stage_renames_only_to_keys_it_has():
+    from prmflow import stages
+
+    for name, module in stages.available().items():
+        for old, new in config.renamed_keys(module.Config).items():
+            assert old not in config.flat_fields(module.Config), (name, old)

@@ -306,16 +306,16 @@ def test_input_that_is_a_file_not_a_directory(tmp_path):
 # --- config files ---------------------------------------------------------------------------------
 
 def _stage_configs() -> dict:
-    from prmflow import cli
+    from prmflow import stages
 
-    return {name: module.Config for name, module in cli._available_stages().items()}  # every `prmflow <stage>`
+    return {name: module.Config for name, module in stages.available().items()}  # every `prmflow <stage>`
 
 
 STAGE_CONFIGS = _stage_configs()
 
 
 def _keys(cls) -> list[str]:
-    return list(config._flat_fields(cls))
+    return list(config.flat_fields(cls))
 
 
 EDGE_VALUES = [math.nan, math.inf, -math.inf, 1e308, -1, 0, "", "null", "{", [], {}]
@@ -364,9 +364,9 @@ def test_random_config_files_load_or_name_file_and_key(reliability, stage_name, 
             else:
                 nested[k] = v
         path.write_text(yaml.safe_dump(nested, allow_unicode=True))
-        cfg = _load_or_refuse(cls, path, list(config._flatten(nested)), reliability, f"hostile/config-{stage_name}")
+        cfg = _load_or_refuse(cls, path, list(config.flatten(nested)), reliability, f"hostile/config-{stage_name}")
         if cfg is not None:  # accepted: every value it took is of the declared type and finite
-            for key, (typ, _, _) in config._flat_fields(cls).items():
+            for key, (typ, _, _) in config.flat_fields(cls).items():
                 value = cfg
                 for part in key.split("."):
                     value = getattr(value, part)

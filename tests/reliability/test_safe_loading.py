@@ -119,11 +119,11 @@ def test_package_source_has_no_unsafe_loads(reliability):
 
 
 def test_stage_configs_keep_remote_code_off():
-    from prmflow import cli
+    from prmflow import stages
     from prmflow.components.common import config
 
-    for name, module in cli._available_stages().items():
-        for key, (_, _, default) in config._flat_fields(module.Config).items():
+    for name, module in stages.available().items():
+        for key, (_, _, default) in config.flat_fields(module.Config).items():
             if key.split(".")[-1] == "trust_remote_code":
                 assert default is False, f"{name}: {key} defaults to {default}"
 

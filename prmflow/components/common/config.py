@@ -5,7 +5,8 @@ are the documentation: `--help` shows them, and `describe(cls)` renders them for
 comes from (lowest to highest precedence) the dataclass defaults, a YAML file (`--config`), and
 `--set key=value` / `--key value` overrides. Nested dataclasses take dotted keys
 (`--set engine.zero_stage=2`). Unknown keys and values of the wrong type fail with a `ConfigError`
-naming the key, the file and the closest valid key.
+naming the key, the file and the closest valid key. A key that was renamed keeps working for one
+release under its old name, with a warning (`renamed_keys`).
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ import dataclasses
 import difflib
 import functools
 import inspect
-import math
+import logging
 import textwrap
-import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
+from .config_values import coerce
 from .errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 C = TypeVar("C")
 
@@ -58,8 +62,9 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _flat_fields(cls: type, prefix: str = "") -> dict[str, tuple[Any, str, Any]]:
-    """Map dotted key -> (type, doc, default) for every leaf field of a (nested) dataclass."""
+def flat_fields(cls: type, prefix: str = "") -> dict[str, tuple[Any, str, Any]]:
+    """{dotted key: (type, doc, default)} for every leaf field of a (nested) config dataclass: the
+    keys a user can set (`engine.zero_stage`), as `--help`, `describe` and `build` know them."""
     out: dict[str, tuple[Any, str, Any]] = {}
     hints = _hints(cls)
     docs = field_docs(cls)
@@ -67,7 +72,7 @@ def _flat_fields(cls: type, prefix: str = "") -> dict[str, tuple[Any, str, Any]]
         typ = hints[f.name]
         key = prefix + f.name
         if dataclasses.is_dataclass(typ):
-            out.update(_flat_fields(typ, key + "."))
+            out.update(flat_fields(typ, key + "."))
         else:
             if f.default is not dataclasses.MISSING:
                 default = f.default
@@ -79,91 +84,135 @@ def _flat_fields(cls: type, prefix: str = "") -> dict[str, tuple[Any, str, Any]]
     return out
 
 
-def _coerce(value: Any, typ: Any, key: str, where: str) -> Any:
-    """Convert `value` (from YAML or a command-line string) to `typ`, or raise a ConfigError."""
-    origin = typing.get_origin(typ)
-    args = typing.get_args(typ)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in args:
-                return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, key, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: key '{key}' cannot be None.")
-    if origin is typing.Literal:
-        for a in args:
-            if value == a or (isinstance(value, str) and str(a) == value):
-                return a
-        raise ConfigError(
-            f"{where}: key '{key}' is {value!r}, which is not one of {list(args)}. "
-            f"Set it to one of those."
-        )
-    if origin in (list, tuple):
-        inner = args[0] if args else str
-        if isinstance(value, str) and value.strip().startswith("["):  # YAML flow list: [a, b]
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{where}: key '{key}' is not a valid list ({e}); write a, b or [a, b].") from None
-        elif isinstance(value, str):
-            value = [v for v in (s.strip() for s in value.split(",")) if v] if value else []
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: key '{key}' must be a list, got {value!r}.")
-        return [_coerce(v, inner, f"{key}[{i}]", where) for i, v in enumerate(value)]
-    if origin is dict or typ is dict:
-        if isinstance(value, str):
-            try:
-                value = yaml.safe_load(value) if value else {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{where}: key '{key}' must be a mapping; {value!r} is not valid YAML ({e}).") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: key '{key}' must be a mapping, got {value!r}.")
-        return dict(value)
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
-            return False
-        raise ConfigError(f"{where}: key '{key}' must be true or false, got {value!r}.")
-    if typ in (int, float):
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: key '{key}' must be a number, got {value!r}.")
-        try:
-            number = float(value)
-        except (TypeError, ValueError, OverflowError):
-            raise ConfigError(f"{where}: key '{key}' must be {typ.__name__}, got {value!r}.") from None
-        if not math.isfinite(number):
-            raise ConfigError(f"{where}: key '{key}' must be a finite number, got {value!r}.")
-        if typ is int:
-            if number != int(number):
-                raise ConfigError(f"{where}: key '{key}' must be an integer, got {value!r}.")
-            return int(number)
-        return number
-    if typ is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{where}: key '{key}' must be a string, got {value!r}.")
-        return "" if value is None else str(value)
-    return value
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping (a YAML section, a pipeline parameter) as {dotted key: value}, the form
+    `build` takes. A nested mapping is also kept whole under its own key, because it may be the
+    value of a dict-typed field rather than a section."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
+            out.update(flatten(v, key + "."))
             out.setdefault(key, v)  # dict-typed leaf fields keep the whole mapping
         else:
             out[key] = v
     return out
+
+
+# --- renamed keys ------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+@functools.lru_cache(maxsize=None)
+def renamed_keys(cls: type) -> dict[str, str]:
+    """{old dotted key: new dotted key} that `cls` and its nested sections still accept.
+
+    A config that renames a key keeps reading the old one for one release: it declares
+    `renamed: ClassVar[dict[str, str]] = {"old_key": "new.key"}` (a key or a whole section; in a
+    nested section's dataclass, relative to that section), and `build` reads the old key as the new
+    one with a deprecation warning."""
+    out: dict[str, str] = {}
+
+    def collect(klass: type, prefix: str) -> None:
+        for old, new in getattr(klass, "renamed", {}).items():
+            out[prefix + old] = prefix + new
+        hints = _hints(klass)
+        for f in dataclasses.fields(klass):
+            if dataclasses.is_dataclass(hints[f.name]):
+                collect(hints[f.name], f"{prefix}{f.name}.")
+
+    collect(cls, "")
+    leaves = flat_fields(cls)
+    sections = {".".join(k.split(".")[:i]) for k in leaves for i in range(1, k.count(".") + 1)}
+    for old, new in out.items():  # a wrong mapping is a bug in prmflow: fail where it is declared
+        if new not in leaves and new not in sections:
+            raise TypeError(f"{cls.__name__}.renamed maps '{old}' to '{new}', which is not a key of {cls.__name__}.")
+        if old in leaves or old in sections:
+            raise TypeError(f"{cls.__name__}.renamed maps '{old}', which is still a key of {cls.__name__}.")
+    return out
+
+
+def _lookup(mapping: Any, path: str) -> Any:
+    """mapping[a][b] for path 'a.b', or _MISSING."""
+    for part in path.split("."):
+        if not isinstance(mapping, dict) or part not in mapping:
+            return _MISSING
+        mapping = mapping[part]
+    return mapping
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Whether two values given for the same key set some setting twice (two sections: a shared key)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return any(k in b and _overlap(v, b[k]) for k, v in a.items())
+    return True
+
+
+def _same_setting(key: str, value: Any, other: str, other_value: Any) -> bool:
+    """Whether `key` and `other` (either may be a section holding a mapping) set the same setting."""
+    if key == other:
+        return _overlap(value, other_value)
+    if key.startswith(other + "."):
+        inner = _lookup(other_value, key[len(other) + 1:])
+        return inner is not _MISSING and _overlap(value, inner)
+    if other.startswith(key + "."):
+        inner = _lookup(value, other[len(key) + 1:])
+        return inner is not _MISSING and _overlap(inner, other_value)
+    return False
+
+
+def upgrade_keys(cls: type, values: dict[str, Any], where: str = "config") -> dict[str, Any]:
+    """`values` ({dotted key: value}, sections may hold nested mappings) with every key `cls` renamed
+    under its new name. Each old key in use logs a warning (and a FutureWarning) naming the new key;
+    an old key given together with its new one is a ConfigError naming both."""
+    renames = renamed_keys(cls)
+    if not renames:
+        return values
+    holders = {".".join(k.split(".")[:i]) for k in renames for i in range(1, k.count(".") + 1)}
+    given: dict[str, Any] = {}
+    upgraded: dict[str, tuple[str, Any]] = {}  # new key -> (the old key as written, value)
+    used: dict[str, str] = {}  # declared old -> new, one warning each
+
+    def put(key: str, value: Any, written: str | None) -> None:
+        if isinstance(value, dict) and key in holders:  # a section that holds an old key: look inside
+            for k, v in value.items():
+                put(f"{key}.{k}", v, written and f"{written}.{k}")
+            return
+        for old, new in renames.items():
+            if key == old or key.startswith(old + "."):
+                used.setdefault(old, new)
+                put(new + key[len(old):], value, written or key)  # again: a renamed section may hold a renamed key
+                return
+        if written is None:
+            given[key] = value
+        else:
+            upgraded[key] = (written, value)
+
+    # sections given as mappings first, so that a dotted key wins over the same key inside one (as in `build`)
+    for key, value in sorted(values.items(), key=lambda kv: not (isinstance(kv[1], dict) and kv[0] in holders)):
+        put(key, value, None)
+    for key, (written, value) in upgraded.items():
+        clash = next((k for k, v in given.items() if _same_setting(key, value, k, v)), None)
+        if clash is not None:
+            raise ConfigError(f"{where}: both '{written}' and '{clash}' are set; '{written}' is the old name of "
+                              f"'{key}'. Keep only '{key}'.")
+    for old, new in used.items():
+        message = (f"{where}: config key '{old}' is deprecated, use '{new}' instead; "
+                   f"'{old}' will be removed in the next release.")
+        log.warning(message)
+        warnings.warn(message, FutureWarning, stacklevel=3)
+    out = dict(given)
+    for key, (_, value) in upgraded.items():  # an old and a new section may each set some keys
+        out[key] = _merged(out[key], value) if key in out else value
+    return out
+
+
+def _merged(a: Any, b: Any) -> Any:
+    """Two mappings that set different keys, as one (else `b`)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {**a, **{k: _merged(a[k], v) if k in a else v for k, v in b.items()}}
+    return b
 
 
 def _unknown_key(key: str, valid: typing.Iterable[str], where: str) -> ConfigError:
@@ -173,17 +222,19 @@ def _unknown_key(key: str, valid: typing.Iterable[str], where: str) -> ConfigErr
 
 
 def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
-    """Make a `cls` from a flat {dotted key: value} mapping, coercing and checking every value."""
-    leaves = _flat_fields(cls)
+    """Make a `cls` from a flat {dotted key: value} mapping, coercing and checking every value.
+    Renamed keys (`renamed_keys`) are read as their new names, with a deprecation warning."""
+    values = upgrade_keys(cls, values, where)
+    leaves = flat_fields(cls)
     prefixes = {".".join(k.split(".")[:i]) for k in leaves for i in range(1, k.count(".") + 1)}  # every section
     mappings = [k for k, (t, _, _) in leaves.items() if t is dict or typing.get_origin(t) is dict]
 
-    def flatten(key: str, value: Any) -> dict[str, Any]:  # {"engine": {"backend": ...}} -> {"engine.backend": ...}
+    def expand(key: str, value: Any) -> dict[str, Any]:  # {"engine": {"backend": ...}} -> {"engine.backend": ...}
         if key in prefixes and key not in leaves and isinstance(value, dict):
-            return {k2: v2 for k, v in value.items() for k2, v2 in flatten(f"{key}.{k}", v).items()}
+            return {k2: v2 for k, v in value.items() for k2, v2 in expand(f"{key}.{k}", v).items()}
         return {key: value}
 
-    nested = {k2: v2 for k, v in values.items() if k in prefixes and k not in leaves for k2, v2 in flatten(k, v).items()}
+    nested = {k2: v2 for k, v in values.items() if k in prefixes and k not in leaves for k2, v2 in expand(k, v).items()}
     values = {**nested, **{k: v for k, v in values.items() if not (k in prefixes and k not in leaves)}}  # dotted keys win
     for key in values:
         inside_mapping = any(key.startswith(m + ".") for m in mappings)  # a dict field's own keys
@@ -210,7 +261,7 @@ def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
                     sub = None
                 kwargs[f.name] = make(typ, key + ".", sub)
             elif key in values:
-                kwargs[f.name] = _coerce(values[key], typ, key, where)
+                kwargs[f.name] = coerce(values[key], typ, key, where)
             elif defaults is not None and f.name in defaults:
                 kwargs[f.name] = defaults[f.name]
         try:
@@ -244,11 +295,11 @@ def load(cls: type[C], path: str | Path | None = None, overrides: dict[str, Any]
             raise ConfigError(f"Config file '{p}' must hold a mapping of keys to values, got {type(data).__name__}.")
         if section is not None and section in data and isinstance(data[section], dict):
             data = data[section]
-        values.update(_flatten(data))
+        values.update(flatten(data))
         where = str(p)
     cfg = build(cls, values, where)
     if overrides:
-        merged = {**_flatten(to_dict(cfg)), **overrides}
+        merged = {**flatten(to_dict(cfg)), **upgrade_keys(cls, overrides, "command line")}
         cfg = build(cls, merged, "command line")
     return cfg
 
@@ -260,13 +311,13 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def flat_dict(cfg: Any) -> dict[str, Any]:
     """The config as {dotted key: value}, as logged to MLflow params."""
-    return {k: v for k, v in _flatten(to_dict(cfg)).items() if not isinstance(v, dict) or not v}
+    return {k: v for k, v in flatten(to_dict(cfg)).items() if not isinstance(v, dict) or not v}
 
 
 def describe(cls: type) -> str:
     """A Markdown table of every key: name, type, default, description (for READMEs)."""
     rows = ["| key | type | default | description |", "|---|---|---|---|"]
-    for key, (typ, doc, default) in _flat_fields(cls).items():
+    for key, (typ, doc, default) in flat_fields(cls).items():
         tname = getattr(typ, "__name__", None) or str(typ).replace("typing.", "")
         tname = tname.replace(" | ", " or ").replace("|", " or ")  # a bare | would split the table cell
         rows.append(f"| `{key}` | {tname} | `{default!r}` | {doc} |")
@@ -281,10 +332,16 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="set_",
                         help="override one key, e.g. --set lr=1e-4 --set engine.zero_stage=2")
     group = parser.add_argument_group("config keys")
-    for key, (typ, doc, default) in _flat_fields(cls).items():
+    fields = flat_fields(cls)
+    for key, (typ, doc, default) in fields.items():
         help_text = f"{doc} (default: {default!r})" if doc else f"(default: {default!r})"
         group.add_argument(f"--{key}", dest=f"cfg:{key}", metavar="V", default=argparse.SUPPRESS,
                            help=help_text.replace("%", "%%"))
+    for old, new in renamed_keys(cls).items():  # old flags still work for a release, hidden from --help
+        for key in fields:
+            if key == new or key.startswith(new + "."):
+                flag = old + key[len(new):]
+                group.add_argument(f"--{flag}", dest=f"cfg:{flag}", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def from_args(cls: type[C], args: argparse.Namespace, section: str | None = None) -> C:

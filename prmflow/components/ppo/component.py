@@ -1,9 +1,6 @@
 """KFP component: the ppo stage. A shim over prmflow.components.ppo.stage.run (see stage.py)."""
 
-from kfp import dsl
 from kfp.dsl import Dataset, Input, Model, Output
-
-from prmflow.pipelines.settings import DEFAULT_GPU_IMAGE
 
 
 def ppo(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, iteration: int, policy: Input[Model],
@@ -12,7 +9,8 @@ def ppo(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, itera
     """Update the policy (and critic); `updated` holds policy/, critic/ and kl_state.json."""
     import os
 
-    from prmflow.pipelines.shim import artifact_metadata, run_stage
+    from prmflow.components.common.kfp_shim import artifact_metadata, run_stage
+    from prmflow.components.ppo import stage
 
     paths = {"policy_path": os.path.join(policy.path, policy_subdir), "advantages": advantages.path,
              "output": updated.path}
@@ -22,8 +20,5 @@ def ppo(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, itera
             paths["critic_path"] = os.path.join(previous.path, "critic")
         if os.path.isdir(os.path.join(previous.path, "optimizer")):
             paths["optimizer_state"] = os.path.join(previous.path, "optimizer")  # Adam continues, not restarts
-    metrics = run_stage("ppo", config, paths, kfp_run_id, tracking_uri, experiment, iteration)
+    metrics = run_stage("ppo", stage, config, paths, kfp_run_id, tracking_uri, experiment, iteration)
     updated.metadata.update(artifact_metadata(metrics))
-
-
-component = dsl.component(base_image=DEFAULT_GPU_IMAGE)(ppo)

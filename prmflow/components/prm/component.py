@@ -1,9 +1,6 @@
 """KFP component: the prm stage. A shim over prmflow.components.prm.stage.run (see stage.py)."""
 
-from kfp import dsl
 from kfp.dsl import Input, Model, Output
-
-from prmflow.pipelines.settings import DEFAULT_GPU_IMAGE
 
 
 def prm(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, base: Input[Model],
@@ -11,13 +8,11 @@ def prm(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, base:
     """Train the process reward model; `prm_model` is its HF token-classification directory.
 
     The backbone is `base` (the SFT policy) unless the config names its own `model_path`."""
-    from prmflow.pipelines.shim import artifact_metadata, run_stage
+    from prmflow.components.common.kfp_shim import artifact_metadata, run_stage
+    from prmflow.components.prm import stage
 
     paths = {"output": prm_model.path}
     if not (config or {}).get("model_path"):
         paths["model_path"] = base.path
-    metrics = run_stage("prm", config, paths, kfp_run_id, tracking_uri, experiment)
+    metrics = run_stage("prm", stage, config, paths, kfp_run_id, tracking_uri, experiment)
     prm_model.metadata.update(artifact_metadata(metrics))
-
-
-component = dsl.component(base_image=DEFAULT_GPU_IMAGE)(prm)

@@ -1,9 +1,6 @@
 """KFP component: one shard of the rollout stage. A shim over prmflow.components.rollout.stage.run."""
 
-from kfp import dsl
 from kfp.dsl import Dataset, Input, Model, Output
-
-from prmflow.pipelines.settings import DEFAULT_GPU_IMAGE
 
 
 def rollout(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, iteration: int, shard: int,
@@ -12,13 +9,11 @@ def rollout(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, i
     """Sample and score shard `shard` of `num_shards` of this iteration's prompts."""
     import os
 
-    from prmflow.pipelines.shim import dataset_metadata, run_stage
+    from prmflow.components.common.kfp_shim import dataset_metadata, run_stage
+    from prmflow.components.rollout import stage
 
     paths = {"policy": os.path.join(policy.path, policy_subdir), "prm": prm_model.path, "ref": ref.path,
              "critic": os.path.join(critic.path, critic_subdir) if use_critic else "",
              "shard": shard, "num_shards": num_shards, "output": rollouts.path}
-    run_stage("rollout", config, paths, kfp_run_id, tracking_uri, experiment, iteration)
+    run_stage("rollout", stage, config, paths, kfp_run_id, tracking_uri, experiment, iteration)
     rollouts.metadata.update(dataset_metadata(rollouts.path))
-
-
-component = dsl.component(base_image=DEFAULT_GPU_IMAGE)(rollout)

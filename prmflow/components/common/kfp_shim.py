@@ -1,29 +1,30 @@
 """What every KFP component does inside its container: build the stage's Config and call run().
 
 The components (prmflow/components/<stage>/component.py) are thin: they name their artifacts and
-call `run_stage`, which layers, lowest to highest: the stage section of the pipeline config (a dict
-pipeline parameter), the tracking settings of this pipeline run, and the artifact paths KFP chose.
+call `run_stage` with their stage module, which layers, lowest to highest: the stage section of the
+pipeline config (a dict pipeline parameter), the tracking settings of this pipeline run, and the
+artifact paths KFP chose. Nothing here imports KFP: the components pass plain paths and values.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from ..components.common import config as config_lib
+from . import config as config_lib
 
 
-def run_stage(stage: str, config: dict, paths: dict[str, Any], kfp_run_id: str = "", tracking_uri: str = "",
-              experiment: str = "prmflow", iteration: int | None = None) -> dict:
-    """Run one stage with `config` (its Config keys) plus artifact `paths`; returns its metrics."""
-    from .. import cli
-
-    module = importlib.import_module(cli.STAGES[stage])
-    values = config_lib._flatten(dict(config or {}))
+def run_stage(name: str, stage: ModuleType, config: dict, paths: dict[str, Any], kfp_run_id: str = "",
+              tracking_uri: str = "", experiment: str = "prmflow", iteration: int | None = None) -> dict:
+    """Run `stage` (a module with `Config` and `run`), called `name` in errors, with `config` (its
+    Config keys) plus artifact `paths`; returns its metrics."""
+    where = f"pipeline step '{name}'"
+    # old key names in the section are renamed first, so the paths below win over them too
+    values = config_lib.upgrade_keys(stage.Config, config_lib.flatten(dict(config or {})), where)
     values.update({"tracking.pipeline_run_id": kfp_run_id, "tracking.experiment": experiment})
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
     if uri:
@@ -31,8 +32,8 @@ def run_stage(stage: str, config: dict, paths: dict[str, Any], kfp_run_id: str =
     if iteration is not None:
         values["iteration"] = iteration
     values.update(paths)
-    cfg = config_lib.build(module.Config, values, where=f"pipeline step '{stage}'")
-    return module.run(cfg) or {}
+    cfg = config_lib.build(stage.Config, values, where=where)
+    return stage.run(cfg) or {}
 
 
 def artifact_metadata(metrics: dict) -> dict:

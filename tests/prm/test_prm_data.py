@@ -14,8 +14,9 @@ from hypothesis import given, settings, strategies as st
 from prmflow.components.common import config
 from prmflow.components.common.errors import DataError
 from prmflow.components.common.tasks import arithmetic
-from prmflow.components.prm import data, stage
 from prmflow.components.lib.prm_metrics import roc_auc, step_metrics
+from prmflow.components.lib.prm_model import PRM
+from prmflow.components.prm import data, stage
 
 GOOD = {"prompt": "Compute left to right: 7+5*3\n", "steps": ["7+5=12", "12*3=36", "answer: 36"], "labels": [1, 1, 1]}
 
@@ -123,7 +124,7 @@ def test_non_utf8_line_is_named(tmp_path, no_tracking):
 def test_bad_eval_file_fails_before_training(tmp_path, no_tracking, monkeypatch):
     """A bad held-out file is found before any model is loaded or step is trained."""
     bad = _write(tmp_path / "eval.jsonl", [GOOD, {**GOOD, "labels": [1, 1]}])
-    monkeypatch.setattr(stage.PRM, "load", lambda *a, **k: pytest.fail("the model was loaded before the data was checked"))
+    monkeypatch.setattr(PRM, "load", lambda *a, **k: pytest.fail("the model was loaded before the data was checked"))
     with pytest.raises(DataError, match=r"eval.jsonl, line 2: 2 labels for 3 steps"):
         stage.run(config.load(stage.Config, overrides={"eval_task": str(bad), "output": str(tmp_path / "prm"),
                                                        "train_size": 8, "model_path": "tiny-llama", **no_tracking}))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from prmflow.components.common.tasks import arithmetic
-from prmflow.components.prm import data
 from prmflow.components.lib.prm_model import PRM, encode
+from prmflow.components.prm import data
 
 
 def _last_char_positions(response: str, steps: list[str], tag: str = "") -> list[int]:

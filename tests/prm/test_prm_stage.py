@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 
 from prmflow import cli
 from prmflow.components.common import checkpoint, config
-from prmflow.components.prm import data, stage
 from prmflow.components.lib.prm_metrics import step_metrics
-from prmflow.components.lib.prm_model import PRM
+from prmflow.components.lib.prm_model import PRM, HeadConfig
 from prmflow.components.lib.prm_scoring import load_scorer
+from prmflow.components.prm import data, stage
 
 SHORT = {"model_path": "tiny-llama", "extra_layers": 0, "train_layers": 0, "lr": 2e-3, "train_size": 40,
          "eval_size": 8, "negatives_per_problem": 1, "max_steps": 6, "micro_batch_size": 8, "warmup_steps": 1,
@@ -96,7 +96,7 @@ def test_saved_prm_scores_what_training_evaluated(tmp_path):
     """The scoring API on the written directory reproduces the stage's own held-out metrics."""
     cfg = make_cfg(tmp_path, max_steps=4)
     metrics = stage.run(cfg)
-    _, held_out = stage.load_data(cfg)
+    _, held_out = data.load_data(cfg)
     scorer = load_scorer(cfg.output, batch_size=5)
     scores = scorer.score([e.prompt for e in held_out], [e.response() for e in held_out])
     again = step_metrics([e.labels for e in held_out], scores)
@@ -133,7 +133,7 @@ def test_lm_tokens_head_trains_and_reloads(tmp_path):
     (s,) = scorer.score(["Compute left to right: 1+2\n"], ["1+2=3\nanswer: 3"])
     assert len(s) == 2 and all(0 < x < 1 for x in s)
     with pytest.raises(Exception, match="head.kind=lm_tokens"):
-        PRM.load(cfg.output, stage.HeadConfig("token_classification"))
+        PRM.load(cfg.output, HeadConfig("token_classification"))
 
 
 def test_rerun_of_a_finished_output_does_nothing(tmp_path, capsys):
@@ -202,7 +202,7 @@ def test_a_labelled_file_can_be_judged_on_the_exact_arithmetic_split(tmp_path):
     path = tmp_path / "labels.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = make_cfg(tmp_path, task=str(path), eval_task="arithmetic", eval_size=5)
-    train, held_out = stage.load_data(cfg)
+    train, held_out = data.load_data(cfg)
     assert [e.steps for e in train] == [r["steps"] for r in rows]
     want = data.arithmetic_examples(5, 0, "eval", arithmetic.ArithmeticConfig(), SHORT["negatives_per_problem"])
     assert [(e.prompt, e.steps, e.labels) for e in held_out] == [(e.prompt, e.steps, e.labels) for e in want]
@@ -216,9 +216,9 @@ def test_policy_samples_join_the_training_data_labelled_by_the_checker(sft_polic
     from prmflow.components.common.tasks import arithmetic
 
     base = dict(model_path=str(sft_policy), train_size=12, policy_samples=2)
-    plain, _ = stage.load_data(make_cfg(tmp_path, **base))
-    by_path, _ = stage.load_data(make_cfg(tmp_path, **base, policy_samples_path=str(sft_policy)))
-    by_switch, _ = stage.load_data(make_cfg(tmp_path, **base, policy_samples_from_backbone=True))
+    plain, _ = data.load_data(make_cfg(tmp_path, **base))
+    by_path, _ = data.load_data(make_cfg(tmp_path, **base, policy_samples_path=str(sft_policy)))
+    by_switch, _ = data.load_data(make_cfg(tmp_path, **base, policy_samples_from_backbone=True))
     key = lambda es: [(e.prompt, e.steps, e.labels) for e in es]  # noqa: E731
     assert key(by_switch) == key(by_path)
     samples = by_switch[len(plain):]

@@ -33,7 +33,7 @@ def test_policy_learns_the_task(sft_policy):
     manifest = json.loads((sft_policy / "manifest.json").read_text())
     trained = manifest["metrics"]
     cfg = config.load(stage.Config, overrides={"eval_size": 100, "engine.backend": "torch"})
-    _, held_out = stage._load_data(cfg)
+    _, held_out = stage.load_data(cfg)
     model, tok = modeling.build_tiny_model("tiny-llama", seed=0)  # what SFT started from
     examples, _ = data.tokenize(held_out, tok, cfg.max_seq_len, where="eval")
     untrained = stage.evaluate(model, tok, examples, held_out, cfg)
@@ -117,7 +117,7 @@ def test_rerun_of_a_finished_output_does_nothing(tmp_path, capsys):
     assert stage.run(cfg) == first
     assert "already complete" in capsys.readouterr().out
     assert (tmp_path / "out" / "manifest.json").read_text() == before
-    with pytest.raises(Exception, match="already exists and was not written by this config"):
+    with pytest.raises(Exception, match=r"already exists, but it does not match this run \(different config\)"):
         stage.run(make_cfg(tmp_path, max_steps=4))
 
 

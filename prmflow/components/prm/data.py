@@ -26,10 +26,13 @@ from pathlib import Path
 
 import torch
 
-from ..common import steps as steps_lib, tasks
-from ..common.errors import DataError
-from ..common.tasks import arithmetic
+from ..common import config as config_lib, io, modeling, steps as steps_lib, tasks
+from ..common.errors import ConfigError, DataError
+from ..common.generation import generate_texts
+from ..common.tasks import arithmetic, visual
+from ..common.vision import batch_pixels, read_image_list
 from ..lib.prm_model import encode, has_shared_readout
+from .config import Config
 
 
 @dataclass
@@ -125,8 +128,6 @@ def load_stepwise(path: str | Path, separator: str = "\n", n: int | None = None)
     first bad row, naming it."""
     path = Path(path)
     if path.is_dir():  # a prm-label output: its labels file, once the manifest says it is complete
-        from ..common import io
-
         io.verify_files(path, io.read_manifest(path))
         path = path / "labels.jsonl"
     if not path.is_file():
@@ -147,8 +148,6 @@ def load_stepwise(path: str | Path, separator: str = "\n", n: int | None = None)
                                 f"{separator!r} has {len(step_list)} step(s). Separate every step with {separator!r} "
                                 f"(or give a 'steps' list), one label per step.")
         prompt = row.get("prompt")
-        from ..common.vision import read_image_list
-
         out.append(check_example(StepExample(
             prompt=prompt, steps=step_list, labels=row.get("labels"), answer=None if row.get("answer") is None else str(row["answer"]),
             prompt_id=str(row.get("id") or row.get("prompt_id") or f"{path.name}:{where_n}"),
@@ -214,8 +213,6 @@ def visual_examples(n: int, seed: int, split: str, negatives_per_problem: int = 
     """The visual task's counterpart of `arithmetic_examples`: for each of n problems (an image of
     two digits) the reference solution and `negatives_per_problem` `visual.corrupt` ones (a misread
     digit, a wrong result or a wrong answer line), labelled by the exact checker."""
-    from ..common.tasks import visual
-
     rng = random.Random(f"prm-visual:{seed}:{split}")
     out = []
     for p in visual.generate(n, seed=seed, split=split):
@@ -227,8 +224,6 @@ def visual_examples(n: int, seed: int, split: str, negatives_per_problem: int = 
 
 def _exact_labels(r: tasks.PromptRecord, response: str) -> list[int]:
     if r.source == "visual":
-        from ..common.tasks import visual
-
         return visual.step_labels(r.prompt_id, response)
     return arithmetic.step_labels(r.prompt, response)
 
@@ -243,6 +238,53 @@ def from_records(records: list[tasks.PromptRecord], responses: list[str], separa
         out.append(StepExample(r.prompt, s, [float(y) for y in _exact_labels(r, separator.join(s))],
                                r.answer, r.prompt_id, r.source, "policy sample", r.images))
     return out
+
+
+# --- a run's data ---------------------------------------------------------------------------
+
+def load_data(cfg: Config) -> tuple[list[StepExample], list[StepExample]]:
+    """(train, held-out) step-labelled examples: a built-in task's exact labels (plus the sampling policy's
+    own solutions), or a stepwise file whose last eval_size rows are held out unless eval_task is set."""
+    if cfg.task in tasks.TASKS:
+        train = (arithmetic_examples(cfg.train_size, cfg.seed, "train", cfg.arithmetic, cfg.negatives_per_problem)
+                 if cfg.task == "arithmetic" else visual_examples(cfg.train_size, cfg.seed, "train", cfg.negatives_per_problem))
+        if cfg.samples_policy:
+            records = tasks.load(cfg.task, "train", cfg.train_size, cfg.seed, **config_lib.to_dict(cfg.arithmetic))
+            train += policy_examples(cfg.samples_policy, records, cfg.policy_samples, cfg.step_separator,
+                                     seed=cfg.seed, chat_template=cfg.chat_template)
+    else:
+        train = load_stepwise(cfg.task, cfg.step_separator)
+    if cfg.eval_task and cfg.eval_task not in tasks.TASKS:
+        held_out = load_stepwise(cfg.eval_task, cfg.step_separator, n=cfg.eval_size)
+    elif "visual" in (cfg.task, cfg.eval_task) and cfg.eval_task != "arithmetic":
+        held_out = visual_examples(cfg.eval_size, cfg.seed, "eval", cfg.negatives_per_problem)
+    elif cfg.task == "arithmetic" or cfg.eval_task == "arithmetic":
+        held_out = arithmetic_examples(cfg.eval_size, cfg.seed, "eval", cfg.arithmetic, cfg.negatives_per_problem)
+    else:
+        if len(train) <= cfg.eval_size:
+            raise ConfigError(f"{cfg.task} has {len(train)} rows, not more than eval_size={cfg.eval_size}; "
+                              f"lower eval_size or pass eval_task.")
+        train, held_out = train[:-cfg.eval_size], train[-cfg.eval_size:]
+    if cfg.task not in tasks.TASKS:
+        train = train[:cfg.train_size]
+    return train, held_out
+
+
+def epoch_order(groups: list[int], seed: int, epoch: int, by_group: bool = True) -> list[int]:
+    """The example order of one epoch, fixed by (seed, epoch) so resume replays it.
+
+    groups[i]: the prompt group of example i. by_group shuffles the prompts and keeps each prompt's
+    solutions together, so a batch holds right and wrong solutions of the same problem: their
+    gradients differ only where the solutions differ, at the wrong step.
+    """
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    if not by_group:
+        return torch.randperm(len(groups), generator=g).tolist()
+    members: dict[int, list[int]] = {}
+    for i, grp in enumerate(groups):
+        members.setdefault(grp, []).append(i)
+    keys = list(members)
+    return [i for k in torch.randperm(len(keys), generator=g).tolist() for i in members[keys[k]]]
 
 
 # --- tensors ---------------------------------------------------------------------------------
@@ -283,8 +325,6 @@ def collate(batch: list[Tokenized], pad_id: int) -> dict[str, torch.Tensor]:
         mask[i, :len(e.input_ids)] = 1
         step_mask[i, e.step_ends] = True
         targets[i, e.step_ends] = torch.tensor(e.labels)
-    from ..common.vision import batch_pixels
-
     return {"input_ids": ids, "attention_mask": mask, "step_mask": step_mask, "targets": targets,
             **batch_pixels([e.pixels for e in batch])}
 
@@ -312,9 +352,6 @@ def policy_examples(policy_path: str, records: list[tasks.PromptRecord], samples
     A PRM is used on the policy's mistakes (best-of-N, RL); training on them, not only on synthetic
     corruptions, matches that distribution (the PRM800K recipe, with the checker as the labeller).
     """
-    from ..common import modeling
-    from ..common.generation import generate_texts
-
     policy, tok = modeling.load_causal_lm(policy_path)
     rendered = [tasks.render_prompt(tok, r, chat_template) for r in records]
     special = not (chat_template and getattr(tok, "chat_template", None))

@@ -8,7 +8,8 @@ Choices: loss on response tokens only (prompt tokens masked), token-mean over ev
 of the optimizer step (so gradient accumulation does not change the objective), right padding to
 the longest example of a micro-batch, AdamW with linear warm-up then cosine/linear decay, gradient
 clipping, DeepSpeed (ZeRO 0-3) or plain PyTorch, optional LoRA through peft (saved merged). Held-out
-evaluation: loss, and greedy-decoding accuracy checked by the task's verifier. Resume: a checkpoint
+evaluation: loss, and greedy-decoding accuracy checked by the task's verifier. The training loop is
+the one prm uses too (lib/supervised.py); this module supplies the loss. Resume: a checkpoint
 beside the output (`.OUTPUT.work/latest`) is picked up on restart with the same config, continuing
 the step count, LR schedule and data order. On SIGTERM (Kubernetes stopping the pod) the step in
 progress finishes, the resume checkpoint is saved and the process exits with status 143
@@ -18,22 +19,18 @@ progress finishes, the resume checkpoint is saved and the process exits with sta
 from __future__ import annotations
 
 import logging
-import math
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from tqdm.auto import tqdm
 
 from ..common import checkpoint, config as config_lib, io, modeling, preemption, tasks, tracking, vision
 from ..common.engine import EngineConfig, OptimSettings, TrainEngine
-from ..common.errors import ConfigError, OutputExistsError
+from ..common.errors import ConfigError
 from ..common.generation import generate_texts
 from ..common.tasks.arithmetic import ArithmeticConfig
-from ..lib import supervised_data as data
+from ..lib import supervised, supervised_data as data
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +112,9 @@ class Config:
             raise ConfigError(f"lora_r is {self.lora_r}; use 0 (off) or a positive rank.")
 
 
-def _load_data(cfg: Config) -> tuple[list[tasks.PromptRecord], list[tasks.PromptRecord]]:
+def load_data(cfg: Config) -> tuple[list[tasks.PromptRecord], list[tasks.PromptRecord]]:
+    """(train, held-out) records: the built-in task's splits, or a dataset file whose last eval_size rows
+    are held out (unless eval_task names the held-out data)."""
     akw = config_lib.to_dict(cfg.arithmetic)
     if cfg.task in tasks.TASKS:
         train = tasks.load(cfg.task, "train", cfg.train_size, cfg.seed, **akw)
@@ -161,31 +160,46 @@ def evaluate(model, tokenizer, examples: list[data.Example], records: list[tasks
     return {"eval/loss": total / max(count, 1), "eval/accuracy": sum(correct) / len(correct)}
 
 
-def _existing_output(cfg: Config) -> dict | None:
-    """Metrics of a finished output written by the same config (nothing to do), else None."""
-    out = Path(cfg.output)
-    if not out.exists():
-        return None
-    if (out / io.MANIFEST).is_file():
-        manifest = io.read_manifest(out)
-        if manifest.get("config") == checkpoint.identity(config_lib.to_dict(cfg)):
-            return manifest.get("metrics", {})
-    if cfg.overwrite:
-        return None
-    raise OutputExistsError(
-        f"Output '{out}' already exists and was not written by this config. Pass --overwrite true to replace it, "
-        f"or choose another --output."
-    )
+@dataclass
+class SFTObjective:
+    """SFT's objective for the shared loop: cross-entropy on response tokens, a token-mean over the
+    optimizer step; evaluated by held-out loss and greedy accuracy (`evaluate`)."""
+
+    cfg: Config
+    tokenizer: Any
+    examples: list[data.Example]
+    eval_examples: list[data.Example]
+    eval_records: list[tasks.PromptRecord]
+    stage = "sft"
+
+    def order(self, epoch: int) -> list[int]:
+        return data.epoch_order(len(self.examples), self.cfg.seed, epoch)
+
+    def collate(self, examples: list[data.Example]) -> dict[str, torch.Tensor]:
+        return data.collate(examples, self.tokenizer.pad_token_id)
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"][:, 1:] != data.IGNORE).sum())  # response tokens that are predicted
+
+    def loss_sum(self, engine: TrainEngine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = engine(**data.model_inputs(batch)).logits  # (B, T, V)
+        return data.response_loss(logits, batch["labels"])[0]
+
+    def evaluate(self, engine: TrainEngine) -> dict:
+        return evaluate(engine.module, self.tokenizer, self.eval_examples, self.eval_records, self.cfg)
+
+    def summary(self, metrics: dict) -> str:
+        return f"eval loss {metrics['eval/loss']:.4f}, accuracy {metrics['eval/accuracy']:.3f}"
 
 
 def run(cfg: Config) -> dict:
     """Train, evaluate and write the policy to `cfg.output`. Returns the final metrics."""
-    done = _existing_output(cfg)
+    done = io.completed_output(cfg.output, {"config": checkpoint.identity(config_lib.to_dict(cfg))}, cfg.overwrite, "sft")
     if done is not None:
         log.info("%s already holds a finished SFT policy from this config; nothing to do.", cfg.output)
         print(f"sft: '{cfg.output}' is already complete for this config; nothing to do.")
         checkpoint.clear(checkpoint.work_dir_for(cfg.output))  # left if killed between commit and cleanup
-        return done
+        return done.get("metrics", {})
     with preemption.Preemption() as stop:
         return _run(cfg, stop)
 
@@ -195,13 +209,11 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
     torch.manual_seed(cfg.seed)
     model, tokenizer = modeling.load_causal_lm(cfg.model_path, cfg.engine.dtype, seed=cfg.seed)
     vis = vision.Vision.of(tokenizer, model.config)
-    train_records, eval_records = _load_data(cfg)
+    train_records, eval_records = load_data(cfg)
     train_ex, dropped = data.tokenize(train_records, tokenizer, cfg.max_seq_len, cfg.chat_template, where=cfg.task)
     eval_ex, _ = data.tokenize(eval_records, tokenizer, cfg.max_seq_len, cfg.chat_template, where=cfg.eval_task or cfg.task)
-    per_step = cfg.micro_batch_size * cfg.grad_accum
-    if len(train_ex) < per_step:
-        raise ConfigError(f"{len(train_ex)} training examples are fewer than one optimizer step "
-                          f"(micro_batch_size*grad_accum={per_step}); lower them or add data.")
+    schedule = supervised.Schedule.of(cfg)
+    schedule.check_fits(len(train_ex))
     modeling.freeze(model, cfg.freeze)
     if cfg.lora_r:
         model = _apply_lora(model, cfg)
@@ -210,92 +222,19 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm), cfg.micro_batch_size, cfg.grad_accum)
 
     work = checkpoint.work_dir_for(cfg.output)
-    state = {"step": 0, "consumed": 0}
-    resume_from = checkpoint.find(work, cfg_dict) if cfg.resume else None
-    if resume_from is not None:
-        state = engine.load_state(resume_from / "state")
-        log.info("resuming from %s at step %d", resume_from, state["step"])
-        print(f"sft: resuming from step {state['step']} ({resume_from})")
+    state = supervised.resume(engine, work, cfg_dict, cfg.resume, "sft")
 
     tracker = tracking.start_stage_run(cfg.tracking, "sft", params=config_lib.flat_dict(cfg),
                                        tags={"prmflow.output": str(Path(cfg.output).resolve())})
     with tracker:
         tracker.log_metrics({"data/train_examples": len(train_ex), "data/dropped_too_long": dropped}, step=state["step"])
-        metrics = _train(cfg, engine, tokenizer, train_ex, eval_ex, eval_records, state, work, tracker, cfg_dict, stop, vis)
+        objective = SFTObjective(cfg, tokenizer, train_ex, eval_ex, eval_records)
+        metrics = supervised.train(objective, schedule, engine, tokenizer, state, work, cfg_dict,
+                                   tracker, stop, vis)
         with io.atomic_output_dir(cfg.output, "policy", overwrite=True,
                                   manifest={"config": checkpoint.identity(cfg_dict), "metrics": metrics,
                                             "parents": [cfg.model_path]}) as tmp:
             modeling.save_pretrained(engine.module, tokenizer, tmp, extra={"stage": "sft", "metrics": metrics})
         checkpoint.clear(work)
     print(f"sft: held-out accuracy {metrics['eval/accuracy']:.3f}, eval loss {metrics['eval/loss']:.4f} -> {cfg.output}")
-    return metrics
-
-
-def _preempted(step: int, work: Path) -> preemption.Preempted:
-    stopped = preemption.Preempted("sft", step, str(work / "latest"))
-    log.warning("%s", stopped)
-    print(stopped, file=sys.stderr)
-    return stopped
-
-
-def _train(cfg, engine, tokenizer, train_ex, eval_ex, eval_records, state, work, tracker, cfg_dict,
-           stop: preemption.Preemption = preemption.NEVER, vis: "vision.Vision | None" = None) -> dict:
-    engine.train()
-    n = len(train_ex)
-    per_step = cfg.micro_batch_size * cfg.grad_accum
-    steps_per_epoch = n // per_step
-    metrics: dict = {}
-    if state.pop("eval_pending", False):  # stopped right after an eval step, before evaluating it
-        tracker.log_metrics(evaluate(engine.module, tokenizer, eval_ex, eval_records, cfg), step=state["step"])
-    if stop.requested:  # asked to stop before the first step: the checkpoint on disk (if any) is current
-        raise _preempted(state["step"], work)
-    bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="sft", unit="step", dynamic_ncols=True,
-               mininterval=0.2 if sys.stderr.isatty() else 10.0)
-    t0, tokens = time.perf_counter(), 0
-    guard = vision.BatchGuard(vis, "sft", steps_per_epoch)
-    while state["step"] < cfg.max_steps:
-        epoch, offset = divmod(state["consumed"] // per_step, steps_per_epoch)
-        order = data.epoch_order(n, cfg.seed, epoch)
-        chosen = order[offset * per_step:(offset + 1) * per_step]
-        if guard.skips([train_ex[i] for i in chosen], state, tracker):  # image tokens that do not match the images
-            state["consumed"] += per_step
-            continue
-        micro = [data.collate([train_ex[i] for i in chosen[j:j + cfg.micro_batch_size]], tokenizer.pad_token_id)
-                 for j in range(0, per_step, cfg.micro_batch_size)]
-        n_tokens = sum(int((b["labels"][:, 1:] != data.IGNORE).sum()) for b in micro)
-        loss_total = 0.0
-        for b in micro:
-            b = {k: v.to(engine.device) for k, v in b.items()}
-            logits = engine(**data.model_inputs(b)).logits
-            loss_sum, _ = data.response_loss(logits, b["labels"])
-            loss = loss_sum / n_tokens  # this micro-batch's share of the step's token-mean
-            engine.backward(loss)
-            loss_total += float(loss.detach())
-            tokens += int(b["attention_mask"].sum())
-        lr = engine.lr
-        grad_norm = engine.step()
-        state["step"] += 1
-        state["consumed"] += per_step
-        step = state["step"]
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss_total:.3f}", lr=f"{lr:.2e}", refresh=False)
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            elapsed = time.perf_counter() - t0
-            tracker.log_metrics({"train/loss": loss_total, "train/lr": lr, "train/grad_norm": grad_norm,
-                                 "train/epoch": state["consumed"] / n, "perf/tokens_per_s": tokens / elapsed}, step=step)
-        if not math.isfinite(loss_total):
-            log.warning("non-finite loss at step %d", step)
-        if stop.requested and step < cfg.max_steps:  # preempted: save now (the last step always finishes)
-            eval_due = bool(cfg.eval_every) and step % cfg.eval_every == 0
-            checkpoint.save(engine, tokenizer, work, {**state, "eval_pending": eval_due}, cfg_dict)
-            bar.close()
-            raise _preempted(step, work)
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
-            metrics = evaluate(engine.module, tokenizer, eval_ex, eval_records, cfg)
-            tracker.log_metrics(metrics, step=step)
-            bar.write(f"step {step}: eval loss {metrics['eval/loss']:.4f}, accuracy {metrics['eval/accuracy']:.3f}")
-        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
-            checkpoint.save(engine, tokenizer, work, dict(state), cfg_dict)
-    bar.close()
-    metrics["train/loss"] = loss_total if cfg.max_steps > 0 else float("nan")
     return metrics

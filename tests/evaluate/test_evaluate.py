@@ -55,7 +55,7 @@ def test_per_step_view_marks_the_first_wrong_step():
     assert page.count("&larr; first wrong step") == 1
     marked = page.split("class='step wrong'")[1]
     assert marked.split("</span>")[0].endswith("7*2=15 &larr; first wrong step<span class='score'>0.200")
-    assert "rgb(255,0,80)" == report._colour(0.0) and "rgb(0,200,80)" == report._colour(1.0)
+    assert "rgb(255,0,80)" == report.score_colour(0.0) and "rgb(0,200,80)" == report.score_colour(1.0)
 
 
 def test_missing_policy_is_a_clear_error(tmp_path):

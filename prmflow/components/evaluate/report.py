@@ -13,8 +13,8 @@ from ..common import steps as steps_lib
 from ..common.tasks import arithmetic
 
 
-def _colour(score: float) -> str:
-    """Red (0) through yellow to green (1)."""
+def score_colour(score: float) -> str:
+    """The CSS colour of a step scored `score` (P(correct), clipped to [0, 1]): red (0) through yellow to green (1)."""
     score = min(max(score, 0.0), 1.0)
     red = int(255 * min(1.0, 2 * (1 - score)))
     green = int(200 * min(1.0, 2 * score))
@@ -44,7 +44,7 @@ def per_step_html(rows: list[dict], title: str = "prmflow: per-step PRM scores")
                    f"<pre>{html.escape(row['prompt'].strip())}</pre>")
         scores = row.get("step_scores") or [None] * len(steps)
         for k, (text, score) in enumerate(zip(steps, scores)):
-            style = f"background:{_colour(score)}" if score is not None else "background:#eee"
+            style = f"background:{score_colour(score)}" if score is not None else "background:#eee"
             cls = "step wrong" if k == first_wrong else "step"
             label = f"<span class='score'>{score:.3f}</span>" if score is not None else ""
             marker = " &larr; first wrong step" if k == first_wrong else ""

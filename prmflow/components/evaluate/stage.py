@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..common import config as config_lib, io, modeling, tasks, tracking
 from ..common.errors import ConfigError

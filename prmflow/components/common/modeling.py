@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError, ModelLoadError
+from .vision import attach, processor_of
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,6 @@ def build_tiny_vl_model(preset: str = "tiny-llava", seed: int = 0):
     from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    from . import vision
-
     spec = TINY_VL_PRESETS[preset]
     tok = build_tokenizer(extra_special=[IMAGE_TOKEN])
     side = spec["vision"]["image_size"]
@@ -102,7 +101,7 @@ def build_tiny_vl_model(preset: str = "tiny-llava", seed: int = 0):
         model = LlavaForConditionalGeneration(cfg)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
-    return model, vision.attach(processor)
+    return model, attach(processor)
 
 
 def build_tiny_model(preset: str = "tiny-llama", seed: int = 0, **overrides: Any):
@@ -201,8 +200,6 @@ def load_tokenizer(model_path: str | Path, trust_remote_code: bool = False):
 def _load_vl_tokenizer(p: Path, trust_remote_code: bool):
     from transformers import AutoProcessor
 
-    from . import vision
-
     try:
         processor = AutoProcessor.from_pretrained(p, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
@@ -210,7 +207,7 @@ def _load_vl_tokenizer(p: Path, trust_remote_code: bool):
     if getattr(processor, "image_token", None) is None or getattr(processor, "tokenizer", None) is None:
         raise ModelLoadError(f"'{p}' is a vision-language model, but its processor ({type(processor).__name__}) has no "
                              f"tokenizer or image token; save the model's own processor into the directory.")
-    tok = vision.attach(processor)
+    tok = attach(processor)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -265,6 +262,15 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
+def own_positions(model) -> bool:
+    """A model that places its tokens itself (Qwen2-VL's multimodal rope: 3-D positions over the
+    image grid), so callers must not pass 1-D position_ids; it then needs right-padded batches."""
+    cfg = unwrap(model).config
+    cfg = getattr(cfg, "text_config", None) or cfg
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    return isinstance(rope, dict) and "mrope_section" in rope
+
+
 def save_pretrained(model: torch.nn.Module, tokenizer, directory: str | Path, extra: dict | None = None) -> None:
     """Save a HF directory (safetensors). A peft model is saved merged, so later stages load it plainly."""
     directory = Path(directory)
@@ -288,8 +294,6 @@ def save_pretrained(model: torch.nn.Module, tokenizer, directory: str | Path, ex
 
             model = copy.deepcopy(model).merge_and_unload()
         model.save_pretrained(directory, safe_serialization=True)
-    from .vision import processor_of
-
     (processor_of(tokenizer) or tokenizer).save_pretrained(directory)  # a VL processor saves its tokenizer too
     if extra:
         (directory / "prmflow.json").write_text(json.dumps(extra, indent=2, sort_keys=True, default=str))

@@ -222,17 +222,6 @@ class Vision:
         return None
 
 
-def own_positions(model) -> bool:
-    """A model that places its tokens itself (Qwen2-VL's multimodal rope: 3-D positions over the
-    image grid), so callers must not pass 1-D position_ids; it then needs right-padded batches."""
-    from .modeling import unwrap
-
-    cfg = unwrap(model).config
-    cfg = getattr(cfg, "text_config", None) or cfg
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    return isinstance(rope, dict) and "mrope_section" in rope
-
-
 def batch_pixels(items: Sequence[dict[str, torch.Tensor]], device=None) -> dict[str, torch.Tensor]:
     """One batch's pixel inputs: every sequence's tensors concatenated along dim 0, in batch order
     (the order the model meets the image tokens in); {} when no sequence has images."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .modeling import own_positions
+
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log p(tokens) under `logits`.
@@ -52,8 +54,6 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
     `model_kwargs`: e.g. a vision-language batch's pixel inputs; a model with multimodal rope
     (Qwen2-VL) places its tokens itself and must get a right-padded batch.
     """
-    from .vision import own_positions
-
     if not own_positions(model):
         model_kwargs = {"position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0), **model_kwargs}
     out = model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)

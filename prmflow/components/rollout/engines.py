@@ -33,6 +33,9 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from ..common.modeling import own_positions
+from ..common.vision import Vision, batch_pixels, decode_image
+
 log = logging.getLogger(__name__)
 
 STOP, LENGTH = "stop", "length"
@@ -162,8 +165,6 @@ class HFEngine:
     """
 
     def __init__(self, model, tokenizer, batch_size: int = 64, device: str | torch.device | None = None):
-        from ..common.vision import Vision, own_positions
-
         if own_positions(model):
             raise ValueError(f"{type(model).__name__} places its tokens with multimodal rope (Qwen2-VL style); the HF "
                              f"engine's KV-cache loop uses 1-D positions. Sample it with engine=vllm.")
@@ -197,8 +198,6 @@ class HFEngine:
             chunk = order[b:b + per_batch]
             pixels = {}
             if images is not None and any(images[i] for i in chunk):
-                from ..common.vision import batch_pixels
-
                 pixels = batch_pixels([self.vision.pixels(images[i], f"prompt {i}") for i in chunk], self.device)
             done = self._generate_batch([prompts[i] for i in chunk], params, generator, pixels)
             for k, i in enumerate(chunk):
@@ -304,8 +303,6 @@ class VLLMEngine:
                  progress: Callable[[int], None] | None = None,
                  images: Sequence[Sequence[bytes]] | None = None) -> list[list[Completion]]:
         from vllm import SamplingParams as VSamplingParams
-
-        from ..common.vision import decode_image
 
         requests = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
         for i, req in enumerate(requests):  # placeholders already expanded in the ids; vLLM matches them

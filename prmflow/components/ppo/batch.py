@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..common import schema, vision
+from ..common import modeling, schema, vision
 from ..common.errors import DataError
 from .config import Config
 
@@ -75,7 +75,7 @@ class MicroBatch:
     def model_kwargs(self, model) -> dict:
         """What the forward pass takes besides ids and mask: 1-D positions (unless the model places
         its tokens itself, Qwen2-VL's multimodal rope) and the pixel inputs."""
-        pos = {} if vision.own_positions(model) else {"position_ids": self.position_ids}
+        pos = {} if modeling.own_positions(model) else {"position_ids": self.position_ids}
         return {**pos, **self.pixels}
 
 

@@ -47,7 +47,7 @@ def test_k3_is_nonnegative_and_padding_cannot_overflow():
 # --- policy loss -----------------------------------------------------------------------------
 
 def _slow_policy_loss(logp, old, adv, lo, hi, c):
-    """Token by token with math.exp, min and max, as written in ARCHITECTURE.md."""
+    """Token by token with math.exp, min and max, as written in docs/design.md."""
     rho = math.exp(logp - old)
     loss = -min(rho * adv, min(max(rho, 1 - lo), 1 + hi) * adv)
     clipped = -min(max(rho, 1 - lo), 1 + hi) * adv > -rho * adv

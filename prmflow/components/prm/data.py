@@ -24,6 +24,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 from ..common import config as config_lib, io, modeling, steps as steps_lib, tasks
@@ -112,9 +114,6 @@ def _rows(path: Path) -> tuple[list[tuple[int, dict]], str]:
                 rows.append((lineno, row))
         return rows, "line"
     if path.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         try:
             table = pq.read_table(path)
         except (pa.ArrowInvalid, OSError) as e:

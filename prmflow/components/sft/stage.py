@@ -133,6 +133,7 @@ def load_data(cfg: Config) -> tuple[list[tasks.PromptRecord], list[tasks.PromptR
 
 
 def _apply_lora(model, cfg: Config):
+    """The model with LoRA adapters on cfg.lora_target_modules (peft is imported only when LoRA is asked for)."""
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,

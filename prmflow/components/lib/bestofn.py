@@ -17,14 +17,13 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..common import config as config_lib, modeling, steps as steps_lib, tasks
 from ..common.errors import ConfigError
 from ..common.generation import generate_texts
-from ..common.tasks import arithmetic
+from ..common.tasks import arithmetic, grader
 from .prm_metrics import roc_auc
 from .prm_scoring import PRMScorer
 
@@ -99,17 +98,9 @@ def majority_value(answers: list[str | None], correct: list[float]) -> float:
 
 
 def extract_answer(record: tasks.PromptRecord, response: str) -> str | None:
-    """The final answer a response commits to (normalized number when it parses)."""
-    got = arithmetic.extract_answer(response)
-    if got is None and record.source not in tasks.TASKS:
-        numbers = re.findall(r"-?\d+(?:\.\d+)?", response.replace(",", ""))
-        got = numbers[-1] if numbers else None
-    if got is None:
-        return None
-    try:
-        return repr(float(got))
-    except ValueError:
-        return got.strip()
+    """The final answer a response commits to, as the grader reads it (equal keys = the same answer, for
+    the majority vote); None when it commits to none (a format error)."""
+    return grader.answer_key(record.source, response)
 
 
 def score_table(records: list[tasks.PromptRecord], candidates: list[list[str]], scores: list[list[list[float]]],

@@ -49,6 +49,8 @@ TABLE = [
     ("gsm8k", "answer: 3/4", "0.75", 1.0),
     ("gsm8k", "answer: 6/8", "3/4", 1.0),
     ("gsm8k", "answer: 3/5", "3/4", 0.0),
+    ("gsm8k", "so it is 3/4", "0.75", 1.0),  # a bare fraction is the last number, not its denominator
+    ("gsm8k", "so it is 3/4", "4", 0.0),
     # decimals (plain numbers compare exactly)
     ("gsm8k", "the total is 3.50 dollars", "3.5", 1.0),
     ("gsm8k", "answer: 2.5", "2.50", 1.0),

@@ -43,7 +43,7 @@ EXACT_SOURCES = ("arithmetic", "visual")
 """Sources graded by the arithmetic task's exact `answer: N` checker (the visual task shares it)."""
 
 _PLAIN_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
-_ANY_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_ANY_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")  # a trailing /d keeps a bare fraction whole
 _ANSWER_LINE = re.compile(r"^\s*(?:final\s+)?answer\s*(?:is)?\s*[:=]?\s*(.+?)\s*$", re.IGNORECASE)
 
 

@@ -35,14 +35,15 @@ def save(engine: TrainEngine, tokenizer, work_dir: Path, trainer_state: dict, co
     return target
 
 
-def find(work_dir: Path, config: dict) -> Path | None:
-    """The committed resume checkpoint in `work_dir` written by the same config, else None."""
+def find(work_dir: Path, config: dict, config_cls: type | None = None) -> Path | None:
+    """The committed resume checkpoint in `work_dir` written by the same config, else None. With
+    `config_cls`, a checkpoint written before a config key was renamed still counts (`io.stored_identity`)."""
     target = Path(work_dir) / "latest"
     io.recover_interrupted_replace(target)  # killed between the two renames of the last save
     if not (target / io.MANIFEST).is_file():
         return None
     manifest = io.read_manifest(target)
-    if manifest.get("config") != identity(config):
+    if io.stored_identity(manifest.get("config") or {}, config_cls) != identity(config):
         return None
     return target
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from . import config_keys
 from .errors import DataError, OutputExistsError
 
 MANIFEST = "manifest.json"
@@ -30,6 +31,14 @@ NOT_IDENTITY = ("tracking", "resume", "overwrite")
 def config_identity(config: dict) -> dict:
     """The part of a config that decides the result, normalized through JSON (tuples -> lists)."""
     return json.loads(json.dumps({k: v for k, v in config.items() if k not in NOT_IDENTITY}, default=str, sort_keys=True))
+
+
+def stored_identity(stored: dict, config_cls: type | None = None) -> dict:
+    """`config_identity` of a config read back from a manifest; with `config_cls`, its keys renamed
+    since it was written are under their new names (`config.upgrade_stored`)."""
+    if config_cls is not None:
+        stored = config_keys.upgrade_stored(config_cls, stored)
+    return config_identity(stored)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -163,14 +172,18 @@ def fingerprint(directories) -> dict[str, str]:
     return out
 
 
-def completed_output(path: str | Path, expected: dict[str, Any], overwrite: bool, stage: str) -> dict | None:
+def completed_output(path: str | Path, expected: dict[str, Any], overwrite: bool, stage: str,
+                     config_cls: type | None = None) -> dict | None:
     """Decide what to do about an existing output before a stage starts work.
 
     Returns the manifest when `path` is a finished, intact output whose manifest agrees with
     `expected` on every key (the caller has nothing to do); None when there is nothing at `path`, or
     when it differs and `overwrite` is set (the caller replaces it). Anything else is an
     OutputExistsError: an existing result is never silently replaced. `expected["config"]`, if
-    given, is compared with `config_identity` of the stored config, so tracking settings do not count.
+    given, is compared with `config_identity` of the stored config, so tracking settings do not count;
+    with `config_cls` (the stage's Config), a config stored under keys renamed since is read under
+    their new names first (`config.upgrade_stored`), so an output written before a rename is still
+    recognised.
     """
     path = Path(path)
     recover_interrupted_replace(path)
@@ -184,7 +197,7 @@ def completed_output(path: str | Path, expected: dict[str, Any], overwrite: bool
         manifest, why = None, f"it is not an intact finished output ({e})"
     if manifest is not None:
         differs = [k for k, v in expected.items()
-                   if (config_identity(manifest.get(k) or {}) if k == "config" else manifest.get(k)) != v]
+                   if (stored_identity(manifest.get(k) or {}, config_cls) if k == "config" else manifest.get(k)) != v]
         if not differs:
             return manifest
         why = f"it does not match this run (different {' and '.join(differs)})"

@@ -212,8 +212,11 @@ def _compare(args) -> int:
 
 
 #: Config keys that hold paths of a stage's inputs; they are mounted read-only into the container.
-INPUT_KEYS = ("model_path", "task", "eval_task", "policy", "prm", "ref", "critic", "input", "kl_state",
-              "policy_path", "advantages", "critic_path", "prm_path", "baseline", "optimizer_state")
+INPUT_KEYS = ("backbone", "task", "eval_task", "policy", "prm", "ref", "critic", "input", "kl_state", "baseline",
+              "optimizer_state", "bon.policy",
+              # the names these had before this release, as runs logged then hold them
+              "model_path", "policy_path", "advantages", "critic_path", "prm_path", "policy_samples_path",
+              "bon.policy_path")
 
 
 def stage_command(stage: str, params: dict[str, str], image: str, output: str) -> list[str]:

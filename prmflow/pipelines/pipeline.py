@@ -1,7 +1,7 @@
 """The prmflow DAG: wiring only (no `from __future__ import annotations`: KFP reads the real types). Each box is a stage's component; all logic lives in the stages.
 
     init_tracking
-      └─ sft ─────────────── policy_0 ──> prm (backbone: the SFT policy, unless prm.model_path is set)
+      └─ sft ─────────────── policy_0 ──> prm (backbone: the SFT policy, unless prm.backbone is set)
     for k in 0..iterations-1 (unrolled at compile time):
       rollout[shard] x N  (ParallelFor) ── Collected ──> advantage (CPU pool) ──> ppo ──> policy_k+1
     evaluate (if the stage exists)
@@ -74,7 +74,7 @@ def build(spec: PipelineSpec) -> Any:
     evaluate_fn = _stage_fn("evaluate")
     evaluate_op = _component(evaluate_fn, gpu) if evaluate_fn else None
     init_op, finish_op = _component(init_tracking, cpu), _component(finish_tracking, cpu)
-    critic = (spec.stages.get("ppo") or {}).get("critic", False)
+    critic = (spec.stages.get("ppo") or {}).get("train_critic", False)
     shards = list(range(pipe.rollout_shards))
     det, sampled = cluster.cache, cluster.cache and cluster.cache_sampling
 

@@ -142,5 +142,7 @@ def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None,
         section = data.get(name) or {}
         if name in available:
             config_lib.build(available[name].Config, config_lib.flatten(section), where=f"{path} [{name}]")
+            # old key names (warned about just now) become the new ones in the pipeline's parameters
+            section = config_lib.upgrade_stored(available[name].Config, section, fill=False)
         stage_configs[name] = section
     return PipelineSpec(pipe, stage_configs)

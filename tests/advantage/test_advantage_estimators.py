@@ -22,14 +22,14 @@ COLUMNS = ("token_rewards", "advantages", "returns", "kl")
 def run_and_compare(tmp_path, table: pa.Table, **options):
     """Run the stage with `options`, compare every written row with the reference, return the summary."""
     schema.write_dataset(tmp_path / "rollouts", table, "rollouts")
-    cfg = stage.Config(input=str(tmp_path / "rollouts"), output=str(tmp_path / "advantages"), batch_size=7,
+    cfg = stage.Config(input=str(tmp_path / "rollouts"), output=str(tmp_path / "advantages"), batch_rows=7,
                        tracking=TrackingConfig(enabled=False), **options)
     summary = stage.run(cfg)
     outcome, steps, whiten = cfg.switches()
     expected = ref.reference(
         table.to_pylist(), estimator=cfg.estimator, gamma=cfg.gamma, lam=cfg.lam, beta=cfg.kl_coef,
         kl_est=cfg.kl_estimator, outcome=outcome, steps=steps, mode=cfg.step_reward_mode, c=cfg.reward_clip,
-        eps=cfg.norm_eps, whiten=whiten, adv_clip=cfg.adv_clip, zero_variance=cfg.zero_variance,
+        eps=cfg.norm_eps, whiten=whiten, adv_clip=cfg.advantage_clip, zero_variance=cfg.zero_variance,
         zv_weight=cfg.zero_variance_weight)
     written = schema.read_dataset(tmp_path / "advantages", "advantages").to_pylist()
     assert sorted((r["iteration"], r["prompt_id"], r["sample_idx"]) for r in written) == sorted(expected)
@@ -62,11 +62,11 @@ def test_step_reward_modes_and_clipping(tmp_path, estimator, mode):
 
 
 @pytest.mark.parametrize("options", [
-    {"estimator": "reinforce", "whiten": True, "adv_clip": 1.5},
+    {"estimator": "reinforce", "whiten": True, "advantage_clip": 1.5},
     {"estimator": "grpo", "zero_variance": "drop"},
     {"estimator": "grpo_process", "zero_variance": "downweight", "zero_variance_weight": 0.3, "whiten": True},
     {"estimator": "gae", "outcome_reward": False, "zero_variance": "drop", "lam": 0.9},
-    {"estimator": "rloo", "reward_clip": 0.5, "adv_clip": 0.4},
+    {"estimator": "rloo", "reward_clip": 0.5, "advantage_clip": 0.4},
 ], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_postprocessing_matches_reference(tmp_path, options):
     table = ref.random_rollouts(np.random.default_rng(3), n_groups=8, equal_groups=2)
@@ -81,7 +81,7 @@ def test_groups_are_per_iteration_and_span_shards(tmp_path):
     schema.write_dataset(tmp_path / "rollouts" / "shard-1", ref.random_rollouts(rng, iteration=1), "rollouts")
     both = schema.read_dataset(tmp_path / "rollouts", "rollouts")
     cfg = stage.Config(input=str(tmp_path / "rollouts"), output=str(tmp_path / "advantages"), estimator="grpo",
-                       batch_size=5, tracking=TrackingConfig(enabled=False))
+                       batch_rows=5, tracking=TrackingConfig(enabled=False))
     summary = stage.run(cfg)
     expected = ref.reference(both.to_pylist(), estimator="grpo", steps=False)
     written = schema.read_dataset(tmp_path / "advantages", "advantages").to_pylist()

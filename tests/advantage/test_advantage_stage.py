@@ -147,7 +147,7 @@ def test_bad_rows_fail_with_prompt_and_column_and_write_nothing(tmp_path, case):
     good = [row("p0", i) for i in range(2)] + [row("p1", 1), row("p2", 0), row("p2", 1)]
     write_rows(tmp_path, good + bad, validated=True)  # the bad row comes in the last batch
     with pytest.raises(DataError) as e:
-        stage.run(make_cfg(tmp_path, batch_size=2, **options))
+        stage.run(make_cfg(tmp_path, batch_rows=2, **options))
     assert f"'{column}'" in str(e.value) and "p1" in str(e.value)
     assert_nothing_written(tmp_path)
 
@@ -185,7 +185,7 @@ def test_null_in_one_row_names_that_row(tmp_path):
     rows = [row("p0", 0), row("p0", 1), row("p7", 0), row("p7", 1, values=None)]
     write_rows(tmp_path, rows)
     with pytest.raises(DataError, match=r"'values' is null for prompt_id='p7', sample_idx=1"):
-        stage.run(make_cfg(tmp_path, estimator="gae", batch_size=2))
+        stage.run(make_cfg(tmp_path, estimator="gae", batch_rows=2))
     assert_nothing_written(tmp_path)
 
 

@@ -37,10 +37,10 @@ EXPERIMENT = "prmflow-compare"
 #: Two parent runs as `prmflow pipeline compare` names them; accuracies chosen to be unique on the page.
 RUNS = {
     "outcome-only": {"params": {"advantage.estimator": "grpo", "advantage.step_rewards": False,
-                                "ppo.lr": 1e-5, "rollout.samples_per_prompt": 4},
+                                "ppo.lr": 1e-5, "rollout.n_samples": 4},
                      "metrics": {"eval/accuracy": 0.412, "eval/baseline_accuracy": 0.305}},
     "prm+outcome": {"params": {"advantage.estimator": "reinforce_baseline", "advantage.step_rewards": True,
-                               "ppo.lr": 1e-5, "rollout.samples_per_prompt": 4},
+                               "ppo.lr": 1e-5, "rollout.n_samples": 4},
                     "metrics": {"eval/accuracy": 0.538, "eval/baseline_accuracy": 0.305}},
 }
 ARTIFACTS = Path(os.environ.get("PRMFLOW_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "tests-output"))

@@ -64,7 +64,7 @@ def test_the_vl_quickstart_compiles_with_images_in_every_stage(tmp_path):
     root = Path(__file__).resolve().parents[2] / "configs"
     assert cli.main(["pipeline", "compile", "--config", str(root / "quickstart-vl.yaml"), "-o", str(tmp_path / "p.yaml")]) == 0
     cfg = yaml.safe_load((root / "quickstart-vl.yaml").read_text())
-    assert cfg["sft"]["model_path"] == "tiny-llava"
+    assert cfg["sft"]["policy"] == "tiny-llava"
     assert all(cfg[stage]["task"] == "visual" for stage in ("sft", "prm", "rollout", "evaluate"))
     assert cfg["prm"]["head"]["kind"] == "lm_tokens"  # a VL PRM reads the LM's own logits: it sees the image
     assert "tiny-llava" in (tmp_path / "p.yaml").read_text()

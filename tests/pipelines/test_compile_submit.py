@@ -185,7 +185,7 @@ def test_image_entrypoint_runs_a_stage(tmp_path):
     entrypoint = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
     exe = shutil.which(entrypoint[0]) or str(Path(sys.executable).parent / entrypoint[0])
     out = tmp_path / "policy"
-    result = subprocess.run([exe, *entrypoint[1:], "sft", "--max_steps", "2", "--warmup_steps", "0", "--train_size", "64",
+    result = subprocess.run([exe, *entrypoint[1:], "sft", "--max_steps", "2", "--warmup_steps", "0", "--num_prompts", "64",
                              "--eval_size", "4", "--eval_max_new_tokens", "8", "--engine.backend", "torch",
                              "--tracking.enabled", "false", "--output", str(out)],
                             capture_output=True, text=True, timeout=300)

@@ -62,7 +62,7 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     by_name = {r.info.run_name: r for r in children}
     # the stages got the pipeline's settings and their inputs from the upstream artifacts
     assert by_name["sft"].data.params["max_steps"] == "12"
-    assert by_name["prm"].data.params["model_path"].endswith("policy")  # the SFT policy artifact
+    assert by_name["prm"].data.params["backbone"].endswith("policy")  # the SFT policy artifact
     assert by_name["ppo-iter1"].data.params["iteration"] == "1"
     assert {"train/policy_loss", "train/clip_frac"} <= set(by_name["ppo-iter0"].data.metrics)
     # the parent carries the whole configuration and the evaluation headline

@@ -18,12 +18,12 @@ ENGINES = {
     "zero3": {"engine.backend": "deepspeed", "engine.zero_stage": 3},
     "zero2-offload": {"engine.backend": "deepspeed", "engine.zero_stage": 2, "engine.offload_optimizer": True},
 }
-RUN = dict(epochs=1, minibatch_size=4, micro_batch_size=2, critic=True, entropy_coef=0.01)
+RUN = dict(epochs=1, minibatch_size=4, micro_batch_size=2, train_critic=True, entropy_coef=0.01)
 
 
 def _run(sft_policy, adv, out, engine):
-    stage.run(config.load(stage.Config, overrides={**FAST, **ENGINES[engine], "policy_path": str(sft_policy),
-                                                   "advantages": str(adv), "output": str(out), **RUN}))
+    stage.run(config.load(stage.Config, overrides={**FAST, **ENGINES[engine], "policy": str(sft_policy),
+                                                   "input": str(adv), "output": str(out), **RUN}))
     hist = [json.loads(line) for line in (out / "updates.jsonl").read_text().splitlines()]
     return params(out / "policy"), params(out / "critic"), hist
 

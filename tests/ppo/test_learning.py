@@ -40,7 +40,7 @@ def test_rl_loop_raises_the_reward_with_a_fixed_seed(mixed_sft_policy, tmp_path)
             "input": str(tmp_path / f"rollouts{k}"), "output": str(tmp_path / f"adv{k}"), "iteration": k,
             "estimator": "grpo", "tracking": OFF}))
         ppo.run(config.build(ppo.Config, {
-            "policy_path": str(policy), "advantages": str(tmp_path / f"adv{k}"), "output": str(tmp_path / f"ppo{k}"),
+            "policy": str(policy), "input": str(tmp_path / f"adv{k}"), "output": str(tmp_path / f"ppo{k}"),
             "iteration": k, "rl_iterations": ITERATIONS, "epochs": 2, "minibatch_size": 64, "micro_batch_size": 32,
             "lr": 1e-4, "optimizer_state": optimizer, "engine": {"backend": "torch"}, "tracking": OFF}))
         policy, optimizer = tmp_path / f"ppo{k}" / "policy", str(tmp_path / f"ppo{k}" / "optimizer")

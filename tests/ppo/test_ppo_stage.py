@@ -14,7 +14,7 @@ from prmflow.components.ppo import batch, models, prepass, ptx, stage
 
 
 def make_cfg(policy, adv, out, **overrides):
-    return config.load(stage.Config, overrides={**FAST, "policy_path": str(policy), "advantages": str(adv),
+    return config.load(stage.Config, overrides={**FAST, "policy": str(policy), "input": str(adv),
                                                 "output": str(out), **overrides})
 
 
@@ -136,8 +136,8 @@ def test_critic_warmup_value_loss_and_adaptive_kl(sft_policy, rows16, tmp_path):
     adv = write_advantages(tmp_path / "adv", rows16, lambda i, t: (-1) ** i, returns=0.5, values=0.0,
                            kl=lambda i, t: 0.01 * (i % 4))
     out = tmp_path / "out"
-    m = stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=8, micro_batch_size=4, critic=True,
-                           critic_warmup_updates=1, kl_control="adaptive", kl_target=1.0, kl_horizon=100,
+    m = stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=8, micro_batch_size=4, train_critic=True,
+                           critic_warmup_steps=1, kl_control="adaptive", kl_target=1.0, kl_horizon=100,
                            kl_state=str(kl_in)))
     warm, first_actor = history(out)
     assert not warm["actor"] and "policy_loss" not in warm and warm["value_loss"] > 0
@@ -264,7 +264,7 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(sft_policy, rows
     from prmflow.components.common import preemption
 
     adv = write_advantages(tmp_path / "adv", rows16, lambda i, t: (-1) ** i * (1 + t % 2), returns=0.3, values=0.0)
-    kw = dict(epochs=1, minibatch_size=4, micro_batch_size=2, critic=True, ema_decay=0.5,
+    kw = dict(epochs=1, minibatch_size=4, micro_batch_size=2, train_critic=True, ema_decay=0.5,
               save_every=1 if how == "crash" else 0)
     stage.run(make_cfg(sft_policy, adv, tmp_path / "full", **kw))
 
@@ -318,13 +318,13 @@ def test_rerun_is_a_no_op_and_a_different_config_needs_overwrite(sft_policy, row
 def test_missing_columns_are_reported(sft_policy, rows16, tmp_path):
     adv = write_advantages(tmp_path / "adv", rows16[:4], 1.0)
     with pytest.raises(DataError, match="'returns'"):
-        stage.run(make_cfg(sft_policy, adv, tmp_path / "out", minibatch_size=4, micro_batch_size=4, critic=True))
+        stage.run(make_cfg(sft_policy, adv, tmp_path / "out", minibatch_size=4, micro_batch_size=4, train_critic=True))
 
 
 @pytest.mark.parametrize("overrides,match", [
     ({"minibatch_size": 8, "micro_batch_size": 3}, "must divide"),
     ({"dual_clip": 0.5}, "dual_clip"),
-    ({"critic_warmup_updates": 2}, "critic=true"),
+    ({"critic_warmup_steps": 2}, "train_critic=true"),
     ({"top_entropy_frac": 0.0}, "top_entropy_frac"),
 ])
 def test_bad_configs_are_rejected(overrides, match):
@@ -339,7 +339,7 @@ def test_cli_help_lists_the_knobs(capsys):
         cli.main(["ppo", "--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
-    for key in ("--clip_eps_high", "--loss_agg", "--kl_control", "--critic_warmup_updates", "--engine.zero_stage"):
+    for key in ("--clip_eps_high", "--loss_agg", "--kl_control", "--critic_warmup_steps", "--engine.zero_stage"):
         assert key in text
 
 
@@ -347,7 +347,7 @@ def test_metrics_reach_mlflow_under_their_names(sft_policy, rows16, tmp_path, sq
     from mlflow.tracking import MlflowClient
 
     adv = write_advantages(tmp_path / "adv", rows16[:8], lambda i, t: (-1) ** i, returns=0.5, values=0.0)
-    cfg = make_cfg(sft_policy, adv, tmp_path / "out", epochs=1, minibatch_size=4, micro_batch_size=4, critic=True,
+    cfg = make_cfg(sft_policy, adv, tmp_path / "out", epochs=1, minibatch_size=4, micro_batch_size=4, train_critic=True,
                    iteration=2, **{"tracking.enabled": True, "tracking.uri": sqlite_store})
     stage.run(cfg)
     client = MlflowClient(sqlite_store)

@@ -78,7 +78,7 @@ def test_unknown_aggregation_is_a_config_error():
 
 def test_stage_learns_and_adds_best_of_n_to_a_finished_prm(tmp_path, sft_policy, capsys):
     """A short training run already ranks held-out steps well above chance; re-running the finished
-    config with bon.policy_path adds best-of-N to it without retraining, with the baselines computed
+    config with bon.policy adds best-of-N to it without retraining, with the baselines computed
     on the same samples."""
     import json
 
@@ -86,14 +86,14 @@ def test_stage_learns_and_adds_best_of_n_to_a_finished_prm(tmp_path, sft_policy,
     from prmflow.components.common.generation import generate_texts
     from prmflow.components.prm import stage
 
-    base = {"output": str(tmp_path / "prm"), "model_path": "tiny-llama", "extra_layers": 0, "train_layers": 0,
+    base = {"output": str(tmp_path / "prm"), "backbone": "tiny-llama", "extra_layers": 0, "train_layers": 0,
             "train_size": 400, "eval_size": 60, "max_steps": 40, "micro_batch_size": 16, "warmup_steps": 5, "lr": 3e-3,
             "eval_every": 0, "save_every": 0, "engine.backend": "torch", "tracking.enabled": False}
     trained = stage.run(config.load(stage.Config, overrides=base))
     assert trained["eval/step_auc"] >= 0.6 and trained["train/loss"] < math.log(2)  # untrained: 0.5 and log 2
     weights_before = (tmp_path / "prm" / "model.safetensors").stat().st_mtime_ns
 
-    bon = {"bon.policy_path": str(sft_policy), "bon.prompts": 12, "bon.n": 4, "bon.max_new_tokens": 40}
+    bon = {"bon.policy": str(sft_policy), "bon.num_prompts": 12, "bon.n_samples": 4, "bon.max_new_tokens": 40}
     m = stage.run(config.load(stage.Config, overrides={**base, **bon}))
     assert "best-of-4" in capsys.readouterr().out
     assert (tmp_path / "prm" / "model.safetensors").stat().st_mtime_ns == weights_before  # not retrained
@@ -103,7 +103,7 @@ def test_stage_learns_and_adds_best_of_n_to_a_finished_prm(tmp_path, sft_policy,
         assert 0.0 <= m[f"eval/bon_{how}"] <= m["eval/pass_at_n"]
     assert m["eval/random"] <= m["eval/pass_at_n"] and 0 < m["perf/prm_tokens_per_s"]
     # pass1 is the policy's greedy accuracy on the same prompts, recomputed here
-    records = bestofn.load_prompts(bestofn.BestOfNConfig(prompts=12))
+    records = bestofn.load_prompts(bestofn.BestOfNConfig(num_prompts=12))
     policy, tok = modeling.load_causal_lm(sft_policy)
     greedy = generate_texts(policy, tok, [r.prompt for r in records], 40)
     assert m["eval/pass1"] == pytest.approx(sum(tasks.verify(r, g) for r, g in zip(records, greedy)) / 12)

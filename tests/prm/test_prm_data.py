@@ -106,7 +106,7 @@ def test_bad_rows_name_file_and_line_and_nothing_is_written(tmp_path, case, no_t
     assert str(path) in str(err.value)
     out = tmp_path / "prm"
     cfg = config.load(stage.Config, overrides={"task": str(path), "output": str(out), "eval_size": 1,
-                                                 "model_path": "tiny-llama", **no_tracking})
+                                                 "backbone": "tiny-llama", **no_tracking})
     with pytest.raises(DataError, match=message):
         stage.run(cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.jsonl"]  # no output, no temporaries
@@ -117,7 +117,7 @@ def test_non_utf8_line_is_named(tmp_path, no_tracking):
     path.write_bytes((json.dumps(GOOD) + "\n").encode() + b'{"prompt": "\xff\xfe"}\n')
     with pytest.raises(DataError, match=r"steps.jsonl, line 2: not UTF-8 text"):
         stage.run(config.load(stage.Config, overrides={"task": str(path), "output": str(tmp_path / "prm"),
-                                                       "eval_size": 1, "model_path": "tiny-llama", **no_tracking}))
+                                                       "eval_size": 1, "backbone": "tiny-llama", **no_tracking}))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.jsonl"]
 
 
@@ -127,7 +127,7 @@ def test_bad_eval_file_fails_before_training(tmp_path, no_tracking, monkeypatch)
     monkeypatch.setattr(PRM, "load", lambda *a, **k: pytest.fail("the model was loaded before the data was checked"))
     with pytest.raises(DataError, match=r"eval.jsonl, line 2: 2 labels for 3 steps"):
         stage.run(config.load(stage.Config, overrides={"eval_task": str(bad), "output": str(tmp_path / "prm"),
-                                                       "train_size": 8, "model_path": "tiny-llama", **no_tracking}))
+                                                       "num_prompts": 8, "backbone": "tiny-llama", **no_tracking}))
     assert not (tmp_path / "prm").exists()
 
 
@@ -136,7 +136,7 @@ def test_empty_dataset_and_parquet_row_are_named(tmp_path, no_tracking):
     with pytest.raises(DataError, match="empty.jsonl' is empty"):
         stage.run(config.load(stage.Config, overrides={"task": str(tmp_path / "empty.jsonl"),
                                                        "output": str(tmp_path / "prm"),
-                                                       "model_path": "tiny-llama", **no_tracking}))
+                                                       "backbone": "tiny-llama", **no_tracking}))
     pq.write_table(pa.Table.from_pylist([GOOD, {**GOOD, "labels": [1, 0, 2]}]), tmp_path / "bad.parquet")
     with pytest.raises(DataError, match=r"bad.parquet, row 1: label 2 is 2"):
         data.load_stepwise(tmp_path / "bad.parquet")

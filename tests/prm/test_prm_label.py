@@ -51,8 +51,8 @@ def test_with_a_perfect_completer_labels_equal_the_exact_checker(tmp_path, monke
                 if c in problems else _perfect_completion(c) for c in prompts]
 
     monkeypatch.setattr(label, "generate_texts", fake_generate)
-    cfg = config.load(label.Config, overrides={"policy_path": str(tmp_path / "policy"), "output": str(tmp_path / "labels"),
-                                               "prompts": 12, "samples_per_prompt": 3, "completions": 2,
+    cfg = config.load(label.Config, overrides={"policy": str(tmp_path / "policy"), "output": str(tmp_path / "labels"),
+                                               "num_prompts": 12, "n_samples": 3, "completions": 2,
                                                "tracking.enabled": False})
     metrics = label.run(cfg)
     assert metrics["label/agreement"] == 1.0 and metrics["label/false_positive_rate"] == 0.0
@@ -67,8 +67,8 @@ def test_with_a_perfect_completer_labels_equal_the_exact_checker(tmp_path, monke
 
 
 def test_real_policy_labels_are_consistent_and_train_ready(tmp_path, sft_policy):
-    cfg = config.load(label.Config, overrides={"policy_path": str(sft_policy), "output": str(tmp_path / "labels"),
-                                               "prompts": 6, "samples_per_prompt": 2, "completions": 3,
+    cfg = config.load(label.Config, overrides={"policy": str(sft_policy), "output": str(tmp_path / "labels"),
+                                               "num_prompts": 6, "n_samples": 2, "completions": 3,
                                                "max_new_tokens": 40, "tracking.enabled": False})
     metrics = label.run(cfg)
     rows = [json.loads(line) for line in (tmp_path / "labels" / "labels.jsonl").read_text().splitlines()]
@@ -92,9 +92,9 @@ def test_real_policy_labels_are_consistent_and_train_ready(tmp_path, sft_policy)
 
 
 def test_missing_policy_writes_nothing(tmp_path):
-    cfg = config.load(label.Config, overrides={"policy_path": str(tmp_path / "nope"), "output": str(tmp_path / "labels"),
+    cfg = config.load(label.Config, overrides={"policy": str(tmp_path / "nope"), "output": str(tmp_path / "labels"),
                                                "tracking.enabled": False})
-    with pytest.raises(ModelLoadError, match="policy_path"):
+    with pytest.raises(ModelLoadError, match="policy"):
         label.run(cfg)
     assert not (tmp_path / "labels").exists()
 
@@ -122,8 +122,8 @@ def test_soft_labels_are_the_fraction_of_continuations_that_reach_the_answer(tmp
         return out
 
     monkeypatch.setattr(label, "generate_texts", fake_generate)
-    cfg = config.load(label.Config, overrides={"policy_path": str(tmp_path / "policy"), "output": str(tmp_path / "labels"),
-                                               "prompts": 10, "samples_per_prompt": 2, "completions": completions,
+    cfg = config.load(label.Config, overrides={"policy": str(tmp_path / "policy"), "output": str(tmp_path / "labels"),
+                                               "num_prompts": 10, "n_samples": 2, "completions": completions,
                                                "label": "soft", "tracking.enabled": False})
     metrics = label.run(cfg)
     rows = [json.loads(line) for line in (tmp_path / "labels" / "labels.jsonl").read_text().splitlines()]
@@ -152,7 +152,7 @@ def test_prompts_without_answers_are_a_data_error_and_nothing_is_written(tmp_pat
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "1+1?", "answer": "2"}) + "\n"
                        + json.dumps({"id": "b", "prompt": "2+2?"}) + "\n")
-    cfg = config.load(label.Config, overrides={"policy_path": str(tmp_path / "policy"), "output": str(tmp_path / "labels"),
+    cfg = config.load(label.Config, overrides={"policy": str(tmp_path / "policy"), "output": str(tmp_path / "labels"),
                                                "task": str(prompts), "tracking.enabled": False})
     with pytest.raises(DataError, match=r"prompt 'b' has no reference answer"):
         label.run(cfg)

@@ -16,7 +16,7 @@ from prmflow.components.lib.prm_model import PRM, HeadConfig
 from prmflow.components.lib.prm_scoring import load_scorer
 from prmflow.components.prm import data, stage
 
-SHORT = {"model_path": "tiny-llama", "extra_layers": 0, "train_layers": 0, "lr": 2e-3, "train_size": 40,
+SHORT = {"backbone": "tiny-llama", "extra_layers": 0, "train_layers": 0, "lr": 2e-3, "num_prompts": 40,
          "eval_size": 8, "negatives_per_problem": 1, "max_steps": 6, "micro_batch_size": 8, "warmup_steps": 1,
          "eval_every": 0, "save_every": 0, "engine.backend": "torch", "tracking.enabled": False}
 
@@ -148,7 +148,7 @@ def test_rerun_of_a_finished_output_does_nothing(tmp_path, capsys):
 
 
 def test_cli_runs_the_stage_and_refuses_bad_config(tmp_path, capsys):
-    assert cli.main(["prm", "--output", str(tmp_path / "cli"), "--model_path", "tiny-llama", "--max_steps", "1",
+    assert cli.main(["prm", "--output", str(tmp_path / "cli"), "--backbone", "tiny-llama", "--max_steps", "1",
                      "--warmup_steps", "0", "--train_size", "8", "--eval_size", "4", "--micro_batch_size", "8",
                      "--engine.backend", "torch", "--tracking.enabled", "false"]) == 0
     assert (tmp_path / "cli" / "manifest.json").is_file()
@@ -170,7 +170,7 @@ def test_extra_layers_start_as_the_identity_and_only_the_top_trains(tmp_path):
         after = lm(ids).logits
     assert torch.equal(before, after) and lm.config.num_hidden_layers == 6
     modeling.save_pretrained(lm, tok, tmp_path / "lm")  # a plain HF directory with 6 layers
-    cfg = make_cfg(tmp_path, model_path=str(tmp_path / "lm"), max_steps=3, train_layers=2)
+    cfg = make_cfg(tmp_path, backbone=str(tmp_path / "lm"), max_steps=3, train_layers=2)
     stage.run(cfg)
     trained, start = weights(tmp_path / "out"), PRM.load(tmp_path / "lm").model.state_dict()
     changed = {n for n in trained if not torch.equal(trained[n], start[n])}
@@ -210,15 +210,15 @@ def test_a_labelled_file_can_be_judged_on_the_exact_arithmetic_split(tmp_path):
 
 
 def test_policy_samples_join_the_training_data_labelled_by_the_checker(sft_policy, tmp_path):
-    """policy_samples_from_backbone samples the backbone (the pipeline's SFT policy) exactly as
-    policy_samples_path naming it does; every sample carries the exact checker's step labels."""
+    """policy_from_backbone samples the backbone (the pipeline's SFT policy) exactly as
+    policy naming it does; every sample carries the exact checker's step labels."""
     from prmflow.components.common.errors import ConfigError
     from prmflow.components.common.tasks import arithmetic
 
-    base = dict(model_path=str(sft_policy), train_size=12, policy_samples=2)
+    base = dict(backbone=str(sft_policy), num_prompts=12, n_samples=2)
     plain, _ = data.load_data(make_cfg(tmp_path, **base))
-    by_path, _ = data.load_data(make_cfg(tmp_path, **base, policy_samples_path=str(sft_policy)))
-    by_switch, _ = data.load_data(make_cfg(tmp_path, **base, policy_samples_from_backbone=True))
+    by_path, _ = data.load_data(make_cfg(tmp_path, **base, policy=str(sft_policy)))
+    by_switch, _ = data.load_data(make_cfg(tmp_path, **base, policy_from_backbone=True))
     key = lambda es: [(e.prompt, e.steps, e.labels) for e in es]  # noqa: E731
     assert key(by_switch) == key(by_path)
     samples = by_switch[len(plain):]
@@ -227,8 +227,8 @@ def test_policy_samples_join_the_training_data_labelled_by_the_checker(sft_polic
         first = arithmetic.first_error(e.prompt, "\n".join(e.steps))
         assert e.labels == [1.0 if first is None or k < first else 0.0 for k in range(len(e.steps))]
     with pytest.raises(ConfigError, match="set one of them"):
-        make_cfg(tmp_path, **base, policy_samples_from_backbone=True, policy_samples_path=str(sft_policy))
+        make_cfg(tmp_path, **base, policy_from_backbone=True, policy=str(sft_policy))
     with pytest.raises(ConfigError, match="need a built-in task"):
-        make_cfg(tmp_path, **base, policy_samples_from_backbone=True, task=str(tmp_path / "labels.jsonl"))
+        make_cfg(tmp_path, **base, policy_from_backbone=True, task=str(tmp_path / "labels.jsonl"))
     with pytest.raises(ConfigError, match="untrained preset"):
-        make_cfg(tmp_path, **{**base, "model_path": "tiny-llama"}, policy_samples_from_backbone=True)
+        make_cfg(tmp_path, **{**base, "backbone": "tiny-llama"}, policy_from_backbone=True)

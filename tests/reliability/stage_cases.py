@@ -7,7 +7,7 @@ in CASES, e.g.:
     CASES["ppo"] = StageCase(
         name="ppo",
         argv=lambda run, inputs: ["ppo", "--output", str(run / "out"), "--policy", str(inputs / "sft"),
-                                  "--advantages", str(inputs / "advantages"), *TINY_PPO_FLAGS,
+                                  "--input", str(inputs / "advantages"), *TINY_PPO_FLAGS,
                                   "--engine.backend", "torch", "--tracking.enabled", "false"],
         prepare=make_ppo_inputs,          # writes inputs/sft, inputs/advantages once per session
         read=read_policy,                 # a policy directory: manifest + checksums + safetensors
@@ -147,7 +147,7 @@ def make_policy(inputs: Path) -> Path:
     return out
 
 
-ROLLOUT_FLAGS = ["--num_prompts", "16", "--n_samples", "4", "--max_new_tokens", "48", "--batch_size", "32",
+ROLLOUT_FLAGS = ["--num_prompts", "16", "--n_samples", "4", "--max_new_tokens", "48", "--batch_sequences", "32",
                  "--tracking.enabled", "false"]
 
 
@@ -173,14 +173,14 @@ SFT_FLAGS = ["--train_size", "64", "--eval_size", "4", "--max_steps", "10", "--m
              "--warmup_steps", "2", "--eval_every", "5", "--save_every", "3", "--eval_max_new_tokens", "4",
              "--max_seq_len", "64", "--engine.backend", "torch", "--tracking.enabled", "false"]
 
-PRM_FLAGS = ["--model_path", "tiny-llama", "--train_size", "32", "--eval_size", "8", "--max_steps", "10",
+PRM_FLAGS = ["--backbone", "tiny-llama", "--num_prompts", "32", "--eval_size", "8", "--max_steps", "10",
              "--micro_batch_size", "8", "--warmup_steps", "2", "--eval_every", "5", "--save_every", "3", "--log_every", "1",
              "--max_seq_len", "128", "--engine.backend", "torch", "--tracking.enabled", "false"]
 
-PPO_FLAGS = ["--epochs", "2", "--minibatch_size", "8", "--micro_batch_size", "4", "--critic", "true", "--ema_decay", "0.5",
+PPO_FLAGS = ["--epochs", "2", "--minibatch_size", "8", "--micro_batch_size", "4", "--train_critic", "true", "--ema_decay", "0.5",
              "--save_every", "3", "--max_seq_len", "128", "--engine.backend", "torch", "--tracking.enabled", "false"]
 
-ADVANTAGE_FLAGS = ["--estimator", "gae", "--kl_coef", "0.05", "--whiten", "true", "--batch_size", "256",
+ADVANTAGE_FLAGS = ["--estimator", "gae", "--kl_coef", "0.05", "--whiten", "true", "--batch_rows", "256",
                    "--tracking.enabled", "false"]
 
 CASES = {
@@ -242,7 +242,7 @@ CASES = {
     # into each model's prmflow.json may differ
     "ppo": StageCase(
         name="ppo",
-        argv=lambda run, inputs: ["ppo", "--output", str(run / "out"), "--policy_path", str(inputs / "policy"),
+        argv=lambda run, inputs: ["ppo", "--output", str(run / "out"), "--policy", str(inputs / "policy"),
                                   "--advantages", str(inputs / "ppo-advantages"), *PPO_FLAGS],
         prepare=make_ppo_inputs,
         read=read_model("ppo"),

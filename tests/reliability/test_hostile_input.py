@@ -212,7 +212,7 @@ def test_ppo_refuses_corrupted_advantages_clearly(reliability, data):
     with tempfile.TemporaryDirectory() as tmp:
         d, out = Path(tmp) / "advantages", Path(tmp) / "ppo"
         shard = write_handoff(d, table, {"kind": "advantages"})
-        cfg = ppo.Config(policy_path="tiny-llama", advantages=str(d), output=str(out), minibatch_size=2,
+        cfg = ppo.Config(policy="tiny-llama", input=str(d), output=str(out), minibatch_size=2,
                          micro_batch_size=2, engine=EngineConfig(backend="torch"), tracking=TrackingConfig(enabled=False))
         try:
             rows = ppo.load_batch(cfg)

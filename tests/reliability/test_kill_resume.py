@@ -108,7 +108,7 @@ def test_rollout_refuses_an_output_sampled_from_another_policy(tmp_path, capsys,
 def test_prm_refuses_an_output_trained_on_another_backbone(tmp_path, capsys, reliability):
     """PRM on an SFT policy directory that was retrained in place: not the same PRM, so an error."""
     policy, out = tmp_path / "sft", tmp_path / "prm"
-    argv = ["prm", "--model_path", str(policy), "--output", str(out), "--train_size", "16", "--eval_size", "4",
+    argv = ["prm", "--backbone", str(policy), "--output", str(out), "--num_prompts", "16", "--eval_size", "4",
             "--max_steps", "2", "--warmup_steps", "1", "--micro_batch_size", "8", "--max_seq_len", "96",
             "--engine.backend", "torch", "--tracking.enabled", "false"]
     _tiny_policy(policy, 0)

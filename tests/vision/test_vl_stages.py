@@ -29,12 +29,12 @@ def chain(tmp_path_factory):
     rewards) -> advantage, on the visual task."""
     root = tmp_path_factory.mktemp("vl")
     sft.run(config.build(sft.Config, {
-        "model_path": "tiny-llava", "task": "visual", "output": str(root / "sft"), "max_steps": 12, "warmup_steps": 2,
+        "policy": "tiny-llava", "task": "visual", "output": str(root / "sft"), "max_steps": 12, "warmup_steps": 2,
         "train_size": 200, "eval_size": 8, "micro_batch_size": 8, "eval_every": 12, "save_every": 0,
         "engine": {"backend": "torch"}, "tracking": OFF}))
     prm.run(config.build(prm.Config, {
-        "model_path": str(root / "sft"), "task": "visual", "output": str(root / "prm"), "head": {"kind": "lm_tokens"},
-        "extra_layers": 0, "train_layers": 0, "max_steps": 6, "warmup_steps": 1, "train_size": 40, "eval_size": 10,
+        "backbone": str(root / "sft"), "task": "visual", "output": str(root / "prm"), "head": {"kind": "lm_tokens"},
+        "extra_layers": 0, "train_layers": 0, "max_steps": 6, "warmup_steps": 1, "num_prompts": 40, "eval_size": 10,
         "micro_batch_size": 8, "eval_every": 6, "save_every": 0, "engine": {"backend": "torch"}, "tracking": OFF}))
     rollout.run(config.build(rollout.Config, {
         "policy": str(root / "sft"), "prm": str(root / "prm"), "task": "visual", "output": str(root / "rollouts"),
@@ -94,7 +94,7 @@ def _adv_table(chain) -> pa.Table:
 
 def test_ppo_refeeds_pixels_and_trains(chain, tmp_path):
     m = ppo.run(config.build(ppo.Config, {
-        "policy_path": str(chain / "sft"), "advantages": str(chain / "adv"), "output": str(tmp_path / "ppo"),
+        "policy": str(chain / "sft"), "input": str(chain / "adv"), "output": str(tmp_path / "ppo"),
         "minibatch_size": 8, "micro_batch_size": 4, "epochs": 1, "engine": {"backend": "torch"}, "tracking": OFF}))
     assert m["train/skipped_updates"] == 0 and m["train/skipped_image_mismatch"] == 0
     first = _history(tmp_path / "ppo")[0]
@@ -116,7 +116,7 @@ def test_ppo_skips_a_batch_whose_image_tokens_do_not_match(chain, tmp_path, capl
     hit = [u for u, rows in enumerate(plan) if bad_row in rows]
     with caplog.at_level(logging.WARNING):
         ppo.run(config.build(ppo.Config, {
-            "policy_path": str(chain / "sft"), "advantages": str(tmp_path / "adv"), "output": str(tmp_path / "ppo"),
+            "policy": str(chain / "sft"), "input": str(tmp_path / "adv"), "output": str(tmp_path / "ppo"),
             "minibatch_size": 8, "micro_batch_size": 4, "epochs": 1, "engine": {"backend": "torch"}, "tracking": OFF}))
     history = [h for h in _history(tmp_path / "ppo")]
     skipped = [h["update"] - 1 for h in history if h.get("skipped")]
@@ -139,7 +139,7 @@ def test_ppo_names_the_row_of_an_undecodable_image(chain, tmp_path):
     schema.write_dataset(tmp_path / "adv", table, "advantages")
     with pytest.raises(DataError, match=r"row 3, image 0: not a decodable image"):
         ppo.run(config.build(ppo.Config, {
-            "policy_path": str(chain / "sft"), "advantages": str(tmp_path / "adv"), "output": str(tmp_path / "ppo"),
+            "policy": str(chain / "sft"), "input": str(tmp_path / "adv"), "output": str(tmp_path / "ppo"),
             "minibatch_size": 8, "engine": {"backend": "torch"}, "tracking": OFF}))
     assert not (tmp_path / "ppo").exists()
 
@@ -147,7 +147,7 @@ def test_ppo_names_the_row_of_an_undecodable_image(chain, tmp_path):
 def test_a_text_policy_refuses_image_rows(chain, tmp_path):
     with pytest.raises(DataError, match="has rows with images, but the policy 'tiny-llama' is text-only"):
         ppo.run(config.build(ppo.Config, {
-            "policy_path": "tiny-llama", "advantages": str(chain / "adv"), "output": str(tmp_path / "ppo"),
+            "policy": "tiny-llama", "input": str(chain / "adv"), "output": str(tmp_path / "ppo"),
             "minibatch_size": 8, "engine": {"backend": "torch"}, "tracking": OFF}))
     assert not (tmp_path / "ppo").exists()
 
@@ -197,7 +197,7 @@ def test_sft_skips_a_batch_whose_image_tokens_do_not_match(tmp_path, caplog, mon
     monkeypatch.setattr(sft_data.tasks, "encode_prompt", short)
     with caplog.at_level(logging.WARNING):
         sft.run(config.build(sft.Config, {
-            "model_path": "tiny-llava", "task": "visual", "output": str(tmp_path / "sft"), "max_steps": 2,
+            "policy": "tiny-llava", "task": "visual", "output": str(tmp_path / "sft"), "max_steps": 2,
             "warmup_steps": 1, "train_size": 16, "eval_size": 2, "micro_batch_size": 8, "eval_every": 0,
             "save_every": 0, "engine": {"backend": "torch"}, "tracking": OFF}))
     messages = [r.getMessage() for r in caplog.records if "skipping the batch" in r.getMessage()]
@@ -212,7 +212,7 @@ def test_sft_freezes_the_named_modules(tmp_path):
     model, tok = modeling.load_causal_lm("tiny-llava")
     modeling.save_pretrained(model, tok, base)
     sft.run(config.build(sft.Config, {
-        "model_path": str(base), "task": "visual", "output": str(tmp_path / "sft"), "max_steps": 2, "warmup_steps": 1,
+        "policy": str(base), "task": "visual", "output": str(tmp_path / "sft"), "max_steps": 2, "warmup_steps": 1,
         "train_size": 16, "eval_size": 2, "micro_batch_size": 8, "eval_every": 0, "save_every": 0,
         "freeze": "model.vision_tower, model.multi_modal_projector", "engine": {"backend": "torch"}, "tracking": OFF}))
     before, after = load_file(str(base / "model.safetensors")), load_file(str(tmp_path / "sft" / "model.safetensors"))
@@ -222,7 +222,7 @@ def test_sft_freezes_the_named_modules(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("language_model."))
     with pytest.raises(ConfigError, match="freeze: no parameter name starts with 'model.vision'"):
         sft.run(config.build(sft.Config, {
-            "model_path": "tiny-llama", "output": str(tmp_path / "x"), "max_steps": 2, "warmup_steps": 1,
+            "policy": "tiny-llama", "output": str(tmp_path / "x"), "max_steps": 2, "warmup_steps": 1,
             "freeze": "model.vision", "tracking": OFF}))
 
 
@@ -230,6 +230,6 @@ def test_prm_label_refuses_image_prompts_clearly(chain, tmp_path):
     from prmflow.components.prm import label
 
     with pytest.raises(DataError, match="has images; prm-label labels text prompts only"):
-        label.run(config.build(label.Config, {"policy_path": str(chain / "sft"), "task": "visual", "prompts": 2,
+        label.run(config.build(label.Config, {"policy": str(chain / "sft"), "task": "visual", "num_prompts": 2,
                                               "output": str(tmp_path / "labels"), "tracking": OFF}))
     assert not (tmp_path / "labels").exists()

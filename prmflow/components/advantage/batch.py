@@ -124,8 +124,8 @@ def finish_batch(t: pa.Table, res: BatchResult, rows: dict[str, np.ndarray], pla
         adv = (adv - whitening.mean) / (whitening.std + cfg.norm_eps)
     if (rows["weight"] != 1.0).any():
         adv = adv * layout.broadcast(rows["weight"])
-    if cfg.adv_clip > 0:
-        adv = np.clip(adv, -cfg.adv_clip, cfg.adv_clip)
+    if cfg.advantage_clip > 0:
+        adv = np.clip(adv, -cfg.advantage_clip, cfg.advantage_clip)
     columns = {"token_rewards": res.token_rewards, "advantages": adv, "returns": res.returns}
     kl, kl_rows = res.kl, res.kl_rows
     keep = rows["keep"]

@@ -9,7 +9,7 @@ states, per column, what to do when it is missing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from ..common.errors import ConfigError
 from ..common.tracking import TrackingConfig
@@ -48,20 +48,23 @@ class Config:
     """Clip outcome_reward and each step's contribution to [-reward_clip, reward_clip]; 0 = off."""
     whiten: bool | None = None
     """(A - mean) / (std + norm_eps) over all written tokens; costs one more read. Empty: reinforce_baseline only."""
-    adv_clip: float = 0.0
-    """Clamp the final advantages to [-adv_clip, adv_clip] (after whitening); 0 = off."""
+    advantage_clip: float = 0.0
+    """Clamp the final advantages to [-advantage_clip, advantage_clip] (after whitening); 0 = off."""
     norm_eps: float = 1e-6
     """Added to every std divided by (group normalization, whitening), so equal rewards give 0."""
     zero_variance: Literal["keep", "drop", "downweight"] = "keep"
     """Groups (>= 2 samples) with all rewards equal: keep, drop their rows (less PPO work), or downweight."""
     zero_variance_weight: float = 0.1
     """Advantage multiplier in [0, 1] for zero-variance groups when zero_variance=downweight."""
-    batch_size: int = 512
-    """Rows per batch and per output row group; peak memory grows with batch_size x response length."""
+    batch_rows: int = 512
+    """Rows per batch and per output row group; peak memory grows with batch_rows x response length."""
     overwrite: bool = False
     """Replace an existing output made from another config or input; off: that is an error. One made from this config and input is kept (nothing to do)."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """MLflow run settings (common/tracking.py)."""
+
+    #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
+    renamed: ClassVar[dict[str, str]] = {"adv_clip": "advantage_clip", "batch_size": "batch_rows"}
 
     def __post_init__(self) -> None:
         _check_choice("estimator", self.estimator, ESTIMATORS)
@@ -71,13 +74,13 @@ class Config:
         for key, lo, hi in (("gamma", 0, 1), ("lam", 0, 1), ("zero_variance_weight", 0, 1)):
             if not lo <= getattr(self, key) <= hi:
                 raise ConfigError(f"{key}={getattr(self, key)} is outside [{lo}, {hi}]; set it in that range.")
-        for key in ("kl_coef", "reward_clip", "adv_clip"):
+        for key in ("kl_coef", "reward_clip", "advantage_clip"):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 0 (0 turns it off).")
         if not self.norm_eps > 0:
             raise ConfigError(f"norm_eps={self.norm_eps} must be > 0, or equal-reward groups divide by zero.")
-        if self.batch_size < 1:
-            raise ConfigError(f"batch_size={self.batch_size} must be >= 1.")
+        if self.batch_rows < 1:
+            raise ConfigError(f"batch_rows={self.batch_rows} must be >= 1.")
         # Empty switches stay None here and are resolved in `switches`: storing the resolved value
         # would pin it when config.load rebuilds the config with command-line overrides.
         _check_reward_switches(self, ESTIMATORS[self.estimator])

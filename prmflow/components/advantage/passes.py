@@ -44,7 +44,7 @@ def check_columns_exist(ds: schema.Dataset, plan: Plan) -> None:
 
 def _validated(ds: schema.Dataset, plan: Plan, columns: list[str] | None) -> Iterator[pa.Table]:
     """Validated batches of `columns` (all when None), read one batch ahead on a thread."""
-    return parquet_io.read_ahead(ds.iter_batches(plan.cfg.batch_size, columns))
+    return parquet_io.read_ahead(ds.iter_batches(plan.cfg.batch_rows, columns))
 
 
 # --- pass 1: groups -------------------------------------------------------------------------------
@@ -90,7 +90,7 @@ def group_pass(ds: schema.Dataset, plan: Plan) -> Groups:
     column = plan.signal_columns[0]
     cols = ["prompt_id", "sample_idx", "iteration", column]
     keys, shares = [], []
-    for t in ds.iter_batches(max(cfg.batch_size, 1 << 16), cols, validate_rows=False):
+    for t in ds.iter_batches(max(cfg.batch_rows, 1 << 16), cols, validate_rows=False):
         for name in ("prompt_id", "iteration"):
             if t[name].null_count:
                 raise DataError(f"{plan.where}: required column '{name}' is null in some rows.")

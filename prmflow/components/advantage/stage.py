@@ -52,7 +52,7 @@ def run(cfg: Config) -> dict:
     # a re-run (retried pipeline step, restarted pod) whose result is already committed does nothing
     done = io.completed_output(cfg.output, {"config": io.config_identity(config_lib.to_dict(cfg)),
                                             "inputs": io.fingerprint(ds.dirs), "kl_coef_used": plan.beta},
-                               cfg.overwrite, "advantage")
+                               cfg.overwrite, "advantage", config_cls=Config)
     if done is not None:
         print(f"advantage: '{cfg.output}' is already complete for this config and input; nothing to do.")
         return {"train/rows_out": done["rows"]}

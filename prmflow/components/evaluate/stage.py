@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..common import config as config_lib, io, modeling, tasks, tracking
 from ..common.errors import ConfigError
@@ -55,10 +56,10 @@ class Config:
     """Separator between reasoning steps (as the PRM was trained)."""
     chat_template: bool = True
     """Wrap prompts in the tokenizer's chat template when it has one."""
-    batch_size: int = 256
-    """Prompts per generation batch."""
-    html_samples: int = 20
-    """Responses shown in the per-step HTML view."""
+    batch_sequences: int = 256
+    """Sequences (a prompt and one response) per generation batch."""
+    log_samples: int = 20
+    """Responses shown in the per-step HTML view (logged as an MLflow artifact)."""
     seed: int = 0
     """Sampling seed."""
     iteration: int = -1
@@ -70,6 +71,9 @@ class Config:
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
     """MLflow tracking."""
 
+    #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
+    renamed: ClassVar[dict[str, str]] = {"batch_size": "batch_sequences", "html_samples": "log_samples"}
+
     def __post_init__(self):
         if self.num_prompts < 1 or self.n_samples < 1:
             raise ConfigError(f"num_prompts ({self.num_prompts}) and n_samples ({self.n_samples}) must be at least 1.")
@@ -79,9 +83,9 @@ class Config:
 
 def run(cfg: Config) -> dict:
     """Evaluate `cfg.policy`; write the results to `cfg.output`; return the eval/* metrics."""
-    bon_cfg = bestofn.BestOfNConfig(policy_path=cfg.policy, n=cfg.n_samples, prompts=cfg.num_prompts, task=cfg.task,
+    bon_cfg = bestofn.BestOfNConfig(policy=cfg.policy, n_samples=cfg.n_samples, num_prompts=cfg.num_prompts, task=cfg.task,
                                     temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                                    aggregations=cfg.aggregations if cfg.prm else [], batch_size=cfg.batch_size,
+                                    aggregations=cfg.aggregations if cfg.prm else [], batch_sequences=cfg.batch_sequences,
                                     seed=cfg.seed)
     modeling.check_model_dir(cfg.policy, "policy")
     if cfg.prm:
@@ -110,12 +114,12 @@ def run(cfg: Config) -> dict:
         metrics["eval/response_length"] = sum(lengths) / len(lengths)
         metrics["eval/format_errors"] = sum(bestofn.extract_answer(r, g) is None for r, g in zip(records, greedy)) / len(records)
         if cfg.baseline:
-            base_cfg = bestofn.BestOfNConfig(**{**config_lib.to_dict(bon_cfg), "policy_path": cfg.baseline, "n": 1})
+            base_cfg = bestofn.BestOfNConfig(**{**config_lib.to_dict(bon_cfg), "policy": cfg.baseline, "n_samples": 1})
             _, base_greedy, _ = bestofn.sample(cfg.baseline, records, base_cfg, cfg.chat_template)
             metrics["eval/baseline_accuracy"] = sum(tasks.verify(r, g) for r, g in zip(records, base_greedy)) / len(records)
         rows = [{"prompt_id": r.prompt_id, "prompt": r.prompt, "response": g, "correct": tasks.verify(r, g),
                  "step_scores": s, "source": r.source} for r, g, s in zip(records, greedy, greedy_scores)]
-        page = report.per_step_html(rows[:cfg.html_samples])
+        page = report.per_step_html(rows[:cfg.log_samples])
         with io.atomic_output_dir(cfg.output, "evaluation", overwrite=cfg.overwrite,
                                   manifest={"config": config_lib.to_dict(cfg), "metrics": metrics}) as tmp:
             (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))

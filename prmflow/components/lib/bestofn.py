@@ -18,7 +18,7 @@ import collections
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 from ..common import config as config_lib, modeling, steps as steps_lib, tasks
 from ..common.errors import ConfigError
@@ -45,11 +45,11 @@ AGGREGATIONS: dict[str, Callable[[list[float]], float]] = {
 
 @dataclass
 class BestOfNConfig:
-    policy_path: str = ""
+    policy: str = ""
     """Policy (HF directory) to sample from for best-of-N after training; empty = skip best-of-N."""
-    n: int = 8
-    """Solutions sampled per prompt."""
-    prompts: int = 200
+    n_samples: int = 8
+    """Solutions sampled per prompt (the N of best-of-N)."""
+    num_prompts: int = 200
     """Held-out prompts (arithmetic 'test' split, or the first rows of task)."""
     task: str = "arithmetic"
     """Prompts with reference answers: 'arithmetic' or 'visual' (their test split) or a .jsonl/.parquet dataset."""
@@ -61,14 +61,18 @@ class BestOfNConfig:
     """Generation budget per solution."""
     aggregations: list[str] = field(default_factory=lambda: ["min", "product", "last", "mean"])
     """Reductions of step scores to one score per solution; each gives eval/bon_<name>."""
-    batch_size: int = 256
-    """Prompts per generation batch and responses per PRM scoring batch."""
+    batch_sequences: int = 256
+    """Sequences (a prompt and one response) per generation batch and per PRM scoring batch."""
     seed: int = 0
     """Sampling seed."""
 
+    #: Keys renamed in this release (old -> new, relative to the bon section); the old ones still load, with a warning.
+    renamed: ClassVar[dict[str, str]] = {"policy_path": "policy", "n": "n_samples", "prompts": "num_prompts",
+                                         "batch_size": "batch_sequences"}
+
     def __post_init__(self):
-        if self.n < 1 or self.prompts < 1:
-            raise ConfigError(f"bon.n ({self.n}) and bon.prompts ({self.prompts}) must be at least 1.")
+        if self.n_samples < 1 or self.num_prompts < 1:
+            raise ConfigError(f"bon.n_samples ({self.n_samples}) and bon.num_prompts ({self.num_prompts}) must be at least 1.")
         unknown = [a for a in self.aggregations if a not in AGGREGATIONS]
         if unknown:
             raise ConfigError(f"bon.aggregations has {unknown}; known: {sorted(AGGREGATIONS)}.")
@@ -128,15 +132,15 @@ def sample(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConf
     policy, tok = modeling.load_causal_lm(policy_path)
     prompts = [tasks.render_prompt(tok, r, chat_template) for r in records]
     special = not any(tasks.templated(tok, r, chat_template) for r in records)
-    flat = [p for p in prompts for _ in range(cfg.n)]
+    flat = [p for p in prompts for _ in range(cfg.n_samples)]
     images = prompt_images(records)
-    flat_images = [im for im in images for _ in range(cfg.n)] if images else None
-    sampled = generate_texts(policy, tok, flat, cfg.max_new_tokens, batch_size=cfg.batch_size, do_sample=True,
+    flat_images = [im for im in images for _ in range(cfg.n_samples)] if images else None
+    sampled = generate_texts(policy, tok, flat, cfg.max_new_tokens, batch_size=cfg.batch_sequences, do_sample=True,
                              temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, add_special_tokens=special,
                              images=flat_images)
-    greedy = generate_texts(policy, tok, prompts, cfg.max_new_tokens, batch_size=cfg.batch_size,
+    greedy = generate_texts(policy, tok, prompts, cfg.max_new_tokens, batch_size=cfg.batch_sequences,
                             add_special_tokens=special, images=images)
-    return [sampled[i * cfg.n:(i + 1) * cfg.n] for i in range(len(records))], greedy, prompts
+    return [sampled[i * cfg.n_samples:(i + 1) * cfg.n_samples] for i in range(len(records))], greedy, prompts
 
 
 def prompt_images(records: list[tasks.PromptRecord]) -> list[list[bytes]] | None:
@@ -148,7 +152,7 @@ def load_prompts(cfg: BestOfNConfig, arithmetic_cfg: arithmetic.ArithmeticConfig
                  seed: int = 0) -> list[tasks.PromptRecord]:
     akw = config_lib.to_dict(arithmetic_cfg or arithmetic.ArithmeticConfig())
     split = "test" if cfg.task in tasks.TASKS else "eval"
-    records = tasks.load(cfg.task, split, cfg.prompts, seed, **akw)
+    records = tasks.load(cfg.task, split, cfg.num_prompts, seed, **akw)
     missing = [r.prompt_id for r in records if r.answer is None]
     if missing:
         raise ConfigError(f"bon.task '{cfg.task}': {len(missing)} prompts have no reference answer (first: "
@@ -158,18 +162,18 @@ def load_prompts(cfg: BestOfNConfig, arithmetic_cfg: arithmetic.ArithmeticConfig
 
 def evaluate(prm_path: str, cfg: BestOfNConfig, arithmetic_cfg: arithmetic.ArithmeticConfig | None = None,
              chat_template: bool = True, step_separator: str = "\n", seed: int = 0) -> tuple[dict, dict]:
-    """Sample with cfg.policy_path, rerank by the PRM at prm_path; (metrics, a sample table).
+    """Sample with cfg.policy, rerank by the PRM at prm_path; (metrics, a sample table).
 
     When the prompts are arithmetic, the sampled steps also have exact labels, and
     eval/bon_step_auc says how well the PRM ranks the policy's own steps.
     """
     records = load_prompts(cfg, arithmetic_cfg, seed)
-    candidates, greedy, prompts = sample(cfg.policy_path, records, cfg, chat_template)
-    scorer = PRMScorer(prm_path, batch_size=cfg.batch_size, step_separator=step_separator)
+    candidates, greedy, prompts = sample(cfg.policy, records, cfg, chat_template)
+    scorer = PRMScorer(prm_path, batch_size=cfg.batch_sequences, step_separator=step_separator)
     images = prompt_images(records)
-    flat = scorer.score([p for p in prompts for _ in range(cfg.n)], [c for cs in candidates for c in cs],
-                        images=[im for im in images for _ in range(cfg.n)] if images else None)
-    scores = [flat[i * cfg.n:(i + 1) * cfg.n] for i in range(len(records))]
+    flat = scorer.score([p for p in prompts for _ in range(cfg.n_samples)], [c for cs in candidates for c in cs],
+                        images=[im for im in images for _ in range(cfg.n_samples)] if images else None)
+    scores = [flat[i * cfg.n_samples:(i + 1) * cfg.n_samples] for i in range(len(records))]
     metrics = score_table(records, candidates, scores, greedy, cfg.aggregations)
     metrics["perf/prm_tokens_per_s"] = scorer.tokens_per_s
     if all(r.source == "arithmetic" for r in records):

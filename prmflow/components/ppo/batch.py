@@ -22,30 +22,30 @@ def _needed_columns(cfg: Config) -> list[str]:
     """The columns this config reads, which must not be null in any row."""
     need = ["prompt_ids", "response_ids", "advantages"]
     need += [] if cfg.recompute_old_logprobs else ["old_logprobs"]
-    need += ["returns"] if cfg.critic else []
+    need += ["returns"] if cfg.train_critic else []
     need += ["ref_logprobs"] if cfg.kl_loss_coef else []
     return need
 
 
 def load_batch(cfg: Config) -> list[dict]:
     """The advantages hand-off as one dict per response: prompt_ids, response_ids and per-token lists."""
-    table = schema.open_dataset(cfg.advantages, "advantages").read()
+    table = schema.open_dataset(cfg.input, "advantages").read()
     if table.num_rows == 0:
-        raise DataError(f"'{cfg.advantages}' holds no rows; the ppo stage needs at least "
+        raise DataError(f"'{cfg.input}' holds no rows; the ppo stage needs at least "
                         f"minibatch_size={cfg.minibatch_size}.")
     for name in _needed_columns(cfg):
         col = table.column(name)
         if col.null_count:
             first = next(i for i, v in enumerate(col.is_null().to_pylist()) if v)
-            why = {"returns": " (critic=true needs GAE returns)", "ref_logprobs": " (kl_loss_coef > 0 needs them)",
+            why = {"returns": " (train_critic=true needs GAE returns)", "ref_logprobs": " (kl_loss_coef > 0 needs them)",
                    "old_logprobs": " (or set recompute_old_logprobs=true)"}.get(name, "")
-            raise DataError(f"'{cfg.advantages}': column '{name}' is null in row {first} (prompt_id="
+            raise DataError(f"'{cfg.input}': column '{name}' is null in row {first} (prompt_id="
                             f"{table.column('prompt_id')[first].as_py()!r}){why}.")
     cols = {name: table.column(name).to_pylist() for name in ("prompt_ids", "response_ids", *TOKEN_FIELDS, "kl", "images")}
     rows = [{name: cols[name][i] for name in cols} for i in range(table.num_rows)]
     for i, r in enumerate(rows):
         if not r["prompt_ids"]:
-            raise DataError(f"'{cfg.advantages}': row {i} has empty prompt_ids; the first response token needs a prompt.")
+            raise DataError(f"'{cfg.input}': row {i} has empty prompt_ids; the first response token needs a prompt.")
     return rows
 
 

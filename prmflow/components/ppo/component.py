@@ -12,12 +12,12 @@ def ppo(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, itera
     from prmflow.components.common.kfp_shim import artifact_metadata, run_stage
     from prmflow.components.ppo import stage
 
-    paths = {"policy_path": os.path.join(policy.path, policy_subdir), "advantages": advantages.path,
+    paths = {"policy": os.path.join(policy.path, policy_subdir), "input": advantages.path,
              "output": updated.path}
     if resume_previous:  # the critic, the optimizer and the KL controller carry over from the previous iteration
         paths["kl_state"] = os.path.join(previous.path, "kl_state.json")
         if os.path.isdir(os.path.join(previous.path, "critic")):
-            paths["critic_path"] = os.path.join(previous.path, "critic")
+            paths["critic"] = os.path.join(previous.path, "critic")
         if os.path.isdir(os.path.join(previous.path, "optimizer")):
             paths["optimizer_state"] = os.path.join(previous.path, "optimizer")  # Adam continues, not restarts
     metrics = run_stage("ppo", stage, config, paths, kfp_run_id, tracking_uri, experiment, iteration)

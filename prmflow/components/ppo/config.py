@@ -6,9 +6,9 @@ The CLI (`prmflow ppo --help`), the YAML configs and the KFP component are gener
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
-from ..common import tracking
+from ..common import config as config_lib, tracking
 from ..common.engine import EngineConfig
 from ..common.errors import ConfigError
 from ..common.tasks.arithmetic import ArithmeticConfig
@@ -16,9 +16,9 @@ from ..common.tasks.arithmetic import ArithmeticConfig
 
 @dataclass
 class Config:
-    policy_path: str = "outputs/sft"
+    policy: str = "outputs/sft"
     """Policy that generated the batch (HF dir); it is trained and written to OUTPUT/policy."""
-    advantages: str = "outputs/advantages"
+    input: str = "outputs/advantages"
     """Advantages hand-off directory (the advantage stage's output; a parent of shard dirs works too)."""
     output: str = "outputs/ppo"
     """Output directory: policy/, critic/, policy_ema/, kl_state.json, updates.jsonl (written atomically)."""
@@ -36,8 +36,8 @@ class Config:
     """Policy learning rate (tiny CPU models; use ~1e-6 for billion-parameter models)."""
     lr_schedule: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
     """LR schedule over the whole RL run (rl_iterations x updates per iteration)."""
-    warmup_updates: int = 0
-    """Linear LR warm-up, in updates counted over the whole RL run."""
+    warmup_steps: int = 0
+    """Linear LR warm-up, in updates (optimizer steps) counted over the whole RL run."""
     rl_iterations: int = 1
     """RL iterations the LR schedule spans; this run starts at iteration x its number of updates."""
     weight_decay: float = 0.0
@@ -72,25 +72,25 @@ class Config:
     """Supervised data for the ptx loss: 'arithmetic' (reference solutions) or a .jsonl/.parquet with responses."""
     ptx_batch_size: int = 16
     """Supervised examples per update for the ptx loss (at least minibatch_size / micro_batch_size)."""
-    ptx_size: int = 2000
-    """Supervised examples drawn from ptx_task."""
+    ptx_num_prompts: int = 2000
+    """Supervised examples (prompts with their reference responses) drawn from ptx_task."""
     max_seq_len: int = 256
     """Supervised (ptx) examples longer than this are dropped."""
     chat_template: bool = True
     """Wrap ptx prompts in the tokenizer's chat template when it has one (as sft does)."""
-    critic: bool = False
+    train_critic: bool = False
     """Train a value model (needed by GAE advantages); reads 'returns' (and 'values' as V_old) from the batch."""
-    critic_path: str = ""
+    critic: str = ""
     """Critic to continue training (the previous iteration's OUTPUT/critic); empty = a new one from critic_init."""
     critic_init: Literal["policy", "prm"] = "policy"
-    """Backbone of a new critic: the policy (policy_path) or the PRM (prm_path); its value head starts at 0."""
-    prm_path: str = ""
+    """Backbone of a new critic: the policy (policy) or the PRM (prm); its value head starts at 0."""
+    prm: str = ""
     """PRM directory, for critic_init=prm."""
     critic_lr: float = 1e-3
     """Critic learning rate (tiny CPU models; ~1e-5 for billion-parameter models)."""
     value_clip: float = 0.2
     """Value clipping: V may move at most this far from V_old before its error stops counting (0 = off)."""
-    critic_warmup_updates: int = 0
+    critic_warmup_steps: int = 0
     """The first updates of this run train only the critic (actor frozen); use it while a new critic is meaningless."""
     kl_control: Literal["fixed", "adaptive"] = "fixed"
     """KL coefficient of the reward: fixed, or adapted toward kl_target (Ziegler et al. 2019)."""
@@ -123,9 +123,18 @@ class Config:
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
     """MLflow tracking."""
 
+    #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
+    renamed: ClassVar[dict[str, str]] = {
+        "policy_path": "policy", "advantages": "input", "warmup_updates": "warmup_steps",
+        "critic_warmup_updates": "critic_warmup_steps", "critic_path": "critic", "prm_path": "prm",
+        "ptx_size": "ptx_num_prompts"}
+    #: `critic` was the switch that is now `train_critic` and is now the critic's path (old `critic_path`):
+    #: a true/false value is the old switch.
+    renamed_when: ClassVar[dict] = {"critic": ("train_critic", config_lib.looks_boolean)}
+
     def __post_init__(self):
         for key in ("epochs", "minibatch_size", "micro_batch_size", "rl_iterations", "kl_horizon", "ptx_batch_size",
-                    "ptx_size", "max_seq_len"):
+                    "ptx_num_prompts", "max_seq_len"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must be at least 1.")
         if self.minibatch_size % self.micro_batch_size:
@@ -144,15 +153,15 @@ class Config:
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"ema_decay is {self.ema_decay}; use 0 (off) or a decay in (0, 1).")
         for key in ("advantage_clip", "entropy_coef", "kl_loss_coef", "ptx_coef", "value_clip", "kl_coef",
-                    "critic_warmup_updates", "warmup_updates", "save_every", "drgrpo_max_len", "iteration"):
+                    "critic_warmup_steps", "warmup_steps", "save_every", "drgrpo_max_len", "iteration"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must not be negative.")
         if self.kl_target <= 0:
             raise ConfigError(f"kl_target is {self.kl_target}; it must be positive.")
-        if self.critic_warmup_updates and not self.critic:
-            raise ConfigError("critic_warmup_updates needs critic=true (only a critic can train while the actor is frozen).")
-        if self.critic and self.critic_init == "prm" and not self.critic_path and not self.prm_path:
-            raise ConfigError("critic_init=prm needs prm_path (the PRM directory), or set critic_init=policy.")
+        if self.critic_warmup_steps and not self.train_critic:
+            raise ConfigError("critic_warmup_steps needs train_critic=true (only a critic can train while the actor is frozen).")
+        if self.train_critic and self.critic_init == "prm" and not self.critic and not self.prm:
+            raise ConfigError("critic_init=prm needs prm (the PRM directory), or set critic_init=policy.")
         if self.lr_schedule != "constant" and self.iteration >= self.rl_iterations:
             raise ConfigError(f"iteration ({self.iteration}) is past the end of the LR schedule (rl_iterations="
                               f"{self.rl_iterations}); raise rl_iterations or use lr_schedule=constant.")

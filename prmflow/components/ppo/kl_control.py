@@ -78,13 +78,13 @@ def beta_used(cfg: Config) -> float:
 
     Its manifest records it (`kl_coef_used`); otherwise the kl_state file, otherwise kl_coef.
     """
-    manifests = schema.open_dataset(cfg.advantages, "advantages", verify_checksums=False).manifests
+    manifests = schema.open_dataset(cfg.input, "advantages", verify_checksums=False).manifests
     used = {m.get("kl_coef_used") for m in manifests}
     used.discard(None)
     if len(used) == 1:
         return float(used.pop())
     if len(used) > 1:
-        raise DataError(f"'{cfg.advantages}' mixes shards built with different KL coefficients {sorted(used)}.")
+        raise DataError(f"'{cfg.input}' mixes shards built with different KL coefficients {sorted(used)}.")
     return kl_state.read_kl_coef(cfg.kl_state) if cfg.kl_state else cfg.kl_coef
 
 

@@ -47,12 +47,12 @@ def response_values(engine, mb: MicroBatch) -> torch.Tensor:
 
 
 def load_critic(cfg: Config, policy_vocab: int):
-    """The critic: a scalar-head model continued from critic_path, or a new one whose head starts at V = 0."""
-    if modeling.is_vision(cfg.policy_path):
-        raise ConfigError(f"critic=true, but the policy '{cfg.policy_path}' is a vision-language model; critics are "
+    """The critic: a scalar-head model continued from `critic`, or a new one whose head starts at V = 0."""
+    if modeling.is_vision(cfg.policy):
+        raise ConfigError(f"train_critic=true, but the policy '{cfg.policy}' is a vision-language model; critics are "
                           f"text-only so far. Use a critic-free estimator (grpo, rloo, reinforce_baseline, grpo_process).")
-    fresh = not cfg.critic_path
-    path = cfg.critic_path or (cfg.policy_path if cfg.critic_init == "policy" else cfg.prm_path)
+    fresh = not cfg.critic
+    path = cfg.critic or (cfg.policy if cfg.critic_init == "policy" else cfg.prm)
     critic, _ = modeling.load_scalar_model(path, cfg.engine.dtype)
     if fresh:  # a PRM's head scores step correctness, not values: a new critic starts at V = 0
         with torch.no_grad():
@@ -70,7 +70,7 @@ def make_engine(model, cfg: Config, lr: float, total: int, offset: int, micro: i
     """A training engine for `model` (policy or critic): `total` updates over the whole RL run, of which
     `offset` were taken by earlier iterations, `micro` responses per forward/backward."""
     engine = TrainEngine(model, cfg.engine, OptimSettings(
-        lr=lr, total_steps=max(total, 1), warmup_steps=cfg.warmup_updates, schedule=cfg.lr_schedule,
+        lr=lr, total_steps=max(total, 1), warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule,
         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, start_step=offset),
         micro, cfg.minibatch_size // micro)
     engine.train()

@@ -71,14 +71,14 @@ def attach_pixels(cfg: Config, samples: list[dict], vis: "vision.Vision | None")
     if not any(s.get("images") for s in samples):
         return
     if vis is None:
-        raise DataError(f"'{cfg.advantages}' has rows with images, but the policy '{cfg.policy_path}' is text-only; "
+        raise DataError(f"'{cfg.input}' has rows with images, but the policy '{cfg.policy}' is text-only; "
                         f"train a vision-language policy on them.")
     cache: dict[tuple, dict] = {}
     for i, s in enumerate(samples):
         images = s.get("images") or []
         key = tuple(images)
         if key not in cache:
-            cache[key] = vis.pixels(images, f"'{cfg.advantages}', row {i}")
+            cache[key] = vis.pixels(images, f"'{cfg.input}', row {i}")
         s["pixels"] = cache[key]
         s["image_mismatch"] = vis.mismatch(s["prompt_ids"] + s["response_ids"], s["pixels"])  # what the model sees
 

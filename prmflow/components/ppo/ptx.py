@@ -12,8 +12,8 @@ from .config import Config
 def load_ptx(cfg: Config, tokenizer):
     """Tokenized supervised examples for the ptx loss (prompt masked, response + EOS trained on)."""
     akw = config_lib.to_dict(cfg.arithmetic)
-    records = tasks.load(cfg.ptx_task, "train", cfg.ptx_size, cfg.seed, **akw) if cfg.ptx_task in tasks.TASKS \
-        else tasks.load(cfg.ptx_task, n=cfg.ptx_size)
+    records = tasks.load(cfg.ptx_task, "train", cfg.ptx_num_prompts, cfg.seed, **akw) if cfg.ptx_task in tasks.TASKS \
+        else tasks.load(cfg.ptx_task, n=cfg.ptx_num_prompts)
     examples, _ = supervised_data.tokenize(records, tokenizer, cfg.max_seq_len, cfg.chat_template, where=cfg.ptx_task)
     return examples
 

@@ -1,12 +1,12 @@
 """PPO update: train the policy (and optionally a critic) on one batch of rollouts with advantages.
 
-    prmflow ppo --policy_path outputs/sft --advantages outputs/advantages-0 --output outputs/ppo-0
+    prmflow ppo --policy outputs/sft --input outputs/advantages-0 --output outputs/ppo-0
     prmflow ppo --config configs/quickstart-cpu.yaml --set iteration=3 --set kl_state=outputs/ppo-2
-    prmflow ppo ... --critic true --critic_warmup_updates 4 --engine.zero_stage 2    # GAE
+    prmflow ppo ... --train_critic true --critic_warmup_steps 4 --engine.zero_stage 2    # GAE
 
 Reads an advantages hand-off (prompt_ids, response_ids, old_logprobs, advantages; returns/values
 for the critic, ref_logprobs for a KL loss). Writes OUTPUT/policy (HF), OUTPUT/critic (HF, with
---critic), OUTPUT/policy_ema (with ema_decay), OUTPUT/kl_state.json (the KL coefficient for the
+--train_critic), OUTPUT/policy_ema (with ema_decay), OUTPUT/kl_state.json (the KL coefficient for the
 next iteration) and OUTPUT/updates.jsonl (one line of metrics per update), atomically.
 
 Choices: `epochs` passes over the batch, each cut into shuffled minibatches of `minibatch_size`
@@ -66,15 +66,16 @@ class TrainingDivergedError(PrmflowError):
 def _inputs(cfg: Config) -> dict[str, str]:
     """Fingerprints of the committed inputs (the advantages shards, and the policy/critic when they
     are prmflow outputs): a re-run or a resume with the same config but other data starts afresh."""
-    dirs = [str(d) for d in schema.open_dataset(cfg.advantages, "advantages", verify_checksums=False).dirs]
-    dirs += [d for d in (cfg.policy_path, cfg.critic_path) if d and (Path(d) / io.MANIFEST).is_file()]
+    dirs = [str(d) for d in schema.open_dataset(cfg.input, "advantages", verify_checksums=False).dirs]
+    dirs += [d for d in (cfg.policy, cfg.critic) if d and (Path(d) / io.MANIFEST).is_file()]
     return io.fingerprint(dirs)
 
 
 def run(cfg: Config) -> dict:
     """Train on the batch and write the new policy (and critic, KL state) to `cfg.output`. Returns metrics."""
     cfg_dict = {**config_lib.to_dict(cfg), "inputs": _inputs(cfg)}  # the identity of this run's result
-    done = io.completed_output(cfg.output, {"config": io.config_identity(cfg_dict)}, cfg.overwrite, "ppo")
+    done = io.completed_output(cfg.output, {"config": io.config_identity(cfg_dict)}, cfg.overwrite, "ppo",
+                               config_cls=Config)
     if done is not None:
         print(f"ppo: '{cfg.output}' is already complete for this config and these inputs; nothing to do.")
         checkpoint.clear(checkpoint.work_dir_for(cfg.output))  # left if killed between commit and cleanup
@@ -86,21 +87,21 @@ def run(cfg: Config) -> dict:
 def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
     samples = load_batch(cfg)
     if len(samples) < cfg.minibatch_size:
-        raise ConfigError(f"'{cfg.advantages}' has {len(samples)} responses, fewer than minibatch_size="
+        raise ConfigError(f"'{cfg.input}' has {len(samples)} responses, fewer than minibatch_size="
                           f"{cfg.minibatch_size}; lower minibatch_size or generate more rollouts.")
     plan = minibatch_plan(len(samples), cfg)
     n_updates = len(plan)
-    if cfg.critic_warmup_updates >= n_updates:
-        raise ConfigError(f"critic_warmup_updates ({cfg.critic_warmup_updates}) leaves no update for the policy "
+    if cfg.critic_warmup_steps >= n_updates:
+        raise ConfigError(f"critic_warmup_steps ({cfg.critic_warmup_steps}) leaves no update for the policy "
                           f"(this run has {n_updates}); lower it.")
-    actor_updates = n_updates - cfg.critic_warmup_updates
+    actor_updates = n_updates - cfg.critic_warmup_steps
 
     torch.manual_seed(cfg.seed)
-    model, tokenizer = modeling.load_causal_lm(cfg.policy_path, cfg.engine.dtype)
+    model, tokenizer = modeling.load_causal_lm(cfg.policy, cfg.engine.dtype)
     attach_pixels(cfg, samples, vision.Vision.of(tokenizer, model.config))
     modeling.freeze(model, cfg.freeze)
     disable_dropout(model)
-    critic_model = load_critic(cfg, getattr(model.config, "vocab_size", None)) if cfg.critic else None
+    critic_model = load_critic(cfg, getattr(model.config, "vocab_size", None)) if cfg.train_critic else None
     actor = make_engine(model, cfg, cfg.lr, cfg.rl_iterations * actor_updates, cfg.iteration * actor_updates,
                         cfg.micro_batch_size)
     critic = (make_engine(critic_model, cfg, cfg.critic_lr, cfg.rl_iterations * n_updates, cfg.iteration * n_updates,
@@ -114,9 +115,9 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
 
     work = checkpoint.work_dir_for(cfg.output)
     state = {"update": 0, "skipped": 0, "history": []}
-    resume_from = checkpoint.find(work, cfg_dict) if cfg.resume else None
+    resume_from = checkpoint.find(work, cfg_dict, Config) if cfg.resume else None
     if resume_from is None and cfg.optimizer_state:
-        _load_moments(Path(cfg.optimizer_state), actor, critic if cfg.critic_path else None)
+        _load_moments(Path(cfg.optimizer_state), actor, critic if cfg.critic else None)
     if resume_from is not None:
         state = actor.load_state(resume_from / "actor")
         if critic is not None:
@@ -144,7 +145,7 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
             raise TrainingDivergedError(
                 f"ppo: every policy update of this run ({actor_updates}) was skipped because a loss or gradient "
                 f"was NaN/inf. Nothing was written to '{cfg.output}'. Lower lr, clamp advantages "
-                f"(advantage_clip), turn on dual_clip, or check the advantages hand-off '{cfg.advantages}'.")
+                f"(advantage_clip), turn on dual_clip, or check the advantages hand-off '{cfg.input}'.")
         metrics = _summary(state, n_updates, tokens, seconds)
         kl_state = kl_control.next_state(cfg, samples)
         metrics["train/kl_coef"] = kl_state["kl_coef"]
@@ -170,7 +171,7 @@ def _train(cfg, cfg_dict, updater: Updater, samples, plan, ptx_examples, tokeniz
     t0, tokens = time.perf_counter(), 0
     while state["update"] < n_updates:
         u = state["update"]
-        train_actor = u >= cfg.critic_warmup_updates
+        train_actor = u >= cfg.critic_warmup_steps
         bad = next((i for i in plan[u] if samples[i].get("image_mismatch")), None)
         if bad is not None:  # the image tokens of a prompt do not match its images: skip, with the reason
             why = f"row {bad}: {samples[bad]['image_mismatch']}"
@@ -260,7 +261,7 @@ def _save_resume(work: Path, cfg_dict: dict, actor, critic, ema, state: dict) ->
 
 
 def _write_output(cfg, cfg_dict, tokenizer, actor, critic, ema, kl_state, state, metrics) -> None:
-    parents = [cfg.policy_path, cfg.advantages] + [p for p in (cfg.critic_path, cfg.optimizer_state) if p]
+    parents = [cfg.policy, cfg.input] + [p for p in (cfg.critic, cfg.optimizer_state) if p]
     extra = {"stage": "ppo", "iteration": cfg.iteration, "metrics": metrics}
     with io.atomic_output_dir(cfg.output, "ppo", overwrite=True, manifest={
             "config": io.config_identity(cfg_dict), "metrics": metrics, "parents": parents}) as tmp:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from ..common import checkpoint, config as config_lib, io, modeling, tasks, tracking
 from ..common.engine import EngineConfig
@@ -16,8 +16,8 @@ from ..lib.prm_model import HeadConfig
 
 @dataclass
 class Config:
-    model_path: str = "outputs/sft"
-    """Backbone: a causal-LM HF directory (default: the sft stage's output), an existing PRM directory, or a tiny preset (random init: then use train_layers=0 and extra_layers=0)."""
+    backbone: str = "outputs/sft"
+    """Model the PRM is built on: a causal-LM HF directory (default: the sft stage's output), an existing PRM directory, or a tiny preset (random init: then use train_layers=0 and extra_layers=0). Named `backbone`, not `policy`: it is the verifier's starting weights, which need not be the policy's (another model, or a PRM trained before)."""
     extra_layers: int = 2
     """Decoder layers appended to a causal-LM backbone, starting as the identity: room to compare the backbone's next-token predictions with the tokens actually written (what a verifier does). Costs (layers+extra)/layers compute."""
     train_layers: int = 2
@@ -28,18 +28,18 @@ class Config:
     """Training data: 'arithmetic' or 'visual' (built-in tasks, exact step labels, incl. deliberately wrong steps; visual needs a vision-language backbone and head.kind=lm_tokens) or a stepwise .jsonl/.parquet file (prompt, steps, labels, optional images)."""
     eval_task: str = ""
     """Held-out step data: a stepwise file, or 'arithmetic' (its 'eval' split, exact labels: how to judge a PRM trained on prm-label output against the checker). Empty = the arithmetic 'eval' split for task=arithmetic, else the last eval_size rows of the task file."""
-    train_size: int = 6000
+    num_prompts: int = 6000
     """Arithmetic: problems (each gives its reference solution and negatives_per_problem wrong ones); a file: at most this many rows."""
     eval_size: int = 300
     """Held-out arithmetic problems (or file rows) for step AUC / accuracy / first-error recall."""
     negatives_per_problem: int = 2
     """Arithmetic: wrong solutions per problem (mostly arithmetic.corrupt); more negatives, more error patterns seen."""
-    policy_samples_path: str = ""
-    """Arithmetic: a policy whose own sampled solutions, labelled by the exact checker, join the training data (matches the errors the PRM will judge). Empty = reference + corrupted solutions only."""
-    policy_samples_from_backbone: bool = False
-    """Arithmetic: sample those solutions from the backbone itself (model_path, the SFT policy), as if policy_samples_path named it. The pipeline's switch: the SFT policy's path is only known at run time. Measured on the quickstart: a PRM trained so ranks the RL policy's own right and wrong solutions apart (weakest step 0.42 vs 0.28); one trained on corrupted references only does not (0.46 vs 0.45 mean step score)."""
-    policy_samples: int = 2
-    """Arithmetic with policy_samples_path: solutions sampled per training problem."""
+    policy: str = ""
+    """Arithmetic: a policy (HF directory) whose own sampled solutions, labelled by the exact checker, join the training data (matches the errors the PRM will judge). Empty = reference + corrupted solutions only."""
+    policy_from_backbone: bool = False
+    """Arithmetic: sample those solutions from the backbone itself (the SFT policy), as if policy named it. The pipeline's switch: the SFT policy's path is only known at run time. Measured on the quickstart: a PRM trained so ranks the RL policy's own right and wrong solutions apart (weakest step 0.42 vs 0.28); one trained on corrupted references only does not (0.46 vs 0.45 mean step score)."""
+    n_samples: int = 2
+    """Arithmetic with policy (or policy_from_backbone): solutions sampled per training problem."""
     step_separator: str = "\n"
     """Text between steps; the readout is each step's last token (steps.step_spans)."""
     head: HeadConfig = field(default_factory=HeadConfig)
@@ -62,7 +62,7 @@ class Config:
     """Peak learning rate (tiny models like a high one; use ~1e-5 for billion-parameter models)."""
     warmup_steps: int = 50
     """Linear warm-up steps from 0 to lr."""
-    lr_schedule: Literal["cosine", "linear", "constant_with_warmup"] = "cosine"
+    lr_schedule: Literal["cosine", "linear", "constant_with_warmup", "constant"] = "cosine"
     """Decay after warm-up."""
     weight_decay: float = 0.0
     """AdamW weight decay on matrices (not on norms and biases)."""
@@ -81,14 +81,19 @@ class Config:
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     """Difficulty of the built-in arithmetic task."""
     bon: bestofn.BestOfNConfig = field(default_factory=bestofn.BestOfNConfig)
-    """Best-of-N reranking after training (needs bon.policy_path)."""
+    """Best-of-N reranking after training (needs bon.policy)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Training backend."""
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
     """MLflow tracking."""
 
+    #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
+    renamed: ClassVar[dict[str, str]] = {
+        "model_path": "backbone", "train_size": "num_prompts", "policy_samples_path": "policy",
+        "policy_samples_from_backbone": "policy_from_backbone", "policy_samples": "n_samples"}
+
     def __post_init__(self):
-        for key in ("train_size", "eval_size", "micro_batch_size", "grad_accum", "max_steps", "max_seq_len",
+        for key in ("num_prompts", "eval_size", "micro_batch_size", "grad_accum", "max_steps", "max_seq_len",
                     "log_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must be at least 1.")
@@ -100,22 +105,22 @@ class Config:
             raise ConfigError(f"lr is {self.lr}; it must be positive.")
         if self.warmup_steps >= self.max_steps:
             raise ConfigError(f"warmup_steps ({self.warmup_steps}) must be smaller than max_steps ({self.max_steps}).")
-        if self.policy_samples_from_backbone and self.policy_samples_path:
-            raise ConfigError("policy_samples_from_backbone=true and policy_samples_path both name the policy to sample; "
+        if self.policy_from_backbone and self.policy:
+            raise ConfigError("policy_from_backbone=true and policy both name the policy to sample; "
                               "set one of them.")
         if self.samples_policy and self.task not in tasks.TASKS:
-            raise ConfigError("policy_samples_path / policy_samples_from_backbone need a built-in task (arithmetic or visual: its checker labels the samples); "
+            raise ConfigError("policy / policy_from_backbone need a built-in task (arithmetic or visual: its checker labels the samples); "
                               "for other data, label samples with `prmflow prm-label` and pass them as task.")
         if not self.step_separator:
             raise ConfigError("step_separator is empty; steps need a separator (the default is a newline).")
-        if self.policy_samples_from_backbone and modeling.is_tiny(self.model_path):
-            raise ConfigError(f"policy_samples_from_backbone=true samples model_path, but '{self.model_path}' is an "
-                              f"untrained preset; point model_path at a trained policy (e.g. the sft output).")
+        if self.policy_from_backbone and modeling.is_tiny(self.backbone):
+            raise ConfigError(f"policy_from_backbone=true samples the backbone, but '{self.backbone}' is an "
+                              f"untrained preset; point backbone at a trained policy (e.g. the sft output).")
 
     @property
     def samples_policy(self) -> str:
         """The policy whose own solutions join the training data ('' = none)."""
-        return self.model_path if self.policy_samples_from_backbone else self.policy_samples_path
+        return self.backbone if self.policy_from_backbone else self.policy
 
 
 def training_identity(cfg: Config) -> dict:
@@ -131,7 +136,7 @@ def input_fingerprints(cfg: Config) -> dict[str, str]:
     step data files (their bytes). The same config on a retrained SFT policy or edited labels is a
     different result: a re-run is refused, a resume checkpoint is not picked up."""
     out: dict[str, str] = {}
-    for p in (cfg.model_path, cfg.samples_policy, *(t for t in (cfg.task, cfg.eval_task) if t not in tasks.TASKS)):
+    for p in (cfg.backbone, cfg.samples_policy, *(t for t in (cfg.task, cfg.eval_task) if t not in tasks.TASKS)):
         path = Path(p) if p else None
         if path is None:
             continue

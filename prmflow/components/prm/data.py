@@ -245,11 +245,11 @@ def load_data(cfg: Config) -> tuple[list[StepExample], list[StepExample]]:
     """(train, held-out) step-labelled examples: a built-in task's exact labels (plus the sampling policy's
     own solutions), or a stepwise file whose last eval_size rows are held out unless eval_task is set."""
     if cfg.task in tasks.TASKS:
-        train = (arithmetic_examples(cfg.train_size, cfg.seed, "train", cfg.arithmetic, cfg.negatives_per_problem)
-                 if cfg.task == "arithmetic" else visual_examples(cfg.train_size, cfg.seed, "train", cfg.negatives_per_problem))
+        train = (arithmetic_examples(cfg.num_prompts, cfg.seed, "train", cfg.arithmetic, cfg.negatives_per_problem)
+                 if cfg.task == "arithmetic" else visual_examples(cfg.num_prompts, cfg.seed, "train", cfg.negatives_per_problem))
         if cfg.samples_policy:
-            records = tasks.load(cfg.task, "train", cfg.train_size, cfg.seed, **config_lib.to_dict(cfg.arithmetic))
-            train += policy_examples(cfg.samples_policy, records, cfg.policy_samples, cfg.step_separator,
+            records = tasks.load(cfg.task, "train", cfg.num_prompts, cfg.seed, **config_lib.to_dict(cfg.arithmetic))
+            train += policy_examples(cfg.samples_policy, records, cfg.n_samples, cfg.step_separator,
                                      seed=cfg.seed, chat_template=cfg.chat_template)
     else:
         train = load_stepwise(cfg.task, cfg.step_separator)
@@ -265,7 +265,7 @@ def load_data(cfg: Config) -> tuple[list[StepExample], list[StepExample]]:
                               f"lower eval_size or pass eval_task.")
         train, held_out = train[:-cfg.eval_size], train[-cfg.eval_size:]
     if cfg.task not in tasks.TASKS:
-        train = train[:cfg.train_size]
+        train = train[:cfg.num_prompts]
     return train, held_out
 
 

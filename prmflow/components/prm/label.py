@@ -1,7 +1,7 @@
 """PRM labels without a human or a checker (Math-Shepherd, Wang et al. 2024): label a step by what
 the policy can still reach from it.
 
-    prmflow prm-label --policy_path outputs/sft --output outputs/prm-labels
+    prmflow prm-label --policy outputs/sft --output outputs/prm-labels
     prmflow prm --task outputs/prm-labels --output outputs/prm-ms      # train a PRM on them
 
 For each prompt (with a reference answer) the policy samples solutions; from the prefix that ends
@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -39,15 +39,15 @@ LABELS_FILE = "labels.jsonl"
 
 @dataclass
 class Config:
-    policy_path: str = "outputs/sft"
+    policy: str = "outputs/sft"
     """Policy (HF directory) that samples the solutions and the completions."""
     output: str = "outputs/prm-labels"
     """Directory written atomically: labels.jsonl (stepwise format) + manifest.json with the agreement metrics."""
     task: str = "arithmetic"
     """Prompts with reference answers: 'arithmetic' (train split) or a .jsonl/.parquet dataset with an answer column."""
-    prompts: int = 400
+    num_prompts: int = 400
     """Prompts to label."""
-    samples_per_prompt: int = 4
+    n_samples: int = 4
     """Solutions sampled per prompt; each becomes one labelled row."""
     completions: int = 8
     """Continuations drawn from every step prefix (Math-Shepherd's N); more = less noisy labels, linear cost."""
@@ -61,7 +61,7 @@ class Config:
     """Generation budget of a solution and of a continuation."""
     step_separator: str = "\n"
     """Text between steps (the same segmentation as the prm stage and rollout)."""
-    batch_size: int = 256
+    batch_sequences: int = 256
     """Sequences per generation batch."""
     chat_template: bool = True
     """Wrap prompts in the policy's chat template when it has one (the tiny tokenizer has none)."""
@@ -74,8 +74,12 @@ class Config:
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
     """MLflow tracking."""
 
+    #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
+    renamed: ClassVar[dict[str, str]] = {"policy_path": "policy", "prompts": "num_prompts",
+                                         "samples_per_prompt": "n_samples", "batch_size": "batch_sequences"}
+
     def __post_init__(self):
-        for key in ("prompts", "samples_per_prompt", "completions", "max_new_tokens", "batch_size"):
+        for key in ("num_prompts", "n_samples", "completions", "max_new_tokens", "batch_sequences"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must be at least 1.")
         if not self.step_separator:
@@ -130,7 +134,7 @@ def agreement(examples: list[StepExample], hard: list[list[float]], soft: list[l
 def _existing_output(cfg: Config) -> dict | None:
     """Metrics of a finished, intact output written by the same config, else None (or an error)."""
     manifest = io.completed_output(cfg.output, {"config": checkpoint.identity(config_lib.to_dict(cfg))},
-                                   cfg.overwrite, "prm-label")
+                                   cfg.overwrite, "prm-label", config_cls=Config)
     return None if manifest is None else manifest.get("metrics", {})
 
 
@@ -140,8 +144,8 @@ def run(cfg: Config) -> dict:
     if done is not None:
         print(f"prm-label: '{cfg.output}' is already complete for this config; nothing to do.")
         return done
-    modeling.check_model_dir(cfg.policy_path, "policy_path")
-    records = tasks.load(cfg.task, "train", cfg.prompts, cfg.seed, **config_lib.to_dict(cfg.arithmetic))
+    modeling.check_model_dir(cfg.policy, "policy")
+    records = tasks.load(cfg.task, "train", cfg.num_prompts, cfg.seed, **config_lib.to_dict(cfg.arithmetic))
     for r in records:
         if r.answer is None:
             raise DataError(f"{cfg.task}: prompt {r.prompt_id!r} has no reference answer; prm-label needs one per prompt.")
@@ -150,9 +154,9 @@ def run(cfg: Config) -> dict:
                             f"(its labels file has no images column). For the visual task the PRM stage labels exactly "
                             f"with the checker: prmflow prm --task visual.")
     torch.manual_seed(cfg.seed)
-    policy, tok = modeling.load_causal_lm(cfg.policy_path)
+    policy, tok = modeling.load_causal_lm(cfg.policy)
     special = not (cfg.chat_template and getattr(tok, "chat_template", None))
-    gen = dict(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, do_sample=True,
+    gen = dict(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_sequences, do_sample=True,
                temperature=cfg.temperature, top_p=cfg.top_p, add_special_tokens=special)
     tracker = tracking.start_stage_run(cfg.tracking, "prm-label", params=config_lib.flat_dict(cfg),
                                        tags={"prmflow.output": str(Path(cfg.output).resolve())})
@@ -160,7 +164,7 @@ def run(cfg: Config) -> dict:
         t0 = time.perf_counter()
         # 1. solutions
         rendered = [tasks.render_prompt(tok, r, cfg.chat_template) for r in records]
-        owners = [i for i in range(len(records)) for _ in range(cfg.samples_per_prompt)]
+        owners = [i for i in range(len(records)) for _ in range(cfg.n_samples)]
         solutions = generate_texts(policy, tok, [rendered[i] for i in owners], seed=cfg.seed, **gen)
         kept = [(i, s) for i, s in zip(owners, solutions) if steps_lib.steps(s, cfg.step_separator)]
         # 2. continuations from every step prefix but the last, all in one batched pass
@@ -168,7 +172,7 @@ def run(cfg: Config) -> dict:
         contexts = [rendered[kept[j][0]] + prefix for j, _, prefix in jobs for _ in range(cfg.completions)]
         conts: list[str] = []
         bar = tqdm(total=len(contexts), desc="prm-label", unit="seq", dynamic_ncols=True, mininterval=10.0)
-        chunk = cfg.batch_size * 8
+        chunk = cfg.batch_sequences * 8
         for c in range(0, len(contexts), chunk):
             conts += generate_texts(policy, tok, contexts[c:c + chunk], seed=cfg.seed + 1 + c, **gen)
             bar.update(len(contexts[c:c + chunk]))
@@ -188,7 +192,7 @@ def run(cfg: Config) -> dict:
             hard.append(h)
             soft.append(so)
         if not examples:
-            raise DataError(f"The policy '{cfg.policy_path}' produced no solution with a step; nothing to label. "
+            raise DataError(f"The policy '{cfg.policy}' produced no solution with a step; nothing to label. "
                             f"Check max_new_tokens and the policy.")
         elapsed = time.perf_counter() - t0
         metrics = {
@@ -202,7 +206,7 @@ def run(cfg: Config) -> dict:
         tracker.log_metrics(metrics)
         with io.atomic_output_dir(cfg.output, "prm-labels", overwrite=True, manifest={
                 "config": checkpoint.identity(config_lib.to_dict(cfg)), "metrics": metrics,
-                "rows": len(examples), "parents": [cfg.policy_path]}) as tmp:
+                "rows": len(examples), "parents": [cfg.policy]}) as tmp:
             write_jsonl(examples, tmp / LABELS_FILE, extra=[{"hard_labels": h, "soft_labels": s} for h, s in zip(hard, soft)])
     shown = ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in metrics.items() if k.startswith("label/"))
     print(f"prm-label: {shown} -> {cfg.output}")

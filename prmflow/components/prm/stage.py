@@ -1,9 +1,9 @@
 """PRM training: learn P(step is correct) for every reasoning step of a solution.
 
     prmflow prm --output outputs/prm                          # tiny model, exact arithmetic labels, CPU
-    prmflow prm --output outputs/prm --bon.policy_path outputs/sft   # + best-of-8 reranking at the end
+    prmflow prm --output outputs/prm --bon.policy outputs/sft   # + best-of-8 reranking at the end
     prmflow prm --task outputs/prm-labels/labels.jsonl --output outputs/prm-ms   # Math-Shepherd labels
-    prmflow prm --model_path /models/Qwen2.5-Math-1.5B --engine.zero_stage 2 --task data/steps.parquet
+    prmflow prm --backbone /models/Qwen2.5-Math-1.5B --engine.zero_stage 2 --task data/steps.parquet
 
 Choices: a causal-LM backbone with a scalar head read at the last token of each step (or
 Math-Shepherd's good/bad-token readout, `head.kind=lm_tokens`); binary cross-entropy with logits,
@@ -12,7 +12,7 @@ the optimizer step (so gradient accumulation does not change the objective); Ada
 cosine decay, gradient clipping, DeepSpeed or plain PyTorch, in the training loop sft uses too
 (lib/supervised.py; this module supplies the loss and the evaluation). Evaluated every
 eval_every steps on held-out solutions: step AUC, step accuracy and first-error recall. With
-bon.policy_path, the finished PRM reranks N sampled solutions per held-out prompt (best-of-N)
+bon.policy, the finished PRM reranks N sampled solutions per held-out prompt (best-of-N)
 against majority vote, a random pick and greedy pass@1. Resume: a checkpoint beside the output
 (`.OUTPUT.work/latest`) is picked up on restart with the same config and inputs; SIGTERM (a pod
 being stopped) finishes the step in progress, saves that checkpoint and exits 143
@@ -114,7 +114,7 @@ def _existing_output(cfg: Config) -> dict | None:
     """The manifest of a finished, intact output trained by the same config from the same inputs, else
     None (or an error)."""
     return io.completed_output(cfg.output, {"config": training_identity(cfg), "inputs": input_fingerprints(cfg)},
-                               cfg.overwrite, "prm")
+                               cfg.overwrite, "prm", config_cls=Config)
 
 
 def _bon_identity(cfg: Config) -> dict:
@@ -123,12 +123,12 @@ def _bon_identity(cfg: Config) -> dict:
 
 
 def _run_best_of_n(cfg: Config, prm_dir: Path, tracker, step: int) -> dict:
-    print(f"prm: best-of-{cfg.bon.n} on {cfg.bon.prompts} prompts, sampling from {cfg.bon.policy_path}")
+    print(f"prm: best-of-{cfg.bon.n_samples} on {cfg.bon.num_prompts} prompts, sampling from {cfg.bon.policy}")
     metrics, table = bestofn.evaluate(str(prm_dir), cfg.bon, cfg.arithmetic, cfg.chat_template, cfg.step_separator, cfg.seed)
     tracker.log_metrics(metrics, step=step)
     tracker.log_table(table, "bon_samples.json")
     summary = ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/"))
-    print(f"prm: best-of-{cfg.bon.n}: {summary}")
+    print(f"prm: best-of-{cfg.bon.n_samples}: {summary}")
     return metrics
 
 
@@ -157,8 +157,8 @@ def run(cfg: Config) -> dict:
     """Train and evaluate a PRM, write it to `cfg.output`, then best-of-N if asked. Returns the metrics."""
     done = _existing_output(cfg)
     if done is not None:
-        if cfg.bon.policy_path and done.get("bon") != _bon_identity(cfg):
-            modeling.check_model_dir(cfg.bon.policy_path, "bon.policy_path")
+        if cfg.bon.policy and config_lib.upgrade_stored(Config, done.get("bon") or {}) != _bon_identity(cfg):
+            modeling.check_model_dir(cfg.bon.policy, "bon.policy")
             return _add_best_of_n(cfg, done)
         print(f"prm: '{cfg.output}' is already complete for this config and these inputs; nothing to do.")
         checkpoint.clear(checkpoint.work_dir_for(cfg.output))  # left if killed between commit and cleanup
@@ -168,22 +168,22 @@ def run(cfg: Config) -> dict:
 
 
 def _run(cfg: Config, stop: preemption.Preemption) -> dict:
-    if not modeling.is_tiny(cfg.model_path):
-        modeling.check_model_dir(cfg.model_path)
-    if cfg.bon.policy_path:
-        modeling.check_model_dir(cfg.bon.policy_path, "bon.policy_path")  # fail before training, not after
-    if cfg.policy_samples_path:  # with policy_samples_from_backbone it is model_path, checked above
-        modeling.check_model_dir(cfg.policy_samples_path, "policy_samples_path")
+    if not modeling.is_tiny(cfg.backbone):
+        modeling.check_model_dir(cfg.backbone, "backbone")
+    if cfg.bon.policy:
+        modeling.check_model_dir(cfg.bon.policy, "bon.policy")  # fail before training, not after
+    if cfg.policy:  # with policy_from_backbone it is the backbone, checked above
+        modeling.check_model_dir(cfg.policy, "policy")
     identity = training_identity(cfg)
     inputs = input_fingerprints(cfg)
     resume_identity = {**identity, "inputs": inputs}  # a checkpoint from other inputs is not resumed
     train_examples, eval_examples = data.load_data(cfg)  # bad data fails before a model is loaded
-    if modeling.is_tiny(cfg.model_path) and cfg.train_layers:
-        log.warning("model_path=%s is a randomly initialized backbone, and train_layers=%d freezes most of it; "
-                    "use train_layers=0 to train it all.", cfg.model_path, cfg.train_layers)
+    if modeling.is_tiny(cfg.backbone) and cfg.train_layers:
+        log.warning("backbone=%s is a randomly initialized backbone, and train_layers=%d freezes most of it; "
+                    "use train_layers=0 to train it all.", cfg.backbone, cfg.train_layers)
     torch.manual_seed(cfg.seed)
-    prm = PRM.load(cfg.model_path, cfg.head, cfg.engine.dtype, seed=cfg.seed)
-    if cfg.extra_layers and saved_head(cfg.model_path) is None:  # not on top of an already trained PRM
+    prm = PRM.load(cfg.backbone, cfg.head, cfg.engine.dtype, seed=cfg.seed)
+    if cfg.extra_layers and saved_head(cfg.backbone) is None:  # not on top of an already trained PRM
         append_identity_layers(prm.model, cfg.extra_layers, cfg.seed)
     if cfg.train_layers:
         freeze_below(prm.model, cfg.train_layers)
@@ -198,7 +198,7 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm), cfg.micro_batch_size, cfg.grad_accum)
 
     work = checkpoint.work_dir_for(cfg.output)
-    state = supervised.resume(engine, work, resume_identity, cfg.resume, "prm")
+    state = supervised.resume(engine, work, resume_identity, cfg.resume, "prm", Config)
 
     tracker = tracking.start_stage_run(cfg.tracking, "prm", params=config_lib.flat_dict(cfg),
                                        tags={"prmflow.output": str(Path(cfg.output).resolve())})
@@ -211,12 +211,12 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
         metrics = supervised.train(PRMObjective(cfg, prm, train, held_out), schedule, engine,
                                    prm.tokenizer, state, work, resume_identity, tracker, stop,
                                    vision.Vision.of(prm.tokenizer, prm.model.config))
-        manifest = {"config": identity, "inputs": inputs, "metrics": metrics, "parents": [cfg.model_path] + (
+        manifest = {"config": identity, "inputs": inputs, "metrics": metrics, "parents": [cfg.backbone] + (
             [cfg.task] if cfg.task not in tasks.TASKS else [])}
         with io.atomic_output_dir(cfg.output, "prm", overwrite=True, manifest=manifest) as tmp:
             modeling.save_pretrained(engine.module, prm.tokenizer, tmp,
                                      extra={**prm.metadata(cfg.step_separator), "metrics": metrics})
-            if cfg.bon.policy_path:
+            if cfg.bon.policy:
                 metrics.update(_run_best_of_n(cfg, tmp, tracker, cfg.max_steps))
                 manifest["bon"] = _bon_identity(cfg)
         checkpoint.clear(work)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from ..common import modeling, tasks, tracking
 from ..common.errors import ConfigError
@@ -46,14 +46,14 @@ class Config:
     """Seed of prompt selection and sampling; with iteration and shard it fixes every sample."""
     iteration: int = 0
     """RL iteration k (the policy version): written to every row; picks this iteration's prompts."""
-    batch_size: int = 64
-    """Sequences (prompts x samples) per generation batch of the HF engine."""
-    score_batch_size: int = 32
+    batch_sequences: int = 64
+    """Sequences (prompts x samples) per generation batch of the HF sampler."""
+    score_batch_sequences: int = 32
     """Sequences per forward pass when scoring (old/ref logprobs, values, PRM)."""
-    engine: Literal["hf", "vllm"] = "hf"
+    sampler: Literal["hf", "vllm"] = "hf"
     """Sampling engine: hf (CPU or GPU, transformers) or vllm (GPU node pools, the gpu extra)."""
     device: str = ""
-    """Torch device for the HF engine and the scoring models; empty = cuda when available, else cpu."""
+    """Torch device for the HF sampler and the scoring models; empty = cuda when available, else cpu."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Model dtype for sampling and scoring; bfloat16 halves GPU memory, float32 is exact on CPU."""
     chat_template: bool = True
@@ -77,12 +77,17 @@ class Config:
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     """Difficulty of the built-in arithmetic task."""
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
-    """vLLM engine settings (engine=vllm only)."""
+    """vLLM engine settings (sampler=vllm only)."""
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
     """MLflow tracking."""
 
+    #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
+    #: `engine` is the training backend's section in sft, prm and ppo; here it was the sampler.
+    renamed: ClassVar[dict[str, str]] = {"engine": "sampler", "batch_size": "batch_sequences",
+                                         "score_batch_size": "score_batch_sequences"}
+
     def __post_init__(self):
-        for key in ("n_samples", "max_new_tokens", "batch_size", "score_batch_size", "num_shards"):
+        for key in ("n_samples", "max_new_tokens", "batch_sequences", "score_batch_sequences", "num_shards"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must be at least 1.")
         for key in ("num_prompts", "max_prompt_len", "top_k", "log_samples", "iteration"):
@@ -98,9 +103,9 @@ class Config:
             raise ConfigError(f"num_prompts=0 (every row) needs a dataset file; the {self.task} task needs a count.")
         if not self.step_separator:
             raise ConfigError("step_separator is empty; steps need a separator (the shared default is a newline).")
-        if self.engine == "vllm" and modeling.is_tiny(self.policy):
-            raise ConfigError(f"engine=vllm needs a model directory; '{self.policy}' is a tiny preset. "
-                              f"Write it with `prmflow make-tiny-model DIR` or use engine=hf.")
+        if self.sampler == "vllm" and modeling.is_tiny(self.policy):
+            raise ConfigError(f"sampler=vllm needs a model directory; '{self.policy}' is a tiny preset. "
+                              f"Write it with `prmflow make-tiny-model DIR` or use sampler=hf.")
         if not self.policy:
             raise ConfigError("policy is empty; point it at the policy's model directory.")
         self.rewards = rewards_lib.parse_table(self.rewards)  # YAML text from the command line -> entries

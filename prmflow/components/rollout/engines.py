@@ -167,7 +167,7 @@ class HFEngine:
     def __init__(self, model, tokenizer, batch_size: int = 64, device: str | torch.device | None = None):
         if own_positions(model):
             raise ValueError(f"{type(model).__name__} places its tokens with multimodal rope (Qwen2-VL style); the HF "
-                             f"engine's KV-cache loop uses 1-D positions. Sample it with engine=vllm.")
+                             f"engine's KV-cache loop uses 1-D positions. Sample it with sampler=vllm.")
         self.vision = Vision.of(tokenizer, model.config)
         self.model = model
         self._no_sample = torch.tensor([self.vision.image_token_id] if self.vision else [], dtype=torch.long,

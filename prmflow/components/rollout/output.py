@@ -48,7 +48,8 @@ def existing_output(cfg: Config, out: Path, inputs: dict[str, str]) -> dict | No
     """Metrics of a finished, intact output written by the same config from the same inputs (nothing
     to do), else None; any other existing output is an error unless overwrite."""
     try:
-        done = io.completed_output(out, {"config": identity(cfg), "inputs": inputs}, cfg.overwrite, "rollout")
+        done = io.completed_output(out, {"config": identity(cfg), "inputs": inputs}, cfg.overwrite, "rollout",
+                                   config_cls=Config)
     except OutputExistsError as e:
         if cfg.num_shards > 1:
             raise OutputExistsError(f"{e} Each shard needs its own output directory (e.g. ITER/shard-3).") from None

@@ -57,9 +57,9 @@ def generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: Sampli
     """Sample with the configured engine. Returns (completions per prompt, the HF policy for
     scoring, timings); with vLLM the engine is shut down first, then the HF policy is loaded."""
     t0 = time.perf_counter()
-    if cfg.engine == "hf":
+    if cfg.sampler == "hf":
         policy, _ = modeling.load_causal_lm(cfg.policy, cfg.dtype, seed=cfg.seed)
-        engine = HFEngine(policy, tokenizer, cfg.batch_size, device(cfg))
+        engine = HFEngine(policy, tokenizer, cfg.batch_sequences, device(cfg))
     else:
         engine = VLLMEngine(cfg.policy, cfg.dtype, seed=sampling_seed(cfg), settings=cfg.vllm)
     load_s = time.perf_counter() - t0
@@ -68,7 +68,7 @@ def generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: Sampli
     completions = engine.generate(prompt_ids, params, progress=bar.update, images=images)
     generate_s = time.perf_counter() - t0
     bar.close()
-    if cfg.engine == "vllm":
+    if cfg.sampler == "vllm":
         engine.close()  # free the GPU for the scoring models
         policy, _ = modeling.load_causal_lm(cfg.policy, cfg.dtype, seed=cfg.seed)
         policy.to(device(cfg))
@@ -83,7 +83,7 @@ def score(cfg: Config, policy, tokenizer, records: list[tasks.PromptRecord], row
     are aligned with rows. Returns per-response arrays: old_logprobs, ref_logprobs and values (T_r,)
     over the response tokens, step_rewards (S_r,) per step; None where ref/critic/prm is not set.
     """
-    bs, total = cfg.score_batch_size, len(rows)
+    bs, total = cfg.score_batch_sequences, len(rows)
     pixels = images = None
     if any(r.images for r in records):  # each prompt's pixel inputs once, shared by its samples
         vis = vision.Vision.of(tokenizer, policy.config)

@@ -2,7 +2,7 @@
 
     prmflow rollout --policy outputs/sft --prm outputs/prm --output outputs/rollouts/iter0
     prmflow rollout --policy outputs/ppo/iter3 --ref outputs/sft --critic outputs/critic/iter3 \\
-        --iteration 3 --n_samples 8 --engine vllm --shard 2 --num_shards 8 --output outputs/rollouts/iter3/shard-2
+        --iteration 3 --n_samples 8 --sampler vllm --shard 2 --num_shards 8 --output outputs/rollouts/iter3/shard-2
     prmflow rollout --config configs/quickstart-cpu.yaml --set num_prompts=16
 
 Phases, in one process:

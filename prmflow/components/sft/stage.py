@@ -2,7 +2,7 @@
 
     prmflow sft --output outputs/sft                       # tiny model, arithmetic task, CPU
     prmflow sft --config configs/quickstart-cpu.yaml --set max_steps=100
-    prmflow sft --model_path /models/Qwen2.5-Math-1.5B --task data/train.jsonl --engine.zero_stage 2
+    prmflow sft --policy /models/Qwen2.5-Math-1.5B --task data/train.jsonl --engine.zero_stage 2
 
 Choices: loss on response tokens only (prompt tokens masked), token-mean over every response token
 of the optimizer step (so gradient accumulation does not change the objective), right padding to
@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -37,16 +37,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Config:
-    model_path: str = "tiny-llama"
-    """HF model directory to start from, or a tiny preset (tiny-llama, tiny-qwen2; tiny-llava for images) built from a config."""
+    policy: str = "tiny-llama"
+    """Policy to start from: an HF model directory, or a tiny preset (tiny-llama, tiny-qwen2; tiny-llava for images) built from a config."""
     output: str = "outputs/sft"
     """Directory the trained policy is written to (HF format), atomically at the end."""
     task: str = "arithmetic"
     """Training data: 'arithmetic' or 'visual' (built-in tasks; visual needs a vision-language model) or a .jsonl/.parquet file with prompt/messages + response/answer (+ images)."""
     eval_task: str = ""
     """Held-out data: empty = the built-in task's 'eval' split, or the last eval_size rows of a dataset file."""
-    train_size: int = 6000
-    """Training examples drawn from the task (for a dataset file: at most this many rows)."""
+    num_prompts: int = 6000
+    """Training prompts (each with its reference response) drawn from the task (for a dataset file: at most this many rows)."""
     eval_size: int = 200
     """Held-out examples for eval loss and accuracy."""
     seed: int = 0
@@ -65,7 +65,7 @@ class Config:
     """Peak learning rate (tiny models like a high one; use ~1e-5 for billion-parameter models)."""
     warmup_steps: int = 30
     """Linear warm-up steps from 0 to lr."""
-    lr_schedule: Literal["cosine", "linear", "constant_with_warmup"] = "cosine"
+    lr_schedule: Literal["cosine", "linear", "constant_with_warmup", "constant"] = "cosine"
     """Decay after warm-up."""
     weight_decay: float = 0.0
     """AdamW weight decay on matrices (not on norms and biases)."""
@@ -100,8 +100,11 @@ class Config:
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
     """MLflow tracking."""
 
+    #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
+    renamed: ClassVar[dict[str, str]] = {"model_path": "policy", "train_size": "num_prompts"}
+
     def __post_init__(self):
-        for key in ("train_size", "eval_size", "micro_batch_size", "grad_accum", "max_steps", "max_seq_len", "log_every"):
+        for key in ("num_prompts", "eval_size", "micro_batch_size", "grad_accum", "max_steps", "max_seq_len", "log_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must be at least 1.")
         if self.lr <= 0:
@@ -117,7 +120,7 @@ def load_data(cfg: Config) -> tuple[list[tasks.PromptRecord], list[tasks.PromptR
     are held out (unless eval_task names the held-out data)."""
     akw = config_lib.to_dict(cfg.arithmetic)
     if cfg.task in tasks.TASKS:
-        train = tasks.load(cfg.task, "train", cfg.train_size, cfg.seed, **akw)
+        train = tasks.load(cfg.task, "train", cfg.num_prompts, cfg.seed, **akw)
     else:
         train = tasks.load(cfg.task, n=None)
     if cfg.eval_task:
@@ -129,7 +132,7 @@ def load_data(cfg: Config) -> tuple[list[tasks.PromptRecord], list[tasks.PromptR
             raise ConfigError(f"{cfg.task} has {len(train)} rows, not more than eval_size={cfg.eval_size}; "
                               f"lower eval_size or pass eval_task.")
         train, held_out = train[:-cfg.eval_size], train[-cfg.eval_size:]
-    return train[:cfg.train_size], held_out
+    return train[:cfg.num_prompts], held_out
 
 
 def _apply_lora(model, cfg: Config):
@@ -195,7 +198,8 @@ class SFTObjective:
 
 def run(cfg: Config) -> dict:
     """Train, evaluate and write the policy to `cfg.output`. Returns the final metrics."""
-    done = io.completed_output(cfg.output, {"config": checkpoint.identity(config_lib.to_dict(cfg))}, cfg.overwrite, "sft")
+    done = io.completed_output(cfg.output, {"config": checkpoint.identity(config_lib.to_dict(cfg))}, cfg.overwrite, "sft",
+                              config_cls=Config)
     if done is not None:
         log.info("%s already holds a finished SFT policy from this config; nothing to do.", cfg.output)
         print(f"sft: '{cfg.output}' is already complete for this config; nothing to do.")
@@ -208,7 +212,9 @@ def run(cfg: Config) -> dict:
 def _run(cfg: Config, stop: preemption.Preemption) -> dict:
     cfg_dict = config_lib.to_dict(cfg)
     torch.manual_seed(cfg.seed)
-    model, tokenizer = modeling.load_causal_lm(cfg.model_path, cfg.engine.dtype, seed=cfg.seed)
+    if not modeling.is_tiny(cfg.policy):
+        modeling.check_model_dir(cfg.policy, "policy")  # the error names the key
+    model, tokenizer = modeling.load_causal_lm(cfg.policy, cfg.engine.dtype, seed=cfg.seed)
     vis = vision.Vision.of(tokenizer, model.config)
     train_records, eval_records = load_data(cfg)
     train_ex, dropped = data.tokenize(train_records, tokenizer, cfg.max_seq_len, cfg.chat_template, where=cfg.task)
@@ -223,7 +229,7 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm), cfg.micro_batch_size, cfg.grad_accum)
 
     work = checkpoint.work_dir_for(cfg.output)
-    state = supervised.resume(engine, work, cfg_dict, cfg.resume, "sft")
+    state = supervised.resume(engine, work, cfg_dict, cfg.resume, "sft", Config)
 
     tracker = tracking.start_stage_run(cfg.tracking, "sft", params=config_lib.flat_dict(cfg),
                                        tags={"prmflow.output": str(Path(cfg.output).resolve())})
@@ -234,7 +240,7 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
                                    tracker, stop, vis)
         with io.atomic_output_dir(cfg.output, "policy", overwrite=True,
                                   manifest={"config": checkpoint.identity(cfg_dict), "metrics": metrics,
-                                            "parents": [cfg.model_path]}) as tmp:
+                                            "parents": [cfg.policy]}) as tmp:
             modeling.save_pretrained(engine.module, tokenizer, tmp, extra={"stage": "sft", "metrics": metrics})
         checkpoint.clear(work)
     print(f"sft: held-out accuracy {metrics['eval/accuracy']:.3f}, eval loss {metrics['eval/loss']:.4f} -> {cfg.output}")

@@ -236,3 +236,43 @@ def test_every_stage_renames_only_to_keys_it_has():
     for name, module in stages.available().items():
         for old, new in config.renamed_keys(module.Config).items():
             assert old not in config.flat_fields(module.Config), (name, old)
+
+
+@dataclass
+class Deep:
+    inner: Inner = field(default_factory=lambda: Inner(depth=9))
+    """A section whose owner sets its own default."""
+
+
+@dataclass
+class OwnDefaults:
+    first: Inner = field(default_factory=lambda: Inner(depth=5))
+    """Nested, with this config's default."""
+    second: Inner = field(default_factory=Inner)
+    """Nested, with the class default."""
+    deep: Deep = field(default_factory=Deep)
+    """Two levels down."""
+    deeper: Deep = field(default_factory=lambda: Deep(inner=Inner(depth=7)))
+    """Two levels down, overridden one level up."""
+
+
+def test_a_section_shows_the_default_its_owner_gives_it():
+    """A shared section (optim, sampling) whose owner sets its own defaults: flat_fields, --help and
+    the README tables show the owner's default, the one build makes, not the section class's."""
+    fields = config.flat_fields(OwnDefaults)
+    shown = {k: d for k, (_, _, d) in fields.items()}
+    assert shown == {"first.depth": 5, "second.depth": 2, "deep.inner.depth": 9, "deeper.inner.depth": 7}
+    built = config.build(OwnDefaults, {})
+    assert (built.first.depth, built.second.depth, built.deep.inner.depth, built.deeper.inner.depth) == (5, 2, 9, 7)
+    assert "`5`" in config.describe(OwnDefaults).splitlines()[2]
+
+
+def test_a_near_miss_of_an_old_key_suggests_its_new_name():
+    @dataclass
+    class Moved:
+        optim: Inner = field(default_factory=Inner)
+        """The section the old key moved into."""
+        renamed: ClassVar[dict[str, str]] = {"depth": "optim.depth"}
+
+    with pytest.raises(ConfigError, match="'dpeth' is not a config key. Did you mean 'optim.depth'?"):
+        config.build(Moved, {"dpeth": 3})

@@ -35,9 +35,13 @@ log = logging.getLogger(__name__)
 C = TypeVar("C")
 
 
-def _unknown_key(key: str, valid: typing.Iterable[str], where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, list(valid), n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
+def _unknown_key(key: str, valid: typing.Iterable[str], where: str, renames: dict[str, str] | None = None) -> ConfigError:
+    """The error for a key that is not in `valid`; a near miss of a key's old name (`renames`: old
+    -> new, e.g. 'lrr' for the old 'lr') suggests the new name ('optim.lr')."""
+    names = {k: k for k in valid}
+    names.update({old: new for old, new in (renames or {}).items() if old not in names})
+    close = difflib.get_close_matches(key, list(names), n=1)
+    hint = f" Did you mean '{names[close[0]]}'?" if close else ""
     return ConfigError(f"{where}: '{key}' is not a config key.{hint} `--help` lists the keys.")
 
 
@@ -59,7 +63,7 @@ def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
     for key in values:
         inside_mapping = any(key.startswith(m + ".") for m in mappings)  # a dict field's own keys
         if key not in leaves and key not in prefixes and not inside_mapping:
-            raise _unknown_key(key, leaves, where)
+            raise _unknown_key(key, leaves, where, renamed_keys(cls))
         if key in prefixes and key not in leaves and not isinstance(values[key], dict):
             raise ConfigError(f"{where}: key '{key}' is a section; give it a mapping of its keys (e.g. "
                               f"{key}.<name>: value), not {values[key]!r}.")
@@ -150,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add `--config`, `--set key=value` and one `--key` flag per config field to `parser`."""
     parser.add_argument("--config", metavar="FILE", help="YAML file with config keys (a stage section is used if present)")
     parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="set_",
-                        help="override one key, e.g. --set lr=1e-4 --set engine.zero_stage=2")
+                        help="override one key, e.g. --set optim.lr=1e-4 --set engine.zero_stage=2")
     group = parser.add_argument_group("config keys")
     fields = flat_fields(cls)
     for key, (typ, doc, default) in fields.items():
@@ -169,7 +173,7 @@ def from_args(cls: type[C], args: argparse.Namespace, section: str | None = None
     overrides: dict[str, Any] = {}
     for item in args.set_:
         if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set lr=1e-4.")
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set optim.lr=1e-4.")
         k, v = item.split("=", 1)
         overrides[k.strip()] = v
     for name, value in vars(args).items():

@@ -55,25 +55,31 @@ def hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def flat_fields(cls: type, prefix: str = "") -> dict[str, tuple[Any, str, Any]]:
+def flat_fields(cls: type, prefix: str = "", defaults: Any = None) -> dict[str, tuple[Any, str, Any]]:
     """{dotted key: (type, doc, default)} for every leaf field of a (nested) config dataclass: the
-    keys a user can set (`engine.zero_stage`), as `--help`, `describe` and `build` know them."""
+    keys a user can set (`engine.zero_stage`), as `--help`, `describe` and `build` know them.
+
+    A section's defaults are those of the enclosing field's default_factory (a stage's
+    `optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3))` shows lr 3e-3), as
+    `build` makes them; `defaults` is that instance, for the recursion."""
     out: dict[str, tuple[Any, str, Any]] = {}
     types = hints(cls)
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
         typ = types[f.name]
         key = prefix + f.name
-        if dataclasses.is_dataclass(typ):
-            out.update(flat_fields(typ, key + "."))
+        if defaults is not None and hasattr(defaults, f.name):
+            default = getattr(defaults, f.name)
+        elif f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
         else:
-            if f.default is not dataclasses.MISSING:
-                default = f.default
-            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-                default = f.default_factory()  # type: ignore[misc]
-            else:
-                default = None
-            out[key] = (typ, docs.get(f.name, ""), default)
+            default = None
+        if dataclasses.is_dataclass(typ):
+            out.update(flat_fields(typ, key + ".", default if dataclasses.is_dataclass(default) else None))
+        else:
+            out[key] = (typ, docs.get(f.name, ""), copy.deepcopy(default) if defaults is not None else default)
     return out
 
 

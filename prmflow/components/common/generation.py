@@ -12,7 +12,7 @@ import torch
 
 @torch.no_grad()
 def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, batch_size: int = 64,
-                   do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+                   do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                    add_special_tokens: bool = True, images: list[list[bytes]] | None = None) -> list[str]:
     """One response per prompt. Deterministic for a given seed.
 
@@ -45,7 +45,7 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 6
             if processor is not None:  # never generate an image placeholder: no image stands behind it
                 kwargs["suppress_tokens"] = [tokenizer.convert_tokens_to_ids(processor.image_token)]
             if do_sample:
-                kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
+                kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)  # 0 = off
                 torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
             ids = model.generate(**enc, **kwargs)
             new = ids[:, enc["input_ids"].shape[1]:]

@@ -1,0 +1,26 @@
+"""The shared `sampling` section: its checks name the key, and top_k reaches generation in every stage
+that samples through generate_texts (evaluate, prm-label, best-of-N), as it does in rollout."""
+
+import pytest
+
+from prmflow.components.common import modeling
+from prmflow.components.common.errors import ConfigError
+from prmflow.components.common.generation import generate_texts
+from prmflow.components.common.sampling import SamplingConfig
+
+
+@pytest.mark.parametrize("kw,key", [({"temperature": -1.0}, "sampling.temperature"), ({"top_p": 0.0}, "sampling.top_p"),
+                                    ({"top_k": -1}, "sampling.top_k"), ({"max_new_tokens": 0}, "sampling.max_new_tokens")])
+def test_a_bad_value_names_the_key(kw, key):
+    with pytest.raises(ConfigError, match=key):
+        SamplingConfig(**kw)
+
+
+def test_top_k_one_samples_the_greedy_response():
+    model, tok = modeling.build_tiny_model("tiny-llama", seed=0)
+    prompts = ["1+2=", "3*4=", "7-5="]
+    greedy = generate_texts(model, tok, prompts, 12)
+    top1 = generate_texts(model, tok, prompts, 12, do_sample=True, temperature=1.0, top_k=1, seed=3)
+    assert top1 == greedy
+    free = generate_texts(model, tok, prompts, 12, do_sample=True, temperature=1.0, top_k=0, seed=3)
+    assert free != greedy  # an untrained model's own distribution is nearly flat: top_k=0 is no cut

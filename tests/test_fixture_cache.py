@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hashlib
 
-from conftest import cached_sft
+from sft_cache import cached_sft
 
-TINY = {"max_steps": 2, "warmup_steps": 1, "eval_every": 2, "save_every": 0, "num_prompts": 64, "eval_size": 4,
+TINY = {"max_steps": 2, "optim.warmup_steps": 1, "eval_every": 2, "save_every": 0, "num_prompts": 64, "eval_size": 4,
         "engine.backend": "torch", "tracking.enabled": False}
 
 

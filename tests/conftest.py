@@ -40,7 +40,7 @@ def sft_policy():
 #: solutions ~80% (sampled), so RL has something to find. 1000 steps are not enough: the worked
 #: solutions are then right only ~20% of the time and the reward barely moves.
 MIXED_POLICY_OVERRIDES = {"max_steps": 2000, "eval_every": 2000, "save_every": 0, "num_prompts": 6000,
-                          "eval_size": 50, "micro_batch_size": 32, "lr": 3.0e-3, "warmup_steps": 30,
+                          "eval_size": 50, "micro_batch_size": 32, "optim.lr": 3.0e-3, "optim.warmup_steps": 30,
                           "arithmetic.direct_answer_frac": 0.5, "engine.backend": "torch", "tracking.enabled": False}
 
 

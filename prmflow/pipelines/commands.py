@@ -2,7 +2,7 @@
 
     prmflow pipeline compile --config configs/pipeline-cluster.yaml -o pipeline.yaml
     prmflow pipeline submit --host https://kfp.example.com --config configs/pipeline-cluster.yaml \\
-        --experiment prm-rl --param 'ppo_config={"lr": 1e-6}'
+        --experiment prm-rl --param 'ppo_config={"optim": {"lr": 1e-6}}'
     prmflow pipeline run-local --config configs/pipeline-local.yaml      # kfp.local, no docker, CPU
     prmflow pipeline compare --config configs/compare.yaml               # one local run per RL variant + table
     prmflow stage-command ppo --run-id <MLflow run id of that stage>    # docker run line to re-run it
@@ -40,7 +40,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--experiment", default="prmflow", help="KFP experiment to file the run under")
     s.add_argument("--run-name", default="", help="name of the KFP run")
     s.add_argument("--param", action="append", default=[], metavar="NAME=JSON",
-                   help="pipeline parameter, e.g. 'ppo_config={\"lr\": 1e-6}' or tracking_uri=http://mlflow:5000")
+                   help="pipeline parameter, e.g. 'ppo_config={\"optim\": {\"lr\": 1e-6}}' or tracking_uri=http://mlflow:5000")
     s.add_argument("--namespace", default=None, help="Kubeflow namespace (multi-user clusters)")
     s.set_defaults(handler=_submit)
 

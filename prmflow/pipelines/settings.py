@@ -4,7 +4,7 @@ A pipeline YAML (configs/pipeline-*.yaml) has a `pipeline:` section for `Pipelin
 the DAG, node pools, images, secrets) and one section per stage whose keys are that stage's Config
 keys (`prmflow <stage> --help`). The stage sections become the pipeline's parameters, one dict per
 stage (`sft_config`, `prm_config`, ...), so a run can override any stage key at submission:
-`prmflow pipeline submit --param 'ppo_config={"lr": 1e-5}'`.
+`prmflow pipeline submit --param 'ppo_config={"optim": {"lr": 1e-5}}'`.
 """
 
 from __future__ import annotations

@@ -18,8 +18,14 @@ NEEDS = {
 }
 
 
-def _value(typ, default):
+#: Values a key needs to be valid (in a range), by the last part of its new name.
+VALUES = {"top_p": 0.5}
+
+
+def _value(typ, default, key=""):
     """A value of type `typ` other than `default`, as YAML would give it."""
+    if key.rsplit(".", 1)[-1] in VALUES:
+        return VALUES[key.rsplit(".", 1)[-1]]
     if typing.get_origin(typ) is typing.Literal:
         return next(a for a in typing.get_args(typ) if a != default)
     if typ is bool:
@@ -39,21 +45,26 @@ def _get(cfg, key):
     return cfg
 
 
+#: The flat optimizer and sampling keys that moved into the shared `optim` / `sampling` sections.
+OPTIM = {k: f"optim.{k}" for k in ("lr", "lr_schedule", "warmup_steps", "weight_decay", "max_grad_norm")}
+SAMPLING = {k: f"sampling.{k}" for k in ("temperature", "top_p", "max_new_tokens")}
+
 #: Every key renamed in this release, by stage: old -> new (the issue's "one vocabulary" list).
 RENAMED = {
-    "sft": {"model_path": "policy", "train_size": "num_prompts"},
+    "sft": {"model_path": "policy", "train_size": "num_prompts", **OPTIM},
     "prm": {"model_path": "backbone", "train_size": "num_prompts", "policy_samples_path": "policy",
             "policy_samples_from_backbone": "policy_from_backbone", "policy_samples": "n_samples",
             "bon.policy_path": "bon.policy", "bon.n": "bon.n_samples", "bon.prompts": "bon.num_prompts",
-            "bon.batch_size": "bon.batch_sequences"},
+            "bon.batch_size": "bon.batch_sequences", **OPTIM, **{f"bon.{k}": f"bon.{v}" for k, v in SAMPLING.items()}},
     "prm-label": {"policy_path": "policy", "prompts": "num_prompts", "samples_per_prompt": "n_samples",
-                  "batch_size": "batch_sequences"},
-    "rollout": {"engine": "sampler", "batch_size": "batch_sequences", "score_batch_size": "score_batch_sequences"},
+                  "batch_size": "batch_sequences", **SAMPLING},
+    "rollout": {"engine": "sampler", "batch_size": "batch_sequences", "score_batch_size": "score_batch_sequences",
+                **SAMPLING, "top_k": "sampling.top_k"},
     "advantage": {"adv_clip": "advantage_clip", "batch_size": "batch_rows"},
-    "ppo": {"policy_path": "policy", "advantages": "input", "warmup_updates": "warmup_steps",
-            "critic_warmup_updates": "critic_warmup_steps", "critic_path": "critic", "prm_path": "prm",
-            "ptx_size": "ptx_num_prompts", "critic": "train_critic"},
-    "evaluate": {"batch_size": "batch_sequences", "html_samples": "log_samples"},
+    "ppo": {"policy_path": "policy", "advantages": "input", "critic_warmup_updates": "critic_warmup_steps",
+            "critic_path": "critic", "prm_path": "prm", "ptx_size": "ptx_num_prompts", "critic": "train_critic",
+            **OPTIM, "warmup_updates": "optim.warmup_steps"},
+    "evaluate": {"batch_size": "batch_sequences", "html_samples": "log_samples", **SAMPLING},
 }
 
 
@@ -82,7 +93,7 @@ def test_every_stage_declares_exactly_the_renames_listed_here():
 @pytest.mark.parametrize("stage,cls,old,new", CASES)
 def test_old_key_loads_warns_and_sets_the_new_field(stage, cls, old, new):
     typ, _, default = config.flat_fields(cls)[new]
-    value = _value(typ, default)
+    value = _value(typ, default, new)
     given = {**NEEDS.get((stage, old), {}), old: value}
     with pytest.warns(FutureWarning, match=rf"'{old}' .*deprecated, use '{new}' instead"):
         cfg = config.build(cls, given, where=f"test [{stage}]")
@@ -94,7 +105,7 @@ def test_old_flag_on_the_command_line(stage, cls, old, new):
     import argparse
 
     typ, _, default = config.flat_fields(cls)[new]
-    value = _value(typ, default)
+    value = _value(typ, default, new)
     parser = argparse.ArgumentParser()
     config.add_arguments(parser, cls)
     argv = [f"--{old}", str(value).lower() if isinstance(value, bool) else str(value)]
@@ -116,6 +127,8 @@ def _old_names(cls, stored: dict) -> dict:
         holder = out
         for p in parents:
             holder = holder[p]
+        if last not in holder:  # two old names of one key (ppo's warmup_updates, then warmup_steps): the first
+            continue
         value = holder.pop(last)
         *oparents, olast = old.split(".")
         holder = out
@@ -124,6 +137,15 @@ def _old_names(cls, stored: dict) -> dict:
         holder[olast] = value
     for old, (new, _) in by_value.items():  # only after the others: the old switch takes the reused name
         out[old] = out.pop(new)
+
+    def drop_emptied(d: dict, before: dict) -> None:  # a section all of whose keys moved out (optim) was not there
+        for k in list(d):
+            if isinstance(d[k], dict):
+                drop_emptied(d[k], before.get(k, {}) if isinstance(before.get(k), dict) else {})
+                if not d[k] and before.get(k):
+                    del d[k]
+
+    drop_emptied(out, stored)
     return out
 
 
@@ -157,6 +179,43 @@ def test_an_output_and_a_checkpoint_written_before_the_renames_are_recognised(tm
         pass
     assert checkpoint.find(tmp_path / "work", now, Config) == latest
     assert checkpoint.find(tmp_path / "work", now) is None
+
+
+def test_a_checkpoint_with_flat_optimizer_keys_is_recognised(tmp_path):
+    """sft and prm resume checkpoints and outputs written with flat lr / warmup_steps / lr_schedule
+    (before the shared `optim` section) are the same config as today's optim.*."""
+    from prmflow.components.sft.stage import Config
+
+    cfg = config.build(Config, {"optim": {"lr": 1e-3, "warmup_steps": 5}})
+    now = io.config_identity(config.to_dict(cfg))
+    before = {k: v for k, v in now.items() if k != "optim"}
+    before.update(lr=1e-3, warmup_steps=5, lr_schedule="cosine", weight_decay=0.0, max_grad_norm=1.0)
+    assert "optim" not in before
+    assert io.stored_identity(before, Config) == now
+    assert io.stored_identity({**before, "lr": 2e-3}, Config) != now  # another lr is another config
+    latest = tmp_path / "work" / "latest"
+    with io.atomic_output_dir(latest, "resume-checkpoint", manifest={"config": before}):
+        pass
+    assert checkpoint.find(tmp_path / "work", config.to_dict(cfg), Config) == latest
+    with io.atomic_output_dir(tmp_path / "out", "sft", manifest={"config": before}):
+        pass
+    assert io.completed_output(tmp_path / "out", {"config": now}, False, "sft", config_cls=Config) is not None
+
+
+def test_flat_fields_show_each_stage_its_own_section_defaults():
+    """One OptimConfig / SamplingConfig class, each stage's defaults (what build makes, --help and the READMEs show)."""
+    from prmflow.components.common.optim import OptimConfig
+
+    lrs = {}
+    for name, module in stages.available().items():
+        fields = config.flat_fields(module.Config)
+        if "optim.lr" in fields:
+            kw = {"rollout": {"policy": "/p"}, "evaluate": {"policy": "/p"}}.get(name, {})
+            assert fields["optim.lr"][2] == config.build(module.Config, kw).optim.lr, name
+            lrs[name] = fields["optim.lr"][2]
+    assert lrs == {"sft": 3e-3, "prm": 1e-3, "ppo": 1e-4}
+    assert OptimConfig().lr not in (3e-3, 1e-3)  # the class default is not what the stages show
+    assert config.flat_fields(stages.available()["sft"].Config)["optim.lr_schedule"][2] == "cosine"
 
 
 def test_every_old_key_in_the_stage_readmes_is_gone():

@@ -20,7 +20,7 @@ def test_metrics_against_independent_recomputation(sft_policy, flat_prm, tmp_pat
     parent = tracking.start_pipeline_run(tracking.TrackingConfig(uri=sqlite_store, pipeline_run_id="kfp-1"))
     cfg = config.load(stage.Config, overrides={
         "policy": str(sft_policy), "prm": str(flat_prm), "baseline": str(sft_policy), "output": str(tmp_path / "eval"),
-        "num_prompts": 24, "n_samples": 4, "max_new_tokens": 40, "tracking.uri": sqlite_store,
+        "num_prompts": 24, "n_samples": 4, "sampling.max_new_tokens": 40, "tracking.uri": sqlite_store,
         "tracking.pipeline_run_id": "kfp-1"})
     m = stage.run(cfg)
     # greedy pass@1, recomputed here with plain generation + the verifier

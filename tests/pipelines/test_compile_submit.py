@@ -38,7 +38,8 @@ pipeline:
     cpu_pool:
       node_selector: {cloud.google.com/gke-nodepool: cpu-pool}
 ppo:
-  lr: 1.0e-6
+  optim:
+    lr: 1.0e-6
 """
 GPU_STAGES = ("sft", "prm", "rollout", "ppo")
 
@@ -127,14 +128,14 @@ def test_stage_sections_become_grouped_pipeline_parameters(tmp_path):
     spec, _, _ = compile_spec(tmp_path)
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert {"sft_config", "prm_config", "rollout_config", "advantage_config", "ppo_config", "tracking_uri"} <= set(params)
-    assert params["ppo_config"]["defaultValue"] == {"lr": 1e-6}
+    assert params["ppo_config"]["defaultValue"] == {"optim": {"lr": 1e-6}}
 
 
 def test_typo_in_a_stage_section_fails_at_compile_time(tmp_path, capsys):
     cfg = tmp_path / "p.yaml"
     cfg.write_text("ppo:\n  lrr: 0.1\n")
     assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(tmp_path / "x.yaml")]) == 2
-    assert "[ppo]: 'lrr' is not a config key. Did you mean 'lr'?" in capsys.readouterr().err
+    assert "[ppo]: 'lrr' is not a config key. Did you mean 'optim.lr'?" in capsys.readouterr().err
     assert not (tmp_path / "x.yaml").exists()
 
 
@@ -143,14 +144,14 @@ def test_submit_uploads_the_package_and_parameters(tmp_path):
     cfg.write_text(CLUSTER_YAML)
     with FakeKfp() as kfp_server:
         code = cli.main(["pipeline", "submit", "--host", kfp_server.url, "--config", str(cfg), "--experiment", "prm-rl",
-                         "--run-name", "try-1", "--param", 'ppo_config={"lr": 2e-6}', "--param", "tracking_uri=http://mlflow:5000"])
+                         "--run-name", "try-1", "--param", 'ppo_config={"optim": {"lr": 2e-6}}', "--param", "tracking_uri=http://mlflow:5000"])
     assert code == 0
     posts = [r for r in kfp_server.requests if r["method"] == "POST"]
     assert [r["path"] for r in posts] == ["/apis/v2beta1/experiments", "/apis/v2beta1/runs"]
     assert posts[0]["body"]["display_name"] == "prm-rl"
     run = posts[1]["body"]
     assert run["display_name"] == "try-1" and run["experiment_id"] == "exp-1"
-    assert run["runtime_config"]["parameters"] == {"ppo_config": {"lr": 2e-6}, "tracking_uri": "http://mlflow:5000"}
+    assert run["runtime_config"]["parameters"] == {"ppo_config": {"optim": {"lr": 2e-6}}, "tracking_uri": "http://mlflow:5000"}
     uploaded = run["pipeline_spec"]["pipeline_spec"]  # KFP sends {pipeline_spec, platform_spec}
     assert uploaded["pipelineInfo"]["name"] == "prmflow"
     platform = run["pipeline_spec"]["platform_spec"]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
@@ -185,7 +186,7 @@ def test_image_entrypoint_runs_a_stage(tmp_path):
     entrypoint = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
     exe = shutil.which(entrypoint[0]) or str(Path(sys.executable).parent / entrypoint[0])
     out = tmp_path / "policy"
-    result = subprocess.run([exe, *entrypoint[1:], "sft", "--max_steps", "2", "--warmup_steps", "0", "--num_prompts", "64",
+    result = subprocess.run([exe, *entrypoint[1:], "sft", "--max_steps", "2", "--optim.warmup_steps", "0", "--num_prompts", "64",
                              "--eval_size", "4", "--eval_max_new_tokens", "8", "--engine.backend", "torch",
                              "--tracking.enabled", "false", "--output", str(out)],
                             capture_output=True, text=True, timeout=300)
@@ -201,7 +202,7 @@ def test_stage_command_mounts_inputs_of_a_logged_run(tmp_path, sqlite_store, cap
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"{i}+1=?", "response": f"answer: {i + 1}", "answer": i + 1})
                               for i in range(40)))
-    cfg = config.load(stage.Config, overrides={"task": str(data), "eval_size": 4, "max_steps": 2, "warmup_steps": 0,
+    cfg = config.load(stage.Config, overrides={"task": str(data), "eval_size": 4, "max_steps": 2, "optim.warmup_steps": 0,
                                                "micro_batch_size": 8, "engine.backend": "torch", "output": str(tmp_path / "sft"),
                                                "tracking.uri": sqlite_store, "eval_max_new_tokens": 4})
     stage.run(cfg)

@@ -20,7 +20,7 @@ import torch
 from prmflow.components.common import modeling, schema, tensor_ops
 from prmflow.components.common.tasks import arithmetic
 
-FAST = {"tracking.enabled": False, "engine.backend": "torch", "lr": 1e-3, "critic_lr": 1e-3}
+FAST = {"tracking.enabled": False, "engine.backend": "torch", "optim.lr": 1e-3, "critic_lr": 1e-3}
 
 
 @torch.no_grad()

@@ -71,7 +71,7 @@ def test_skipped_update_leaves_no_trace(sft_policy, rows16, engine):
     def train(skip_first: bool):
         model, _ = modeling.load_causal_lm(sft_policy)
         models.disable_dropout(model)
-        actor = models.make_engine(model, cfg, cfg.lr, 10, 0, cfg.micro_batch_size)
+        actor = models.make_engine(model, cfg, cfg.optim.lr, 10, 0, cfg.micro_batch_size)
         updater = update.Updater(cfg, actor, None, max_len=64)
         good = [batch.collate(samples, rows, pad) for rows in ([0, 1], [2, 3])]
         bad = [batch.collate(samples, rows, pad) for rows in ([4, 5], [6, 7])]  # bad row in the 2nd micro-batch

@@ -24,7 +24,7 @@ def sample(policy, out, iteration: int) -> tuple[float, float]:
     """(mean reward, share of responses with at least one worked step) of the policy's rollouts."""
     m = rollout.run(config.build(rollout.Config, {
         "policy": str(policy), "output": str(out), "num_prompts": PROMPTS, "n_samples": SAMPLES, "seed": 0,
-        "iteration": iteration, "max_new_tokens": 48, "log_samples": 0, "tracking": OFF}))
+        "iteration": iteration, "sampling.max_new_tokens": 48, "log_samples": 0, "tracking": OFF}))
     responses = schema.read_dataset(out, "rollouts").column("response").to_pylist()
     assert len(responses) == PROMPTS * SAMPLES
     return m["rollout/reward_mean"], sum("=" in r for r in responses) / len(responses)
@@ -42,7 +42,7 @@ def test_rl_loop_raises_the_reward_with_a_fixed_seed(mixed_sft_policy, tmp_path)
         ppo.run(config.build(ppo.Config, {
             "policy": str(policy), "input": str(tmp_path / f"adv{k}"), "output": str(tmp_path / f"ppo{k}"),
             "iteration": k, "rl_iterations": ITERATIONS, "epochs": 2, "minibatch_size": 64, "micro_batch_size": 32,
-            "lr": 1e-4, "optimizer_state": optimizer, "engine": {"backend": "torch"}, "tracking": OFF}))
+            "optim.lr": 1e-4, "optimizer_state": optimizer, "engine": {"backend": "torch"}, "tracking": OFF}))
         policy, optimizer = tmp_path / f"ppo{k}" / "policy", str(tmp_path / f"ppo{k}" / "optimizer")
 
     # unseen prompts (the next iteration's), the same sampler seed for both policies

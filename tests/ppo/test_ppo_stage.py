@@ -56,7 +56,7 @@ def test_one_update_moves_logprobs_with_the_sign_of_the_advantage(sft_policy, ro
     chosen = {0, 1, 2, 3}  # advantages on these responses' tokens, 0 elsewhere
     adv = write_advantages(tmp_path / "adv", rows, lambda i, t: sign if i in chosen else 0.0)
     out = tmp_path / "out"
-    stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=8, micro_batch_size=4, lr=1e-4,
+    stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=8, micro_batch_size=4, **{"optim.lr": 1e-4},
                        ema_decay=0.9))
     before = torch.tensor([x for i in sorted(chosen) for x in rows[i]["old_logprobs"]])
     after_all = new_logprobs(out / "policy", rows)
@@ -167,7 +167,7 @@ def test_top_entropy_mask_selects_highest_entropy_tokens_and_only_they_train(sft
     cfg = make_cfg(sft_policy, tmp_path / "unused", tmp_path / "x", epochs=1, minibatch_size=8,
                    micro_batch_size=4, top_entropy_frac=0.25)
     model, tok = modeling.load_causal_lm(sft_policy)
-    actor = models.make_engine(model, cfg, cfg.lr, 1, 0, 4)
+    actor = models.make_engine(model, cfg, cfg.optim.lr, 1, 0, 4)
     samples = [dict(r) for r in rows]
     prepass.precompute(cfg, samples, batch.minibatch_plan(8, cfg), actor, None, tok.pad_token_id)
     # independent entropies: one row at a time, full logits, -(p log p).sum()
@@ -198,7 +198,7 @@ def test_ptx_loss_is_the_supervised_token_mean_and_is_trained(sft_policy, rows16
     rows = rows16[:8]
     adv = write_advantages(tmp_path / "adv", rows, 0.0)
     out = tmp_path / "out"
-    cfg = make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=8, micro_batch_size=4, ptx_coef=1.0, lr=1e-5,
+    cfg = make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=8, micro_batch_size=4, ptx_coef=1.0, **{"optim.lr": 1e-5},
                    ptx_size=64, ptx_batch_size=8)
     stage.run(cfg)
     model, tok = modeling.load_causal_lm(sft_policy)
@@ -304,7 +304,7 @@ def test_rerun_is_a_no_op_and_a_different_config_needs_overwrite(sft_policy, row
     assert stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=4, micro_batch_size=4, kl_coef=0.7)) == m1
     assert (out / "manifest.json").stat().st_mtime_ns == stamp
     with pytest.raises(OutputExistsError):
-        stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=4, micro_batch_size=4, lr=5e-4))
+        stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=4, micro_batch_size=4, **{"optim.lr": 5e-4}))
     # same config, other data in the same place: not "already done" either
     write_advantages(tmp_path / "adv2", rows16[:4], -1.0, manifest={"kl_coef_used": 0.2})
     import shutil

@@ -69,7 +69,7 @@ def test_with_a_perfect_completer_labels_equal_the_exact_checker(tmp_path, monke
 def test_real_policy_labels_are_consistent_and_train_ready(tmp_path, sft_policy):
     cfg = config.load(label.Config, overrides={"policy": str(sft_policy), "output": str(tmp_path / "labels"),
                                                "num_prompts": 6, "n_samples": 2, "completions": 3,
-                                               "max_new_tokens": 40, "tracking.enabled": False})
+                                               "sampling.max_new_tokens": 40, "tracking.enabled": False})
     metrics = label.run(cfg)
     rows = [json.loads(line) for line in (tmp_path / "labels" / "labels.jsonl").read_text().splitlines()]
     exact, hard_all = [], []

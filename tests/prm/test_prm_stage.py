@@ -16,8 +16,8 @@ from prmflow.components.lib.prm_model import PRM, HeadConfig
 from prmflow.components.lib.prm_scoring import load_scorer
 from prmflow.components.prm import data, stage
 
-SHORT = {"backbone": "tiny-llama", "extra_layers": 0, "train_layers": 0, "lr": 2e-3, "num_prompts": 40,
-         "eval_size": 8, "negatives_per_problem": 1, "max_steps": 6, "micro_batch_size": 8, "warmup_steps": 1,
+SHORT = {"backbone": "tiny-llama", "extra_layers": 0, "train_layers": 0, "optim.lr": 2e-3, "num_prompts": 40,
+         "eval_size": 8, "negatives_per_problem": 1, "max_steps": 6, "micro_batch_size": 8, "optim.warmup_steps": 1,
          "eval_every": 0, "save_every": 0, "engine.backend": "torch", "tracking.enabled": False}
 
 
@@ -69,15 +69,15 @@ def test_a_checkpoint_from_another_config_is_not_resumed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(stage.checkpoint, "save", preempted)
     with pytest.raises(KeyboardInterrupt):
-        stage.run(make_cfg(tmp_path, "cut", save_every=3, lr=2e-3))
+        stage.run(make_cfg(tmp_path, "cut", save_every=3, **{"optim.lr": 2e-3}))
     assert checkpoint.work_dir_for(str(tmp_path / "cut")).exists()
     monkeypatch.setattr(stage.checkpoint, "save", real_save)
 
     steps = []
     monkeypatch.setattr(stage.TrainEngine, "step", lambda self, _orig=stage.TrainEngine.step: (steps.append(1), _orig(self))[1])
-    stage.run(make_cfg(tmp_path, "cut", save_every=3, lr=5e-3))
+    stage.run(make_cfg(tmp_path, "cut", save_every=3, **{"optim.lr": 5e-3}))
     assert len(steps) == 6  # from scratch
-    stage.run(make_cfg(tmp_path, "fresh", save_every=3, lr=5e-3))
+    stage.run(make_cfg(tmp_path, "fresh", save_every=3, **{"optim.lr": 5e-3}))
     a, b = weights(tmp_path / "cut"), weights(tmp_path / "fresh")
     assert all(torch.equal(a[n], b[n]) for n in a)
 
@@ -113,7 +113,7 @@ def test_soft_labels_are_fitted(tmp_path):
              "labels": [0.25, 0.25]} for a in range(1, 9) for b in range(1, 9)]
     path = tmp_path / "soft.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = make_cfg(tmp_path, task=str(path), eval_size=8, max_steps=25, lr=1e-2, micro_batch_size=16)
+    cfg = make_cfg(tmp_path, task=str(path), eval_size=8, max_steps=25, **{"optim.lr": 1e-2}, micro_batch_size=16)
     metrics = stage.run(cfg)
     scores = load_scorer(cfg.output).score([r["prompt"] for r in rows[-8:]], ["\n".join(r["steps"]) for r in rows[-8:]])
     flat = [s for ss in scores for s in ss]
@@ -149,7 +149,7 @@ def test_rerun_of_a_finished_output_does_nothing(tmp_path, capsys):
 
 def test_cli_runs_the_stage_and_refuses_bad_config(tmp_path, capsys):
     assert cli.main(["prm", "--output", str(tmp_path / "cli"), "--backbone", "tiny-llama", "--max_steps", "1",
-                     "--warmup_steps", "0", "--train_size", "8", "--eval_size", "4", "--micro_batch_size", "8",
+                     "--optim.warmup_steps", "0", "--train_size", "8", "--eval_size", "4", "--micro_batch_size", "8",
                      "--engine.backend", "torch", "--tracking.enabled", "false"]) == 0
     assert (tmp_path / "cli" / "manifest.json").is_file()
     assert cli.main(["prm", "--output", str(tmp_path / "x"), "--head.kind", "regression"]) == 2

@@ -147,7 +147,7 @@ def make_policy(inputs: Path) -> Path:
     return out
 
 
-ROLLOUT_FLAGS = ["--num_prompts", "16", "--n_samples", "4", "--max_new_tokens", "48", "--batch_sequences", "32",
+ROLLOUT_FLAGS = ["--num_prompts", "16", "--n_samples", "4", "--sampling.max_new_tokens", "48", "--batch_sequences", "32",
                  "--tracking.enabled", "false"]
 
 
@@ -170,11 +170,11 @@ def make_ppo_inputs(inputs: Path) -> None:
 
 
 SFT_FLAGS = ["--train_size", "64", "--eval_size", "4", "--max_steps", "10", "--micro_batch_size", "4",
-             "--warmup_steps", "2", "--eval_every", "5", "--save_every", "3", "--eval_max_new_tokens", "4",
+             "--optim.warmup_steps", "2", "--eval_every", "5", "--save_every", "3", "--eval_max_new_tokens", "4",
              "--max_seq_len", "64", "--engine.backend", "torch", "--tracking.enabled", "false"]
 
 PRM_FLAGS = ["--backbone", "tiny-llama", "--num_prompts", "32", "--eval_size", "8", "--max_steps", "10",
-             "--micro_batch_size", "8", "--warmup_steps", "2", "--eval_every", "5", "--save_every", "3", "--log_every", "1",
+             "--micro_batch_size", "8", "--optim.warmup_steps", "2", "--eval_every", "5", "--save_every", "3", "--log_every", "1",
              "--max_seq_len", "128", "--engine.backend", "torch", "--tracking.enabled", "false"]
 
 PPO_FLAGS = ["--epochs", "2", "--minibatch_size", "8", "--micro_batch_size", "4", "--train_critic", "true", "--ema_decay", "0.5",
@@ -250,7 +250,7 @@ CASES = {
         signals=(signal.SIGKILL, signal.SIGTERM),
         kill_events=(".out.work/.latest.tmp-*", ".out.work/latest", ".out.tmp-*", "out"),
         checkpoint=".out.work/latest/manifest.json",
-        changed_argv=("--lr", "5e-5"),
+        changed_argv=("--optim.lr", "5e-5"),
         max_kills=3,
         ci_seeds=1,
     ),

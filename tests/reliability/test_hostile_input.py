@@ -375,9 +375,9 @@ def test_random_config_files_load_or_name_file_and_key(reliability, stage_name, 
 
 
 @pytest.mark.parametrize("text,key", [
-    ("max_steps: .inf\n", "max_steps"), ("lr: .nan\n", "lr"), ("engine: 5\n", "engine"),
-    ("tracking:\n  tags: '{'\n", "tracking.tags"), ("warmup_steps: 800\n", "warmup_steps"),
-    ("lr_schedule: [cosine]\n", "lr_schedule"), ("engine:\n  zero_stage: 1e400\n", "engine.zero_stage"),
+    ("max_steps: .inf\n", "max_steps"), ("optim:\n  lr: .nan\n", "optim.lr"), ("engine: 5\n", "engine"),
+    ("tracking:\n  tags: '{'\n", "tracking.tags"), ("optim:\n  warmup_steps: 800\n", "optim.warmup_steps"),
+    ("optim:\n  lr_schedule: [cosine]\n", "optim.lr_schedule"), ("engine:\n  zero_stage: 1e400\n", "engine.zero_stage"),
 ])
 def test_known_bad_sft_configs_name_file_and_key(tmp_path, text, key, reliability):
     path = tmp_path / "c.yaml"

@@ -90,7 +90,7 @@ def test_rollout_refuses_an_output_sampled_from_another_policy(tmp_path, capsys,
     """Same config and paths, but the policy directory was rewritten (a retrained SFT policy): refused."""
     policy, out = tmp_path / "policy", tmp_path / "ro"
     argv = ["rollout", "--policy", str(policy), "--output", str(out), "--num_prompts", "2", "--n_samples", "2",
-            "--max_new_tokens", "8", "--tracking.enabled", "false"]
+            "--sampling.max_new_tokens", "8", "--tracking.enabled", "false"]
     _tiny_policy(policy, 0)
     assert cli.main(argv) == 0
     before = _snapshot(out)
@@ -109,7 +109,7 @@ def test_prm_refuses_an_output_trained_on_another_backbone(tmp_path, capsys, rel
     """PRM on an SFT policy directory that was retrained in place: not the same PRM, so an error."""
     policy, out = tmp_path / "sft", tmp_path / "prm"
     argv = ["prm", "--backbone", str(policy), "--output", str(out), "--num_prompts", "16", "--eval_size", "4",
-            "--max_steps", "2", "--warmup_steps", "1", "--micro_batch_size", "8", "--max_seq_len", "96",
+            "--max_steps", "2", "--optim.warmup_steps", "1", "--micro_batch_size", "8", "--max_seq_len", "96",
             "--engine.backend", "torch", "--tracking.enabled", "false"]
     _tiny_policy(policy, 0)
     assert cli.main(argv) == 0

@@ -16,7 +16,7 @@ from prmflow.components.common.tasks import arithmetic
 from prmflow.components.rollout import prompts, stage
 from prmflow.components.rollout.rewards import RewardError
 
-SMALL = {"num_prompts": 8, "n_samples": 2, "max_new_tokens": 48, "tracking.enabled": False}
+SMALL = {"num_prompts": 8, "n_samples": 2, "sampling.max_new_tokens": 48, "tracking.enabled": False}
 LOGPROB_ATOL = 1e-5  # float32: the same tokens scored in a padded batch vs alone
 
 
@@ -48,7 +48,7 @@ def test_writes_a_valid_rollouts_directory(scored_run, sft_policy):
         if r["finish_reason"] == "stop":
             assert r["response_ids"][-1] == tok.eos_token_id
         else:
-            assert r["finish_reason"] == "length" and len(r["response_ids"]) == cfg.max_new_tokens
+            assert r["finish_reason"] == "length" and len(r["response_ids"]) == cfg.sampling.max_new_tokens
         for col in ("behavior_logprobs", "old_logprobs", "ref_logprobs", "values"):
             assert len(r[col]) == len(r["response_ids"])
     assert metrics["rollout/response_length"] == pytest.approx(sum(len(r["response_ids"]) for r in rows) / len(rows))
@@ -143,7 +143,7 @@ def test_same_config_again_is_a_no_op_and_another_config_is_refused(scored_run):
 def test_shards_read_back_as_one_dataset(tmp_path, sft_policy):
     """Two pods each write their shard's directory; the parent reads as one dataset."""
     out = tmp_path / "iter0"
-    over = {"num_prompts": 5, "n_samples": 2, "max_new_tokens": 40, "num_shards": 2}
+    over = {"num_prompts": 5, "n_samples": 2, "sampling.max_new_tokens": 40, "num_shards": 2}
     for shard in (0, 1):
         stage.run(make_cfg(sft_policy, out / f"shard-{shard}", shard=shard, **over))
     rows = schema.read_dataset(out, "rollouts").to_pylist()
@@ -180,7 +180,7 @@ def test_mixed_sources_pick_their_recipe(tmp_path, sft_policy, monkeypatch):
     table = [{"source": "arithmetic", "component": "arithmetic"},
              {"source": "word", "component": "math", "weight": 0.5},
              {"source": "word", "component": "function", "function": "style_reward:short", "name": "short", "weight": 2.0}]
-    cfg = make_cfg(sft_policy, tmp_path / "out", task=str(data), num_prompts=0, n_samples=1, max_new_tokens=40, rewards=table)
+    cfg = make_cfg(sft_policy, tmp_path / "out", task=str(data), num_prompts=0, n_samples=1, **{"sampling.max_new_tokens": 40}, rewards=table)
     metrics = stage.run(cfg)
     rows = schema.read_dataset(cfg.output, "rollouts").to_pylist()
     by_id = {p.prompt_id: k for k, p in enumerate(problems)}
@@ -210,7 +210,7 @@ def test_long_prompts_fail_or_are_truncated_with_a_count(tmp_path, sft_policy):
     with pytest.raises(DataError, match=r"prompt_id='arith-[0-9a-f]+' is \d+ tokens, longer than 12"):
         stage.run(make_cfg(sft_policy, tmp_path / "fail", num_prompts=2, max_prompt_len=12, on_long_prompt="fail"))
     assert not (tmp_path / "fail").exists()
-    cfg = make_cfg(sft_policy, tmp_path / "cut", num_prompts=2, n_samples=1, max_new_tokens=8, max_prompt_len=12)
+    cfg = make_cfg(sft_policy, tmp_path / "cut", num_prompts=2, n_samples=1, **{"sampling.max_new_tokens": 8}, max_prompt_len=12)
     metrics = stage.run(cfg)
     rows = schema.read_dataset(cfg.output, "rollouts").to_pylist()
     full = {r.prompt_id: r.prompt for r in tasks.load("arithmetic", "train", 2, seed=0)}
@@ -243,7 +243,7 @@ def test_ref_with_another_tokenizer_is_refused_before_sampling(tmp_path, sft_pol
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("over,match", [({"shard": 2, "num_shards": 2}, "shard"), ({"top_p": 0}, "top_p"),
+@pytest.mark.parametrize("over,match", [({"shard": 2, "num_shards": 2}, "shard"), ({"sampling.top_p": 0}, "top_p"),
                                         ({"n_samples": 0}, "n_samples"), ({"rewards": "[{component: nope}]"}, "nope"),
                                         ({"num_prompts": 0}, "dataset file")])
 def test_bad_config_is_refused(over, match):
@@ -258,7 +258,7 @@ def test_cli_run_logs_metrics_and_a_sample_table(tmp_path, sft_policy, sqlite_st
 
     out = tmp_path / "out"
     rc = cli.main(["rollout", "--policy", str(sft_policy), "--output", str(out), "--num_prompts", "3", "--n_samples", "2",
-                   "--max_new_tokens", "40", "--tracking.uri", sqlite_store, "--iteration", "2",
+                   "--sampling.max_new_tokens", "40", "--tracking.uri", sqlite_store, "--iteration", "2",
                    "--rewards", "[{source: arithmetic, component: arithmetic, weight: 2.0}]"])
     assert rc == 0
     rows = schema.read_dataset(out, "rollouts").to_pylist()

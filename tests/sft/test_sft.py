@@ -15,7 +15,7 @@ from prmflow.components.common import checkpoint, config, modeling, tasks
 from prmflow.components.lib import supervised_data as data
 from prmflow.components.sft import stage
 
-SHORT = {"train_size": 256, "eval_size": 16, "max_steps": 12, "micro_batch_size": 16, "warmup_steps": 2,
+SHORT = {"train_size": 256, "eval_size": 16, "max_steps": 12, "micro_batch_size": 16, "optim.warmup_steps": 2,
          "eval_every": 0, "save_every": 0, "eval_max_new_tokens": 24, "engine.backend": "torch",
          "tracking.enabled": False}
 
@@ -122,7 +122,7 @@ def test_rerun_of_a_finished_output_does_nothing(tmp_path, capsys):
 
 
 def test_lora_trains_adapters_and_saves_a_plain_model(tmp_path):
-    cfg = make_cfg(tmp_path, max_steps=5, lora_r=4, lr=1e-2)
+    cfg = make_cfg(tmp_path, max_steps=5, lora_r=4, **{"optim.lr": 1e-2})
     stage.run(cfg)
     out = weights(tmp_path / "out")
     assert not any("lora" in k for k in out)  # merged: later stages load a plain model
@@ -140,7 +140,7 @@ def test_tracking_records_metrics_and_params(tmp_path, sqlite_store):
     client = MlflowClient(sqlite_store)
     (run,) = client.search_runs([client.get_experiment_by_name("prmflow").experiment_id])
     assert {"train/loss", "train/lr", "eval/accuracy", "eval/loss", "perf/tokens_per_s"} <= set(run.data.metrics)
-    assert run.data.params["lr"] == "0.003" and run.data.params["engine.backend"] == "torch"
+    assert run.data.params["optim.lr"] == "0.003" and run.data.params["engine.backend"] == "torch"
     assert run.data.tags["prmflow.stage"] == "sft" and run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [m.step for m in history] == [2, 4, 6, 8, 10]
@@ -156,13 +156,13 @@ def run_cli(args, capsys):
 
 @pytest.mark.parametrize("make,needle", [
     (lambda d: ["--set", "max_stepz=3"], "'max_stepz' is not a config key. Did you mean 'max_steps'?"),
-    (lambda d: ["--lr", "fast"], "key 'lr' must be float"),
+    (lambda d: ["--optim.lr", "fast"], "key 'optim.lr' must be float"),
     (lambda d: ["--task", str(d / "missing.jsonl")], "missing.jsonl' does not exist"),
     (lambda d: ["--task", str(_write(d / "empty.jsonl", ""))], "empty.jsonl' is empty"),
     (lambda d: ["--task", str(_write(d / "bad.jsonl", '{"prompt": "a", "response": "b"}\n{oops\n'))], "bad.jsonl, line 2: not valid JSON"),
     (lambda d: ["--task", str(_write(d / "nocol.jsonl", '{"question": "a", "response": "b"}\n'))], "nocol.jsonl, line 1: no 'prompt' field"),
     (lambda d: ["--policy", str(_mkdir(d / "notamodel"))], "is not a model directory: it has no config.json"),
-    (lambda d: ["--warmup_steps", "50", "--max_steps", "10"], "warmup_steps (50) must be smaller than max_steps (10)"),
+    (lambda d: ["--optim.warmup_steps", "50", "--max_steps", "10"], "warmup_steps (50) must be smaller than max_steps (10)"),
 ])
 def test_bad_input_is_a_clear_error_with_nothing_written(tmp_path, capsys, make, needle):
     out = tmp_path / "out"

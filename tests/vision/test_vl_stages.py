@@ -29,16 +29,16 @@ def chain(tmp_path_factory):
     rewards) -> advantage, on the visual task."""
     root = tmp_path_factory.mktemp("vl")
     sft.run(config.build(sft.Config, {
-        "policy": "tiny-llava", "task": "visual", "output": str(root / "sft"), "max_steps": 12, "warmup_steps": 2,
+        "policy": "tiny-llava", "task": "visual", "output": str(root / "sft"), "max_steps": 12, "optim.warmup_steps": 2,
         "train_size": 200, "eval_size": 8, "micro_batch_size": 8, "eval_every": 12, "save_every": 0,
         "engine": {"backend": "torch"}, "tracking": OFF}))
     prm.run(config.build(prm.Config, {
         "backbone": str(root / "sft"), "task": "visual", "output": str(root / "prm"), "head": {"kind": "lm_tokens"},
-        "extra_layers": 0, "train_layers": 0, "max_steps": 6, "warmup_steps": 1, "num_prompts": 40, "eval_size": 10,
+        "extra_layers": 0, "train_layers": 0, "max_steps": 6, "optim.warmup_steps": 1, "num_prompts": 40, "eval_size": 10,
         "micro_batch_size": 8, "eval_every": 6, "save_every": 0, "engine": {"backend": "torch"}, "tracking": OFF}))
     rollout.run(config.build(rollout.Config, {
         "policy": str(root / "sft"), "prm": str(root / "prm"), "task": "visual", "output": str(root / "rollouts"),
-        "num_prompts": 6, "n_samples": 4, "max_new_tokens": 24, "tracking": OFF}))
+        "num_prompts": 6, "n_samples": 4, "sampling.max_new_tokens": 24, "tracking": OFF}))
     advantage.run(config.build(advantage.Config, {
         "input": str(root / "rollouts"), "output": str(root / "adv"), "estimator": "grpo_process", "tracking": OFF}))
     return root
@@ -177,7 +177,7 @@ def test_critics_are_refused_for_vl_policies(chain, tmp_path):
 def test_evaluate_scores_vl_policies_with_the_vl_prm(chain, tmp_path):
     m = evaluate.run(config.build(evaluate.Config, {
         "policy": str(chain / "sft"), "prm": str(chain / "prm"), "task": "visual", "num_prompts": 6, "n_samples": 2,
-        "max_new_tokens": 24, "output": str(tmp_path / "eval"), "tracking": OFF}))
+        "sampling.max_new_tokens": 24, "output": str(tmp_path / "eval"), "tracking": OFF}))
     assert {"eval/accuracy", "eval/bon_min", "eval/majority"} <= set(m)
     assert io.read_manifest(tmp_path / "eval")["kind"] == "evaluation"
 
@@ -198,7 +198,7 @@ def test_sft_skips_a_batch_whose_image_tokens_do_not_match(tmp_path, caplog, mon
     with caplog.at_level(logging.WARNING):
         sft.run(config.build(sft.Config, {
             "policy": "tiny-llava", "task": "visual", "output": str(tmp_path / "sft"), "max_steps": 2,
-            "warmup_steps": 1, "train_size": 16, "eval_size": 2, "micro_batch_size": 8, "eval_every": 0,
+            "optim.warmup_steps": 1, "train_size": 16, "eval_size": 2, "micro_batch_size": 8, "eval_every": 0,
             "save_every": 0, "engine": {"backend": "torch"}, "tracking": OFF}))
     messages = [r.getMessage() for r in caplog.records if "skipping the batch" in r.getMessage()]
     assert messages and all("3 image tokens in the sequence but its images make 4 features" in m for m in messages)
@@ -212,7 +212,7 @@ def test_sft_freezes_the_named_modules(tmp_path):
     model, tok = modeling.load_causal_lm("tiny-llava")
     modeling.save_pretrained(model, tok, base)
     sft.run(config.build(sft.Config, {
-        "policy": str(base), "task": "visual", "output": str(tmp_path / "sft"), "max_steps": 2, "warmup_steps": 1,
+        "policy": str(base), "task": "visual", "output": str(tmp_path / "sft"), "max_steps": 2, "optim.warmup_steps": 1,
         "train_size": 16, "eval_size": 2, "micro_batch_size": 8, "eval_every": 0, "save_every": 0,
         "freeze": "model.vision_tower, model.multi_modal_projector", "engine": {"backend": "torch"}, "tracking": OFF}))
     before, after = load_file(str(base / "model.safetensors")), load_file(str(tmp_path / "sft" / "model.safetensors"))
@@ -222,7 +222,7 @@ def test_sft_freezes_the_named_modules(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("language_model."))
     with pytest.raises(ConfigError, match="freeze: no parameter name starts with 'model.vision'"):
         sft.run(config.build(sft.Config, {
-            "policy": "tiny-llama", "output": str(tmp_path / "x"), "max_steps": 2, "warmup_steps": 1,
+            "policy": "tiny-llama", "output": str(tmp_path / "x"), "max_steps": 2, "optim.warmup_steps": 1,
             "freeze": "model.vision", "tracking": OFF}))
 
 

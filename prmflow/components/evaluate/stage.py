@@ -13,6 +13,7 @@ run, so runs compare side by side; the per-step HTML view is logged as an artifa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import ClassVar
 
 from ..common import config as config_lib, io, modeling, tasks, tracking
 from ..common.errors import ConfigError
+from ..common.sampling import SamplingConfig
 from ..common.tasks import arithmetic
 from ..lib import bestofn
 from ..lib.prm_scoring import PRMScorer
@@ -44,12 +46,8 @@ class Config:
     """Held-out prompts to evaluate on."""
     n_samples: int = 8
     """k: samples per prompt for pass@k, majority vote and best-of-k."""
-    temperature: float = 1.0
-    """Sampling temperature of the k samples."""
-    top_p: float = 1.0
-    """Nucleus sampling of the k samples."""
-    max_new_tokens: int = 64
-    """Generation budget per response."""
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64))
+    """How the k samples are drawn (temperature, top_p, top_k); max_new_tokens is the budget of every response, the greedy one included."""
     aggregations: list[str] = field(default_factory=lambda: ["min", "product", "last", "mean"])
     """PRM score reductions for best-of-k (each gives eval/bon_<name>)."""
     step_separator: str = "\n"
@@ -72,7 +70,9 @@ class Config:
     """MLflow tracking."""
 
     #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
-    renamed: ClassVar[dict[str, str]] = {"batch_size": "batch_sequences", "html_samples": "log_samples"}
+    renamed: ClassVar[dict[str, str]] = {
+        "batch_size": "batch_sequences", "html_samples": "log_samples",
+        "temperature": "sampling.temperature", "top_p": "sampling.top_p", "max_new_tokens": "sampling.max_new_tokens"}
 
     def __post_init__(self):
         if self.num_prompts < 1 or self.n_samples < 1:
@@ -84,7 +84,7 @@ class Config:
 def run(cfg: Config) -> dict:
     """Evaluate `cfg.policy`; write the results to `cfg.output`; return the eval/* metrics."""
     bon_cfg = bestofn.BestOfNConfig(policy=cfg.policy, n_samples=cfg.n_samples, num_prompts=cfg.num_prompts, task=cfg.task,
-                                    temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                                    sampling=dataclasses.replace(cfg.sampling),
                                     aggregations=cfg.aggregations if cfg.prm else [], batch_sequences=cfg.batch_sequences,
                                     seed=cfg.seed)
     modeling.check_model_dir(cfg.policy, "policy")
@@ -114,7 +114,7 @@ def run(cfg: Config) -> dict:
         metrics["eval/response_length"] = sum(lengths) / len(lengths)
         metrics["eval/format_errors"] = sum(bestofn.extract_answer(r, g) is None for r, g in zip(records, greedy)) / len(records)
         if cfg.baseline:
-            base_cfg = bestofn.BestOfNConfig(**{**config_lib.to_dict(bon_cfg), "policy": cfg.baseline, "n_samples": 1})
+            base_cfg = dataclasses.replace(bon_cfg, policy=cfg.baseline, n_samples=1)
             _, base_greedy, _ = bestofn.sample(cfg.baseline, records, base_cfg, cfg.chat_template)
             metrics["eval/baseline_accuracy"] = sum(tasks.verify(r, g) for r, g in zip(records, base_greedy)) / len(records)
         rows = [{"prompt_id": r.prompt_id, "prompt": r.prompt, "response": g, "correct": tasks.verify(r, g),

@@ -23,6 +23,7 @@ from typing import Callable, ClassVar
 from ..common import config as config_lib, modeling, steps as steps_lib, tasks
 from ..common.errors import ConfigError
 from ..common.generation import generate_texts
+from ..common.sampling import SamplingConfig
 from ..common.tasks import arithmetic, grader
 from .prm_metrics import roc_auc
 from .prm_scoring import PRMScorer
@@ -53,12 +54,8 @@ class BestOfNConfig:
     """Held-out prompts (arithmetic 'test' split, or the first rows of task)."""
     task: str = "arithmetic"
     """Prompts with reference answers: 'arithmetic' or 'visual' (their test split) or a .jsonl/.parquet dataset."""
-    temperature: float = 1.0
-    """Sampling temperature of the N solutions (1.0 = the policy's own distribution)."""
-    top_p: float = 1.0
-    """Nucleus sampling of the N solutions."""
-    max_new_tokens: int = 64
-    """Generation budget per solution."""
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64))
+    """How the N solutions are drawn (temperature 1.0 = the policy's own distribution); max_new_tokens is the budget of every solution, the greedy one included."""
     aggregations: list[str] = field(default_factory=lambda: ["min", "product", "last", "mean"])
     """Reductions of step scores to one score per solution; each gives eval/bon_<name>."""
     batch_sequences: int = 256
@@ -67,8 +64,9 @@ class BestOfNConfig:
     """Sampling seed."""
 
     #: Keys renamed in this release (old -> new, relative to the bon section); the old ones still load, with a warning.
-    renamed: ClassVar[dict[str, str]] = {"policy_path": "policy", "n": "n_samples", "prompts": "num_prompts",
-                                         "batch_size": "batch_sequences"}
+    renamed: ClassVar[dict[str, str]] = {
+        "policy_path": "policy", "n": "n_samples", "prompts": "num_prompts", "batch_size": "batch_sequences",
+        "temperature": "sampling.temperature", "top_p": "sampling.top_p", "max_new_tokens": "sampling.max_new_tokens"}
 
     def __post_init__(self):
         if self.n_samples < 1 or self.num_prompts < 1:
@@ -135,10 +133,11 @@ def sample(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConf
     flat = [p for p in prompts for _ in range(cfg.n_samples)]
     images = prompt_images(records)
     flat_images = [im for im in images for _ in range(cfg.n_samples)] if images else None
-    sampled = generate_texts(policy, tok, flat, cfg.max_new_tokens, batch_size=cfg.batch_sequences, do_sample=True,
-                             temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, add_special_tokens=special,
+    sampled = generate_texts(policy, tok, flat, cfg.sampling.max_new_tokens, batch_size=cfg.batch_sequences, do_sample=True,
+                             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+                             seed=cfg.seed, add_special_tokens=special,
                              images=flat_images)
-    greedy = generate_texts(policy, tok, prompts, cfg.max_new_tokens, batch_size=cfg.batch_sequences,
+    greedy = generate_texts(policy, tok, prompts, cfg.sampling.max_new_tokens, batch_size=cfg.batch_sequences,
                             add_special_tokens=special, images=images)
     return [sampled[i * cfg.n_samples:(i + 1) * cfg.n_samples] for i in range(len(records))], greedy, prompts
 

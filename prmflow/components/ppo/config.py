@@ -11,6 +11,7 @@ from typing import ClassVar, Literal
 from ..common import config as config_lib, tracking
 from ..common.engine import EngineConfig
 from ..common.errors import ConfigError
+from ..common.optim import OptimConfig
 from ..common.tasks.arithmetic import ArithmeticConfig
 
 
@@ -32,18 +33,10 @@ class Config:
     """Responses per optimizer update; each epoch has floor(N / minibatch_size) updates (a remainder sits out)."""
     micro_batch_size: int = 8
     """Responses per forward/backward; must divide minibatch_size. Only memory changes with it."""
-    lr: float = 1e-4
-    """Policy learning rate (tiny CPU models; use ~1e-6 for billion-parameter models)."""
-    lr_schedule: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
-    """LR schedule over the whole RL run (rl_iterations x updates per iteration)."""
-    warmup_steps: int = 0
-    """Linear LR warm-up, in updates (optimizer steps) counted over the whole RL run."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, lr_schedule="constant", warmup_steps=0))
+    """Policy optimizer (the critic's too, but for critic_lr): lr (tiny CPU models; use ~1e-6 for billion-parameter models), LR schedule and warm-up in updates over the whole RL run (rl_iterations x updates per iteration), weight decay, gradient-norm clip of each model."""
     rl_iterations: int = 1
     """RL iterations the LR schedule spans; this run starts at iteration x its number of updates."""
-    weight_decay: float = 0.0
-    """AdamW weight decay on matrices (not on norms and biases)."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm of each model to this (0 = off)."""
     clip_eps_low: float = 0.2
     """Lower clip: the ratio is clipped at 1 - clip_eps_low."""
     clip_eps_high: float = 0.2
@@ -125,9 +118,11 @@ class Config:
 
     #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
     renamed: ClassVar[dict[str, str]] = {
-        "policy_path": "policy", "advantages": "input", "warmup_updates": "warmup_steps",
+        "policy_path": "policy", "advantages": "input", "warmup_updates": "optim.warmup_steps",
         "critic_warmup_updates": "critic_warmup_steps", "critic_path": "critic", "prm_path": "prm",
-        "ptx_size": "ptx_num_prompts"}
+        "ptx_size": "ptx_num_prompts",
+        "lr": "optim.lr", "warmup_steps": "optim.warmup_steps", "lr_schedule": "optim.lr_schedule",
+        "weight_decay": "optim.weight_decay", "max_grad_norm": "optim.max_grad_norm"}
     #: `critic` was the switch that is now `train_critic` and is now the critic's path (old `critic_path`):
     #: a true/false value is the old switch.
     renamed_when: ClassVar[dict] = {"critic": ("train_critic", config_lib.looks_boolean)}
@@ -140,9 +135,8 @@ class Config:
         if self.minibatch_size % self.micro_batch_size:
             raise ConfigError(f"micro_batch_size ({self.micro_batch_size}) must divide minibatch_size "
                               f"({self.minibatch_size}); e.g. set micro_batch_size to a divisor of it.")
-        for key in ("lr", "critic_lr"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"{key} is {getattr(self, key)}; it must be positive.")
+        if self.critic_lr <= 0:
+            raise ConfigError(f"critic_lr is {self.critic_lr}; it must be positive.")
         if not (0 <= self.clip_eps_low < 1 and self.clip_eps_high >= 0):
             raise ConfigError(f"clip_eps_low must be in [0, 1) and clip_eps_high >= 0 (got {self.clip_eps_low}, "
                               f"{self.clip_eps_high}).")
@@ -153,7 +147,7 @@ class Config:
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"ema_decay is {self.ema_decay}; use 0 (off) or a decay in (0, 1).")
         for key in ("advantage_clip", "entropy_coef", "kl_loss_coef", "ptx_coef", "value_clip", "kl_coef",
-                    "critic_warmup_steps", "warmup_steps", "save_every", "drgrpo_max_len", "iteration"):
+                    "critic_warmup_steps", "save_every", "drgrpo_max_len", "iteration"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must not be negative.")
         if self.kl_target <= 0:
@@ -162,9 +156,9 @@ class Config:
             raise ConfigError("critic_warmup_steps needs train_critic=true (only a critic can train while the actor is frozen).")
         if self.train_critic and self.critic_init == "prm" and not self.critic and not self.prm:
             raise ConfigError("critic_init=prm needs prm (the PRM directory), or set critic_init=policy.")
-        if self.lr_schedule != "constant" and self.iteration >= self.rl_iterations:
+        if self.optim.lr_schedule != "constant" and self.iteration >= self.rl_iterations:
             raise ConfigError(f"iteration ({self.iteration}) is past the end of the LR schedule (rl_iterations="
-                              f"{self.rl_iterations}); raise rl_iterations or use lr_schedule=constant.")
+                              f"{self.rl_iterations}); raise rl_iterations or use optim.lr_schedule=constant.")
         if self.ptx_coef and self.ptx_batch_size < self.minibatch_size // self.micro_batch_size:
             raise ConfigError(f"ptx_batch_size ({self.ptx_batch_size}) must be at least the number of micro-batches "
                               f"per update ({self.minibatch_size // self.micro_batch_size}).")

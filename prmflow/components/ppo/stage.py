@@ -102,7 +102,7 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
     modeling.freeze(model, cfg.freeze)
     disable_dropout(model)
     critic_model = load_critic(cfg, getattr(model.config, "vocab_size", None)) if cfg.train_critic else None
-    actor = make_engine(model, cfg, cfg.lr, cfg.rl_iterations * actor_updates, cfg.iteration * actor_updates,
+    actor = make_engine(model, cfg, cfg.optim.lr, cfg.rl_iterations * actor_updates, cfg.iteration * actor_updates,
                         cfg.micro_batch_size)
     critic = (make_engine(critic_model, cfg, cfg.critic_lr, cfg.rl_iterations * n_updates, cfg.iteration * n_updates,
                           cfg.micro_batch_size) if critic_model is not None else None)

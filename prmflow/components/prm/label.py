@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from ..common import checkpoint, config as config_lib, io, modeling, steps as steps_lib, tasks, tracking
 from ..common.errors import ConfigError, DataError
 from ..common.generation import generate_texts
+from ..common.sampling import SamplingConfig
 from ..common.tasks import arithmetic
 from ..common.tasks.arithmetic import ArithmeticConfig
 from .data import StepExample, write_jsonl
@@ -53,12 +54,8 @@ class Config:
     """Continuations drawn from every step prefix (Math-Shepherd's N); more = less noisy labels, linear cost."""
     label: Literal["hard", "soft"] = "hard"
     """Which estimate goes into the `labels` column that the prm stage trains on (both are written)."""
-    temperature: float = 1.0
-    """Sampling temperature for solutions and continuations."""
-    top_p: float = 1.0
-    """Nucleus sampling for solutions and continuations."""
-    max_new_tokens: int = 64
-    """Generation budget of a solution and of a continuation."""
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64))
+    """How solutions and continuations are drawn; max_new_tokens is the budget of a solution and of a continuation."""
     step_separator: str = "\n"
     """Text between steps (the same segmentation as the prm stage and rollout)."""
     batch_sequences: int = 256
@@ -76,10 +73,12 @@ class Config:
 
     #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
     renamed: ClassVar[dict[str, str]] = {"policy_path": "policy", "prompts": "num_prompts",
-                                         "samples_per_prompt": "n_samples", "batch_size": "batch_sequences"}
+                                         "samples_per_prompt": "n_samples", "batch_size": "batch_sequences",
+                                         "temperature": "sampling.temperature", "top_p": "sampling.top_p",
+                                         "max_new_tokens": "sampling.max_new_tokens"}
 
     def __post_init__(self):
-        for key in ("num_prompts", "n_samples", "completions", "max_new_tokens", "batch_sequences"):
+        for key in ("num_prompts", "n_samples", "completions", "batch_sequences"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must be at least 1.")
         if not self.step_separator:
@@ -156,8 +155,9 @@ def run(cfg: Config) -> dict:
     torch.manual_seed(cfg.seed)
     policy, tok = modeling.load_causal_lm(cfg.policy)
     special = not (cfg.chat_template and getattr(tok, "chat_template", None))
-    gen = dict(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_sequences, do_sample=True,
-               temperature=cfg.temperature, top_p=cfg.top_p, add_special_tokens=special)
+    gen = dict(max_new_tokens=cfg.sampling.max_new_tokens, batch_size=cfg.batch_sequences, do_sample=True,
+               temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+               add_special_tokens=special)
     tracker = tracking.start_stage_run(cfg.tracking, "prm-label", params=config_lib.flat_dict(cfg),
                                        tags={"prmflow.output": str(Path(cfg.output).resolve())})
     with tracker:
@@ -193,7 +193,7 @@ def run(cfg: Config) -> dict:
             soft.append(so)
         if not examples:
             raise DataError(f"The policy '{cfg.policy}' produced no solution with a step; nothing to label. "
-                            f"Check max_new_tokens and the policy.")
+                            f"Check sampling.max_new_tokens and the policy.")
         elapsed = time.perf_counter() - t0
         metrics = {
             "label/solutions": float(len(examples)),

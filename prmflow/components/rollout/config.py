@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 
 from ..common import modeling, tasks, tracking
 from ..common.errors import ConfigError
+from ..common.sampling import SamplingConfig
 from ..common.tasks.arithmetic import ArithmeticConfig
 from . import rewards as rewards_lib
 from .engines import VLLMSettings
@@ -32,14 +33,8 @@ class Config:
     """Prompts per iteration over all shards; 0 = every row of a dataset file."""
     n_samples: int = 4
     """Responses sampled per prompt (a group, for GRPO/RLOO baselines)."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 = greedy (then n_samples > 1 repeats the same response)."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold (1 = off)."""
-    top_k: int = 0
-    """Sample among the k most likely tokens only (0 = off)."""
-    max_new_tokens: int = 64
-    """Most tokens per response (EOS included); longer responses end with finish_reason 'length'."""
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64))
+    """How a response is drawn: temperature (0 = greedy: then n_samples > 1 repeats the same response), top_p, top_k, max_new_tokens (EOS included; longer responses end with finish_reason 'length')."""
     stop: list[str] = field(default_factory=list)
     """Stop strings: a response ends once its text contains one (kept in the response)."""
     seed: int = 0
@@ -59,7 +54,7 @@ class Config:
     chat_template: bool = True
     """Wrap prompts in the tokenizer's chat template when it has one (as SFT did)."""
     max_prompt_len: int = 0
-    """Longest prompt in tokens; 0 = the model's window minus max_new_tokens."""
+    """Longest prompt in tokens; 0 = the model's window minus sampling.max_new_tokens."""
     on_long_prompt: Literal["truncate", "fail"] = "truncate"
     """A longer prompt keeps its last max_prompt_len tokens (counted, logged) or fails the stage."""
     step_separator: str = "\n"
@@ -83,22 +78,20 @@ class Config:
 
     #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
     #: `engine` is the training backend's section in sft, prm and ppo; here it was the sampler.
-    renamed: ClassVar[dict[str, str]] = {"engine": "sampler", "batch_size": "batch_sequences",
-                                         "score_batch_size": "score_batch_sequences"}
+    renamed: ClassVar[dict[str, str]] = {
+        "engine": "sampler", "batch_size": "batch_sequences", "score_batch_size": "score_batch_sequences",
+        "temperature": "sampling.temperature", "top_p": "sampling.top_p", "top_k": "sampling.top_k",
+        "max_new_tokens": "sampling.max_new_tokens"}
 
     def __post_init__(self):
-        for key in ("n_samples", "max_new_tokens", "batch_sequences", "score_batch_sequences", "num_shards"):
+        for key in ("n_samples", "batch_sequences", "score_batch_sequences", "num_shards"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must be at least 1.")
-        for key in ("num_prompts", "max_prompt_len", "top_k", "log_samples", "iteration"):
+        for key in ("num_prompts", "max_prompt_len", "log_samples", "iteration"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must be 0 or more.")
         if not 0 <= self.shard < self.num_shards:
             raise ConfigError(f"shard is {self.shard} with num_shards={self.num_shards}; use 0 <= shard < num_shards.")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature is {self.temperature}; use 0 (greedy) or a positive value.")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p is {self.top_p}; it must be in (0, 1].")
         if self.task in tasks.TASKS and self.num_prompts == 0:
             raise ConfigError(f"num_prompts=0 (every row) needs a dataset file; the {self.task} task needs a count.")
         if not self.step_separator:

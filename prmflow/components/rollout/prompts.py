@@ -58,14 +58,14 @@ def tokenize_prompts(cfg: Config, tokenizer, records: list[tasks.PromptRecord], 
     """Rendered prompt texts, their token ids (as SFT tokenized them), and how many were truncated."""
     limit = cfg.max_prompt_len
     if window is not None:
-        room = window - cfg.max_new_tokens
+        room = window - cfg.sampling.max_new_tokens
         if room < 1:
-            raise ConfigError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt in the policy's "
-                              f"{window}-token window; lower max_new_tokens.")
+            raise ConfigError(f"sampling.max_new_tokens={cfg.sampling.max_new_tokens} leaves no room for a prompt in the policy's "
+                              f"{window}-token window; lower sampling.max_new_tokens.")
         if limit == 0:
             limit = room
         elif limit > room:
-            raise ConfigError(f"max_prompt_len={limit} + max_new_tokens={cfg.max_new_tokens} exceeds the policy's "
+            raise ConfigError(f"max_prompt_len={limit} + sampling.max_new_tokens={cfg.sampling.max_new_tokens} exceeds the policy's "
                               f"{window}-token window; lower one of them.")
     texts, ids, truncated = [], [], 0
     for r in records:
@@ -75,7 +75,7 @@ def tokenize_prompts(cfg: Config, tokenizer, records: list[tasks.PromptRecord], 
         if limit and len(p_ids) > limit:
             if cfg.on_long_prompt == "fail" or r.images:
                 raise DataError(f"{cfg.task}: prompt_id={r.prompt_id!r} is {len(p_ids)} tokens, longer than {limit} "
-                                f"(max_prompt_len, or the window minus max_new_tokens). Shorten it, raise the limit, "
+                                f"(max_prompt_len, or the window minus sampling.max_new_tokens). Shorten it, raise the limit, "
                                 + ("or use smaller images (a prompt with images is never cut: it would split an "
                                    "image's tokens)." if r.images else "or set on_long_prompt=truncate."))
             p_ids = p_ids[-limit:]  # keep the end: the question's last words and the generation prompt

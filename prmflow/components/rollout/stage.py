@@ -67,8 +67,8 @@ def run(cfg: Config) -> dict:
                           f"text-only so far. Use a critic-free estimator (grpo, rloo, reinforce_baseline, grpo_process).")
     window = prompts.model_window(cfg.policy)
     prompt_texts, prompt_ids, truncated = prompts.tokenize_prompts(cfg, tokenizer, records, window)
-    params = SamplingParams(n=cfg.n_samples, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                            max_new_tokens=cfg.max_new_tokens, stop=list(cfg.stop), seed=passes.sampling_seed(cfg))
+    params = SamplingParams(n=cfg.n_samples, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                            top_k=cfg.sampling.top_k, max_new_tokens=cfg.sampling.max_new_tokens, stop=list(cfg.stop), seed=passes.sampling_seed(cfg))
     tracker = tracking.start_stage_run(cfg.tracking, "rollout", params=config_lib.flat_dict(cfg), iteration=cfg.iteration,
                                        tags={"prmflow.output": str(out.resolve()), "prmflow.shard": f"{cfg.shard}/{cfg.num_shards}"})
     with tracker:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 
@@ -29,6 +29,7 @@ from ..common import checkpoint, config as config_lib, io, modeling, preemption,
 from ..common.engine import EngineConfig, OptimSettings, TrainEngine
 from ..common.errors import ConfigError
 from ..common.generation import generate_texts
+from ..common.optim import OptimConfig
 from ..common.tasks.arithmetic import ArithmeticConfig
 from ..lib import supervised, supervised_data as data
 
@@ -61,16 +62,8 @@ class Config:
     """Micro-batches per optimizer step (effective batch = micro_batch_size * grad_accum * GPUs)."""
     max_steps: int = 700
     """Optimizer steps to train for."""
-    lr: float = 3e-3
-    """Peak learning rate (tiny models like a high one; use ~1e-5 for billion-parameter models)."""
-    warmup_steps: int = 30
-    """Linear warm-up steps from 0 to lr."""
-    lr_schedule: Literal["cosine", "linear", "constant_with_warmup", "constant"] = "cosine"
-    """Decay after warm-up."""
-    weight_decay: float = 0.0
-    """AdamW weight decay on matrices (not on norms and biases)."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this (0 = off)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, lr_schedule="cosine", warmup_steps=30))
+    """Optimizer: peak lr, schedule, warm-up, weight decay, gradient clipping (tiny models like a high lr; use ~1e-5 for billion-parameter models)."""
     log_every: int = 10
     """Log train/* and perf/* metrics every this many steps."""
     eval_every: int = 250
@@ -101,16 +94,17 @@ class Config:
     """MLflow tracking."""
 
     #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
-    renamed: ClassVar[dict[str, str]] = {"model_path": "policy", "train_size": "num_prompts"}
+    renamed: ClassVar[dict[str, str]] = {
+        "model_path": "policy", "train_size": "num_prompts",
+        "lr": "optim.lr", "warmup_steps": "optim.warmup_steps", "lr_schedule": "optim.lr_schedule",
+        "weight_decay": "optim.weight_decay", "max_grad_norm": "optim.max_grad_norm"}
 
     def __post_init__(self):
         for key in ("num_prompts", "eval_size", "micro_batch_size", "grad_accum", "max_steps", "max_seq_len", "log_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must be at least 1.")
-        if self.lr <= 0:
-            raise ConfigError(f"lr is {self.lr}; it must be positive.")
-        if self.warmup_steps >= self.max_steps:
-            raise ConfigError(f"warmup_steps ({self.warmup_steps}) must be smaller than max_steps ({self.max_steps}).")
+        if self.optim.warmup_steps >= self.max_steps:
+            raise ConfigError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be smaller than max_steps ({self.max_steps}).")
         if self.lora_r < 0:
             raise ConfigError(f"lora_r is {self.lora_r}; use 0 (off) or a positive rank.")
 
@@ -225,8 +219,8 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
     if cfg.lora_r:
         model = _apply_lora(model, cfg)
     engine = TrainEngine(model, cfg.engine, OptimSettings(
-        lr=cfg.lr, total_steps=cfg.max_steps, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule,
-        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm), cfg.micro_batch_size, cfg.grad_accum)
+        lr=cfg.optim.lr, total_steps=cfg.max_steps, warmup_steps=cfg.optim.warmup_steps, schedule=cfg.optim.lr_schedule,
+        weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.max_grad_norm), cfg.micro_batch_size, cfg.grad_accum)
 
     work = checkpoint.work_dir_for(cfg.output)
     state = supervised.resume(engine, work, cfg_dict, cfg.resume, "sft", Config)

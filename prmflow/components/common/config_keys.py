@@ -111,17 +111,7 @@ def renamed_keys(cls: type) -> dict[str, str]:
     `renamed: ClassVar[dict[str, str]] = {"old_key": "new.key"}` (a key or a whole section; in a
     nested section's dataclass, relative to that section), and `build` reads the old key as the new
     one with a deprecation warning."""
-    out: dict[str, str] = {}
-
-    def collect(klass: type, prefix: str) -> None:
-        for old, new in getattr(klass, "renamed", {}).items():
-            out[prefix + old] = prefix + new
-        types = hints(klass)
-        for f in dataclasses.fields(klass):
-            if dataclasses.is_dataclass(types[f.name]):
-                collect(types[f.name], f"{prefix}{f.name}.")
-
-    collect(cls, "")
+    out = {old: new for old, (new, _) in declared(cls, "renamed").items()}
     leaves = flat_fields(cls)
     sections = {".".join(k.split(".")[:i]) for k in leaves for i in range(1, k.count(".") + 1)}
     for old, new in out.items():  # a wrong mapping is a bug in prmflow: fail where it is declared
@@ -129,6 +119,24 @@ def renamed_keys(cls: type) -> dict[str, str]:
             raise TypeError(f"{cls.__name__}.renamed maps '{old}' to '{new}', which is not a key of {cls.__name__}.")
         if old in leaves or old in sections:
             raise TypeError(f"{cls.__name__}.renamed maps '{old}', which is still a key of {cls.__name__}.")
+    return out
+
+
+def declared(cls: type, attr: str) -> dict[str, tuple[str, Any]]:
+    """{old dotted key: (new dotted key, test or None)} from the `attr` mapping ("renamed" or
+    "renamed_when") of `cls` and of every nested section's dataclass, each prefixed with its section."""
+    out: dict[str, tuple[str, Any]] = {}
+
+    def collect(klass: type, prefix: str) -> None:
+        for old, new in getattr(klass, attr, {}).items():
+            new, test = new if isinstance(new, tuple) else (new, None)
+            out[prefix + old] = (prefix + new, test)
+        types = hints(klass)
+        for f in dataclasses.fields(klass):
+            if dataclasses.is_dataclass(types[f.name]):
+                collect(types[f.name], f"{prefix}{f.name}.")
+
+    collect(cls, "")
     return out
 
 
@@ -145,17 +153,7 @@ def renamed_values(cls: type) -> dict[str, tuple[str, Any]]:
     ("train_critic", looks_boolean)}` when a name was given to a new setting in the same release as its
     old setting moved: a value for which `test` holds is the old setting's, read under its new name
     with a deprecation warning (as `renamed`); any other value is the key's own."""
-    out: dict[str, tuple[str, Any]] = {}
-
-    def collect(klass: type, prefix: str) -> None:
-        for old, (new, test) in getattr(klass, "renamed_when", {}).items():
-            out[prefix + old] = (prefix + new, test)
-        types = hints(klass)
-        for f in dataclasses.fields(klass):
-            if dataclasses.is_dataclass(types[f.name]):
-                collect(types[f.name], f"{prefix}{f.name}.")
-
-    collect(cls, "")
+    out = declared(cls, "renamed_when")
     leaves = flat_fields(cls)
     for old, (new, _) in out.items():
         if new not in leaves or old not in leaves:

@@ -25,7 +25,7 @@ import torch
 from ..common import steps as steps_lib
 from ..common.tensor_ops import sequence_logprobs
 from ..common.vision import batch_pixels
-from ..lib.prm_scoring import PRMScorer
+from ..lib.prm_scoring import PRMScorer, right_pad
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for the first bytes of a character split across tokens
 
@@ -105,13 +105,7 @@ def _batches(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
     for b in range(0, len(order), batch_size):
         idx = order[b:b + batch_size]
-        seqs = [list(prompts[i]) + list(responses[i]) for i in idx]
-        T = max(len(s) for s in seqs)
-        ids = torch.full((len(idx), T), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(idx), T), dtype=torch.long)
-        for r, s in enumerate(seqs):
-            ids[r, :len(s)] = torch.as_tensor(s, dtype=torch.long)
-            mask[r, :len(s)] = 1
+        ids, mask = right_pad([list(prompts[i]) + list(responses[i]) for i in idx], pad_id)  # (B, T) each
         yield idx, ids.to(device), mask.to(device), [len(prompts[i]) for i in idx], [len(responses[i]) for i in idx]
 
 

@@ -15,9 +15,9 @@ from prmflow import cli
 
 TINY = {
     "pipeline": {"iterations": 2, "rollout_shards": 2, "experiment": "run-local-test"},
-    "sft": {"model_path": "tiny-llama", "max_steps": 12, "micro_batch_size": 8, "optim": {"warmup_steps": 1}, "eval_size": 4,
+    "sft": {"policy": "tiny-llama", "max_steps": 12, "micro_batch_size": 8, "optim": {"warmup_steps": 1}, "eval_size": 4,
             "eval_every": 0, "save_every": 0, "engine": {"backend": "torch"}},
-    "prm": {"max_steps": 4, "train_size": 16, "eval_size": 4, "micro_batch_size": 8, "optim": {"warmup_steps": 1},
+    "prm": {"max_steps": 4, "num_prompts": 16, "eval_size": 4, "micro_batch_size": 8, "optim": {"warmup_steps": 1},
             "eval_every": 0, "save_every": 0, "engine": {"backend": "torch"}},
     "rollout": {"num_prompts": 4, "n_samples": 2, "sampling": {"max_new_tokens": 16}},
     "advantage": {"estimator": "grpo_process"},

@@ -16,7 +16,7 @@ from stage_cases import CASES
 from prmflow.components.common import checkpoint, config, preemption
 from prmflow.components.sft import stage
 
-SHORT = {"train_size": 64, "eval_size": 4, "max_steps": 8, "micro_batch_size": 4, "optim.warmup_steps": 2,
+SHORT = {"num_prompts": 64, "eval_size": 4, "max_steps": 8, "micro_batch_size": 4, "optim.warmup_steps": 2,
          "eval_every": 5, "save_every": 0, "eval_max_new_tokens": 4, "max_seq_len": 64,
          "engine.backend": "torch", "tracking.enabled": False}
 
@@ -91,7 +91,7 @@ def test_sigterm_in_process_saves_exits_and_resumes_bit_for_bit(tmp_path, monkey
     assert not work.exists()
 
 
-PRM_SHORT = {"model_path": "tiny-llama", "train_size": 32, "eval_size": 8, "max_steps": 8, "micro_batch_size": 8,
+PRM_SHORT = {"backbone": "tiny-llama", "num_prompts": 32, "eval_size": 8, "max_steps": 8, "micro_batch_size": 8,
              "optim.warmup_steps": 2, "eval_every": 5, "save_every": 0, "max_seq_len": 128, "engine.backend": "torch",
              "tracking.enabled": False}
 

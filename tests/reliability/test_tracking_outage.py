@@ -186,7 +186,7 @@ def test_preempted_stage_marks_its_run_killed(store):
 
 # --- a real MLflow server, killed mid-run -----------------------------------------------------------
 
-SFT = {"train_size": 64, "eval_size": 4, "max_steps": 10, "micro_batch_size": 4, "optim.warmup_steps": 2,
+SFT = {"num_prompts": 64, "eval_size": 4, "max_steps": 10, "micro_batch_size": 4, "optim.warmup_steps": 2,
        "eval_every": 5, "save_every": 2, "log_every": 1, "eval_max_new_tokens": 4, "max_seq_len": 64,
        "engine.backend": "torch"}
 

@@ -30,7 +30,7 @@ def chain(tmp_path_factory):
     root = tmp_path_factory.mktemp("vl")
     sft.run(config.build(sft.Config, {
         "policy": "tiny-llava", "task": "visual", "output": str(root / "sft"), "max_steps": 12, "optim.warmup_steps": 2,
-        "train_size": 200, "eval_size": 8, "micro_batch_size": 8, "eval_every": 12, "save_every": 0,
+        "num_prompts": 200, "eval_size": 8, "micro_batch_size": 8, "eval_every": 12, "save_every": 0,
         "engine": {"backend": "torch"}, "tracking": OFF}))
     prm.run(config.build(prm.Config, {
         "backbone": str(root / "sft"), "task": "visual", "output": str(root / "prm"), "head": {"kind": "lm_tokens"},
@@ -198,7 +198,7 @@ def test_sft_skips_a_batch_whose_image_tokens_do_not_match(tmp_path, caplog, mon
     with caplog.at_level(logging.WARNING):
         sft.run(config.build(sft.Config, {
             "policy": "tiny-llava", "task": "visual", "output": str(tmp_path / "sft"), "max_steps": 2,
-            "optim.warmup_steps": 1, "train_size": 16, "eval_size": 2, "micro_batch_size": 8, "eval_every": 0,
+            "optim.warmup_steps": 1, "num_prompts": 16, "eval_size": 2, "micro_batch_size": 8, "eval_every": 0,
             "save_every": 0, "engine": {"backend": "torch"}, "tracking": OFF}))
     messages = [r.getMessage() for r in caplog.records if "skipping the batch" in r.getMessage()]
     assert messages and all("3 image tokens in the sequence but its images make 4 features" in m for m in messages)

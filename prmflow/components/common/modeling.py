@@ -141,7 +141,7 @@ def is_vision(model_path: str | Path) -> bool:
         return False
 
 
-def check_model_dir(path: str | Path, what: str = "model_path") -> Path:
+def check_model_dir(path: str | Path, what: str = "model") -> Path:
     """Raise a ModelLoadError unless `path` is a directory with a HF config.json."""
     p = Path(path)
     if not p.exists():

@@ -205,7 +205,7 @@ def valid_advantages() -> pa.Table:
 @SETTINGS
 @given(st.data())
 def test_ppo_refuses_corrupted_advantages_clearly(reliability, data):
-    from prmflow.components.ppo import stage as ppo
+    from prmflow.components.ppo import batch, stage as ppo
 
     table, col, must_fail = data.draw(st.composite(lambda draw: _corrupt(
         draw, valid_advantages(), ADV_PRESENT, ADV_PER_TOKEN, ADV_FLOATS, ADV_LISTS, PPO_NEEDS))())
@@ -215,7 +215,7 @@ def test_ppo_refuses_corrupted_advantages_clearly(reliability, data):
         cfg = ppo.Config(policy="tiny-llama", input=str(d), output=str(out), minibatch_size=2,
                          micro_batch_size=2, engine=EngineConfig(backend="torch"), tracking=TrackingConfig(enabled=False))
         try:
-            rows = ppo.load_batch(cfg)
+            rows = batch.load_batch(cfg)
         except Exception as e:  # noqa: BLE001
             assert_clear(e, str(d))
             assert col in str(e), f"{col!r} not named in: {e}"  # and the directory (or its shard), above

@@ -14,7 +14,7 @@ from prmflow.components.advantage import stage as advantage
 from prmflow.components.common import config, io, modeling, schema, tasks, vision
 from prmflow.components.common.errors import ConfigError, DataError
 from prmflow.components.evaluate import stage as evaluate
-from prmflow.components.ppo import stage as ppo
+from prmflow.components.ppo import batch as ppo_batch, stage as ppo
 from prmflow.components.prm import stage as prm
 from prmflow.components.lib.prm_scoring import PRMScorer
 from prmflow.components.rollout import stage as rollout
@@ -112,7 +112,7 @@ def test_ppo_skips_a_batch_whose_image_tokens_do_not_match(chain, tmp_path, capl
     table = table.set_column(table.schema.get_field_index("prompt_ids"), "prompt_ids",
                              pa.array(prompt_ids, pa.list_(pa.int32())))
     schema.write_dataset(tmp_path / "adv", table, "advantages")
-    plan = ppo.minibatch_plan(table.num_rows, config.build(ppo.Config, {"minibatch_size": 8, "epochs": 1}))
+    plan = ppo_batch.minibatch_plan(table.num_rows, config.build(ppo.Config, {"minibatch_size": 8, "epochs": 1}))
     hit = [u for u, rows in enumerate(plan) if bad_row in rows]
     with caplog.at_level(logging.WARNING):
         ppo.run(config.build(ppo.Config, {

@@ -20,7 +20,7 @@ class Config:
     output: str = "outputs/rollouts"
     """Rollouts directory to create; with num_shards > 1 this shard's own directory (e.g. ITER/shard-3)."""
     prm: str = ""
-    """PRM directory for step_rewards (its own tokenizer re-reads the text). Empty: no step_rewards."""
+    """PRM directory for step_rewards (its own tokenizer re-reads the text), or `oracle`: the arithmetic task's exact checker labels each step 1 up to the first wrong step, 0 from it (the ceiling of what step rewards can give). Empty: no step_rewards."""
     ref: str = ""
     """Reference model for ref_logprobs (the KL term), sharing the policy's tokenizer. Empty: no ref_logprobs."""
     critic: str = ""

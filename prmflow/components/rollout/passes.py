@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from ..common import modeling, tasks, vision
 from ..common.errors import ConfigError
-from . import scoring
+from . import oracle, scoring
 from .config import Config
 from .engines import Completion, HFEngine, SamplingParams, VLLMEngine
 
@@ -106,7 +106,10 @@ def score(cfg: Config, policy, tokenizer, records: list[tasks.PromptRecord], row
         values = scoring.forward_values(critic, p_ids, r_ids, bs, pad, progress=bar.update)
         bar.close()
         del critic
-    if cfg.prm:
+    if cfg.prm == oracle.ORACLE:
+        step_rewards = oracle.step_rewards([records[i].source for i, _, _ in rows], [records[i].prompt for i, _, _ in rows],
+                                           responses, cfg.step_separator)
+    elif cfg.prm:
         step_rewards = scoring.prm_step_rewards(cfg.prm, [records[i].prompt for i, _, _ in rows], responses, bs,
                                                 str(device(cfg)), cfg.step_separator, images=images)
     return {"old_logprobs": old, "ref_logprobs": ref, "values": values, "step_rewards": step_rewards}

@@ -94,6 +94,10 @@ def deliver(client, op: dict, run_id: str) -> None:
             client.log_artifacts(run_id, str(path), op.get("artifact_path"))
         else:
             client.log_artifact(run_id, str(path), op.get("artifact_path"))
+    elif kind == "log_inputs":  # lineage datasets (datasets.py)
+        from .datasets import deliver_datasets
+
+        deliver_datasets(client, op, run_id)
     elif kind == "set_terminated":
         client.set_terminated(run_id, status=op["status"], end_time=op.get("time"))
     else:

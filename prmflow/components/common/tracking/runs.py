@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import TrackingConfig, limit_http_retries, resolve_uri
+from .datasets import record_stage_handoffs
 from .delivery import PIPELINE_TAG, ROLE_TAG, create_run, find_pipeline_run
 from .null import NullTracker
 from .outbox import default_fallback_path
@@ -87,4 +88,6 @@ def start_stage_run(cfg: TrackingConfig, stage: str, params: dict[str, Any] | No
     if iteration is not None:
         stage_tags["prmflow.iteration"] = iteration
     output = (params or {}).get("output") or None
-    return start_run(cfg, name, stage_tags, params, fallback_path=default_fallback_path(output, name))
+    tracker = start_run(cfg, name, stage_tags, params, fallback_path=default_fallback_path(output, name))
+    record_stage_handoffs(tracker, stage, params or {})  # lineage: inputs now, the output at a FINISHED end
+    return tracker

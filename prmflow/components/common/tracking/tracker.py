@@ -56,6 +56,8 @@ class MlflowTracker(NullTracker):
         self._outage_since: float | None = None
         self._lock = threading.RLock()
         self._finished = False
+        self.before_finish: list = []
+        """Callables given the end status before the run is marked ended (the output's lineage record)."""
 
     @property
     def pending(self) -> int:
@@ -98,6 +100,8 @@ class MlflowTracker(NullTracker):
         if self._finished:
             return
         self._finished = True
+        for hook in self.before_finish:
+            hook(status)
         self.submit({"op": "set_terminated", "status": status})
         deadline = time.monotonic() + self.finish_wait_s
         while self._queue and time.monotonic() < deadline:

@@ -49,12 +49,16 @@ def add_parsers(sub) -> None:
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a pipeline: key")
     r.add_argument("--root", default="outputs/kfp-local", help="pipeline root: where artifacts are written")
     r.add_argument("--param", action="append", default=[], metavar="NAME=JSON", help="pipeline parameter")
+    r.add_argument("--verbose", action="store_true",
+                   help="stream every task's output here (default: one line per task, the full log in ROOT/run-local.log)")
     r.set_defaults(handler=_run_local)
 
     cm = psub.add_parser("compare", help="run the pipeline locally once per RL variant (shared SFT and PRM); print a table")
     cm.add_argument("--config", default="configs/compare.yaml", help="pipeline YAML with a variants: section")
     cm.add_argument("--root", default="outputs/compare", help="where each variant's artifacts are written")
     cm.add_argument("--param", action="append", default=[], metavar="NAME=JSON", help="pipeline parameter (all variants)")
+    cm.add_argument("--verbose", action="store_true",
+                    help="stream every task's output here (default: one line per task, the full logs in ROOT/VARIANT/run-local.log)")
     cm.set_defaults(handler=_compare)
 
     sc = sub.add_parser("stage-command", help="print the `docker run` line that re-runs one stage of a past run")
@@ -119,14 +123,15 @@ def _submit(args) -> int:
 def _run_local(args) -> int:
     spec = load_spec(args.config, _overrides(args.set))
     params = _params(args.param)
-    uri, experiment, parent = run_local(spec, params, Path(args.root))
+    uri, experiment, parent = run_local(spec, params, Path(args.root), verbose=args.verbose)
     _print_summary(uri, experiment, parent)
     print(f"see the runs with: mlflow ui --backend-store-uri {uri}")
     return 0
 
 
-def run_local(spec, params: dict, root: Path) -> tuple[str, str, str | None]:
-    """Run the pipeline of `spec` through kfp.local; returns (tracking URI, experiment, parent run id)."""
+def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str, str, str | None]:
+    """Run the pipeline of `spec` through kfp.local; returns (tracking URI, experiment, parent run id).
+    verbose=False: the tasks' output goes to ROOT/run-local.log, the terminal gets one line per task."""
     import time
     import warnings
 
@@ -134,6 +139,7 @@ def run_local(spec, params: dict, root: Path) -> tuple[str, str, str | None]:
     from mlflow.tracking import MlflowClient
 
     from ..components.common import tracking
+    from . import console
     from .pipeline import build
     from .summary import latest_pipeline_run
 
@@ -144,11 +150,14 @@ def run_local(spec, params: dict, root: Path) -> tuple[str, str, str | None]:
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True,
                workspace_root=str(root / "workspace"))
     t0 = time.monotonic()
-    with warnings.catch_warnings(), _root_handlers_kept():
+    log_path = root / "run-local.log"
+    shown = contextlib.nullcontext() if verbose else console.task_log(log_path)
+    with warnings.catch_warnings(), _root_handlers_kept(), shown:
         # kfp.local's notes that it ignores the cluster settings (images, GPUs, node pools) here, per task
         warnings.filterwarnings("ignore", message=".*(non-Python base image|have no effect in the current local runner).*")
         build(spec)(**params)
-    print(f"pipeline finished in {time.monotonic() - t0:.0f} s; artifacts under {root}; runs in {params['tracking_uri']}")
+    print(f"pipeline finished in {time.monotonic() - t0:.0f} s; artifacts under {root}; runs in {params['tracking_uri']}"
+          + ("" if verbose else f"; full log: {log_path}"))
     parent = latest_pipeline_run(MlflowClient(params["tracking_uri"]), experiment)
     return params["tracking_uri"], experiment, parent
 
@@ -197,7 +206,7 @@ def _compare(args) -> int:
             if not getattr(spec.pipeline, key):
                 setattr(spec.pipeline, key, path)
         print(f"=== variant {i + 1}/{len(specs)}: {name}" + (" (SFT policy and PRM imported from the first)" if shared else ""))
-        uri, _, parent = run_local(spec, dict(params), root / name)
+        uri, _, parent = run_local(spec, dict(params), root / name, verbose=args.verbose)
         if parent is None:
             raise PrmflowError("pipeline compare needs MLflow tracking (it reads every variant's results from it).")
         runs[name] = parent

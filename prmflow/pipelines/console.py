@@ -1,0 +1,81 @@
+"""What `pipeline run-local` shows in the terminal: one line per finished task, a progress bar while a
+task runs, and every byte kfp.local and the tasks print in a log file.
+
+kfp.local prints each task's full executor input and output and streams the task's own output
+(model load reports, per-step logs) through `print` and a logging handler on `sys.stdout`: hundreds
+of lines per run. `task_log` swaps `sys.stdout` and `sys.stderr` for a writer that keeps all of it in
+the log file and reads kfp.local's own "Executing task" / "finished with status" lines to drive the
+console.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import sys
+import time
+from pathlib import Path
+from typing import IO, Iterator
+
+from tqdm.auto import tqdm
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_START = re.compile(r"Executing task '([^']+)'")
+_DONE = re.compile(r"Task '([^']+)' finished with status (\w+)")
+
+
+class TaskLog(io.TextIOBase):
+    """A text stream that appends to `log` and reports kfp.local's task lines to `bar` (tqdm)."""
+
+    def __init__(self, log: IO[str], bar: tqdm):
+        self.log, self.bar, self.pending = log, bar, ""
+        self.started: dict[str, float] = {}
+        self.finished: list[tuple[str, str, float]] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        self.log.write(s)
+        self.pending += s
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self._line(_ANSI.sub("", line))
+        return len(s)
+
+    def flush(self) -> None:
+        self.log.flush()
+
+    def _line(self, line: str) -> None:
+        if m := _START.search(line):
+            self.started[m.group(1)] = time.monotonic()
+            self.bar.set_description_str(f"running {m.group(1)}")
+        elif m := _DONE.search(line):
+            name, status = m.groups()
+            took = time.monotonic() - self.started.get(name, time.monotonic())
+            self.finished.append((name, status, took))
+            mark = "ok" if status == "SUCCESS" else status
+            self.bar.write(f"  {mark:<7} {name:<40} {took:6.0f} s")
+            self.bar.update(1)
+
+
+@contextlib.contextmanager
+def task_log(log_path: Path, console: IO[str] | None = None) -> Iterator[TaskLog]:
+    """Inside: everything printed goes to `log_path` (appended); `console` (the real stdout by default)
+    gets one line per finished task and a progress bar. On an error the log's last lines are shown."""
+    console = console or sys.__stdout__
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a", encoding="utf-8") as log, \
+            tqdm(desc="starting", unit="task", file=console, dynamic_ncols=True, leave=False) as bar:
+        stream = TaskLog(log, bar)
+        try:
+            with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
+                yield stream
+        except BaseException:
+            stream.flush()
+            bar.close()
+            tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-30:]
+            print("\n".join(["pipeline failed; the last lines of its log:", *(f"  | {t}" for t in tail),
+                             f"full log: {log_path}"]), file=console)
+            raise

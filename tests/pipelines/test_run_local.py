@@ -6,6 +6,7 @@ advantage, PPO, evaluate); the MLflow store it leaves behind is what a user woul
 
 import logging
 import os
+import re
 import sys
 
 import pytest
@@ -24,6 +25,18 @@ TINY = {
     "ppo": {"epochs": 1, "minibatch_size": 8, "micro_batch_size": 8, "engine": {"backend": "torch"}},
     "evaluate": {"num_prompts": 4, "n_samples": 2, "sampling": {"max_new_tokens": 16}},
 }
+
+
+def _assert_weights_moved(before_dir: str, after_dir: str) -> None:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    before, after = load_file(Path(before_dir) / "model.safetensors"), load_file(Path(after_dir) / "model.safetensors")
+    assert before.keys() == after.keys()
+    moved = [name for name in before if not (before[name] == after[name]).all()]
+    # two PPO iterations with a nonzero learning rate move every trained matrix (nothing here is frozen)
+    assert len(moved) >= len(before) // 2, f"only {len(moved)} of {len(before)} tensors changed"
 
 
 @pytest.mark.timeout(900)
@@ -65,13 +78,26 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     assert by_name["prm"].data.params["backbone"].endswith("policy")  # the SFT policy artifact
     assert by_name["ppo-iter1"].data.params["iteration"] == "1"
     assert {"train/policy_loss", "train/clip_frac"} <= set(by_name["ppo-iter0"].data.metrics)
+    # RL did something, not only plumbing: the advantages were not all equal (all-zero advantages give PPO no
+    # gradient), the policy moved away from the one that sampled (approx_kl > 0), and the evaluated policy's
+    # weights differ from the SFT policy that PPO started from
+    for k in (0, 1):
+        assert by_name[f"advantage-iter{k}"].data.metrics["train/advantage_std"] > 0
+        assert by_name[f"ppo-iter{k}"].data.metrics["train/approx_kl"] > 0
+    _assert_weights_moved(by_name["ppo-iter0"].data.params["policy"], by_name["evaluate"].data.params["policy"])
     # the parent carries the whole configuration and the evaluation headline
     assert parent.data.params["sft.max_steps"] == "12"
     assert "eval/accuracy" in parent.data.metrics
     assert parent.data.metrics["sft/accuracy"] == by_name["sft"].data.metrics["eval/accuracy"]
     assert "prm/step_auc" in parent.data.metrics and "eval/step_auc" not in parent.data.metrics
+    # the console is quiet: kfp.local's executor JSON and the tasks' own output went to the log file
+    out = capsys.readouterr().out
+    before_table = out.split(f"MLflow run {parent.info.run_id}")[0]
+    assert "executor" not in before_table.lower() and len(before_table.splitlines()) <= 3, before_table
+    log = re.sub(r"\x1b\[[0-9;]*m", "", (tmp_path / "root" / "run-local.log").read_text())  # kfp colors the status
+    assert log.count("finished with status SUCCESS") >= len(expected) and "rollout: " in log
     # the closing table: one row per stage/iteration, numbers as MLflow has them
-    table = capsys.readouterr().out.split(f"MLflow run {parent.info.run_id}")[1]
+    table = out.split(f"MLflow run {parent.info.run_id}")[1]
     rows = {line.split("  ")[0].strip(): line.split()[-4:] for line in table.splitlines()[2:] if line.strip()}
     assert {"sft", "iter 0", "iter 1", "sft (same prompts)", "final"} <= set(rows)
     assert rows["final"][0] == f"{parent.data.metrics['eval/accuracy']:.3f}"

@@ -5,6 +5,10 @@ working, so the policy answers directly about half the time, and its bare answer
 often than its worked solutions. Nothing in the loop is told that; the verifier's 0/1 reward and
 group-normalized advantages have to find it. The judge is independent of the training batches: the
 SFT policy and the trained one sample the same unseen prompts with the same sampler seed.
+
+Two reward paths learn it: the outcome-only `grpo` (the verifier's 0/1 at the last token) and the
+process path `grpo_process` with the oracle PRM (`prm: oracle`: the exact checker's step labels as
+the step rewards, no outcome reward at all), the path the quickstart takes with a trained PRM.
 """
 
 from __future__ import annotations
@@ -20,25 +24,26 @@ OFF = {"enabled": False}
 PROMPTS, SAMPLES, ITERATIONS = 32, 8, 3
 
 
-def sample(policy, out, iteration: int) -> tuple[float, float]:
-    """(mean reward, share of responses with at least one worked step) of the policy's rollouts."""
+def sample(policy, out, iteration: int, prm: str = "") -> tuple[float, float]:
+    """(mean outcome reward, share of responses with at least one worked step) of the policy's rollouts."""
     m = rollout.run(config.build(rollout.Config, {
         "policy": str(policy), "output": str(out), "num_prompts": PROMPTS, "n_samples": SAMPLES, "seed": 0,
-        "iteration": iteration, "sampling.max_new_tokens": 48, "log_samples": 0, "tracking": OFF}))
+        "iteration": iteration, "sampling.max_new_tokens": 48, "log_samples": 0, "prm": prm, "tracking": OFF}))
     responses = schema.read_dataset(out, "rollouts").column("response").to_pylist()
     assert len(responses) == PROMPTS * SAMPLES
     return m["rollout/reward_mean"], sum("=" in r for r in responses) / len(responses)
 
 
 @pytest.mark.timeout(900)
-def test_rl_loop_raises_the_reward_with_a_fixed_seed(mixed_sft_policy, tmp_path):
+@pytest.mark.parametrize("estimator, prm", [("grpo", ""), ("grpo_process", "oracle")], ids=["outcome", "oracle-process"])
+def test_rl_loop_raises_the_reward_with_a_fixed_seed(mixed_sft_policy, tmp_path, estimator, prm):
     policy, optimizer, train_rewards = mixed_sft_policy, "", []
     for k in range(ITERATIONS):
-        reward, _ = sample(policy, tmp_path / f"rollouts{k}", k)
+        reward, _ = sample(policy, tmp_path / f"rollouts{k}", k, prm)
         train_rewards.append(reward)
         advantage.run(config.build(advantage.Config, {
             "input": str(tmp_path / f"rollouts{k}"), "output": str(tmp_path / f"adv{k}"), "iteration": k,
-            "estimator": "grpo", "tracking": OFF}))
+            "estimator": estimator, "tracking": OFF}))
         ppo.run(config.build(ppo.Config, {
             "policy": str(policy), "input": str(tmp_path / f"adv{k}"), "output": str(tmp_path / f"ppo{k}"),
             "iteration": k, "rl_iterations": ITERATIONS, "epochs": 2, "minibatch_size": 64, "micro_batch_size": 32,

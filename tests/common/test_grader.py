@@ -112,7 +112,9 @@ def test_grading_leaves_other_alarm_timers_running():
 
 
 @pytest.mark.parametrize("source,responses,key", [
-    ("math", ["answer: 0.75", "#### 3/4", r"\boxed{\frac{3}{4}}", r"\boxed{\dfrac{6}{8}}"], "3/4"),
+    ("dataset", ["answer: 0.75", "#### 3/4", r"\boxed{\frac{3}{4}}", r"\boxed{\dfrac{6}{8}}"], "3/4"),
+    ("math", ["answer: 0.75", r"\boxed{\frac{3}{4}}", r"\boxed{\dfrac{6}{8}}", "The final answer is $3/4$."], "3/4"),
+    ("math", ["so it is 3/4"], None),  # MATH: a bare number is no final answer
     ("gsm8k", ["#### 1,000", "answer: 1000", "so 1000.0"], "1000"),
     ("arithmetic", ["7+5=12\nanswer: 12", "answer: 012"], "12"),
     ("arithmetic", [r"\boxed{12}", "7+5=12"], None),  # no answer line: a format error

@@ -37,7 +37,7 @@ def test_score_table_against_hand_counts():
 
 def test_majority_vote_groups_answers_as_the_grader_reads_them():
     """A dataset row: three forms of 3/4 outvote two of 5 only when the vote uses the grader's answer."""
-    rec = tasks.PromptRecord("q", "What is 3 divided by 4?", "\\frac{3}{4}", source="math")
+    rec = tasks.PromptRecord("q", "What is 3 divided by 4?", "\\frac{3}{4}", source="dataset")
     cands = [["so \\boxed{\\frac{3}{4}}", "answer: 0.75", "#### 3/4", "\\boxed{5}", "#### 5"]]
     m = bestofn.score_table([rec], cands, [[[0.5]] * 5], [cands[0][0]], ["min"])
     assert m["eval/majority"] == 1.0 and m["eval/pass1"] == 1.0 and m["eval/random"] == pytest.approx(0.6)

@@ -38,7 +38,7 @@ def item(response, answer="12", source="arithmetic", pid="p0", k=0, prompt="Comp
     ("no number here", "12", 0.0),
 ])
 def test_math_verifier(response, answer, want):
-    (score,) = reward_components.math_verifier()([item(response, answer, source="math")])
+    (score,) = reward_components.math_verifier()([item(response, answer, source="dataset")])
     assert score == want
 
 

@@ -3,8 +3,9 @@
 A component turns a batch of sampled responses into one float each. The kinds:
 - arithmetic: the built-in task's exact verifier (1 or 0): the last `answer: N` line holds N.
 - math: the final-answer verifier of datasets (GSM8K, MATH, ...): the tasks package's grader
-  (`grader.grade_math`: last \\boxed{...}, else an `answer:` line, else `####`, else the last
-  number; plain numbers compared exactly, LaTeX by math-verify). It is the grader `tasks.verify`
+  (`grader.grade_math` in the row source's convention, gsm8k / math / default: last \\boxed{...},
+  else an `answer:` line, else `####`, else the last number; plain numbers compared exactly,
+  LaTeX by math-verify). It is the grader `tasks.verify`
   uses for the same rows, so rollout's reward and every reported accuracy agree.
 - http: a remote reward model. POST {"prompts", "responses", "answers", "prompt_ids", "sources"}
   (lists, one entry per response) -> {"rewards": [float, ...]}; retried with exponential backoff
@@ -77,7 +78,7 @@ def arithmetic_verifier() -> Component:
 @register("math", verifier=True)
 def math_verifier() -> Component:
     """1.0 when the response's final answer equals the reference (the tasks grader, as in every accuracy)."""
-    return lambda items: [grader.grade_math(it.response, _need_answer(it, "math")) for it in items]
+    return lambda items: [grader.grade_math(it.response, _need_answer(it, "math"), it.source) for it in items]
 
 
 # --- remote reward model -------------------------------------------------------------------------

@@ -9,7 +9,6 @@ see common/vision.py); `encode_prompt` gives its token ids and pixel inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 
 @dataclass
@@ -33,9 +32,11 @@ TASKS = ("arithmetic", "visual")
 
 def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, **task_kwargs) -> list[PromptRecord]:
     """Records of `task`: 'arithmetic', 'visual' (images of two digits to compute with, for
-    vision-language policies) or the path of a .jsonl / .parquet dataset.
+    vision-language policies) or a dataset: a .jsonl / .parquet file, a directory, an object-store
+    URL or hub:ID, in the project's format or a public one (GSM8K, MATH; see sources.py, public.py).
 
-    For a dataset file, `split` picks nothing (pass a file per split); `n` keeps the first n rows.
+    For a dataset, `split` picks nothing (pass a file per split, or ?split=NAME for a datasets
+    directory or hub id); `n` keeps the first n rows.
     `task_kwargs` configure the arithmetic task (the visual task uses its defaults).
     """
     if task == "visual":
@@ -51,8 +52,7 @@ def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, *
         return [PromptRecord(p.prompt_id, p.prompt, p.answer, p.solution, None, "arithmetic") for p in problems]
     from .datasets import load_records
 
-    records = load_records(Path(task))
-    return records[:n] if n is not None else records
+    return load_records(task, n=n)
 
 
 def render_prompt(tokenizer, record: PromptRecord, chat_template: bool = True) -> str:

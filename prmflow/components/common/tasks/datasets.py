@@ -1,18 +1,22 @@
-"""User datasets: JSONL or Parquet rows with a prompt (or chat messages) and an answer.
+"""User datasets: rows with a prompt (or chat messages) and an answer, in the project's own format or
+a public dataset's (GSM8K, MATH / MATH-500: public.py), from a file, a directory, an object store or
+the Hub (sources.py: `task: s3://bucket/gsm8k/test.parquet?format=gsm8k`).
 
-Accepted fields per row (names configurable):
+Accepted fields of a `prompts` row (names configurable):
 - `prompt`: the question text, or `messages`: a chat list [{"role": ..., "content": ...}]; when
   the last message is the assistant's, it is the SFT target (and removed from the prompt);
 - `answer` (optional): the reference final answer, used by verifiers;
 - `response` (optional): the SFT target when the prompt is plain text;
 - `id` (optional): a stable prompt id; otherwise a hash of the prompt;
-- `source` (optional): which reward recipe scores the row (mixed datasets);
+- `source` (optional): which reward recipe scores the row (mixed datasets) and which grading
+  convention applies (grader.py);
 - `images` (optional): the images of a vision-language prompt: one or a list of image paths
   (relative to the dataset file's directory), encoded bytes (Parquet binary), or
   {"bytes"/"path": ...} dicts (the Hugging Face datasets Image feature); each is checked
   (decodable, size limits) when the dataset is read.
-GSM8K-style data ({"question", "answer": "...#### 42"}) drops in with prompt_field=question; the
-number after `####` becomes the answer and the text before it the response.
+A `prompts` row whose answer holds GSM8K's `rationale #### N` takes N as the answer and the
+rationale + `answer: N` as the response (the format the built-in task writes); a dataset in
+GSM8K's own columns (question, answer) is read by the `gsm8k` format instead (public.py).
 """
 
 from __future__ import annotations
@@ -23,67 +27,41 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
-from . import PromptRecord
-
-
-def _rows_jsonl(path: Path) -> list[tuple[int, dict]]:
-    rows = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}, line {lineno}: not UTF-8 text ({e.reason} at byte {e.start}). "
-                                f"Save the file as UTF-8.") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}, line {lineno}: not valid JSON ({e.msg}). Fix or remove the line.") from None
-            except RecursionError:
-                raise DataError(f"{path}, line {lineno}: JSON nested too deeply to be a dataset row.") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}, line {lineno}: expected a JSON object, got {type(row).__name__}.")
-            rows.append((lineno, row))
-    return rows
-
-
-def _rows_parquet(path: Path) -> list[tuple[int, dict]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as e:
-        raise DataError(f"{path}: not a readable Parquet file ({e}).") from None
-    return [(i, row) for i, row in enumerate(table.to_pylist())]
+from . import PromptRecord, public, sources
 
 
 def load_records(path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer",
                  response_field: str = "response", require_answer: bool = False,
-                 require_response: bool = False) -> list[PromptRecord]:
-    """Read a JSONL or Parquet dataset into PromptRecords, failing on the first bad row."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"Dataset '{path}' does not exist. Pass a .jsonl or .parquet file, or task=arithmetic.")
-    if path.suffix in (".jsonl", ".json"):
-        rows, unit = _rows_jsonl(path), "line"
-    elif path.suffix == ".parquet":
-        rows, unit = _rows_parquet(path), "row"
-    else:
-        raise DataError(f"Dataset '{path}': unknown format '{path.suffix}'. Use .jsonl or .parquet.")
-    if not rows:
-        raise DataError(f"Dataset '{path}' is empty: it has no rows.")
-    out = []
-    for where_n, row in rows:
-        where = f"{path}, {unit} {where_n}"
-        rec = _record(row, where, prompt_field, answer_field, response_field, require_answer, require_response)
+                 require_response: bool = False, n: int | None = None) -> list[PromptRecord]:
+    """Read a dataset (sources.py) into PromptRecords, at most `n`, failing on the first bad row.
+
+    The row format is the dataset's `format` option, else detected from the first row; renamed
+    fields (prompt_field, ...) mean the project's own `prompts` format.
+    """
+    spec = sources.parse(str(path))
+    fmt = spec.options.get("format") or (None if prompt_field == "prompt" else "prompts")
+    fmt = public.canonical(fmt, str(spec)) if fmt else None
+    local = Path(spec.location)
+    base = (local if local.is_dir() else local.parent) if "://" not in spec.location else Path.cwd()
+    out: list[PromptRecord] = []
+    for where, row in sources.iter_rows(spec):
+        if n is not None and len(out) >= n:
+            break
+        if fmt is None:
+            fmt = public.detect(row, where)
+        if fmt in public.STEP_FORMATS:
+            raise DataError(f"{where}: a step-labelled ({fmt}) dataset, but prompts are needed here (prompt/messages + "
+                            f"answer, gsm8k or math rows). Use it as the prm stage's task.")
+        fields = (prompt_field, answer_field, response_field) if fmt == "prompts" else ("prompt", "answer", "response")
+        row = public.prompt_row(fmt, row, where)
+        rec = _record(row, where, *fields, require_answer, require_response)
         if row.get("images") is not None:
             from ..vision import read_image_list
 
-            rec.images = read_image_list(row["images"], path.parent, where) or None
+            rec.images = read_image_list(row["images"], base, where) or None
         out.append(rec)
+    if not out:
+        raise DataError(f"Dataset '{spec}' is empty: it has no rows.")
     return out
 
 

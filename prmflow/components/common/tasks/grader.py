@@ -7,9 +7,14 @@ prm-label, best-of-N, evaluate) call `grade`, so the accuracy we report measures
 Each source is graded in its own convention:
 - the built-in tasks (arithmetic, visual): the task's exact checker, `arithmetic.verify` (the
   last `answer: N` line must hold the integer N; no line is a format error);
-- anything else (user datasets: GSM8K, MATH, ...): `grade_math`, which takes the response's final
-  answer (the last \\boxed{...}, else an `answer:` line, else GSM8K's `#### N`, else the last
-  number) and compares it with the reference by `answers_match`.
+- `gsm8k` (rows of the gsm8k format): GSM8K's own convention: the final answer is what follows the
+  last `#### ` (else the last \\boxed{...}, else an `answer:` line, else the last number), read as
+  its last number (`#### $1,234.` and `#### 1234 dollars` are 1234), compared exactly;
+- `math` (MATH, MATH-500, PRM800K): the last \\boxed{...}, else a `final answer is X` / `answer: X`
+  line; a bare number with neither is no answer (MATH's convention: the boxed answer is the
+  answer), compared by `answers_match` (\\frac{1}{2} = 0.5 = 1/2);
+- anything else (user datasets): `grade_math`'s default: the last \\boxed{...}, else an `answer:`
+  line, else GSM8K's `#### N`, else the last number, compared by `answers_match`.
 `answer_key` names the answer a response commits to in the same convention (best-of-N's majority vote).
 
 `answers_match` compares plain numbers (integers, decimals, a/b fractions, negative, with thousands
@@ -45,19 +50,28 @@ EXACT_SOURCES = ("arithmetic", "visual")
 _PLAIN_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 _ANY_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")  # a trailing /d keeps a bare fraction whole
 _ANSWER_LINE = re.compile(r"^\s*(?:final\s+)?answer\s*(?:is)?\s*[:=]?\s*(.+?)\s*$", re.IGNORECASE)
+_FINAL_ANSWER_IS = re.compile(r"final answer is[:\s]*\$?(.+?)\$?\s*(?:\.\s*(?:I hope it is correct\.?)?)?\s*$",
+                              re.IGNORECASE | re.MULTILINE)
+_GSM8K_MARK = re.compile(r"####\s*([^\n]*)")
 
 
 def grade(source: str, response: str, answer: str) -> float:
     """1.0 when `response` reaches `answer` in the convention of `source` (see the module docstring), else 0.0."""
     if source in EXACT_SOURCES:
         return arithmetic.verify(response, answer)
-    return grade_math(response, answer)
+    return grade_math(response, answer, source)
 
 
-def grade_math(response: str, answer: str) -> float:
-    """1.0 when the response's final answer equals `answer` (numbers exactly, LaTeX by math-verify), else 0.0."""
-    got = final_answer(response)
-    return 1.0 if got is not None and answers_match(got, answer) else 0.0
+def grade_math(response: str, answer: str, source: str = "") -> float:
+    """1.0 when the response's final answer equals `answer` in the convention of a dataset `source`
+    (gsm8k, math, else the default; numbers exactly, LaTeX by math-verify), else 0.0."""
+    got = final_answer(response, source)
+    if got is None:
+        return 0.0
+    if source == "gsm8k":
+        x, y = last_number(got), plain_number(answer)
+        return 1.0 if x is not None and y is not None and x == y else 0.0
+    return 1.0 if answers_match(got, answer) else 0.0
 
 
 def answer_key(source: str, response: str) -> str | None:
@@ -70,10 +84,10 @@ def answer_key(source: str, response: str) -> str | None:
     if source in EXACT_SOURCES:
         got = arithmetic.extract_answer(response)
         return None if got is None else str(int(got))
-    got = final_answer(response)
+    got = final_answer(response, source)
     if got is None:
         return None
-    value = plain_number(got)
+    value = last_number(got) if source == "gsm8k" else plain_number(got)
     if value is not None:
         return str(value)
     if len(got) <= MAX_ANSWER_CHARS:
@@ -99,15 +113,26 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def final_answer(response: str) -> str | None:
-    """The answer a response commits to: last \\boxed{}, else an `answer:` line, else `#### x`, else the last number."""
+def final_answer(response: str, source: str = "") -> str | None:
+    """The answer a response commits to in the convention of `source` (module docstring); by default
+    the last \\boxed{}, else an `answer:` line, else `#### x`, else the last number."""
+    if source == "gsm8k":
+        marks = _GSM8K_MARK.findall(response)
+        if marks and marks[-1].strip():
+            return marks[-1].strip()
     boxed = last_boxed(response)
     if boxed is not None:
         return boxed
+    if source == "math":
+        m = list(_FINAL_ANSWER_IS.finditer(response))
+        if m:
+            return m[-1].group(1)
     for line in reversed(response.strip().splitlines()):
         m = _ANSWER_LINE.match(line)
         if m:
             return m.group(1)
+    if source == "math":
+        return None
     m = re.search(r"####\s*(.+?)\s*$", response.strip())
     if m:
         return m.group(1)
@@ -127,6 +152,12 @@ def plain_number(text: str) -> Fraction | None:
     if slash:
         return value / int(den) if int(den) else None
     return value
+
+
+def last_number(text: str) -> Fraction | None:
+    """The exact value of the last plain number in `text` (`$1,234.` -> 1234, `18 dollars` -> 18); None if none."""
+    numbers = _ANY_NUMBER.findall(text)
+    return plain_number(numbers[-1].rstrip(",")) if numbers else None
 
 
 def answers_match(given: str, reference: str) -> bool:

@@ -2,6 +2,8 @@
 
     init_tracking
       └─ sft ─────────────── policy_0 ──> prm (backbone: the SFT policy, unless prm.backbone is set)
+    (sft, prm, ppo set to `trainjob` in pipeline.cluster.trainer: the step submits a Kubeflow Trainer
+     TrainJob of num_nodes GPU pods and waits for it; see components/common/trainjob.py)
     for k in 0..iterations-1 (unrolled at compile time):
       rollout[shard] x N  (ParallelFor) ── Collected ──> advantage (CPU pool) ──> ppo ──> policy_k+1
     evaluate (if the stage exists)
@@ -18,6 +20,7 @@ from typing import Any, Callable
 
 from kfp import dsl, kubernetes
 
+from ..components.common import trainjob
 from .lineage import finish_tracking, init_tracking
 from .settings import ClusterConfig, NodePool, PipelineSpec
 
@@ -32,6 +35,19 @@ def _stage_fn(stage: str) -> Callable | None:
     except ModuleNotFoundError:
         return None
     return getattr(module, stage)
+
+
+def trainjob_spec(cluster: ClusterConfig) -> trainjob.TrainJobSpec:
+    """What a `trainjob` step submits: the GPU pool's shape and placement on num_nodes pods."""
+    pool = cluster.gpu_pool
+    resources = {pool.accelerator_type: pool.accelerator_count} if pool.accelerator_type and pool.accelerator_count else {}
+    resources.update({k: v for k, v in (("cpu", pool.cpu), ("memory", pool.memory)) if v})
+    t = cluster.trainer
+    return trainjob.TrainJobSpec(image=cluster.gpu_image, num_nodes=t.num_nodes, resources_per_node=resources,
+                                 node_selector=dict(pool.node_selector), tolerations=list(pool.tolerations),
+                                 secret_env=cluster.secret_env(), workspace_pvc=cluster.workspace_pvc,
+                                 workspace_path=cluster.workspace_path, runtime=t.runtime, namespace=t.namespace,
+                                 timeout_s=t.timeout_s, poll_s=t.poll_s)
 
 
 def _place(task, pool: NodePool, cluster: ClusterConfig, gpu: bool, cache: bool):
@@ -51,14 +67,8 @@ def _place(task, pool: NodePool, cluster: ClusterConfig, gpu: bool, cache: bool)
     if gpu and cluster.retries:
         task.set_retry(num_retries=cluster.retries, backoff_duration=cluster.backoff, backoff_factor=2.0)
     task.set_caching_options(cache)
-    if cluster.mlflow_secret:
-        kubernetes.use_secret_as_env(task, secret_name=cluster.mlflow_secret, secret_key_to_env={
-            "MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME": "MLFLOW_TRACKING_USERNAME",
-            "MLFLOW_TRACKING_PASSWORD": "MLFLOW_TRACKING_PASSWORD"}, optional=True)
-    if cluster.object_store_secret:
-        kubernetes.use_secret_as_env(task, secret_name=cluster.object_store_secret, secret_key_to_env={
-            "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
-            "MLFLOW_S3_ENDPOINT_URL": "MLFLOW_S3_ENDPOINT_URL"}, optional=True)
+    for secret, keys in cluster.secret_env().items():
+        kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env={k: k for k in keys}, optional=True)
     if cluster.workspace_pvc:
         kubernetes.mount_pvc(task, pvc_name=cluster.workspace_pvc, mount_path=cluster.workspace_path)
     return task
@@ -68,8 +78,13 @@ def build(spec: PipelineSpec) -> Any:
     """The pipeline function for `spec` (a KFP graph component, ready to compile or run locally)."""
     pipe, cluster = spec.pipeline, spec.pipeline.cluster
     gpu, cpu = cluster.gpu_image, cluster.cpu_image
-    sft_op, prm_op = _component(_stage_fn("sft"), gpu), _component(_stage_fn("prm"), gpu)
-    rollout_op, ppo_op = _component(_stage_fn("rollout"), gpu), _component(_stage_fn("ppo"), gpu)
+    on_trainjob = set(cluster.trainer.stages())  # these steps submit a TrainJob from the CPU pool
+
+    def trainer_image(stage):
+        return cpu if stage in on_trainjob else gpu
+
+    sft_op, prm_op = _component(_stage_fn("sft"), trainer_image("sft")), _component(_stage_fn("prm"), trainer_image("prm"))
+    rollout_op, ppo_op = _component(_stage_fn("rollout"), gpu), _component(_stage_fn("ppo"), trainer_image("ppo"))
     advantage_op = _component(_stage_fn("advantage"), cpu)
     evaluate_fn = _stage_fn("evaluate")
     evaluate_op = _component(evaluate_fn, gpu) if evaluate_fn else None
@@ -83,6 +98,13 @@ def build(spec: PipelineSpec) -> Any:
 
     def on_cpu(task, cache=det):
         return _place(task, cluster.cpu_pool, cluster, gpu=False, cache=cache)
+
+    def train(stage, task, name):
+        """A training step: the stage in its own GPU pod, or a TrainJob submitted and awaited from the CPU pool."""
+        if stage not in on_trainjob:
+            return on_gpu(task).set_display_name(name)
+        task.set_env_variable(trainjob.ENV, trainjob_spec(cluster).to_json())
+        return _place(task, cluster.cpu_pool, cluster, gpu=True, cache=det).set_display_name(f"{name} (trainjob)")
 
     @dsl.pipeline(name=pipe.name, description="RL fine-tuning with step-level process rewards (prmflow)")
     def prmflow_pipeline(
@@ -102,13 +124,13 @@ def build(spec: PipelineSpec) -> Any:
                 sft_policy = dsl.importer(artifact_uri=pipe.sft_model, artifact_class=dsl.Model,
                                           reimport=False).set_display_name("sft (imported)").output
             else:
-                sft_policy = on_gpu(sft_op(config=sft_config, **common).after(init).set_display_name("sft")).outputs["policy"]
+                sft_policy = train("sft", sft_op(config=sft_config, **common).after(init), "sft").outputs["policy"]
             if pipe.prm_model:
                 prm_model = dsl.importer(artifact_uri=pipe.prm_model, artifact_class=dsl.Model,
                                          reimport=False).set_display_name("prm (imported)").output
             else:
-                prm_model = on_gpu(prm_op(config=prm_config, **common, base=sft_policy).after(init)
-                                   .set_display_name("prm")).outputs["prm_model"]
+                prm_model = train("prm", prm_op(config=prm_config, **common, base=sft_policy).after(init),
+                                  "prm").outputs["prm_model"]
             policy, subdir, previous = sft_policy, "", sft_policy
             for k in range(pipe.iterations):
                 with dsl.ParallelFor(shards, name=f"rollout-shards-{k}") as shard:
@@ -121,9 +143,9 @@ def build(spec: PipelineSpec) -> Any:
                 adv = on_cpu(advantage_op(config=advantage_config, **common, iteration=k,
                                           rollouts=dsl.Collected(roll.outputs["rollouts"]), kl_source=previous,
                                           use_kl_state=k > 0)).set_display_name(f"advantage-{k}")
-                upd = on_gpu(ppo_op(config=ppo_config, **common, iteration=k, policy=policy, policy_subdir=subdir,
-                                    advantages=adv.outputs["advantages"], previous=previous,
-                                    resume_previous=k > 0)).set_display_name(f"ppo-{k}")
+                upd = train("ppo", ppo_op(config=ppo_config, **common, iteration=k, policy=policy, policy_subdir=subdir,
+                                          advantages=adv.outputs["advantages"], previous=previous,
+                                          resume_previous=k > 0), f"ppo-{k}")
                 policy, subdir, previous = upd.outputs["updated"], "policy", upd.outputs["updated"]
             if evaluate_op is not None:
                 on_gpu(evaluate_op(config=evaluate_config, **common, policy=policy, policy_subdir=subdir,

@@ -52,6 +52,52 @@ def _cpu_pool() -> NodePool:
     return NodePool(node_selector={"prmflow.io/pool": "cpu"}, cpu="4", memory="16G")
 
 
+#: The env vars each secret provides to a stage (optional keys), by reference only.
+MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+OBJECT_STORE_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLOW_S3_ENDPOINT_URL")
+#: Training stages that can run as a Kubeflow Trainer TrainJob instead of in the step's own pod.
+TRAINJOB_STAGES = ("sft", "prm", "ppo")
+PLACEMENTS = ("pod", "trainjob")
+
+
+@dataclass
+class TrainerConfig:
+    """Where each training stage runs: `pod` (the step's own pod, its ranks on that pod's GPUs) or
+    `trainjob` (the step submits a Kubeflow Trainer TrainJob of num_nodes pods and waits for it)."""
+
+    sft: str = "pod"
+    """sft: pod (one pod of the GPU pool) or trainjob (num_nodes pods through Kubeflow Trainer)."""
+    prm: str = "pod"
+    """prm: pod or trainjob."""
+    ppo: str = "pod"
+    """ppo (policy + critic update): pod or trainjob."""
+    num_nodes: int = 2
+    """Pods (nodes) of a TrainJob; each gets the GPU pool's accelerators, node selector and tolerations."""
+    runtime: str = "torch-distributed"
+    """Kubeflow Trainer runtime: torch-distributed (torchrun on every node, DeepSpeed inside each rank) or a deepspeed (MPI) runtime."""
+    namespace: str = ""
+    """Namespace of the TrainJobs. Empty: the pipeline step's own namespace."""
+    timeout_s: int = 259200
+    """Longest wait for a TrainJob to finish (default 3 days); the step fails after it."""
+    poll_s: int = 30
+    """Seconds between two status reads of a running TrainJob."""
+
+    def __post_init__(self):
+        for stage in TRAINJOB_STAGES:
+            if getattr(self, stage) not in PLACEMENTS:
+                raise ConfigError(f"pipeline.cluster.trainer.{stage} is {getattr(self, stage)!r}; "
+                                  f"use one of {', '.join(PLACEMENTS)}.")
+        if self.num_nodes < 1:
+            raise ConfigError(f"pipeline.cluster.trainer.num_nodes is {self.num_nodes}; it must be at least 1.")
+        if not 0 < self.poll_s < self.timeout_s:
+            raise ConfigError(f"pipeline.cluster.trainer.poll_s ({self.poll_s}) must be positive and below timeout_s "
+                              f"({self.timeout_s}).")
+
+    def stages(self) -> list[str]:
+        """The training stages set to run as TrainJobs."""
+        return [s for s in TRAINJOB_STAGES if getattr(self, s) == "trainjob"]
+
+
 @dataclass
 class ClusterConfig:
     cpu_image: str = DEFAULT_CPU_IMAGE
@@ -78,6 +124,23 @@ class ClusterConfig:
     """Kubernetes secret with MLFLOW_TRACKING_URI / MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD keys."""
     object_store_secret: str = ""
     """Kubernetes secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / MLFLOW_S3_ENDPOINT_URL keys."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Multi-node training: which of sft/prm/ppo run as Kubeflow Trainer TrainJobs, on how many nodes."""
+
+    def secret_env(self) -> dict[str, list[str]]:
+        """{secret name: env var keys} of the configured secrets."""
+        out = {}
+        if self.mlflow_secret:
+            out[self.mlflow_secret] = list(MLFLOW_SECRET_KEYS)
+        if self.object_store_secret:
+            out.setdefault(self.object_store_secret, []).extend(OBJECT_STORE_SECRET_KEYS)
+        return out
+
+    def __post_init__(self):
+        if self.trainer.stages() and not self.workspace_pvc:
+            raise ConfigError(f"pipeline.cluster.trainer runs {', '.join(self.trainer.stages())} as TrainJobs, whose "
+                              "pods read their inputs and write their output on a shared volume: set "
+                              "pipeline.cluster.workspace_pvc to a ReadWriteMany PVC.")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from . import config as config_lib
+from . import trainjob
 
 
 def run_stage(name: str, stage: ModuleType, config: dict, paths: dict[str, Any], kfp_run_id: str = "",
@@ -32,6 +33,9 @@ def run_stage(name: str, stage: ModuleType, config: dict, paths: dict[str, Any],
     if iteration is not None:
         values["iteration"] = iteration
     values.update(paths)
+    spec = trainjob.spec_from_env()
+    if spec is not None:  # the pipeline runs this stage on several nodes: submit a TrainJob and wait
+        return trainjob.run(name, stage.Config, values, paths, spec, kfp_run_id, iteration)
     cfg = config_lib.build(stage.Config, values, where=where)
     return stage.run(cfg) or {}
 

@@ -1,0 +1,198 @@
+"""Multi-node training through Kubeflow Trainer: the compiled step, the TrainJob it submits (to a fake
+Kubernetes API server on loopback, through the real `kubeflow` SDK and `kubernetes` client), waiting,
+failing with the job's reason, and handing the output on as the step's artifact."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from kfp import dsl
+
+from prmflow import cli
+from prmflow.components.common import config as config_lib
+from prmflow.components.common import io, trainjob
+from prmflow.components.common.errors import ConfigError
+from prmflow.components.ppo import component as ppo_component
+from prmflow.components.ppo import stage as ppo_stage
+from prmflow.pipelines.settings import load_spec
+
+from .fake_k8s import FakeK8s
+from .test_compile_submit import all_tasks
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER_YAML = """
+pipeline:
+  iterations: 2
+  rollout_shards: 1
+  cluster:
+    mlflow_secret: mlflow-creds
+    object_store_secret: s3-creds
+    workspace_pvc: prmflow-rwx
+    workspace_path: {workspace}
+    gpu_pool:
+      node_selector: {{cloud.google.com/gke-nodepool: h100-pool}}
+      tolerations: [{{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}}]
+      accelerator_type: nvidia.com/gpu
+      accelerator_count: 8
+      cpu: "96"
+      memory: 1500G
+    cpu_pool:
+      node_selector: {{cloud.google.com/gke-nodepool: cpu-pool}}
+    trainer: {{ppo: trainjob, num_nodes: 2, poll_s: 1}}
+"""
+
+
+def compile_yaml(tmp_path, text):
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_text(text)
+    out = tmp_path / "compiled.yaml"
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(out)]) == 0
+    docs = list(yaml.safe_load_all(out.read_text()))
+    return docs[0], docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+
+
+def trainjob_env(spec, executor):
+    env = {e["name"]: e["value"] for e in spec["deploymentSpec"]["executors"][executor]["container"].get("env", [])}
+    return env.get(trainjob.ENV)
+
+
+def test_compiled_pipeline_has_the_submit_and_wait_step_for_ppo(tmp_path):
+    spec, platform = compile_yaml(tmp_path, CLUSTER_YAML.format(workspace="/workspace"))
+    by_name = {t["taskInfo"]["name"]: t for t in all_tasks(spec).values()}
+    assert {"ppo-0 (trainjob)", "ppo-1 (trainjob)"} <= set(by_name) and "ppo-0" not in by_name
+    assert "sft" in by_name and "prm" in by_name  # not set to trainjob: their own GPU pods, as before
+    ex = by_name["ppo-0 (trainjob)"]["componentRef"]["name"].replace("comp-", "exec-")
+    container = spec["deploymentSpec"]["executors"][ex]["container"]
+    submitted = json.loads(trainjob_env(spec, ex))
+    assert submitted["num_nodes"] == 2 and submitted["resources_per_node"]["nvidia.com/gpu"] == 8
+    assert submitted["image"].startswith("ghcr.io/prmflow/prmflow-gpu")  # the nodes run the GPU image
+    assert "prmflow-cpu" in container["image"] and "accelerator" not in container.get("resources", {})
+    assert platform[ex]["nodeSelector"]["labels"] == {"cloud.google.com/gke-nodepool": "cpu-pool"}
+    assert platform[ex]["pvcMount"][0]["constant"] == "prmflow-rwx"  # stages the inputs on the shared volume
+    assert by_name["ppo-0 (trainjob)"]["retryPolicy"]["maxRetryCount"] == 2  # a retry re-attaches to the job
+    sft_ex = by_name["sft"]["componentRef"]["name"].replace("comp-", "exec-")
+    assert trainjob_env(spec, sft_ex) is None
+    assert spec["deploymentSpec"]["executors"][sft_ex]["container"]["resources"]["accelerator"]["resourceCount"] == "8"
+
+
+def test_trainjob_without_a_shared_volume_is_refused_at_compile_time(tmp_path):
+    text = CLUSTER_YAML.format(workspace="/workspace").replace("    workspace_pvc: prmflow-rwx\n", "")
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match="set pipeline.cluster.workspace_pvc to a ReadWriteMany PVC"):
+        load_spec(cfg)
+    with pytest.raises(ConfigError, match=r"trainer.ppo is 'trainjobs'; use one of pod, trainjob"):
+        load_spec(None, data=yaml.safe_load(CLUSTER_YAML.format(workspace="/w").replace("ppo: trainjob", "ppo: trainjobs")))
+
+
+def fake_ppo_output(body) -> None:
+    """The node pods' work, faked: read the config the TrainJob's command names, write a complete output."""
+    command = body["spec"]["trainer"]["command"]
+    cfg = config_lib.load(ppo_stage.Config, command[command.index("--config") + 1], section="ppo")
+    with io.atomic_output_dir(cfg.output, "ppo") as tmp:
+        (tmp / "policy").mkdir()
+        (tmp / "policy" / "model.safetensors").write_bytes(b"weights")
+        (tmp / "kl_state.json").write_text(json.dumps({"kl_coef": 0.05, "trainjob_tag": cfg.tracking.tags}))
+
+
+def run_ppo_step(tmp_path, monkeypatch, fake):
+    """The compiled ppo step's env, then the ppo component function as its container runs it."""
+    workspace = tmp_path / "pvc"
+    spec, _ = compile_yaml(tmp_path, CLUSTER_YAML.format(workspace=workspace))
+    monkeypatch.setenv(trainjob.ENV, trainjob_env(spec, "exec-ppo"))
+    monkeypatch.setenv("KUBECONFIG", str(fake.kubeconfig(tmp_path / "kubeconfig")))
+    inputs = tmp_path / "minio"  # where KFP's launcher put the input artifacts
+    for name in ("policy", "advantages"):
+        (inputs / name).mkdir(parents=True)
+        (inputs / name / "part-00000.parquet").write_bytes(name.encode())
+    policy, advantages, previous = dsl.Model(uri="s3://b/policy"), dsl.Dataset(uri="s3://b/adv"), dsl.Model(uri="s3://b/p")
+    updated = dsl.Model(uri="s3://b/updated")
+    policy.path, advantages.path, previous.path = str(inputs / "policy"), str(inputs / "advantages"), str(inputs / "policy")
+    updated.path = str(tmp_path / "outputs" / "updated")
+    (tmp_path / "outputs").mkdir()
+    ppo_component.ppo(config={"optim": {"lr": 1e-6}}, kfp_run_id="run-7f3a", tracking_uri="http://mlflow:5000",
+                      experiment="prm-rl", iteration=0, policy=policy, policy_subdir="", advantages=advantages,
+                      previous=previous, resume_previous=False, updated=updated)
+    return Path(updated.path), workspace
+
+
+def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(tmp_path, monkeypatch, capsys):
+    with FakeK8s(work=fake_ppo_output) as fake:
+        out, workspace = run_ppo_step(tmp_path, monkeypatch, fake)
+    (job,) = fake.posted()
+    name = job["metadata"]["name"]
+    assert job["kind"] == "TrainJob" and job["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+    assert [r["path"] for r in fake.requests if r["method"] == "POST"] == ["/apis/trainer.kubeflow.org/v1alpha1/namespaces/ml-team/trainjobs"]
+    assert any(r["path"].endswith("/clustertrainingruntimes/torch-distributed") for r in fake.requests)
+    spec = job["spec"]
+    assert spec["runtimeRef"] == {"name": "torch-distributed", "kind": "ClusterTrainingRuntime", "apiGroup": "trainer.kubeflow.org"} \
+        or spec["runtimeRef"]["name"] == "torch-distributed"
+    trainer = spec["trainer"]
+    assert trainer["image"].startswith("ghcr.io/prmflow/prmflow-gpu") and trainer["numNodes"] == 2
+    assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8, "cpu": "96", "memory": "1500G"}
+    config_path = workspace / "trainjobs" / "run-7f3a" / "ppo-it0" / "config.yaml"
+    assert trainer["command"] == ["torchrun", "--no-python", "prmflow", "ppo", "--config", str(config_path)]
+    (patch,) = spec["runtimePatches"]
+    (rjob,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = rjob["template"]["spec"]["template"]["spec"]
+    assert rjob["name"] == "node"
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-nodepool": "h100-pool"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["volumes"] == [{"name": "workspace", "persistentVolumeClaim": {"claimName": "prmflow-rwx"}}]
+    (node,) = pod["containers"]
+    assert node["volumeMounts"] == [{"name": "workspace", "mountPath": str(workspace)}]
+    secrets = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in node["env"]}
+    assert secrets["MLFLOW_TRACKING_PASSWORD"] == "mlflow-creds" and secrets["AWS_SECRET_ACCESS_KEY"] == "s3-creds"
+    assert all("value" not in e for e in node["env"])  # secrets by reference only
+    # the stage's config on the volume: inputs copied there, the TrainJob's name as an MLflow tag
+    staged = yaml.safe_load(config_path.read_text())["ppo"]
+    assert staged["policy"] == str(config_path.parent / "in" / "policy")
+    assert (Path(staged["input"]) / "part-00000.parquet").read_bytes() == b"advantages"
+    assert staged["optim"]["lr"] == 1e-6 and staged["tracking"]["uri"] == "http://mlflow:5000"
+    assert staged["tracking"]["tags"] == {"prmflow.trainjob": name}
+    # its output became the step's artifact, whole and verified
+    io.verify_files(out, io.read_manifest(out))
+    assert (out / "policy" / "model.safetensors").read_bytes() == b"weights"
+    log = capsys.readouterr().err
+    assert log.index(f"TrainJob {name}: Created") < log.index(f"TrainJob {name}: Running (node-0 Running, node-1 Running)") \
+        < log.index(f"TrainJob {name}: Complete")
+
+
+def test_a_failed_trainjob_fails_the_step_with_its_reason_and_hands_on_nothing(tmp_path, monkeypatch):
+    def oom(body):
+        return ("FailedJobs", "jobset failed: node-1 OOMKilled (exit code 137)")
+
+    with FakeK8s(work=oom) as fake, pytest.raises(trainjob.TrainJobError) as err:
+        run_ppo_step(tmp_path, monkeypatch, fake)
+    assert "failed: FailedJobs: jobset failed: node-1 OOMKilled (exit code 137)" in str(err.value)
+    assert fake.posted()[0]["metadata"]["name"] in str(err.value)
+    assert not (tmp_path / "outputs" / "updated").exists()
+
+
+def test_a_trainjob_that_completes_without_a_complete_output_fails_the_step(tmp_path, monkeypatch):
+    def no_manifest(body):
+        command = body["spec"]["trainer"]["command"]
+        out = Path(command[command.index("--config") + 1]).parent / "output"
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")  # weights and manifest missing: a rank-0 crash after exit 0
+
+    with FakeK8s(work=no_manifest) as fake, pytest.raises(trainjob.TrainJobError, match="output at .* is not complete"):
+        run_ppo_step(tmp_path, monkeypatch, fake)
+    assert not (tmp_path / "outputs" / "updated").exists()
+
+
+def test_a_retried_step_waits_for_the_job_its_first_attempt_submitted(tmp_path, monkeypatch):
+    with FakeK8s(work=fake_ppo_output) as fake:
+        run_ppo_step(tmp_path, monkeypatch, fake)
+        fake.requests.clear()
+        shutil.rmtree(tmp_path / "outputs")
+        for p in ("minio", "compiled.yaml", "pipeline.yaml"):
+            shutil.rmtree(tmp_path / p) if (tmp_path / p).is_dir() else (tmp_path / p).unlink()
+        out, _ = run_ppo_step(tmp_path, monkeypatch, fake)
+    assert fake.posted() == [] and len(fake.jobs) == 1
+    assert (out / "policy" / "model.safetensors").read_bytes() == b"weights"
+

@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from . import io, modeling
+from . import distributed, io, modeling
 from .engine import TrainEngine
 
 
@@ -28,16 +28,23 @@ identity = io.config_identity
 def save(engine: TrainEngine, tokenizer, work_dir: Path, trainer_state: dict, config: dict) -> Path:
     """Write `work_dir/latest` atomically: model (HF format) + engine state + trainer state."""
     target = Path(work_dir) / "latest"
-    with io.atomic_output_dir(target, "resume-checkpoint", overwrite=True,
+    with io.shared_output_dir(target, "resume-checkpoint", overwrite=True,
                               manifest={"trainer_state": trainer_state, "config": identity(config)}) as tmp:
-        modeling.save_pretrained(engine.module, tokenizer, tmp / "model")
-        engine.save_state(tmp / "state", trainer_state)
+        with engine.gathered():  # ZeRO-3: the whole weights on every rank, written by rank 0
+            if distributed.is_main():
+                modeling.save_pretrained(engine.module, tokenizer, tmp / "model")
+        engine.save_state(tmp / "state", trainer_state)  # every rank's optimizer partition and RNG
     return target
 
 
 def find(work_dir: Path, config: dict, config_cls: type | None = None) -> Path | None:
     """The committed resume checkpoint in `work_dir` written by the same config, else None. With
-    `config_cls`, a checkpoint written before a config key was renamed still counts (`io.stored_identity`)."""
+    `config_cls`, a checkpoint written before a config key was renamed still counts (`io.stored_identity`).
+    With N ranks, rank 0 looks (and repairs an interrupted replace) and tells the others."""
+    return distributed.on_main(lambda: _find(work_dir, config, config_cls))
+
+
+def _find(work_dir: Path, config: dict, config_cls: type | None) -> Path | None:
     target = Path(work_dir) / "latest"
     io.recover_interrupted_replace(target)  # killed between the two renames of the last save
     if not (target / io.MANIFEST).is_file():
@@ -49,4 +56,7 @@ def find(work_dir: Path, config: dict, config_cls: type | None = None) -> Path |
 
 
 def clear(work_dir: Path) -> None:
-    shutil.rmtree(work_dir, ignore_errors=True)
+    """Remove the work directory (rank 0; the others wait until it is gone)."""
+    if distributed.is_main():
+        shutil.rmtree(work_dir, ignore_errors=True)
+    distributed.barrier()

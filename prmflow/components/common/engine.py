@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import random
-import socket
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Literal
 
 import torch
 
+from . import distributed
 from .errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -50,8 +50,19 @@ class EngineConfig:
     """Parameter/compute dtype. bfloat16 halves memory on GPUs; float32 is exact and fine on CPU."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about 30% more compute."""
+    nproc_per_node: int = 0
+    """Data-parallel ranks on this machine: 0 = one per visible GPU (1 on a CPU machine), N > 1 starts N ranks through torch.distributed.run (deepspeed backend; on CPU N gloo processes). Each rank takes its share of every micro-batch, so the result is that of one process up to float rounding. Ignored under an outside torchrun."""
+    collective_timeout_s: float = 900.0
+    """Seconds a collective (gradient reduce, barrier, checkpoint) waits for the other ranks before the job fails: bounds the time a hung or dead rank can stall the others. Must cover the slowest checkpoint save."""
 
     def __post_init__(self):
+        if self.nproc_per_node < 0:
+            raise ConfigError(f"engine.nproc_per_node is {self.nproc_per_node}; use 0 (one rank per GPU) or a count.")
+        if self.nproc_per_node > 1 and self.backend != "deepspeed":
+            raise ConfigError(f"engine.nproc_per_node={self.nproc_per_node} needs engine.backend=deepspeed; the torch "
+                              f"backend is one process.")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError(f"engine.collective_timeout_s is {self.collective_timeout_s}; it must be positive.")
         if not 0 <= self.zero_stage <= 3:
             raise ConfigError(f"engine.zero_stage is {self.zero_stage}; DeepSpeed ZeRO stages are 0, 1, 2 or 3.")
         if self.offload_optimizer and (self.backend != "deepspeed" or self.zero_stage == 0):
@@ -78,26 +89,15 @@ class OptimSettings:
     """Steps of the schedule already taken by earlier runs (ppo iteration k starts at k x its updates)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def init_distributed(cfg: EngineConfig | None = None) -> None:
+    """Join the process group (one process unless a launcher set RANK etc.), collectives timing out
+    after cfg.collective_timeout_s."""
+    distributed.init((cfg or EngineConfig()).collective_timeout_s)
 
 
-def init_distributed() -> None:
-    """Initialize torch.distributed for DeepSpeed: one process unless a launcher set RANK etc."""
-    import deepspeed
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+def _rng_file() -> str:
+    """rng.pt for one process (as before ranks existed), rng-RANK.pt for each of N ranks."""
+    return "rng.pt" if distributed.world_size() == 1 else f"rng-{distributed.rank()}.pt"
 
 
 class TrainEngine:
@@ -123,10 +123,11 @@ class TrainEngine:
         self.grad_accum = grad_accum
         self._micro = 0
         self.trainable = trainable
+        self.world_size = distributed.world_size() if cfg.backend == "deepspeed" else 1
         if cfg.backend == "deepspeed":
             import deepspeed
 
-            init_distributed()
+            init_distributed(cfg)
             ds_config = {
                 "train_micro_batch_size_per_gpu": micro_batch_size,
                 "gradient_accumulation_steps": grad_accum,
@@ -144,6 +145,9 @@ class TrainEngine:
                 model_parameters=None, dist_init_required=False,
             )
         else:
+            if distributed.world_size() > 1:
+                raise ConfigError(f"{distributed.world_size()} ranks need engine.backend=deepspeed; the torch backend "
+                                  f"is one process.")
             if cfg.dtype == "bfloat16":
                 model.to(torch.bfloat16)
             self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -173,7 +177,9 @@ class TrainEngine:
         boundary = self._micro + 1 == self.grad_accum
         if self.cfg.backend == "deepspeed":
             self.model.set_gradient_accumulation_boundary(boundary)
-            self.model.backward(loss, scale_wrt_gas=False)
+            # DeepSpeed averages the ranks' gradients; each rank's loss is its share of the global sum, so
+            # scaling by the rank count makes the average the gradient of the global objective
+            self.model.backward(loss * self.world_size if self.world_size > 1 else loss, scale_wrt_gas=False)
             if not boundary:
                 self.model.step()  # a micro-step: DeepSpeed expects one step() per backward
         else:
@@ -254,8 +260,9 @@ class TrainEngine:
         directory.mkdir(parents=True, exist_ok=True)
         rng = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
                "python_pos": random.getstate()[2]}
-        torch.save(rng, directory / "rng.pt")
+        torch.save(rng, directory / _rng_file())  # each rank's own generators
         if self.cfg.backend == "deepspeed":
+            # collective: every rank writes its ZeRO partition into the same (shared) directory
             self.model.save_checkpoint(str(directory / "deepspeed"), tag="state", save_latest=False)
         else:
             from safetensors.torch import save_file
@@ -265,7 +272,8 @@ class TrainEngine:
                       str(directory / "trainable.safetensors"))
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                        directory / "optimizer.pt")
-        (directory / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+        if distributed.is_main():
+            (directory / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
 
     def save_optimizer(self, directory: Path) -> None:
         """Only the optimizer's moments (no schedule, no RNG): what a following run continues from."""
@@ -319,7 +327,11 @@ class TrainEngine:
             state = torch.load(directory / "optimizer.pt", weights_only=True)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-        rng = torch.load(directory / "rng.pt", weights_only=True)
+        rng_path = directory / _rng_file()
+        if not rng_path.is_file():
+            raise ModelLoadError(f"resume state '{directory}' has no {rng_path.name}: it was written by another number "
+                                 f"of ranks; resume with the same engine.nproc_per_node, or delete it to start over.")
+        rng = torch.load(rng_path, weights_only=True)
         torch.set_rng_state(rng["torch"])
         random.setstate((3, tuple(rng["python"]), rng["python_pos"]))
         return json.loads((directory / "trainer_state.json").read_text())

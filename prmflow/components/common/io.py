@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import config_keys
+from . import config_keys, distributed
 from .errors import DataError, OutputExistsError
 
 MANIFEST = "manifest.json"
@@ -242,3 +242,32 @@ def atomic_output_dir(path: str | Path, kind: str, overwrite: bool = False,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def shared_output_dir(path: str | Path, kind: str, overwrite: bool = False,
+                      manifest: dict[str, Any] | None = None) -> Iterator[Path]:
+    """`atomic_output_dir` for N ranks that all write into it (collective saves: DeepSpeed checkpoints,
+    gathered ZeRO-3 weights): rank 0 creates the temporary directory and hands its path to the others;
+    when every rank has finished its part, rank 0 alone writes the manifest and renames it into place,
+    and no rank goes on before that. One process: exactly `atomic_output_dir`.
+
+    Inside the block, files that are not per-rank are written on rank 0 only (`distributed.is_main`).
+    A rank that fails leaves the others waiting at the barrier until torchrun stops them or the
+    collective timeout passes; the temporary directory is then never committed.
+    """
+    if distributed.world_size() == 1:
+        with atomic_output_dir(path, kind, overwrite, manifest) as tmp:
+            yield tmp
+        return
+    if distributed.is_main():
+        with atomic_output_dir(path, kind, overwrite, manifest) as tmp:
+            distributed.on_main(lambda: tmp)
+            yield tmp
+            distributed.barrier()  # every rank's part is on disk: commit
+        distributed.barrier()  # committed: the others may go on
+    else:
+        tmp = distributed.on_main(lambda: None)
+        yield tmp
+        distributed.barrier()
+        distributed.barrier()

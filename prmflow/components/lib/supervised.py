@@ -10,6 +10,11 @@ this module owns everything around it, written once:
 - The step: `grad_accum` micro-batches of `micro_batch_size` examples; each micro-batch's loss is its
   summed loss divided by the loss units (response tokens, steps) of the *whole* optimizer step, so the
   step's loss is a mean over all its units and gradient accumulation does not change the objective.
+- N ranks (common/distributed.py): every rank forms the same global step and takes its `shard` of
+  each micro-batch; the loss units are counted over the whole global step (every rank holds the
+  data, so no collective is needed) and the engine undoes DeepSpeed's averaging over ranks, so the
+  update is that of one process up to float rounding. Only rank 0 tracks and writes; eval runs on
+  every rank (ZeRO-3 forward passes are collective); a SIGTERM is agreed on by all ranks each step.
 - Eval every `eval_every` steps and at the end; a resume checkpoint every `save_every` steps.
 - SIGTERM (common/preemption.py): the step in progress finishes, the checkpoint is saved (remembering
   an eval that step was due for) and `Preempted` exits 143; the last step always finishes.
@@ -28,7 +33,7 @@ from typing import Any, Protocol, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..common import checkpoint, preemption, vision
+from ..common import checkpoint, distributed, preemption, vision
 from ..common.engine import TrainEngine
 from ..common.errors import ConfigError
 
@@ -99,7 +104,8 @@ def resume(engine: TrainEngine, work: Path, identity: dict, enabled: bool, stage
         return {"step": 0, "consumed": 0}
     state = engine.load_state(found / "state")
     log.info("resuming from %s at step %d", found, state["step"])
-    print(f"{stage}: resuming from step {state['step']} ({found})")
+    if distributed.is_main():
+        print(f"{stage}: resuming from step {state['step']} ({found})")
     return state
 
 
@@ -119,6 +125,8 @@ def train(objective: Objective, schedule: Schedule, engine: TrainEngine, tokeniz
     tagged with `identity`; the tokenizer is saved beside each checkpoint's model.
     """
     engine.train()
+    ranks = distributed.world_size()
+    distributed.check_divides(schedule.micro_batch_size)
     n = len(objective.examples)
     per_step = schedule.per_step
     steps_per_epoch = n // per_step
@@ -127,10 +135,11 @@ def train(objective: Objective, schedule: Schedule, engine: TrainEngine, tokeniz
     if state.pop("eval_pending", False):  # stopped right after an eval step, before evaluating it
         tracker.log_metrics(objective.evaluate(engine), step=state["step"])
         engine.train()
-    if stop.requested:  # asked to stop before the first step: the checkpoint on disk (if any) is current
+    if distributed.any_rank(stop.requested):  # asked to stop before the first step: the checkpoint on disk (if any) is current
         raise _preempted(objective.stage, state["step"], work)
     bar = tqdm(total=schedule.max_steps, initial=state["step"], desc=objective.stage, unit="step",
-               dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 10.0)
+               dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 10.0,
+               disable=not distributed.is_main())
     t0, tokens = time.perf_counter(), 0
     guard = vision.BatchGuard(vis, objective.stage, steps_per_epoch)
     while state["step"] < schedule.max_steps:
@@ -139,16 +148,19 @@ def train(objective: Objective, schedule: Schedule, engine: TrainEngine, tokeniz
         if guard.skips([objective.examples[i] for i in chosen], state, tracker):  # image tokens that do not match the images
             state["consumed"] += per_step
             continue
-        micro = [objective.collate([objective.examples[i] for i in chosen[j:j + schedule.micro_batch_size]])
-                 for j in range(0, per_step, schedule.micro_batch_size)]
-        units = sum(objective.loss_units(b) for b in micro)
+        groups = [chosen[j:j + schedule.micro_batch_size] for j in range(0, per_step, schedule.micro_batch_size)]
+        whole = [objective.collate([objective.examples[i] for i in g]) for g in groups]
+        units = sum(objective.loss_units(b) for b in whole)  # of the whole global step, the same on every rank
+        tokens += sum(int(b["attention_mask"].sum()) for b in whole)
+        micro = whole if ranks == 1 else [objective.collate([objective.examples[i] for i in distributed.shard(g)])
+                                          for g in groups]  # this rank's share of every micro-batch
         loss_total = 0.0
         for b in micro:
             b = {k: v.to(engine.device) for k, v in b.items()}
             loss = objective.loss_sum(engine, b) / units  # this micro-batch's share of the step's mean
             engine.backward(loss)
             loss_total += float(loss.detach())
-            tokens += int(b["attention_mask"].sum())
+        loss_total = distributed.sum_ranks(loss_total)
         lr = engine.lr
         grad_norm = engine.step()
         state["step"] += 1
@@ -163,7 +175,8 @@ def train(objective: Objective, schedule: Schedule, engine: TrainEngine, tokeniz
         if not math.isfinite(loss_total):
             log.warning("non-finite loss at step %d", step)
         eval_due = (bool(schedule.eval_every) and step % schedule.eval_every == 0) or step == schedule.max_steps
-        if stop.requested and step < schedule.max_steps:  # preempted: save now (the last step always finishes)
+        stopping = distributed.any_rank(stop.requested)  # the ranks stop at the same step, or none does
+        if stopping and step < schedule.max_steps:  # preempted: save now (the last step always finishes)
             checkpoint.save(engine, tokenizer, work, {**state, "eval_pending": eval_due}, identity)
             bar.close()
             raise _preempted(objective.stage, step, work)
@@ -171,7 +184,8 @@ def train(objective: Objective, schedule: Schedule, engine: TrainEngine, tokeniz
             metrics = objective.evaluate(engine)
             engine.train()
             tracker.log_metrics(metrics, step=step)
-            bar.write(f"step {step}: {objective.summary(metrics)}")
+            if distributed.is_main():
+                bar.write(f"step {step}: {objective.summary(metrics)}")
         if schedule.save_every and step % schedule.save_every == 0 and step < schedule.max_steps:
             checkpoint.save(engine, tokenizer, work, dict(state), identity)
     bar.close()

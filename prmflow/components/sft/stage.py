@@ -25,8 +25,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..common import checkpoint, config as config_lib, io, modeling, preemption, tasks, tracking, vision
-from ..common.engine import EngineConfig, OptimSettings, TrainEngine
+from ..common import checkpoint, config as config_lib, distributed, io, modeling, preemption, tasks, tracking, vision
+from ..common.engine import EngineConfig, OptimSettings, TrainEngine, init_distributed
 from ..common.errors import ConfigError
 from ..common.generation import generate_texts
 from ..common.optim import OptimConfig
@@ -57,9 +57,9 @@ class Config:
     chat_template: bool = True
     """Wrap prompts in the tokenizer's chat template when it has one (the tiny tokenizer has none)."""
     micro_batch_size: int = 32
-    """Examples per forward/backward pass."""
+    """Examples per forward/backward pass, shared by the ranks (each of N ranks takes micro_batch_size/N of them)."""
     grad_accum: int = 1
-    """Micro-batches per optimizer step (effective batch = micro_batch_size * grad_accum * GPUs)."""
+    """Micro-batches per optimizer step (batch = micro_batch_size * grad_accum examples, the same on any number of ranks)."""
     max_steps: int = 700
     """Optimizer steps to train for."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, lr_schedule="cosine", warmup_steps=30))
@@ -192,8 +192,13 @@ class SFTObjective:
 
 def run(cfg: Config) -> dict:
     """Train, evaluate and write the policy to `cfg.output`. Returns the final metrics."""
-    done = io.completed_output(cfg.output, {"config": checkpoint.identity(config_lib.to_dict(cfg))}, cfg.overwrite, "sft",
-                              config_cls=Config)
+    if n := distributed.should_launch(cfg.engine):  # engine.nproc_per_node > 1: run as n torchrun ranks
+        distributed.launch("sft", cfg, n)
+        return io.read_manifest(cfg.output).get("metrics", {})
+    if distributed.under_launcher():
+        init_distributed(cfg.engine)  # the ranks decide together from here on
+    done = distributed.on_main(lambda: io.completed_output(
+        cfg.output, {"config": checkpoint.identity(config_lib.to_dict(cfg))}, cfg.overwrite, "sft", config_cls=Config))
     if done is not None:
         log.info("%s already holds a finished SFT policy from this config; nothing to do.", cfg.output)
         print(f"sft: '{cfg.output}' is already complete for this config; nothing to do.")
@@ -226,16 +231,20 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
     state = supervised.resume(engine, work, cfg_dict, cfg.resume, "sft", Config)
 
     tracker = tracking.start_stage_run(cfg.tracking, "sft", params=config_lib.flat_dict(cfg),
-                                       tags={"prmflow.output": str(Path(cfg.output).resolve())})
+                                       tags={"prmflow.output": str(Path(cfg.output).resolve())}) \
+        if distributed.is_main() else tracking.NullTracker()  # one MLflow run, from rank 0
     with tracker:
         tracker.log_metrics({"data/train_examples": len(train_ex), "data/dropped_too_long": dropped}, step=state["step"])
         objective = SFTObjective(cfg, tokenizer, train_ex, eval_ex, eval_records)
         metrics = supervised.train(objective, schedule, engine, tokenizer, state, work, cfg_dict,
                                    tracker, stop, vis)
-        with io.atomic_output_dir(cfg.output, "policy", overwrite=True,
+        with io.shared_output_dir(cfg.output, "policy", overwrite=True,
                                   manifest={"config": checkpoint.identity(cfg_dict), "metrics": metrics,
-                                            "parents": [cfg.policy]}) as tmp:
-            modeling.save_pretrained(engine.module, tokenizer, tmp, extra={"stage": "sft", "metrics": metrics})
+                                            "parents": [cfg.policy]}) as tmp, engine.gathered():
+            if distributed.is_main():  # ZeRO-3 weights gathered once; rank 0 writes them
+                modeling.save_pretrained(engine.module, tokenizer, tmp, extra={"stage": "sft", "metrics": metrics})
         checkpoint.clear(work)
+    if not distributed.is_main():
+        return metrics
     print(f"sft: held-out accuracy {metrics['eval/accuracy']:.3f}, eval loss {metrics['eval/loss']:.4f} -> {cfg.output}")
     return metrics

@@ -1,0 +1,226 @@
+"""Data-parallel ranks: who this process is, the few collectives the stages need, and the launch.
+
+A training stage (sft, prm, ppo) runs as N ranks when `engine.nproc_per_node` asks for more than one
+(0 = one per visible GPU, 1 on a CPU machine). The user starts it as always (`prmflow sft ...`, the
+KFP component, `stage.run(cfg)`): `launch` re-executes the stage through torchrun's own Python entry
+point (`torch.distributed.run`, its elastic agent and c10d rendezvous on this node), with the config
+written to a file; the ranks see LOCAL_RANK and do not launch again. Under an outside torchrun (a
+Kubeflow TrainJob, or a user's `torchrun --nproc-per-node N prmflow sft ...`) nothing is re-launched.
+
+What the ranks share (the rules the stages follow):
+- every rank reads the whole input and forms the same global batches in the same order; each rank
+  takes its `shard` of every micro-batch, and every loss is normalized by the count of the whole
+  global step (which every rank can compute from the shared data, no collective needed);
+- only rank 0 (`is_main`) writes outputs, manifests and checkpoints' shared files, and tracks in
+  MLflow; decisions that touch the file system are taken on rank 0 and broadcast (`on_main`);
+- a stop request (SIGTERM) is agreed on by all ranks (`any_rank`) so they checkpoint at the same step;
+- a rank that dies is noticed by torchrun's agent, which stops the others; a rank that hangs is
+  stopped by the process-group timeout (`engine.collective_timeout_s`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypeVar
+
+import torch
+
+from .errors import ConfigError, PrmflowError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RankFailedError(PrmflowError):
+    """A rank of a multi-process stage failed (its own error is printed above torchrun's summary)."""
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def world_size() -> int:
+    """Ranks in this job: the process group's size, else the launcher's WORLD_SIZE, else 1."""
+    d = _dist()
+    return d.get_world_size() if d else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    d = _dist()
+    return d.get_rank() if d else int(os.environ.get("RANK", "0"))
+
+
+def is_main() -> bool:
+    """Rank 0: the one rank that writes outputs and tracks."""
+    return rank() == 0
+
+
+def under_launcher() -> bool:
+    """Started by torchrun (or a TrainJob running it): the launcher sets LOCAL_RANK for each rank."""
+    return "LOCAL_RANK" in os.environ
+
+
+def init(timeout_s: float) -> None:
+    """Join the process group (gloo on CPU, nccl on GPUs) with collectives that fail after `timeout_s`
+    instead of waiting forever for a rank that died or hangs. One process needs no launcher."""
+    import deepspeed
+
+    if _dist() is not None:
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False,
+                               timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def barrier() -> None:
+    d = _dist()
+    if d and d.get_world_size() > 1:
+        d.barrier()
+
+
+def on_main(fn: Callable[[], T]) -> T:
+    """`fn()` run on rank 0 only, its result (or its error) handed to every rank.
+
+    For decisions that read or repair the file system (is the output complete, which resume
+    checkpoint): one rank decides, so the ranks cannot disagree or race on a rename.
+    """
+    d = _dist()
+    if not d or d.get_world_size() == 1:
+        return fn()
+    box: list[Any] = [None]
+    if d.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except PrmflowError as e:
+            box[0] = ("error", e)
+            d.broadcast_object_list(box, src=0)
+            raise
+    d.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on any (e.g. a SIGTERM that reached one rank first)."""
+    d = _dist()
+    if not d or d.get_world_size() == 1:
+        return bool(flag)
+    t = torch.tensor([1.0 if flag else 0.0], device=_device(d))
+    d.all_reduce(t, op=d.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def sum_ranks(value: float) -> float:
+    """`value` summed over the ranks (a statistic each rank computed on its share of the batch)."""
+    d = _dist()
+    if not d or d.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=_device(d))
+    d.all_reduce(t)
+    return float(t.item())
+
+
+def _device(d) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if d.get_backend() == "nccl" else torch.device("cpu")
+
+
+def shard(items: Sequence[T], index: int | None = None, count: int | None = None) -> list[T]:
+    """This rank's contiguous part of `items` (the first len % count ranks get one more), so the
+    ranks' parts, in rank order, are `items` again."""
+    index = rank() if index is None else index
+    count = world_size() if count is None else count
+    base, extra = divmod(len(items), count)
+    start = index * base + min(index, extra)
+    return list(items[start:start + base + (1 if index < extra else 0)])
+
+
+def check_divides(micro_batch_size: int, key: str = "micro_batch_size") -> None:
+    """Every rank needs at least one example of every micro-batch."""
+    n = world_size()
+    if micro_batch_size < n:
+        raise ConfigError(f"{key} is {micro_batch_size}, fewer than the {n} ranks that share each micro-batch; "
+                          f"raise {key} to at least {n} or lower engine.nproc_per_node.")
+
+
+# --- launch -----------------------------------------------------------------------------------
+
+def nproc(requested: int, backend: str) -> int:
+    """The number of ranks `engine.nproc_per_node` asks for: 0 = one per visible GPU (1 without GPUs,
+    and 1 for the one-process torch backend)."""
+    if requested < 0:
+        raise ConfigError(f"engine.nproc_per_node is {requested}; use 0 (auto: one rank per GPU) or a count.")
+    if requested == 0:
+        return torch.cuda.device_count() if torch.cuda.is_available() and backend == "deepspeed" else 1
+    if requested > 1 and backend != "deepspeed":
+        raise ConfigError(f"engine.nproc_per_node={requested} needs engine.backend=deepspeed; the torch backend "
+                          f"is one process.")
+    return requested
+
+
+def should_launch(engine_cfg) -> int:
+    """How many ranks to start from this process: 0 when already a rank (or one process is asked for)."""
+    if under_launcher():
+        return 0
+    n = nproc(engine_cfg.nproc_per_node, engine_cfg.backend)
+    return n if n > 1 else 0
+
+
+def launch(stage: str, cfg: Any, n: int) -> None:
+    """Run `prmflow <stage>` with `cfg` as `n` ranks through torchrun's elastic agent on this node
+    (`torch.distributed.run`, standalone c10d rendezvous) and wait for them.
+
+    The agent stops every rank when one fails and forwards SIGTERM to all of them. A failure is a
+    RankFailedError naming the first rank that failed and its exit status (the process exits with that
+    status: 2 for a user error, 143 for a preempted stage that saved its checkpoint).
+    """
+    import yaml
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    with tempfile.TemporaryDirectory(prefix=f"prmflow-{stage}-") as tmp:
+        config_file = Path(tmp) / "config.yaml"
+        config_file.write_text(yaml.safe_dump({stage: dataclasses.asdict(cfg)}, sort_keys=False))
+        args = torchrun.parse_args(["--standalone", "--nnodes", "1", "--nproc-per-node", str(n),
+                                    "--max-restarts", "0", "--monitor-interval", "0.5",
+                                    "--module", "prmflow.cli", stage, "--config", str(config_file)])
+        print(f"{stage}: starting {n} ranks (engine.nproc_per_node) with torch.distributed.run", file=sys.stderr)
+        try:
+            torchrun.run(args)
+        except ChildFailedError as e:
+            first, failure = e.get_first_failure()
+            code = failure.exitcode if failure.exitcode > 0 else 1
+            how = f"exit status {failure.exitcode}" if failure.exitcode >= 0 else f"killed by signal {-failure.exitcode}"
+            err = RankFailedError(f"{stage}: rank {first} of {n} (pid {failure.pid}) failed with {how}; "
+                                  f"the other ranks were stopped and nothing was committed. Its error is above; "
+                                  f"run the same command again to resume from the last checkpoint.")
+            err.exit_code = code
+            raise err from None
+        except SignalException as e:  # SIGTERM to this process: torchrun passed it on to every rank
+            from .preemption import EXIT_CODE
+
+            print(f"{stage}: stopped by {e.sigval.name}; the ranks saved a resume checkpoint if they could. "
+                  f"Run the same command again to continue.", file=sys.stderr)
+            raise SystemExit(EXIT_CODE) from None

@@ -5,7 +5,7 @@
         --experiment prm-rl --param 'ppo_config={"optim": {"lr": 1e-6}}'
     prmflow pipeline run-local --config configs/pipeline-local.yaml      # kfp.local, no docker, CPU
     prmflow pipeline compare --config configs/compare.yaml               # one local run per RL variant + table
-    prmflow stage-command ppo --run-id <MLflow run id of that stage>    # docker run line to re-run it
+    prmflow stage-command ppo --run-id <MLflow run id of that stage>    # fetch its inputs, print the docker run line
 """
 
 from __future__ import annotations
@@ -61,12 +61,24 @@ def add_parsers(sub) -> None:
                     help="stream every task's output here (default: one line per task, the full logs in ROOT/VARIANT/run-local.log)")
     cm.set_defaults(handler=_compare)
 
-    sc = sub.add_parser("stage-command", help="print the `docker run` line that re-runs one stage of a past run")
+    sc = sub.add_parser(
+        "stage-command", help="re-run one stage of a past run (a cluster's or this machine's): fetch its inputs, print the line",
+        description="Fetch the inputs a recorded stage run read (from the object store, or where they are on this "
+                    "machine) into a local cache, check them against the digests MLflow recorded, and print the "
+                    "`docker run` line that re-runs the stage on them with the run's exact config (--run: run it).")
     sc.add_argument("stage", help=f"{', '.join(stages.PIPELINE_STAGES[:-1])} or {stages.PIPELINE_STAGES[-1]}")
-    sc.add_argument("--run-id", required=True, help="MLflow run id of that stage's run")
+    sc.add_argument("--run-id", required=True, help="MLflow run id of that stage's run (the stage run, not the pipeline's parent)")
     sc.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     sc.add_argument("--image", default="", help="image to run (default: the stage's CPU/GPU image)")
     sc.add_argument("--output", default="rerun", help="host directory for the re-run's output")
+    sc.add_argument("--fetch", default="", metavar="DIR",
+                    help="cache for inputs fetched from the object store (default: $XDG_CACHE_HOME/prmflow/handoffs); "
+                         "credentials and endpoint from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL")
+    sc.add_argument("--engine", default="", choices=["", "docker", "podman"],
+                    help="container engine of the printed line (default: docker if installed, else podman)")
+    sc.add_argument("--run", action="store_true", help="run the line after printing it")
+    sc.add_argument("--no-container", action="store_true",
+                    help="print (and with --run, run) the stage command itself on the fetched inputs, no container")
     sc.set_defaults(handler=_stage_command)
 
 
@@ -220,38 +232,15 @@ def _compare(args) -> int:
     return 0
 
 
-#: Config keys that hold paths of a stage's inputs; they are mounted read-only into the container.
-INPUT_KEYS = ("backbone", "task", "eval_task", "policy", "prm", "ref", "critic", "input", "kl_state", "baseline",
-              "optimizer_state", "bon.policy",
-              # the names these had before this release, as runs logged then hold them
-              "model_path", "policy_path", "advantages", "critic_path", "prm_path", "policy_samples_path",
-              "bon.policy_path")
-
-
-def stage_command(stage: str, params: dict[str, str], image: str, output: str) -> list[str]:
-    """The docker argv that re-runs `stage` with the logged config `params`, inputs mounted."""
-    cmd = ["docker", "run", "--rm"]
-    args = [stage]
-    for key, value in sorted(params.items()):
-        if key.startswith("tracking."):
-            continue
-        if key == "output":
-            host = os.path.abspath(output)
-            cmd += ["-v", f"{host}:/outputs"]
-            value = "/outputs/" + Path(value).name
-        elif key in INPUT_KEYS and value and os.path.isabs(value):
-            mount = f"/inputs/{key}"
-            cmd += ["-v", f"{value}:{mount}:ro"]
-            value = mount
-        args += ["--set", f"{key}={value}"]
-    args += ["--set", "tracking.enabled=false"]
-    return cmd + [image] + args
-
-
 def _stage_command(args) -> int:
+    import subprocess
+
     from mlflow.tracking import MlflowClient
 
     from ..components.common import tracking
+    from ..components.common.tracking.datasets import handoffs_of_run
+    from .fetch import default_cache, fetch_inputs
+    from .rerun import container_engine, direct_command, stage_command
     from .settings import DEFAULT_CPU_IMAGE, DEFAULT_GPU_IMAGE
 
     uri = tracking.resolve_uri(tracking.TrackingConfig(uri=args.tracking_uri))
@@ -262,6 +251,15 @@ def _stage_command(args) -> int:
     logged_stage = run.data.tags.get("prmflow.stage")
     if logged_stage != args.stage:
         raise PrmflowError(f"MLflow run {args.run_id} is a {logged_stage!r} run, not {args.stage!r}.")
-    image = args.image or (DEFAULT_CPU_IMAGE if args.stage == "advantage" else DEFAULT_GPU_IMAGE)
-    print(shlex.join(stage_command(args.stage, run.data.params, image, args.output)))
+    cache = Path(args.fetch or default_cache()).expanduser()
+    inputs = fetch_inputs(handoffs_of_run(run), cache)  # verified against the recorded digests
+    if args.no_container:
+        argv = direct_command(args.stage, run.data.params, args.output, inputs, cache / "gathered" / args.run_id)
+    else:
+        image = args.image or (DEFAULT_CPU_IMAGE if args.stage == "advantage" else DEFAULT_GPU_IMAGE)
+        argv = stage_command(args.stage, run.data.params, image, args.output, inputs,
+                             engine=args.engine or container_engine())
+    print(shlex.join(argv), flush=True)
+    if args.run:
+        return subprocess.run(argv).returncode
     return 0

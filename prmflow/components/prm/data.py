@@ -1,6 +1,7 @@
 """Step-labelled examples: a prompt, its response cut into steps, and one label per step.
 
-The stepwise format (JSONL or Parquet, one row per solution; `prm-label` writes it):
+The stepwise format (JSONL or Parquet, one row per solution; `prm-label` writes it; Math-Shepherd,
+PRM800K and TRL's stepwise rows are mapped onto it by common/tasks/public.py):
 
     {"prompt": "...", "steps": ["7+5=12", "12*3=36", "answer: 36"], "labels": [1, 1, 1],
      "answer": "36", "id": "...", "source": "arithmetic"}
@@ -24,14 +25,12 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from ..common import config as config_lib, io, modeling, steps as steps_lib, tasks
 from ..common.errors import ConfigError, DataError
 from ..common.generation import generate_texts
-from ..common.tasks import arithmetic, visual
+from ..common.tasks import arithmetic, public, sources, visual
 from ..common.vision import batch_pixels, read_image_list
 from ..lib.prm_model import encode, has_shared_readout
 from .config import Config
@@ -91,70 +90,48 @@ def check_example(ex: StepExample, separator: str) -> StepExample:
     return ex
 
 
-def _rows(path: Path) -> tuple[list[tuple[int, dict]], str]:
-    if path.suffix in (".jsonl", ".json"):
-        rows = []
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{path}, line {lineno}: not UTF-8 text ({e.reason} at byte {e.start}). "
-                                    f"Save the file as UTF-8.") from None
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}, line {lineno}: not valid JSON ({e.msg}). Fix or remove the line.") from None
-                except RecursionError:
-                    raise DataError(f"{path}, line {lineno}: JSON nested too deeply to be a stepwise row.") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}, line {lineno}: expected a JSON object, got {type(row).__name__}.")
-                rows.append((lineno, row))
-        return rows, "line"
-    if path.suffix == ".parquet":
-        try:
-            table = pq.read_table(path)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise DataError(f"{path}: not a readable Parquet file ({e}).") from None
-        return list(enumerate(table.to_pylist())), "row"
-    raise DataError(f"Step data '{path}': unknown format '{path.suffix}'. Use .jsonl or .parquet.")
-
-
 def load_stepwise(path: str | Path, separator: str = "\n", n: int | None = None) -> list[StepExample]:
-    """Read and check a stepwise JSONL/Parquet file (or a prm-label output directory); fails on the
-    first bad row, naming it."""
-    path = Path(path)
-    if path.is_dir():  # a prm-label output: its labels file, once the manifest says it is complete
-        io.verify_files(path, io.read_manifest(path))
-        path = path / "labels.jsonl"
-    if not path.is_file():
-        raise DataError(f"Step data '{path}' does not exist. Pass a .jsonl/.parquet file in the stepwise format "
-                        f"(prompt, steps, labels) or task=arithmetic.")
-    rows, unit = _rows(path)
-    if not rows:
-        raise DataError(f"Step data '{path}' is empty: it has no rows.")
-    out = []
-    for where_n, row in rows:
-        where = f"{path}, {unit} {where_n}"
-        step_list = row.get("steps")
-        if step_list is None and isinstance(row.get("response"), str):
-            step_list = steps_lib.steps(row["response"], separator)
-            labels = row.get("labels")
-            if step_list and isinstance(labels, list) and len(labels) != len(step_list):
-                raise DataError(f"{where}: {len(labels)} labels, but its response cut at the step separator "
-                                f"{separator!r} has {len(step_list)} step(s). Separate every step with {separator!r} "
-                                f"(or give a 'steps' list), one label per step.")
-        prompt = row.get("prompt")
-        out.append(check_example(StepExample(
-            prompt=prompt, steps=step_list, labels=row.get("labels"), answer=None if row.get("answer") is None else str(row["answer"]),
-            prompt_id=str(row.get("id") or row.get("prompt_id") or f"{path.name}:{where_n}"),
-            source=str(row.get("source") or "dataset"), where=where,
-            images=read_image_list(row.get("images"), path.parent, where) or None), separator))
-        if n is not None and len(out) >= n:
-            break
+    """Read and check step-labelled data (or a prm-label output directory); fails on the first bad row,
+    naming it. Any dataset string tasks/sources.py reads, in the stepwise format or a public one
+    (Math-Shepherd, PRM800K, TRL stepwise: tasks/public.py; detected from the columns or ?format=)."""
+    spec = sources.parse(str(path))
+    local = Path(spec.location)
+    if local.is_dir() and (local / io.MANIFEST).is_file():  # a prm-label output, once its manifest says complete
+        io.verify_files(local, io.read_manifest(local))
+        spec.location = str(local / "labels.jsonl")
+    fmt = public.canonical(spec.options["format"], str(spec)) if spec.options.get("format") else None
+    neutral = public.neutral_option(spec.options, str(spec))
+    base = Path(spec.location).parent if "://" not in spec.location else Path.cwd()
+    out: list[StepExample] = []
+    for where, raw in sources.iter_rows(spec):
+        if fmt is None:
+            fmt = public.detect(raw, where)
+        if fmt in public.PROMPT_FORMATS:
+            raise DataError(f"{where}: a {fmt} dataset has no step labels; the prm stage needs stepwise rows (prompt, "
+                            f"steps, labels), Math-Shepherd, PRM800K or prm-label output (or task=arithmetic).")
+        for row in public.step_rows(fmt, raw, where, separator, neutral):
+            out.append(_stepwise_example(row, where, separator, base))
+            if n is not None and len(out) >= n:
+                return out
+    if not out:
+        raise DataError(f"Step data '{spec}' is empty: it has no rows.")
     return out
+
+
+def _stepwise_example(row: dict, where: str, separator: str, base: Path) -> StepExample:
+    step_list = row.get("steps")
+    if step_list is None and isinstance(row.get("response"), str):
+        step_list = steps_lib.steps(row["response"], separator)
+        labels = row.get("labels")
+        if step_list and isinstance(labels, list) and len(labels) != len(step_list):
+            raise DataError(f"{where}: {len(labels)} labels, but its response cut at the step separator "
+                            f"{separator!r} has {len(step_list)} step(s). Separate every step with {separator!r} "
+                            f"(or give a 'steps' list), one label per step.")
+    return check_example(StepExample(
+        prompt=row.get("prompt"), steps=step_list, labels=row.get("labels"),
+        answer=None if row.get("answer") is None else str(row["answer"]),
+        prompt_id=str(row.get("id") or row.get("prompt_id") or where), source=str(row.get("source") or "dataset"),
+        where=where, images=read_image_list(row.get("images"), base, where) or None), separator)
 
 
 def write_jsonl(examples: list[StepExample], path: Path, extra: list[dict] | None = None) -> None:

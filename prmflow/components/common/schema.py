@@ -12,6 +12,7 @@ read-ahead / write-behind threads in parquet_io.py, the vectorized row scans of 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -351,6 +352,13 @@ def open_dataset(dirs: str | Path | Sequence[str | Path], kind: str, verify_chec
         if not d.is_dir():
             raise DataError(f"Input '{d}' is a file; point the stage at the {kind} directory (the one holding "
                             f"{io.MANIFEST}) written by the stage before it.")
+        if d.is_dir() and not (d / io.MANIFEST).exists():
+            dangling = sorted(p for p in d.iterdir() if p.is_symlink() and not p.exists())
+            if dangling:  # a gathered-shards directory (entries link to the shards) whose shard is not here
+                raise DataError(
+                    f"Input '{d}' gathers shards by links, but '{dangling[0]}' links to '{os.readlink(dangling[0])}', "
+                    "which does not exist here: the shard was moved or deleted, or (in a container) its host path is "
+                    "not mounted. Mount each shard itself (`prmflow stage-command` does) or re-run the stage that wrote it.")
         if not (d / io.MANIFEST).exists():
             subs = sorted(p for p in d.iterdir() if p.is_dir() and (p / io.MANIFEST).exists())
             if subs:

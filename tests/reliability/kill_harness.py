@@ -229,15 +229,16 @@ def reference(case: StageCase, root: Path, inputs: Path) -> tuple[Path, float]:
     return run_dir, a.seconds
 
 
-def _first_kill(case: StageCase, rng: random.Random, ref_dir: Path, ref_seconds: float, sig: int) -> tuple:
+def _first_kill(case: StageCase, rng: random.Random, ref_dir: Path, ref_seconds: float, sig: int, seed: int) -> tuple:
     """The first kill of a seed. A training stage spends most of a tiny run starting up (imports, model
     load, and the one-time imports of the first save), so uniform times would mostly kill it before its first
     checkpoint or after its last step, and test a restart, not a resume: two seeds in three fire a random
     delay after the first checkpoint appears, within the time the reference run then trained before it
-    began to commit its output."""
+    began to commit its output. Seed 0 always does, so that even CI's one seed per stage resumes from a
+    checkpoint at least once."""
     timing = json.loads((ref_dir / "logs" / "reference.json").read_text())
     first_ckpt, commit = timing.get("checkpoint_at_s"), timing.get("commit_at_s")
-    if case.checkpoint and first_ckpt is not None and commit is not None and rng.random() < 2 / 3:
+    if case.checkpoint and first_ckpt is not None and commit is not None and (seed == 0 or rng.random() < 2 / 3):
         return ("after", (case.checkpoint, rng.uniform(0, 0.9 * (commit - first_ckpt))), sig)
     return ("time", rng.uniform(0.1, 0.8) * ref_seconds, sig)
 
@@ -257,7 +258,7 @@ def kill_and_resume(case: StageCase, root: Path, inputs: Path, seed: int, ref_di
             if case.kill_events and k > 0 and rng.random() < 0.5:
                 kill = ("event", rng.choice(case.kill_events), sig)
             else:  # the first kill lands well inside the run, later ones anywhere up to its end
-                kill = (_first_kill(case, rng, ref_dir, ref_seconds, sig) if k == 0
+                kill = (_first_kill(case, rng, ref_dir, ref_seconds, sig, seed) if k == 0
                         else ("time", rng.uniform(0.1, 1.05) * ref_seconds, sig))
         name = f"attempt-{k}"
         a = run_attempt(case, argv, run_dir, kill, name)

@@ -38,8 +38,8 @@ def test_killed_stage_resumes_to_the_uninterrupted_result(name, stage_runs, reli
     dump(os.environ.get("PRMFLOW_KILL_LOG"), {"case": name, **s})
     assert s["matched"] == s["seeds"] == seeds_for(case)
     assert s["kills"] >= s["seeds"]  # every seed's first kill landed: the resumes above were real
-    if case.checkpoint and s["seeds"] >= 10:  # the full run: resumes from a checkpoint happened, not only restarts
-        assert s["seeds_that_resumed"] >= s["seeds"] // 4, s
+    if case.checkpoint:  # resumes from a checkpoint happened, not only restarts (seed 0's first kill is after one)
+        assert s["seeds_that_resumed"] >= max(1, s["seeds"] // 4), s
 
 
 def _snapshot(out):

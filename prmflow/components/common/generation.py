@@ -2,12 +2,15 @@
 
 The rollout stage has the full sampling engine (logprobs, stop strings, vLLM); this is the small
 shared piece every stage that reports accuracy needs: left-padded batches, KV cache, greedy or
-sampled decoding, decoded responses cut at the end-of-sequence token.
+sampled decoding, decoded responses cut at the end-of-sequence token (any of `chat.stop_token_ids`:
+Qwen2.5's `<|im_end|>` and `<|endoftext|>`; special tokens are not in the decoded text).
 """
 
 from __future__ import annotations
 
 import torch
+
+from . import chat
 
 
 @torch.no_grad()
@@ -28,6 +31,8 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 6
     from .vision import processor_of
 
     processor = processor_of(tokenizer)
+    # a templated prompt (no special tokens added to it) ends at the template's end of turn too
+    stops = chat.stop_token_ids(model, tokenizer, templated=not add_special_tokens)
     try:
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i:i + batch_size]
@@ -41,7 +46,7 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 6
             else:
                 enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
             kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                          eos_token_id=tokenizer.eos_token_id, do_sample=do_sample)
+                          eos_token_id=stops, do_sample=do_sample)
             if processor is not None:  # never generate an image placeholder: no image stands behind it
                 kwargs["suppress_tokens"] = [tokenizer.convert_tokens_to_ids(processor.image_token)]
             if do_sample:

@@ -4,8 +4,9 @@ Every checkpoint is a plain HF directory (config.json, model.safetensors, tokeni
 stage, `transformers` and vLLM load it unchanged. `model_path` is either such a directory (a real
 model on a cluster, e.g. a Qwen2.5 math model) or the name of a tiny preset (`tiny-llama`,
 `tiny-qwen2`, and the vision-language `tiny-llava`) that is built from a config with a character
-tokenizer (and for `tiny-llava` an image processor) the project makes: nothing is downloaded at run
-time.
+tokenizer (and for `tiny-llava` an image processor) the project makes, or `tiny-qwen2-bpe`: Qwen2
+with a byte-level BPE tokenizer, Qwen2.5's special tokens and chat template (bpe_tokenizer.py), the
+stand-in for a real Qwen2.5-Instruct directory. Nothing is downloaded at run time.
 
 A vision-language directory (its config has a `vision_config`: LLaVA, Qwen2-VL, ...) loads through
 `AutoModelForImageTextToText`; its tokenizer comes from `AutoProcessor` and carries the processor
@@ -41,7 +42,13 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
     "tiny-qwen2": dict(model_type="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    # Qwen2.5-Instruct in miniature: byte-level BPE (bpe_tokenizer.py), <|im_end|> ends a response,
+    # <|endoftext|> pads, prompts go through Qwen2.5's chat template
+    "tiny-qwen2-bpe": dict(model_type="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
 }
+#: Presets whose tokenizer is the project's Qwen2.5-style byte-level BPE (the others are character-level).
+BPE_PRESETS = frozenset({"tiny-qwen2-bpe"})
 
 
 #: Tiny vision-language presets: a LLaVA model (CLIP vision tower, Llama text model). Its 56x56
@@ -110,18 +117,32 @@ def build_tiny_model(preset: str = "tiny-llama", seed: int = 0, **overrides: Any
 
     if preset not in TINY_PRESETS:
         raise ModelLoadError(f"Unknown tiny model preset '{preset}'. Known presets: {sorted(TINY_PRESETS)}.")
-    tok = build_tokenizer()
+    tok = preset_tokenizer(preset)
     spec = {**TINY_PRESETS[preset], **overrides}
     model_type = spec.pop("model_type")
+    # Qwen2.5-Instruct's ids: bos = <|endoftext|> in the config (the tokenizer adds none), eos = <|im_end|>
+    bos = tok.bos_token_id if tok.bos_token_id is not None else tok.pad_token_id
     cfg = AutoConfig.for_model(
-        model_type, vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        model_type, vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=bos,
         eos_token_id=tok.eos_token_id, tie_word_embeddings=True, **spec,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config.pad_token_id = tok.pad_token_id
+    if preset in BPE_PRESETS:  # as Qwen2.5-Instruct's generation_config.json: either token ends a response
+        model.generation_config.bos_token_id = bos
+        model.generation_config.eos_token_id = [tok.eos_token_id, tok.pad_token_id]
     return model, tok
+
+
+def preset_tokenizer(preset: str):
+    """The tokenizer of a tiny text preset: Qwen2.5-style byte-level BPE or the character tokenizer."""
+    if preset in BPE_PRESETS:
+        from .bpe_tokenizer import build_bpe_tokenizer
+
+        return build_bpe_tokenizer()
+    return build_tokenizer()
 
 
 def is_tiny(model_path: str) -> bool:
@@ -182,7 +203,7 @@ def load_tokenizer(model_path: str | Path, trust_remote_code: bool = False):
     if str(model_path) in TINY_VL_PRESETS:
         return build_tiny_vl_model(str(model_path))[1]
     if is_tiny(str(model_path)):
-        return build_tokenizer()
+        return preset_tokenizer(str(model_path))
     from transformers import AutoTokenizer
 
     p = check_model_dir(model_path)

@@ -3,10 +3,14 @@
 A response is split into steps by a separator (a newline by default); empty segments are not
 steps. Rollout uses this to place `step_ends` (the index in response_ids of each step's last
 token), the PRM to place its score readouts, and PRM labelling to cut step prefixes. All three
-must agree, so they all call this module.
+must agree, so they all call this module. Boundaries are characters: token positions come from
+the tokens' character offsets, never from which tokens hold a newline, so a byte-level BPE token
+that merges the separator with its neighbours (Qwen2.5's `.\n`, ` \n`, `\n\n`) moves nothing.
 """
 
 from __future__ import annotations
+
+import bisect
 
 
 def step_spans(text: str, separator: str = "\n") -> list[tuple[int, int]]:
@@ -30,19 +34,16 @@ def steps(text: str, separator: str = "\n") -> list[str]:
 
 
 def step_end_tokens(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """Index of the last token of each step, from the tokens' character `offsets`.
+    """Index of the last token of each step (one per span), from the tokens' character `offsets`.
 
-    offsets: (start, end) characters of each token (a tokenizer's offset_mapping of the response);
-    a step's last token is the last token that starts before the step's end character. Steps with
-    no token (cannot happen for non-empty text) are skipped.
+    offsets: (start, end) characters of each token (a tokenizer's offset_mapping, or the decoded
+    pieces of generated ids), starts non-decreasing; zero-width tokens (special tokens, the first
+    bytes of a character split across tokens) are allowed. A step's last token is the last token
+    that starts before the step's end character: the token holding the step's last character, even
+    when that token runs on into the separator (byte-level BPE's `.\n`, ` \n`, `\n\n` tokens).
+    A step whose characters all lie in the token that ends the step before gets that same token
+    (both steps share a readout; `lib.prm_model.has_shared_readout`). A step no token starts in
+    front of (cannot happen for tokens covering the text) gets -1.
     """
-    ends: list[int] = []
-    t = 0
-    for _, end in spans:
-        last = None
-        while t < len(offsets) and offsets[t][0] < end:
-            last = t
-            t += 1
-        if last is not None:
-            ends.append(last)
-    return ends
+    starts = [a for a, _ in offsets]
+    return [bisect.bisect_left(starts, end) - 1 for _, end in spans]

@@ -19,7 +19,6 @@ mapping, and `steps.step_end_tokens` places the last token of each step.
 
 from __future__ import annotations
 
-import bisect
 import copy
 import json
 import logging
@@ -113,10 +112,7 @@ def encode(tokenizer, prompt: str, response: str, separator: str = "\n", step_ta
     p_ids, pixels = prompt_ids(tokenizer, prompt, images)
     text, spans = tag_steps(response, separator, step_tag)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ends = steps.step_end_tokens(enc["offset_mapping"], spans)
-    if len(ends) != len(spans):  # the last token starting before each step's end, shared or not
-        starts = [a for a, _ in enc["offset_mapping"]]
-        ends = [bisect.bisect_left(starts, end) - 1 for _, end in spans]
+    ends = steps.step_end_tokens(enc["offset_mapping"], spans)  # one per step, shared or not
     ids = p_ids + list(enc["input_ids"])
     ends = [len(p_ids) + e for e in ends]
     if max_length is not None and len(ids) > max_length:

@@ -1,4 +1,11 @@
-"""SFT examples: prompt tokens masked out of the loss, response tokens (plus EOS) trained on."""
+"""SFT examples: prompt tokens masked out of the loss, response tokens (plus the token that ends a
+response) trained on; padding never is.
+
+With a chat template (Qwen2.5: the prompt is the templated conversation ending in
+`<|im_start|>assistant\n`) the response ends with the template's end of turn, `<|im_end|>`; without
+one, with the tokenizer's eos (`chat.end_of_turn_id`). Padding (`<|endoftext|>` for Qwen2.5, a
+different id) is added only by `collate`, with label IGNORE.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..common import tasks, vision
+from ..common import chat, tasks, vision
 from ..common.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -26,11 +33,18 @@ def tokenize(records: list[tasks.PromptRecord], tokenizer, max_seq_len: int, cha
              where: str = "dataset") -> tuple[list[Example], int]:
     """Examples for every record with a response; returns (examples, number dropped as too long)."""
     examples, dropped = [], 0
+    ends = {}  # per templated-or-not: the token that closes a response (chat.end_of_turn_id)
     for r in records:
         if not r.response:
             raise DataError(f"{where}: prompt {r.prompt_id!r} has no response to train on.")
         _, p_ids, pixels = tasks.encode_prompt(tokenizer, r, chat_template, where)
-        r_ids = tokenizer(r.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        templated = tasks.templated(tokenizer, r, chat_template)
+        if templated not in ends:
+            ends[templated] = chat.end_of_turn_id(tokenizer, templated)
+        if ends[templated] is None:
+            raise DataError(f"{where}: the tokenizer has no eos token and no chat template that ends a turn, so a "
+                            f"response cannot be taught to end; use a model directory whose tokenizer sets eos_token.")
+        r_ids = tokenizer(r.response, add_special_tokens=False)["input_ids"] + [ends[templated]]
         ids = p_ids + r_ids
         if len(ids) > max_seq_len:  # dropped, never cut: a cut could split an image's tokens
             dropped += 1

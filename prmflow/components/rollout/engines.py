@@ -33,6 +33,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from ..common.chat import stop_token_ids
 from ..common.modeling import own_positions
 from ..common.vision import Vision, batch_pixels, decode_image
 
@@ -112,13 +113,9 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
-    """End-of-sequence ids: the model's generation config (may list several), else the tokenizer's."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if ids is None:
-        ids = tokenizer.eos_token_id
-    if ids is None:
-        return []
-    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
+    """End-of-sequence ids: the model's generation config (may list several), the tokenizer's eos
+    and the chat template's end of turn (Qwen2.5's `<|im_end|>`; `chat.stop_token_ids`)."""
+    return stop_token_ids(model, tokenizer)
 
 
 class StopStrings:

@@ -142,6 +142,16 @@ def sum_ranks(value: float) -> float:
     return float(t.item())
 
 
+def min_ranks(value: float) -> float:
+    """The smallest `value` over the ranks."""
+    d = _dist()
+    if not d or d.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=_device(d))
+    d.all_reduce(t, op=d.ReduceOp.MIN)
+    return float(t.item())
+
+
 def _device(d) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if d.get_backend() == "nccl" else torch.device("cpu")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..common import modeling, schema, vision
+from ..common import distributed, modeling, schema, vision
 from ..common.errors import DataError
 from .config import Config
 
@@ -118,3 +118,21 @@ def micro_split(rows: list[int], size: int) -> list[list[int]]:
     """The rows of one minibatch in micro-batches of `size` (the last may be smaller)."""
     return [rows[j:j + size] for j in range(0, len(rows), size)]
 
+
+
+def shard_ptx(ptx):
+    """This rank's rows of every ptx micro-batch (`ptx.ptx_batch`'s (micro-batches, tokens)); the token
+    count stays that of the whole update, so the ranks' shares add up to one process's ptx loss."""
+    if ptx is None or distributed.world_size() == 1:
+        return ptx
+    micro, tokens = ptx
+    out = []
+    for mb in micro:
+        n = mb["input_ids"].shape[0]
+        if n < distributed.world_size():
+            raise DataError(f"a ptx micro-batch has {n} examples, fewer than the {distributed.world_size()} ranks "
+                            f"that share it; raise ptx_batch_size to at least {distributed.world_size()} x "
+                            f"minibatch_size / micro_batch_size.")
+        rows = distributed.shard(range(n))
+        out.append({k: v[rows[0]:rows[-1] + 1] if v.shape[:1] == (n,) else v for k, v in mb.items()})
+    return out, tokens

@@ -43,11 +43,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..common import checkpoint, config as config_lib, io, modeling, preemption, schema, tracking, vision
+from ..common import checkpoint, config as config_lib, distributed, io, modeling, preemption, schema, tracking, vision
+from ..common.engine import init_distributed
 from ..common.errors import ConfigError, DataError, ModelLoadError, PrmflowError
 from ..lib import kl_state as kl_state_file
 from . import kl_control
-from .batch import collate, load_batch, micro_split, minibatch_plan
+from .batch import collate, load_batch, micro_split, minibatch_plan, shard_ptx
 from .config import Config
 from .models import disable_dropout, load_critic, make_engine
 from .prepass import attach_pixels, precompute
@@ -73,9 +74,15 @@ def _inputs(cfg: Config) -> dict[str, str]:
 
 def run(cfg: Config) -> dict:
     """Train on the batch and write the new policy (and critic, KL state) to `cfg.output`. Returns metrics."""
+    if n := distributed.should_launch(cfg.engine):  # engine.nproc_per_node > 1: run as n torchrun ranks
+        distributed.launch("ppo", cfg, n)
+        return io.read_manifest(cfg.output).get("metrics", {})
+    if distributed.under_launcher():
+        init_distributed(cfg.engine)  # the ranks decide together from here on
+        distributed.check_divides(cfg.micro_batch_size)
     cfg_dict = {**config_lib.to_dict(cfg), "inputs": _inputs(cfg)}  # the identity of this run's result
-    done = io.completed_output(cfg.output, {"config": io.config_identity(cfg_dict)}, cfg.overwrite, "ppo",
-                               config_cls=Config)
+    done = distributed.on_main(lambda: io.completed_output(
+        cfg.output, {"config": io.config_identity(cfg_dict)}, cfg.overwrite, "ppo", config_cls=Config))
     if done is not None:
         print(f"ppo: '{cfg.output}' is already complete for this config and these inputs; nothing to do.")
         checkpoint.clear(checkpoint.work_dir_for(cfg.output))  # left if killed between commit and cleanup
@@ -126,15 +133,18 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
             from safetensors.torch import load_file
 
             ema = load_file(str(resume_from / "ema.safetensors"))
-        print(f"ppo: resuming from update {state['update']} ({resume_from})")
+        if distributed.is_main():
+            print(f"ppo: resuming from update {state['update']} ({resume_from})")
 
     tracker = tracking.start_stage_run(cfg.tracking, "ppo", params=config_lib.flat_dict(cfg), iteration=cfg.iteration,
-                                       tags={"prmflow.output": str(Path(cfg.output).resolve())})
+                                       tags={"prmflow.output": str(Path(cfg.output).resolve())}) \
+        if distributed.is_main() else tracking.NullTracker()  # one MLflow run, from rank 0
     with tracker:
-        tracker.log_metrics({"data/responses": len(samples), "data/updates": n_updates}, step=state["update"])
+        base = cfg.iteration * n_updates  # global update count (as the lr schedule counts): iterations chart one after another
+        tracker.log_metrics({"data/responses": len(samples), "data/updates": n_updates}, step=base + state["update"])
         updater = Updater(cfg, actor, critic, max_len=cfg.drgrpo_max_len or max(len(s["response_ids"]) for s in samples))
         tokens, seconds = _train(cfg, cfg_dict, updater, samples, plan, ptx_examples, tokenizer, ema, state, work,
-                                 tracker, stop)
+                                 tracker, stop, base)
         applied = [h for h in state["history"] if not h.get("skipped")]
         if not any(h["actor"] for h in applied):
             if state.get("image_skipped"):
@@ -152,8 +162,12 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
         metrics["train/rollout_kl"] = kl_state["measured_kl"]
         _write_output(cfg, cfg_dict, tokenizer, actor, critic, ema, kl_state, state, metrics)
         checkpoint.clear(work)
-        tracker.log_metrics(metrics, step=n_updates)
-        tracker.log_parent_metrics(metrics, step=cfg.iteration)  # one point per RL iteration on the pipeline run
+        # the iteration's summary as ppo/* (the per-update train/* curve keeps its own last point)
+        tracker.log_metrics({f"ppo/{k.split('/', 1)[1]}": v for k, v in metrics.items()}, step=base + n_updates)
+        tracker.log_parent_metrics({k: v for k, v in metrics.items() if k.startswith("train/")},
+                                   step=cfg.iteration)  # one point per RL iteration on the pipeline run (pipeline/*)
+    if not distributed.is_main():
+        return metrics
     nan = float("nan")
     print(f"ppo: {n_updates - state['skipped']}/{n_updates} updates, policy loss "
           f"{metrics.get('train/policy_loss', nan):.4f}, clip frac {metrics.get('train/clip_frac', nan):.3f}, "
@@ -162,12 +176,14 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
 
 
 def _train(cfg, cfg_dict, updater: Updater, samples, plan, ptx_examples, tokenizer, ema, state, work, tracker,
-           stop: preemption.Preemption) -> tuple[int, float]:
-    """The update loop from `state["update"]` to the end; returns (tokens trained on, seconds)."""
+           stop: preemption.Preemption, base: int = 0) -> tuple[int, float]:
+    """The update loop from `state["update"]` to the end; returns (tokens trained on, seconds).
+
+    Metrics are logged at step base + update (base: the updates of the earlier RL iterations)."""
     actor, n_updates = updater.actor, len(plan)
     n_micro = cfg.minibatch_size // cfg.micro_batch_size
     bar = tqdm(total=n_updates, initial=state["update"], desc="ppo", unit="update", dynamic_ncols=True,
-               mininterval=0.2 if sys.stderr.isatty() else 10.0)
+               mininterval=0.2 if sys.stderr.isatty() else 10.0, disable=not distributed.is_main())
     t0, tokens = time.perf_counter(), 0
     while state["update"] < n_updates:
         u = state["update"]
@@ -183,13 +199,16 @@ def _train(cfg, cfg_dict, updater: Updater, samples, plan, ptx_examples, tokeniz
             state["history"].append({"skipped": True, "reason": why, "update": u + 1,
                                      "epoch": u // (n_updates // cfg.epochs), "actor": train_actor})
             tracker.log_metrics({"train/skipped_updates": state["skipped"],
-                                 "train/skipped_image_mismatch": state["image_skipped"]}, step=u + 1)
+                                 "train/skipped_image_mismatch": state["image_skipped"]}, step=base + u + 1)
             bar.update(1)
             continue
-        micro = [collate(samples, rows, tokenizer.pad_token_id) for rows in micro_split(plan[u], cfg.micro_batch_size)]
+        whole = [collate(samples, rows, tokenizer.pad_token_id) for rows in micro_split(plan[u], cfg.micro_batch_size)]
+        micro = whole if distributed.world_size() == 1 else [  # this rank's share of every micro-batch
+            collate(samples, distributed.shard(rows), tokenizer.pad_token_id)
+            for rows in micro_split(plan[u], cfg.micro_batch_size)]
         ptx = (ptx_batch(cfg, ptx_examples, u, n_micro, tokenizer.pad_token_id)
                if ptx_examples is not None and train_actor else None)
-        stats = updater.update(micro, train_actor, ptx)
+        stats = updater.update(micro, train_actor, shard_ptx(ptx), whole=whole)
         state["update"] += 1
         if stats is None:
             state["skipped"] += 1
@@ -207,13 +226,14 @@ def _train(cfg, cfg_dict, updater: Updater, samples, plan, ptx_examples, tokeniz
         tracker.log_metrics({**{f"train/{k}": v for k, v in stats.items()
                                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("update", "epoch")},
                              "train/skipped_updates": state["skipped"],
-                             "perf/tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9)}, step=u + 1)
+                             "perf/tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9)}, step=base + u + 1)
         bar.update(1)
         bar.set_postfix(loss=f"{stats.get('policy_loss', float('nan')):.4f}", skipped=state["skipped"], refresh=False)
         more = state["update"] < n_updates
-        if more and (stop.requested or (cfg.save_every and state["update"] % cfg.save_every == 0)):
+        stopping = distributed.any_rank(stop.requested)  # the ranks stop at the same update, or none does
+        if more and (stopping or (cfg.save_every and state["update"] % cfg.save_every == 0)):
             _save_resume(work, cfg_dict, actor, updater.critic, ema, state)
-        if more and stop.requested:  # preempted (SIGTERM): the checkpoint is saved, exit 143
+        if more and stopping:  # preempted (SIGTERM): the checkpoint is saved, exit 143
             bar.close()
             stopped = preemption.Preempted("ppo", state["update"], str(work / "latest"))
             log.warning("%s", stopped)
@@ -248,13 +268,13 @@ def _load_moments(root: Path, actor, critic) -> None:
 
 def _save_resume(work: Path, cfg_dict: dict, actor, critic, ema, state: dict) -> None:
     """`work/latest` (atomically): both engines' state (weights, optimizer, schedule), EMA, trainer state."""
-    with io.atomic_output_dir(Path(work) / "latest", "resume-checkpoint", overwrite=True,
+    with io.shared_output_dir(Path(work) / "latest", "resume-checkpoint", overwrite=True,
                               manifest={"trainer_state": {"update": state["update"]},
                                         "config": io.config_identity(cfg_dict)}) as tmp:
-        actor.save_state(tmp / "actor", state)
+        actor.save_state(tmp / "actor", state)  # collective: every rank's partition
         if critic is not None:
             critic.save_state(tmp / "critic", {"update": state["update"]})
-        if ema is not None:
+        if ema is not None and distributed.is_main():
             from safetensors.torch import save_file
 
             save_file({k: v.contiguous() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
@@ -263,13 +283,16 @@ def _save_resume(work: Path, cfg_dict: dict, actor, critic, ema, state: dict) ->
 def _write_output(cfg, cfg_dict, tokenizer, actor, critic, ema, kl_state, state, metrics) -> None:
     parents = [cfg.policy, cfg.input] + [p for p in (cfg.critic, cfg.optimizer_state) if p]
     extra = {"stage": "ppo", "iteration": cfg.iteration, "metrics": metrics}
-    with io.atomic_output_dir(cfg.output, "ppo", overwrite=True, manifest={
+    main = distributed.is_main()  # writes the files; every rank takes part in gathers and DeepSpeed saves
+    with io.shared_output_dir(cfg.output, "ppo", overwrite=True, manifest={
             "config": io.config_identity(cfg_dict), "metrics": metrics, "parents": parents}) as tmp:
-        with actor.gathered():
-            modeling.save_pretrained(actor.module, tokenizer, tmp / "policy", extra=extra)
+        with actor.gathered():  # ZeRO-3 weights gathered once
+            if main:
+                modeling.save_pretrained(actor.module, tokenizer, tmp / "policy", extra=extra)
         if critic is not None:
             with critic.gathered():
-                modeling.save_pretrained(critic.module, tokenizer, tmp / "critic", extra=extra)
+                if main:
+                    modeling.save_pretrained(critic.module, tokenizer, tmp / "critic", extra=extra)
         if ema is not None:
             with actor.gathered():
                 params = dict(actor.module.named_parameters())
@@ -277,13 +300,16 @@ def _write_output(cfg, cfg_dict, tokenizer, actor, critic, ema, kl_state, state,
                 with torch.no_grad():
                     for n, p in params.items():
                         p.copy_(ema[n].to(p.dtype))
-                    modeling.save_pretrained(actor.module, tokenizer, tmp / "policy_ema",
-                                             extra={**extra, "ema_decay": cfg.ema_decay})
+                    if main:
+                        modeling.save_pretrained(actor.module, tokenizer, tmp / "policy_ema",
+                                                 extra={**extra, "ema_decay": cfg.ema_decay})
                     for n, p in params.items():
                         p.copy_(saved[n])
         if cfg.save_optimizer:
             actor.save_optimizer(tmp / "optimizer" / "actor")
             if critic is not None:
                 critic.save_optimizer(tmp / "optimizer" / "critic")
+        if not main:
+            return
         kl_state_file.write(tmp / kl_state_file.KL_STATE_FILE, kl_state)
         (tmp / "updates.jsonl").write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in state["history"]))

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from ..common import distributed
 from ..common.engine import TrainEngine
 from ..common.tensor_ops import entropy_from_logits, masked_sum, token_logprobs
 from ..lib import supervised_data
@@ -89,11 +90,18 @@ class Updater:
         loss = losses.token_mean(vl.loss, mb.mask, norm)
         return loss, {"value_loss": float(loss.detach()), "value_clip_frac": float(vl.clipped.sum())}
 
-    def update(self, micro: list[MicroBatch], train_actor: bool, ptx_batch=None) -> dict | None:
-        """One optimizer update over the micro-batches of a minibatch; None when it was skipped."""
-        norm = losses.Normalizer.of([m.mask for m in micro], self.max_len)
-        pg_norm = (losses.Normalizer.of([m.mask & (m.fields["pg_mask"] > 0) for m in micro], self.max_len)
-                   if "pg_mask" in micro[0].fields else norm)
+    def update(self, micro: list[MicroBatch], train_actor: bool, ptx_batch=None,
+               whole: list[MicroBatch] | None = None) -> dict | None:
+        """One optimizer update over the micro-batches of a minibatch; None when it was skipped.
+
+        With N ranks, `micro` is this rank's share of each micro-batch and `whole` the micro-batches
+        of the whole minibatch: the losses are normalized by the whole minibatch's counts, so the
+        ranks' shares add up to one process's loss, and the statistics are summed over the ranks.
+        """
+        whole = micro if whole is None else whole
+        norm = losses.Normalizer.of([m.mask for m in whole], self.max_len)
+        pg_norm = (losses.Normalizer.of([m.mask & (m.fields["pg_mask"] > 0) for m in whole], self.max_len)
+                   if "pg_mask" in whole[0].fields else norm)
         engines = ([self.actor] if train_actor else []) + ([self.critic] if self.critic is not None else [])
         ptx_micro, ptx_tokens = ptx_batch if (train_actor and ptx_batch is not None) else ([None] * len(micro), 0)
         sums: dict[str, float] = {}
@@ -110,15 +118,16 @@ class Updater:
                 loss, stats = self.critic_loss(mb, norm)
                 pending.append((self.critic, loss))
                 _accumulate(sums, stats)
-            if not all(bool(torch.isfinite(loss.detach())) for _, loss in pending):
-                return _discard(engines)
+            if distributed.any_rank(not all(bool(torch.isfinite(loss.detach())) for _, loss in pending)):
+                return _discard(engines)  # on every rank, whichever rank saw it
             for engine, loss in pending:
                 engine.backward(loss)
             sums["tokens"] = sums.get("tokens", 0) + mb.tokens
-        if not all(engine.grads_finite() for engine in engines):
+        if distributed.any_rank(not all(engine.grads_finite() for engine in engines)):
             return _discard(engines)
 
-        # optimizer steps and the update's statistics
+        # optimizer steps and the update's statistics (sums over the ranks' shares)
+        sums = _reduce_ranks(sums)
         out = {k: v for k, v in sums.items() if k in ("policy_loss", "kl_loss", "ptx_loss", "value_loss", "tokens")}
         out.update({k: sums[k] / max(norm.tokens, 1) for k in TOKEN_MEANS if k in sums})
         if train_actor:
@@ -134,6 +143,17 @@ def _discard(engines: list[TrainEngine]) -> None:
     for engine in engines:
         engine.discard()
     return None
+
+
+def _reduce_ranks(sums: dict) -> dict:
+    """The statistics of the whole minibatch from each rank's: sums added, the ratio's extremes kept."""
+    if distributed.world_size() == 1:
+        return sums
+    out = {k: distributed.sum_ranks(v) for k, v in sums.items() if k not in ("ratio_max", "ratio_min")}
+    if "ratio_max" in sums:
+        out["ratio_max"] = -distributed.min_ranks(-sums["ratio_max"])
+        out["ratio_min"] = distributed.min_ranks(sums["ratio_min"])
+    return out
 
 
 def _accumulate(sums: dict, stats: dict) -> None:

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from ..common import checkpoint, config as config_lib, io, modeling, preemption, tasks, tracking, vision
-from ..common.engine import OptimSettings, TrainEngine
+from ..common import checkpoint, config as config_lib, distributed, io, modeling, preemption, tasks, tracking, vision
+from ..common.engine import OptimSettings, TrainEngine, init_distributed
 from ..lib import bestofn, supervised
 from ..lib.prm_metrics import step_metrics
 from ..lib.prm_model import PRM, append_identity_layers, freeze_below, saved_head
@@ -155,11 +155,16 @@ def _add_best_of_n(cfg: Config, manifest: dict) -> dict:
 
 def run(cfg: Config) -> dict:
     """Train and evaluate a PRM, write it to `cfg.output`, then best-of-N if asked. Returns the metrics."""
-    done = _existing_output(cfg)
+    if n := distributed.should_launch(cfg.engine):  # engine.nproc_per_node > 1: run as n torchrun ranks
+        distributed.launch("prm", cfg, n)
+        return io.read_manifest(cfg.output).get("metrics", {})
+    if distributed.under_launcher():
+        init_distributed(cfg.engine)  # the ranks decide together from here on
+    done = distributed.on_main(lambda: _existing_output(cfg))
     if done is not None:
         if cfg.bon.policy and config_lib.upgrade_stored(Config, done.get("bon") or {}) != _bon_identity(cfg):
             modeling.check_model_dir(cfg.bon.policy, "bon.policy")
-            return _add_best_of_n(cfg, done)
+            return distributed.on_main(lambda: _add_best_of_n(cfg, done))  # no training: rank 0 alone
         print(f"prm: '{cfg.output}' is already complete for this config and these inputs; nothing to do.")
         checkpoint.clear(checkpoint.work_dir_for(cfg.output))  # left if killed between commit and cleanup
         return done.get("metrics", {})
@@ -201,7 +206,8 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
     state = supervised.resume(engine, work, resume_identity, cfg.resume, "prm", Config)
 
     tracker = tracking.start_stage_run(cfg.tracking, "prm", params=config_lib.flat_dict(cfg),
-                                       tags={"prmflow.output": str(Path(cfg.output).resolve())})
+                                       tags={"prmflow.output": str(Path(cfg.output).resolve())}) \
+        if distributed.is_main() else tracking.NullTracker()  # one MLflow run, from rank 0
     with tracker:
         n_steps = sum(len(e.step_ends) for e in train)
         pos = sum(y >= 0.5 for e in train for y in e.labels)
@@ -213,14 +219,18 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
                                    vision.Vision.of(prm.tokenizer, prm.model.config))
         manifest = {"config": identity, "inputs": inputs, "metrics": metrics, "parents": [cfg.backbone] + (
             [cfg.task] if cfg.task not in tasks.TASKS else [])}
-        with io.atomic_output_dir(cfg.output, "prm", overwrite=True, manifest=manifest) as tmp:
-            modeling.save_pretrained(engine.module, prm.tokenizer, tmp,
-                                     extra={**prm.metadata(cfg.step_separator), "metrics": metrics})
-            if cfg.bon.policy:
+        with io.shared_output_dir(cfg.output, "prm", overwrite=True, manifest=manifest) as tmp:
+            with engine.gathered():  # ZeRO-3 weights gathered once; rank 0 writes them
+                if distributed.is_main():
+                    modeling.save_pretrained(engine.module, prm.tokenizer, tmp,
+                                             extra={**prm.metadata(cfg.step_separator), "metrics": metrics})
+            if cfg.bon.policy and distributed.is_main():  # generation from the saved PRM: no collectives
                 metrics.update(_run_best_of_n(cfg, tmp, tracker, cfg.max_steps))
                 manifest["bon"] = _bon_identity(cfg)
         checkpoint.clear(work)
         tracker.log_metrics(metrics, step=cfg.max_steps)
+    if not distributed.is_main():
+        return metrics
     print(f"prm: held-out step AUC {metrics['eval/step_auc']:.3f}, step accuracy {metrics['eval/step_accuracy']:.3f}, "
           f"first-error recall {metrics['eval/first_error_recall']:.3f} -> {cfg.output}")
     return metrics

@@ -67,7 +67,10 @@ def add_parsers(sub) -> None:
                     "machine) into a local cache, check them against the digests MLflow recorded, and print the "
                     "`docker run` line that re-runs the stage on them with the run's exact config (--run: run it).")
     sc.add_argument("stage", help=f"{', '.join(stages.PIPELINE_STAGES[:-1])} or {stages.PIPELINE_STAGES[-1]}")
-    sc.add_argument("--run-id", required=True, help="MLflow run id of that stage's run (the stage run, not the pipeline's parent)")
+    which = sc.add_mutually_exclusive_group(required=True)
+    which.add_argument("--run-id", help="MLflow run id of that stage's run (the stage run, not the pipeline's parent)")
+    which.add_argument("--kfp-run-id", help="or: the KFP run id (KFP UI: Run details); finds the stage's run in MLflow")
+    sc.add_argument("--iteration", type=int, default=None, help="with --kfp-run-id: the RL iteration of rollout/advantage/ppo")
     sc.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     sc.add_argument("--image", default="", help="image to run (default: the stage's CPU/GPU image)")
     sc.add_argument("--output", default="rerun", help="host directory for the re-run's output")
@@ -244,13 +247,14 @@ def _stage_command(args) -> int:
     from .settings import DEFAULT_CPU_IMAGE, DEFAULT_GPU_IMAGE
 
     uri = tracking.resolve_uri(tracking.TrackingConfig(uri=args.tracking_uri))
+    run_id = args.run_id or _stage_run_of(MlflowClient(uri), uri, args.kfp_run_id, args.stage, args.iteration)
     try:
-        run = MlflowClient(uri).get_run(args.run_id)
+        run = MlflowClient(uri).get_run(run_id)
     except Exception as e:  # MlflowException: not found, store unreachable
-        raise PrmflowError(f"Cannot read MLflow run {args.run_id} from {uri}: {e}") from None
+        raise PrmflowError(f"Cannot read MLflow run {run_id} from {uri}: {e}") from None
     logged_stage = run.data.tags.get("prmflow.stage")
     if logged_stage != args.stage:
-        raise PrmflowError(f"MLflow run {args.run_id} is a {logged_stage!r} run, not {args.stage!r}.")
+        raise PrmflowError(f"MLflow run {run_id} is a {logged_stage!r} run, not {args.stage!r}.")
     cache = Path(args.fetch or default_cache()).expanduser()
     inputs = fetch_inputs(handoffs_of_run(run), cache)  # verified against the recorded digests
     if args.no_container:
@@ -261,5 +265,25 @@ def _stage_command(args) -> int:
                              engine=args.engine or container_engine())
     print(shlex.join(argv), flush=True)
     if args.run:
+        Path(args.output).mkdir(parents=True, exist_ok=True)  # podman refuses a missing mount source
         return subprocess.run(argv).returncode
     return 0
+
+
+def _stage_run_of(client, uri: str, kfp_run_id: str, stage: str, iteration: int | None) -> str:
+    """The MLflow run of `stage` (at `iteration`) in KFP run `kfp_run_id`; an error listing them if not one."""
+    from ..components.common.tracking import PIPELINE_TAG
+
+    query = f"tags.`{PIPELINE_TAG}` = '{kfp_run_id}' and tags.`prmflow.stage` = '{stage}'"
+    if iteration is not None:
+        query += f" and tags.`prmflow.iteration` = '{iteration}'"
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments, filter_string=query, max_results=100) if experiments else []
+    if len(runs) == 1:
+        return runs[0].info.run_id
+    if not runs:
+        raise PrmflowError(f"No {stage!r} run of KFP run {kfp_run_id}{'' if iteration is None else f' at iteration {iteration}'} "
+                           f"in {uri}. Check --tracking-uri (the pipeline's tracking_uri) and the KFP run id.")
+    listed = "\n".join(f"  {r.info.run_id}  {r.info.run_name}  {r.info.status}" for r in runs)
+    raise PrmflowError(f"KFP run {kfp_run_id} has {len(runs)} {stage!r} runs; pick one with --run-id"
+                       f"{'' if iteration is not None else ' (or narrow with --iteration)'}:\n{listed}")

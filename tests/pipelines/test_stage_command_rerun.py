@@ -158,3 +158,13 @@ def test_a_tampered_input_is_refused_naming_the_file(tmp_path, monkeypatch, s3, 
                      str(tmp_path / "cache2"), "--output", str(rerun)]) != 0
     assert f"'s3://{BUCKET}/{RUN_ROOT}rollout-1/rollouts/manifest.json' does not match the digest MLflow recorded" in (
         capsys.readouterr().err)
+
+
+def test_the_stage_run_is_found_from_the_kfp_run_id(tmp_path, monkeypatch, s3, capsys):
+    store, run_id, _ = record_cluster_run(tmp_path, monkeypatch, s3)
+    common = ["--tracking-uri", store, "--fetch", str(tmp_path / "cache"), "--output", str(tmp_path / "rerun")]
+    by_kfp = _line(["stage-command", "advantage", "--kfp-run-id", "run-7", "--iteration", "0", *common])
+    assert by_kfp == _line(["stage-command", "advantage", "--run-id", run_id, *common])
+    capsys.readouterr()
+    assert cli.main(["stage-command", "advantage", "--kfp-run-id", "run-8", *common]) == 2
+    assert "No 'advantage' run of KFP run run-8" in capsys.readouterr().err

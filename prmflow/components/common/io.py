@@ -163,11 +163,18 @@ def clean_stale_temporaries(path: Path) -> None:
 def fingerprint(directories) -> dict[str, str]:
     """{directory: sha256 of its manifest's file digests} for committed inputs: what a re-run compares.
 
-    Cheap (no data is read) and exact: the manifest's per-file sha256 already pins every byte.
+    Cheap (no data is read) and exact: the manifest's per-file sha256 already pins every byte. A
+    plain Parquet file or directory (no manifest; what schema.open_plain accepts) is hashed instead.
     """
     out = {}
     for d in directories:
-        files = read_manifest(Path(d))["files"]
+        d = Path(d)
+        if d.is_file() or (d.is_dir() and not (d / MANIFEST).exists() and any(d.glob("*.parquet"))):
+            # plain Parquet from another tool (schema.open_plain): no digests recorded, so hash the bytes
+            shards = [d] if d.is_file() else sorted(d.glob("*.parquet"))
+            files = {p.name: sha256_file(p) for p in shards}
+        else:
+            files = read_manifest(d)["files"]
         out[str(d)] = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
     return out
 

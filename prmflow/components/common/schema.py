@@ -7,11 +7,13 @@ names the file, the column and the offending prompt_id.
 
 Several directories (rollout shards written by separate pods) read as one dataset. What does not
 depend on the hand-off kinds lives below this module: opening and streaming Parquet files and the
-read-ahead / write-behind threads in parquet_io.py, the vectorized row scans of `validate` in arrow_ops.py.
+read-ahead / write-behind threads in parquet_io.py, the per-row invariants (`validate`) in handoff_rows.py
+and their vectorized row scans in arrow_ops.py.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +24,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import arrow_ops, io, parquet_io
+from . import io, parquet_io
 from .errors import DataError
+from .handoff_rows import PER_TOKEN_COLUMNS, REQUIRED, validate  # noqa: F401 - part of this module's interface
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 
@@ -60,13 +65,6 @@ ADVANTAGE_FIELDS = ROLLOUT_FIELDS + [
 ROLLOUTS = pa.schema(ROLLOUT_FIELDS, metadata={"prmflow.kind": "rollouts", "prmflow.schema_version": str(SCHEMA_VERSION)})
 ADVANTAGES = pa.schema(ADVANTAGE_FIELDS, metadata={"prmflow.kind": "advantages", "prmflow.schema_version": str(SCHEMA_VERSION)})
 SCHEMAS = {"rollouts": ROLLOUTS, "advantages": ADVANTAGES}
-
-#: Columns with one entry per response token; their lengths must equal len(response_ids).
-PER_TOKEN_COLUMNS = ("behavior_logprobs", "old_logprobs", "ref_logprobs", "values",
-                     "token_rewards", "advantages", "returns", "kl")
-#: Columns that must be present (non-null) in every row of a rollouts hand-off.
-REQUIRED = ("prompt_id", "sample_idx", "iteration", "response_ids")
-
 
 def schema_for(kind: str) -> pa.Schema:
     if kind not in SCHEMAS:
@@ -125,71 +123,6 @@ def cast_columns(table: pa.Table, kind: str, where: str = "table") -> pa.Table:
         if idx >= 0 and not table.column(i).type.equals(schema.field(idx).type):
             table = table.set_column(i, schema.field(idx), _cast(table.column(i), schema.field(idx), where))
     return table
-
-
-def _first_bad(table: pa.Table, mask: pa.Array | np.ndarray) -> str:
-    idx = int(np.flatnonzero(np.asarray(mask))[0])
-    pid = table.column("prompt_id")[idx].as_py()
-    sid = table.column("sample_idx")[idx].as_py()
-    return f"row {idx} (prompt_id={pid!r}, sample_idx={sid})"
-
-
-def validate(table: pa.Table, kind: str, where: str = "table") -> None:
-    """Check the per-row invariants of a rollouts/advantages table (vectorized, no Python row loop).
-
-    - required columns have no nulls;
-    - every per-token column that is present has len == len(response_ids);
-    - step_rewards has the length of step_ends and 0 <= step_end < len(response_ids);
-    - no NaN or inf in any float column.
-    """
-    for name in REQUIRED:
-        col = table.column(name)
-        if col.null_count:
-            mask = pc.is_null(col).to_numpy(zero_copy_only=False)
-            raise DataError(f"{where}: column '{name}' is null in {_first_bad(table, mask)}.")
-    n_resp = pc.list_value_length(table.column("response_ids")).to_numpy(zero_copy_only=False)
-    for name in PER_TOKEN_COLUMNS:
-        if name not in table.column_names:
-            continue
-        col = table.column(name)
-        if col.null_count == len(col):
-            continue
-        lens = pc.list_value_length(col).to_numpy(zero_copy_only=False)
-        present = ~pc.is_null(col).to_numpy(zero_copy_only=False)
-        bad = present & (lens != n_resp)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise DataError(
-                f"{where}: column '{name}' has {int(lens[i])} entries but response_ids has {int(n_resp[i])} "
-                f"in {_first_bad(table, bad)}; every per-token column needs one value per response token."
-            )
-    ends, rewards = table.column("step_ends"), table.column("step_rewards")
-    if ends.null_count < len(ends):
-        n_ends = pc.list_value_length(ends).fill_null(0).to_numpy(zero_copy_only=False)
-        if rewards.null_count < len(rewards):
-            n_rew = pc.list_value_length(rewards).fill_null(0).to_numpy(zero_copy_only=False)
-            has_rew = ~pc.is_null(rewards).to_numpy(zero_copy_only=False)
-            bad = has_rew & (n_rew != n_ends)
-            if bad.any():
-                raise DataError(f"{where}: column 'step_rewards' and 'step_ends' differ in length in {_first_bad(table, bad)}.")
-        flat = pc.list_flatten(ends).to_numpy(zero_copy_only=False)
-        if len(flat):
-            row_of = np.repeat(np.arange(len(n_ends)), n_ends)
-            bad_flat = (flat < 0) | (flat >= n_resp[row_of])
-            if bad_flat.any():
-                mask = np.zeros(len(n_ends), bool)
-                mask[row_of[bad_flat]] = True
-                raise DataError(
-                    f"{where}: column 'step_ends' points outside the response (0..len(response_ids)-1) in {_first_bad(table, mask)}."
-                )
-    for f in table.schema:
-        bad = arrow_ops.null_entry_rows(table.column(f.name))
-        if bad is not None and bad.any():
-            raise DataError(f"{where}: column '{f.name}' has a null entry inside its list in {_first_bad(table, bad)}; "
-                            f"a list may be null as a whole, but not hold nulls.")
-        bad = arrow_ops.nonfinite_rows(table.column(f.name))
-        if bad is not None and bad.any():
-            raise DataError(f"{where}: column '{f.name}' holds NaN or inf in {_first_bad(table, bad)}.")
 
 
 # --- writing -----------------------------------------------------------------------------------
@@ -286,6 +219,9 @@ class Dataset:
     def files(self) -> list[Path]:
         out = []
         for d, m in zip(self.dirs, self.manifests):
+            if d.is_file():  # a plain Parquet file (open_plain)
+                out.append(d)
+                continue
             out += [io.safe_child(d, name) for name in sorted(m["files"]) if name.endswith(".parquet")]
         return out
 
@@ -341,17 +277,19 @@ def open_dataset(dirs: str | Path | Sequence[str | Path], kind: str, verify_chec
     """Open committed hand-off directories of `kind`, checking manifests and schema versions.
 
     A directory that itself holds shard directories (no manifest, but subdirectories with one)
-    is expanded, so `--shard i --num-shards N` outputs under one parent read as one dataset.
+    is expanded, so `--shard i --num-shards N` outputs under one parent read as one dataset. A
+    plain Parquet file, or a directory of them with no manifest at all (rollouts made by another
+    tool), is accepted too: its files' columns and types are checked against the contract now
+    (a DataError naming the file and the column), its rows as they are read, and a note is logged
+    that no checksum could be verified (`open_plain`).
     """
     if isinstance(dirs, (str, Path)):
         dirs = [dirs]
     expanded: list[Path] = []
+    manifests: list[dict] = []
     for d in map(Path, dirs):
         if not d.exists():
             raise DataError(f"Input '{d}' does not exist. Point the stage at the output directory of the stage before it.")
-        if not d.is_dir():
-            raise DataError(f"Input '{d}' is a file; point the stage at the {kind} directory (the one holding "
-                            f"{io.MANIFEST}) written by the stage before it.")
         if d.is_dir() and not (d / io.MANIFEST).exists():
             dangling = sorted(p for p in d.iterdir() if p.is_symlink() and not p.exists())
             if dangling:  # a gathered-shards directory (entries link to the shards) whose shard is not here
@@ -359,14 +297,27 @@ def open_dataset(dirs: str | Path | Sequence[str | Path], kind: str, verify_chec
                     f"Input '{d}' gathers shards by links, but '{dangling[0]}' links to '{os.readlink(dangling[0])}', "
                     "which does not exist here: the shard was moved or deleted, or (in a container) its host path is "
                     "not mounted. Mount each shard itself (`prmflow stage-command` does) or re-run the stage that wrote it.")
-        if not (d / io.MANIFEST).exists():
-            subs = sorted(p for p in d.iterdir() if p.is_dir() and (p / io.MANIFEST).exists())
+        if d.is_dir() and not (d / io.MANIFEST).exists():
+            dangling = sorted(p for p in d.iterdir() if p.is_symlink() and not p.exists())
+            if dangling:  # a gathered-shards directory (entries link to the shards) whose shard is not here
+                raise DataError(
+                    f"Input '{d}' gathers shards by links, but '{dangling[0]}' links to '{os.readlink(dangling[0])}', "
+                    "which does not exist here: the shard was moved or deleted, or (in a container) its host path is "
+                    "not mounted. Mount each shard itself (`prmflow stage-command` does) or re-run the stage that wrote it.")
+        if d.is_file() or not (d / io.MANIFEST).exists():
+            subs = sorted(p for p in d.iterdir() if p.is_dir() and (p / io.MANIFEST).exists()) if d.is_dir() else []
             if subs:
                 expanded += subs
-                continue
+                manifests += [None] * len(subs)
+            else:
+                expanded.append(d)
+                manifests.append(open_plain(d, kind))
+            continue
         expanded.append(d)
-    manifests = []
-    for d in expanded:
+        manifests.append(None)
+    for i, d in enumerate(expanded):
+        if manifests[i] is not None:
+            continue
         m = io.read_manifest(d)
         if m.get("kind") != kind:
             raise DataError(f"'{d}' holds a {m.get('kind')!r} hand-off, but a {kind!r} one is needed here.")
@@ -378,8 +329,49 @@ def open_dataset(dirs: str | Path | Sequence[str | Path], kind: str, verify_chec
         if verify_checksums:
             io.verify_files(d, m)
         _check_row_count(d, m)
-        manifests.append(m)
+        manifests[i] = m
     return Dataset(expanded, kind, manifests)
+
+
+_noted_plain: set[str] = set()
+
+
+def open_plain(path: Path, kind: str) -> dict:
+    """A manifest-like record of a plain Parquet file or directory of them (no prmflow manifest).
+
+    Every file's columns must be the contract's (the required ones present, none unknown, each
+    castable to its type): checked on the footers now, before any data is read; rows are validated
+    as they are read, like any hand-off. There is no checksum to verify: a file changed or cut
+    short by its writer is only caught where it no longer parses, which is logged once per path.
+    """
+    path = Path(path)
+    if path.is_file():
+        if path.suffix != ".parquet":
+            raise DataError(f"Input '{path}' is a file but not .parquet; point the stage at the {kind} directory (the one "
+                            f"holding {io.MANIFEST}) written by the stage before it, or at Parquet files with its columns.")
+        if (path.parent / io.MANIFEST).exists():
+            raise DataError(f"Input '{path}' is a file of the hand-off '{path.parent}'; point the stage at that directory "
+                            f"(the one holding {io.MANIFEST}), so its checksums are verified.")
+        names, base = [path.name], path.parent
+    else:
+        names, base = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix == ".parquet"), path
+        if not names:
+            raise DataError(f"'{path}' has no {io.MANIFEST} and no .parquet files: it is not a finished prmflow output (a "
+                            f"crashed or still-running stage leaves none) nor a directory of {kind} Parquet files. Re-run "
+                            f"the stage that writes it, or point at the Parquet files.")
+    rows = 0
+    for name in names:
+        f = base / name
+        pf = parquet_io.open_parquet(f)
+        _check_columns(pf.schema_arrow, kind, f, None)
+        conform(pf.schema_arrow.empty_table(), kind, where=f"'{f}'")  # unknown columns, types that cannot be cast
+        rows += pf.metadata.num_rows
+    if str(path) not in _noted_plain:
+        _noted_plain.add(str(path))
+        log.warning("'%s' has no %s: read as plain Parquet %s (%d file(s), %d rows) after checking its columns and "
+                    "types; no checksum was verified.", path, io.MANIFEST, kind, len(names), rows)
+    return {"kind": kind, "schema_version": SCHEMA_VERSION, "rows": rows, "plain": True,
+            "files": {name: "" for name in names}}
 
 
 def _check_row_count(d: Path, manifest: dict) -> None:

@@ -168,3 +168,13 @@ def test_the_stage_run_is_found_from_the_kfp_run_id(tmp_path, monkeypatch, s3, c
     capsys.readouterr()
     assert cli.main(["stage-command", "advantage", "--kfp-run-id", "run-8", *common]) == 2
     assert "No 'advantage' run of KFP run run-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/prmflow/run-7/advantage/advantages", "gs://bucket/a/rollouts",
+                                 "minio://mlpipeline/v2/artifacts/prmflow/run-7/ppo/updated"])
+def test_a_launcher_path_is_recorded_as_the_uri_kfp_copied_it_from(uri):
+    from kfp.dsl import Artifact
+
+    # the reference is KFP's own mapping (what its launcher does in the pod), run backwards
+    assert datasets.handoff_uri(Artifact(uri=uri).path) == uri
+    assert datasets.handoff_uri("/tmp/outputs/kfp-local/advantages") == "/tmp/outputs/kfp-local/advantages"

@@ -78,12 +78,14 @@ def comparison_rows(client, runs: dict[str, str]) -> list[tuple[str, list[float]
     rows = []
     for name, run_id in runs.items():
         metrics = client.get_run(run_id).data.metrics
-        pass_k = next((v for k, v in metrics.items() if k.startswith("eval/pass_at_")), math.nan)
+        # the evaluate stage's metrics on the parent: final/* (eval/* in runs logged before that name)
+        final = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("eval/")}
+        final.update({k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("final/")})
+        pass_k = next((v for k, v in final.items() if k.startswith("pass_at_")), math.nan)
         iters = [r for r in pipeline_rows(client, run_id) if r.stage.startswith("iter ")]
         last_reward = iters[-1].values.get("reward", math.nan) if iters else math.nan
-        rows.append((name, [metrics.get("eval/accuracy", math.nan), metrics.get("eval/baseline_accuracy", math.nan),
-                            metrics.get("eval/majority", math.nan), metrics.get("eval/bon_min", math.nan),
-                            pass_k, last_reward]))
+        rows.append((name, [final.get("accuracy", math.nan), final.get("baseline_accuracy", math.nan),
+                            final.get("majority", math.nan), final.get("bon_min", math.nan), pass_k, last_reward]))
     return rows
 
 

@@ -38,27 +38,23 @@ def init_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, sft_confi
 
 
 def finish_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, status: dsl.PipelineTaskFinalStatus):
-    """Exit handler: mark the parent run FINISHED or FAILED and copy the children's eval/* metrics onto it.
+    """Exit handler: mark the parent run FINISHED or FAILED, log its summary metrics and register its models.
 
-    The evaluate stage's keep their names (eval/accuracy, ...); another stage's are filed under the
-    stage (sft/accuracy, prm/step_auc), so the parent compares runs without one stage's metric
-    shadowing another's."""
+    See pipelines/summary.py: the training stages' held-out metrics (sft/eval_accuracy, prm/eval_*),
+    reward, accuracy and KL to SFT per RL iteration (pipeline/*, step = iteration), and, for a
+    FINISHED run, the final policy and the PRM in the Model Registry (<experiment>-policy, -prm)."""
     from mlflow.tracking import MlflowClient
 
     from prmflow.components.common import tracking
+    from prmflow.pipelines.summary import parent_summary, register_models
 
     cfg = tracking.TrackingConfig(uri=tracking_uri, experiment=experiment, pipeline_run_id=kfp_run_id)
     state = "FINISHED" if status.state == "SUCCEEDED" else "FAILED"
-    client = MlflowClient(tracking.resolve_uri(cfg))
+    uri = tracking.resolve_uri(cfg)
+    client = MlflowClient(uri)
     parent = tracking.find_pipeline_run(client, experiment, kfp_run_id)
-    metrics = {}
-    if parent:
-        exp = client.get_experiment_by_name(experiment)
-        children = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'")
-        for child in sorted(children, key=lambda r: r.info.start_time):  # later runs win
-            stage = child.data.tags.get("prmflow.stage", "")
-            for key, value in child.data.metrics.items():
-                if key.startswith("eval/"):  # the evaluate stage's own names; others' under their stage
-                    metrics[key if stage == "evaluate" else f"{stage}/{key[len('eval/'):]}"] = value
-    tracking.finish_pipeline_run(cfg, state, metrics)
-    print(f"pipeline run {kfp_run_id}: {state}, MLflow parent run {parent}")
+    metrics, series = parent_summary(client, parent) if parent else ({}, [])
+    tracking.finish_pipeline_run(cfg, state, metrics, series)
+    registered = register_models(uri, experiment, parent) if parent and state == "FINISHED" else {}
+    print(f"pipeline run {kfp_run_id}: {state}, MLflow parent run {parent}"
+          + "".join(f"; registered {name} version {v}" for name, v in registered.items()))

@@ -1,4 +1,4 @@
-"""The table a pipeline run ends with, read back from MLflow (what the UI shows, in a terminal).
+"""The end of a pipeline run in MLflow: the table it prints, the parent's summary metrics, the registered models.
 
     stage        held-out pass@1   train reward   train accuracy   KL to SFT
     sft                    0.310              -                -           -
@@ -10,13 +10,20 @@
 the evaluate stage, which also scores the SFT policy on the same prompts as `sft (same prompts)`).
 "train reward/accuracy" are the rollout stage's means over the prompts sampled at that iteration,
 before its PPO update; "KL to SFT" is the rollout stage's k1 estimate of KL(policy_k || SFT policy).
+
+The same per-iteration numbers go onto the parent run as `pipeline/reward_mean`, `pipeline/accuracy`
+and `pipeline/kl_to_sft` at step = iteration (`parent_summary`), so the parent's chart view draws
+reward per RL iteration; `register_models` puts the final policy and the PRM into the Model Registry.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,8 +42,9 @@ def pipeline_rows(client, parent_run_id: str) -> list[Row]:
     by_stage: dict[str, list] = defaultdict(list)
     for run in child_runs(client, parent_run_id):
         by_stage[run.data.tags.get("prmflow.stage", "")].append(run)
-    for run in by_stage.get("sft", [])[:1]:
-        rows.append(Row("sft", {"pass1": run.data.metrics.get("eval/accuracy", math.nan)}))
+    for run in by_stage.get("sft", [])[:1]:  # eval/accuracy: runs logged before the sft/ namespace
+        m = run.data.metrics
+        rows.append(Row("sft", {"pass1": m.get("sft/eval_accuracy", m.get("eval/accuracy", math.nan))}))
     iterations: dict[int, list] = defaultdict(list)
     for run in by_stage.get("rollout", []):
         iterations[int(run.data.tags.get("prmflow.iteration", 0))].append(run)
@@ -92,3 +100,109 @@ def latest_pipeline_run(client, experiment: str) -> str | None:
     runs = client.search_runs([exp.experiment_id], max_results=1, order_by=["attributes.start_time DESC"],
                               filter_string=f"tags.`{ROLE_TAG}` = 'pipeline'")
     return runs[0].info.run_id if runs else None
+
+
+#: Parent-run metric (logged at step = RL iteration) <- summary table column.
+ITERATION_METRICS = {"pipeline/reward_mean": "reward", "pipeline/accuracy": "accuracy", "pipeline/kl_to_sft": "kl"}
+
+
+def parent_summary(client, parent_run_id: str) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
+    """What the exit handler logs on the parent: (stage summaries, [(key, value, step)] per RL iteration).
+
+    Summaries: the training stages' held-out metrics as they logged them (sft/eval_accuracy,
+    prm/eval_step_auc; runs from before that namespace: eval/x filed as <stage>/x). The evaluate
+    stage has already copied its own onto the parent, as final/*. Per iteration: the table's
+    train reward, accuracy and KL to SFT (batch means over the rollout shards)."""
+    summaries: dict[str, float] = {}
+    for child in sorted(child_runs(client, parent_run_id), key=lambda r: r.info.start_time):  # later runs win
+        stage = child.data.tags.get("prmflow.stage", "")
+        if stage in ("evaluate", "rollout", "advantage", "ppo"):
+            continue
+        for key, value in child.data.metrics.items():
+            if key.startswith(f"{stage}/eval_"):
+                summaries[key] = value
+            elif key.startswith("eval/"):
+                summaries[f"{stage}/{key[len('eval/'):]}"] = value
+    series = []
+    for row in pipeline_rows(client, parent_run_id):
+        if row.stage.startswith("iter "):
+            step = int(row.stage.split()[1])
+            series += [(key, row.values[col], step) for key, col in ITERATION_METRICS.items()
+                       if not math.isnan(row.values.get(col, math.nan))]
+    return summaries, series
+
+
+def register_models(uri: str, experiment: str, parent_run_id: str) -> dict[str, int]:
+    """Register the final policy and the PRM of a finished pipeline run; returns {name: version}.
+
+    `<experiment>-policy` gets the policy of the last PPO iteration (the SFT policy with no RL
+    iteration), `<experiment>-prm` the PRM: each a new version whose source is the stage run's
+    LoggedModel (`models:/<model id>`), whose run is the pipeline's parent run (the UI links it),
+    with the evaluation metrics (final/* for the policy, prm/eval_* for the PRM) as tags and in the
+    description, and the weights' URI (`prmflow.uri`). The policy's LoggedModel also gets the
+    final/* metrics. Registering the same parent run again adds no version. Never raises: a model
+    that cannot be registered is a warning."""
+    from mlflow.tracking import MlflowClient
+
+    from ..components.common.tracking.models import ROLE_TAG, URI_TAG, models_of_run
+
+    client = MlflowClient(uri)
+    children = [r for r in child_runs(client, parent_run_id) if r.info.status == "FINISHED"]
+
+    def last(stage: str):
+        runs = [r for r in children if r.data.tags.get("prmflow.stage") == stage]
+        return max(runs, key=lambda r: int(r.data.tags.get("prmflow.iteration", 0)), default=None)
+
+    parent = client.get_run(parent_run_id)
+    final = {k: client.get_metric_history(parent_run_id, k)[-1] for k in parent.data.metrics if k.startswith("final/")}
+    versions = {}
+    for suffix, run in (("policy", last("ppo") or last("sft")), ("prm", last("prm"))):
+        model = next((m for m in models_of_run(client, run) if m.tags.get(ROLE_TAG) == suffix), None) if run else None
+        if model is None:
+            log.warning("pipeline run %s has no %s LoggedModel to register", parent_run_id, suffix)
+            continue
+        name = f"{experiment}-{suffix}"
+        scores = ({k: m.value for k, m in final.items()} if suffix == "policy" else
+                  {k: v for k, v in run.data.metrics.items() if k.startswith("prm/eval_")})
+        try:
+            versions[name] = _register(client, uri, name, model, run, parent, scores, model.tags.get(URI_TAG, ""))
+            if suffix == "policy" and final:  # the final evaluation on the policy's model page
+                from mlflow.entities import Metric
+
+                client.log_batch(parent_run_id, metrics=[Metric(k, m.value, m.timestamp, m.step, model_id=model.model_id)
+                                                         for k, m in final.items()])
+        except Exception as e:  # noqa: BLE001 - the pipeline's result does not depend on its registration
+            log.warning("could not register %s from pipeline run %s: %s", name, parent_run_id, e)
+    return versions
+
+
+def _register(client, tracking_uri: str, name: str, model, run, parent, scores: dict[str, float], uri: str) -> int:
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    parent_id = parent.info.run_id
+    found = client.search_model_versions(f"name = '{name}' and tags.`prmflow.parent_run_id` = '{parent_id}'")
+    if found:
+        return int(found[0].version)
+    try:
+        client.create_registered_model(name, description=(
+            f"{'Policy after the last RL iteration' if name.endswith('-policy') else 'Process reward model'} of "
+            f"prmflow pipeline runs in experiment '{name.rsplit('-', 1)[0]}'. Each version: one pipeline run (its "
+            f"Source run), the weights' URI (tag prmflow.uri), the evaluation metrics as tags."))
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    shown = ", ".join(f"{k} {v:.3f}" for k, v in sorted(scores.items()))
+    description = (f"From pipeline run '{parent.info.run_name}' (MLflow run {parent_id}, experiment "
+                   f"{parent.info.experiment_id}), stage run '{run.info.run_name}' ({run.info.run_id}). "
+                   f"Weights: {uri}." + (f" Evaluation: {shown}." if shown else ""))
+    tags = {"prmflow.parent_run_id": parent_id, "prmflow.stage_run_id": run.info.run_id, "prmflow.uri": uri,
+            **{k: f"{v:.4f}" for k, v in scores.items()}}
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(tracking_uri)  # a local store resolves the models:/ source through the global URI
+    try:
+        version = client.create_model_version(name, source=f"models:/{model.model_id}", run_id=parent_id, tags=tags,
+                                              description=description, model_id=model.model_id)
+    finally:
+        mlflow.set_tracking_uri(previous)
+    return int(version.version)

@@ -32,6 +32,12 @@ class TrackingConfig:
     """At the end of a run, seconds to keep retrying calls the server missed; what is left stays in fallback_path."""
     http_timeout_s: int = 10
     """Seconds one request to a tracking server may take (sets MLFLOW_HTTP_REQUEST_TIMEOUT unless it is set); a longer one counts as an outage."""
+    log_model_weights: bool = False
+    """Copy the weights of every model a stage writes into MLflow's artifact store (its LoggedModel). Off: the LoggedModel only records where the pipeline wrote them (tag prmflow.uri); copies cost as much storage as the checkpoints."""
+    system_metrics: bool = True
+    """Log CPU, memory, disk, network and (with nvidia-ml-py installed) GPU utilisation of a stage as system/* metrics."""
+    system_metrics_interval_s: float = 10.0
+    """Seconds between two system metrics samples."""
 
 
 def resolve_uri(cfg: TrackingConfig) -> str:

@@ -1,7 +1,7 @@
 """One recorded tracking call turned into MLflow client calls, and how its failures are classified.
 
 A record is a dict with an `op` (create_run, log_batch, log_text, log_table, log_artifact,
-set_terminated) as the tracker queues it and the fallback file keeps it. A failure is either
+log_inputs, log_model, set_terminated) as the tracker queues it and the fallback file keeps it. A failure is either
 permanent (the server refused the call: retrying cannot help) or an outage (retried later).
 """
 
@@ -31,17 +31,23 @@ def short_error(e: BaseException) -> str:
     return text[:300]
 
 
+#: Marks an experiment as model training for MLflow (3.x) clients; one prmflow sets unless it is set already.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+
+
 def experiment_id(client, name: str) -> str:
+    """Id of experiment `name`, created if missing and marked as model training (EXPERIMENT_KIND_TAG)."""
     exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    try:
-        return client.create_experiment(name)
-    except Exception:  # created concurrently by another stage
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        return exp.experiment_id
+    if exp is None:
+        try:
+            return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        except Exception:  # created concurrently by another stage
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    if EXPERIMENT_KIND_TAG not in (exp.tags or {}):  # made by an older prmflow, or by hand
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    return exp.experiment_id
 
 
 def find_pipeline_run(client, experiment: str, pipeline_run_id: str) -> str | None:
@@ -98,6 +104,10 @@ def deliver(client, op: dict, run_id: str) -> None:
         from .datasets import deliver_datasets
 
         deliver_datasets(client, op, run_id)
+    elif kind == "log_model":  # a LoggedModel of a model the stage wrote (models.py)
+        from .models import deliver_model
+
+        deliver_model(client, op, run_id)
     elif kind == "set_terminated":
         client.set_terminated(run_id, status=op["status"], end_time=op.get("time"))
     else:

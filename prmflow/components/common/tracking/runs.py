@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import getpass
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -10,11 +12,52 @@ from typing import Any
 from .config import TrackingConfig, limit_http_retries, resolve_uri
 from .datasets import record_stage_handoffs
 from .delivery import PIPELINE_TAG, ROLE_TAG, create_run, find_pipeline_run
+from .models import record_stage_models
 from .null import NullTracker
 from .outbox import default_fallback_path
 from .tracker import MlflowTracker
 
 log = logging.getLogger(__name__)
+
+#: What each stage run is, in one line: the run's description (mlflow.note.content) in the UI.
+STAGE_ROLES = {
+    "sft": "Supervised fine-tuning of the starting policy (policy_0).",
+    "prm": "Training of the process reward model that scores every reasoning step.",
+    "prm-label": "Step labels for PRM training from policy samples (Math-Shepherd completions).",
+    "rollout": "Sampling of responses with the current policy, scored by the rewards and the PRM.",
+    "advantage": "Token rewards, KL and advantages of the iteration's rollouts (CPU).",
+    "ppo": "PPO update of the policy (and critic) on the iteration's advantages.",
+    "evaluate": "Held-out evaluation of the final policy against the SFT policy on the same prompts.",
+}
+
+
+def run_tags(source: str, description: str) -> dict[str, str]:
+    """The run's Source, User and Description as MLflow's UI shows them."""
+    try:
+        user = os.environ.get("PRMFLOW_USER") or getpass.getuser()
+    except Exception:  # no passwd entry for the uid (a container run as an arbitrary user)
+        user = str(os.getuid())
+    return {"mlflow.source.name": source, "mlflow.source.type": "JOB", "mlflow.user": user,
+            "mlflow.note.content": description}
+
+
+def start_system_metrics(tracker, cfg: TrackingConfig) -> None:
+    """Sample CPU/memory/disk/network (and GPU, with nvidia-ml-py) into the run's system/* metrics until it ends.
+
+    MLflow's own sampler writes straight to the server, not through the tracker's queue: a sample the
+    server misses is dropped (they are a live view, not a record)."""
+    if not cfg.system_metrics or not tracker.run_id:  # a deferred run: no samples during an outage
+        return
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=cfg.system_metrics_interval_s,
+                                       tracking_uri=tracker.uri)
+        monitor.start()
+    except Exception as e:  # noqa: BLE001 - psutil missing, or any other reason: tracking never fails a stage
+        log.warning("no system metrics for this run: %s", e)
+        return
+    tracker.before_finish.append(lambda status: monitor.finish())
 
 
 def mlflow_client(uri: str):
@@ -55,12 +98,20 @@ def start_run(cfg: TrackingConfig, run_name: str, tags: dict[str, Any] | None = 
 
 def start_pipeline_run(cfg: TrackingConfig, params: dict[str, Any] | None = None) -> NullTracker:
     """The parent run of one pipeline run, tagged so stages (and the exit handler) can find it."""
-    return start_run(cfg, cfg.run_name or f"pipeline-{cfg.pipeline_run_id or 'local'}", {ROLE_TAG: "pipeline"}, params,
-                     strict=True)
+    tags = {ROLE_TAG: "pipeline", **run_tags(
+        f"prmflow pipeline (KFP run {cfg.pipeline_run_id or 'local'})",
+        "A prmflow pipeline run: SFT and PRM, then RL iterations of rollout -> advantage -> PPO, then evaluation. "
+        "Child runs: one per stage. Charts: pipeline/reward_mean, pipeline/accuracy and pipeline/kl_to_sft per RL "
+        "iteration (x axis = step = iteration); final/accuracy is the held-out pass@1 of the final policy, "
+        "final/baseline_accuracy the SFT policy's on the same prompts.")}
+    return start_run(cfg, cfg.run_name or f"pipeline-{cfg.pipeline_run_id or 'local'}", tags, params, strict=True)
 
 
-def finish_pipeline_run(cfg: TrackingConfig, status: str, metrics: dict[str, float] | None = None) -> str | None:
-    """Mark the pipeline's parent run FINISHED or FAILED (from the KFP exit handler). Returns its id."""
+def finish_pipeline_run(cfg: TrackingConfig, status: str, metrics: dict[str, float] | None = None,
+                        series: list[tuple[str, float, int]] | None = None) -> str | None:
+    """Mark the pipeline's parent run FINISHED or FAILED (from the KFP exit handler). Returns its id.
+
+    `metrics` are logged at step 0, `series` as (key, value, step) points (per RL iteration)."""
     if not cfg.enabled or not cfg.pipeline_run_id:
         return None
     uri = resolve_uri(cfg)
@@ -73,6 +124,8 @@ def finish_pipeline_run(cfg: TrackingConfig, status: str, metrics: dict[str, flo
                             finish_wait_s=cfg.finish_wait_s)
     if metrics:
         tracker.log_metrics(metrics)
+    for key, value, step in series or []:
+        tracker.log_metrics({key: value}, step=step)
     tracker.finish(status)
     return run_id
 
@@ -81,13 +134,31 @@ def start_stage_run(cfg: TrackingConfig, stage: str, params: dict[str, Any] | No
                     iteration: int | None = None, tags: dict[str, Any] | None = None) -> NullTracker:
     """A child run for one stage invocation, tagged with the stage and the RL iteration.
 
+    Named `<stage>`, `<stage>-iter<k>`, and `rollout-iter<k> shard <i>/<n>` for one of n > 1 shards
+    (tag `prmflow.shard` = "i/n"), so every run of a pipeline has its own name. A training stage's
+    held-out metrics (`eval/...` in its code) are logged as `<stage>/eval_...` (sft/eval_accuracy),
+    so `eval/` means the evaluate stage only; metrics a stage copies onto the parent run are filed
+    there as `final/...` (evaluate's eval/...) and `pipeline/...` (ppo's train/..., per iteration).
     The fallback file defaults to `.<output>.tracking.jsonl` beside the stage's `output` param.
     """
+    tags = dict(tags or {})
     name = stage if iteration is None else f"{stage}-iter{iteration}"
-    stage_tags = {"prmflow.stage": stage, **(tags or {})}
+    shard = str(tags.get("prmflow.shard", ""))
+    if shard and not shard.endswith("/1"):
+        name += f" shard {shard}"
+    role = STAGE_ROLES.get(stage, f"prmflow {stage} stage.")
+    where = f" RL iteration {iteration}." if iteration is not None else ""
+    where += f" Shard {shard}." if shard else ""
+    stage_tags = {"prmflow.stage": stage, **run_tags(f"prmflow {stage}", role + where), **tags}
     if iteration is not None:
         stage_tags["prmflow.iteration"] = iteration
     output = (params or {}).get("output") or None
     tracker = start_run(cfg, name, stage_tags, params, fallback_path=default_fallback_path(output, name))
+    if isinstance(tracker, MlflowTracker):
+        if stage != "evaluate":
+            tracker.renames = {"eval/": f"{stage}/eval_"}
+        tracker.parent_renames = {"eval/": "final/", "train/": "pipeline/"}
+        start_system_metrics(tracker, cfg)
     record_stage_handoffs(tracker, stage, params or {})  # lineage: inputs now, the output at a FINISHED end
+    record_stage_models(tracker, stage, params or {}, iteration, cfg.log_model_weights)  # models, at that end
     return tracker

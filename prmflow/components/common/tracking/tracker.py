@@ -31,6 +31,14 @@ FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 
 
+def renamed(key: str, renames: dict[str, str]) -> str:
+    """`key` with its prefix replaced when `renames` names one: renamed("eval/loss", {"eval/": "sft/eval_"})."""
+    for prefix, new in renames.items():
+        if key.startswith(prefix):
+            return new + key[len(prefix):]
+    return key
+
+
 class MlflowTracker(NullTracker):
     """An MLflow run driven through `MlflowClient` (no global active-run state), outage-tolerant.
 
@@ -58,6 +66,12 @@ class MlflowTracker(NullTracker):
         self._finished = False
         self.before_finish: list = []
         """Callables given the end status before the run is marked ended (the output's lineage record)."""
+        self.renames: dict[str, str] = {}
+        """Metric key prefixes logged under another name on this run: {"eval/": "sft/eval_"} (see runs.py)."""
+        self.parent_renames: dict[str, str] = {}
+        """The same for metrics copied onto the pipeline's parent run: {"train/": "pipeline/"}."""
+        self.latest: dict[str, tuple[float, int, int]] = {}
+        """The last (value, timestamp, step) logged on this run per metric key (the logged models' metrics)."""
 
     @property
     def pending(self) -> int:
@@ -73,8 +87,11 @@ class MlflowTracker(NullTracker):
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None, run: str = "self") -> None:
         now = int(time.time() * 1000)
-        items = [[k, float(v), now, int(step or 0)] for k, v in metrics.items()
+        renames = self.parent_renames if run == "parent" else self.renames
+        items = [[renamed(k, renames), float(v), now, int(step or 0)] for k, v in metrics.items()
                  if v is not None and math.isfinite(float(v))]
+        if run == "self":
+            self.latest.update({k: (v, ts, s) for k, v, ts, s in items})
         if items:
             self.submit({"op": "log_batch", "metrics": items, "run": run})
 

@@ -297,13 +297,6 @@ def open_dataset(dirs: str | Path | Sequence[str | Path], kind: str, verify_chec
                     f"Input '{d}' gathers shards by links, but '{dangling[0]}' links to '{os.readlink(dangling[0])}', "
                     "which does not exist here: the shard was moved or deleted, or (in a container) its host path is "
                     "not mounted. Mount each shard itself (`prmflow stage-command` does) or re-run the stage that wrote it.")
-        if d.is_dir() and not (d / io.MANIFEST).exists():
-            dangling = sorted(p for p in d.iterdir() if p.is_symlink() and not p.exists())
-            if dangling:  # a gathered-shards directory (entries link to the shards) whose shard is not here
-                raise DataError(
-                    f"Input '{d}' gathers shards by links, but '{dangling[0]}' links to '{os.readlink(dangling[0])}', "
-                    "which does not exist here: the shard was moved or deleted, or (in a container) its host path is "
-                    "not mounted. Mount each shard itself (`prmflow stage-command` does) or re-run the stage that wrote it.")
         if d.is_file() or not (d / io.MANIFEST).exists():
             subs = sorted(p for p in d.iterdir() if p.is_dir() and (p / io.MANIFEST).exists()) if d.is_dir() else []
             if subs:

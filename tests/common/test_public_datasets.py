@@ -223,6 +223,14 @@ def test_parquet_directory_reads_every_file_in_order(tmp_path):
     assert [r.answer for r in tasks.load(str(tmp_path / "d"))] == ["72", "1234"]
 
 
+def test_a_directory_mixing_gsm8k_and_math_files_reads_each_in_its_format(tmp_path):
+    (tmp_path / "mix").mkdir()
+    write_jsonl(tmp_path / "mix" / "gsm8k-train.jsonl", GSM8K)
+    pq.write_table(pa.Table.from_pylist(MATH), tmp_path / "mix" / "math-train.parquet")
+    recs = tasks.load(str(tmp_path / "mix"))
+    assert [(r.source, r.answer) for r in recs] == [("gsm8k", "72"), ("gsm8k", "1234"), ("math", "4"), ("math", "\\dfrac{1}{2}")]
+
+
 def test_hub_id_offline_fails_with_what_to_do(tmp_path):
     """No hub here: the hub path runs datasets.load_dataset and, offline, says how to get the data in."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hfd")}

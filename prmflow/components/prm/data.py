@@ -99,13 +99,14 @@ def load_stepwise(path: str | Path, separator: str = "\n", n: int | None = None)
     if local.is_dir() and (local / io.MANIFEST).is_file():  # a prm-label output, once its manifest says complete
         io.verify_files(local, io.read_manifest(local))
         spec.location = str(local / "labels.jsonl")
-    fmt = public.canonical(spec.options["format"], str(spec)) if spec.options.get("format") else None
+    given = public.canonical(spec.options["format"], str(spec)) if spec.options.get("format") else None
+    fmt, last_file = given, None
     neutral = public.neutral_option(spec.options, str(spec))
     base = Path(spec.location).parent if "://" not in spec.location else Path.cwd()
     out: list[StepExample] = []
     for where, raw in sources.iter_rows(spec):
-        if fmt is None:
-            fmt = public.detect(raw, where)
+        if given is None and sources.file_of(where) != last_file:  # each file of a directory in its own format
+            fmt, last_file = public.detect(raw, where), sources.file_of(where)
         if fmt in public.PROMPT_FORMATS:
             raise DataError(f"{where}: a {fmt} dataset has no step labels; the prm stage needs stepwise rows (prompt, "
                             f"steps, labels), Math-Shepherd, PRM800K or prm-label output (or task=arithmetic).")

@@ -35,20 +35,22 @@ def load_records(path: str | Path, prompt_field: str = "prompt", answer_field: s
                  require_response: bool = False, n: int | None = None) -> list[PromptRecord]:
     """Read a dataset (sources.py) into PromptRecords, at most `n`, failing on the first bad row.
 
-    The row format is the dataset's `format` option, else detected from the first row; renamed
-    fields (prompt_field, ...) mean the project's own `prompts` format.
+    The row format is the dataset's `format` option, else detected from each file's first row (a
+    directory may mix GSM8K and MATH files); renamed fields (prompt_field, ...) mean the project's
+    own `prompts` format.
     """
     spec = sources.parse(str(path))
-    fmt = spec.options.get("format") or (None if prompt_field == "prompt" else "prompts")
-    fmt = public.canonical(fmt, str(spec)) if fmt else None
+    given = spec.options.get("format") or (None if prompt_field == "prompt" else "prompts")
+    given = public.canonical(given, str(spec)) if given else None
+    fmt, last_file = given, None
     local = Path(spec.location)
     base = (local if local.is_dir() else local.parent) if "://" not in spec.location else Path.cwd()
     out: list[PromptRecord] = []
     for where, row in sources.iter_rows(spec):
         if n is not None and len(out) >= n:
             break
-        if fmt is None:
-            fmt = public.detect(row, where)
+        if given is None and sources.file_of(where) != last_file:  # each file of a directory in its own format
+            fmt, last_file = public.detect(row, where), sources.file_of(where)
         if fmt in public.STEP_FORMATS:
             raise DataError(f"{where}: a step-labelled ({fmt}) dataset, but prompts are needed here (prompt/messages + "
                             f"answer, gsm8k or math rows). Use it as the prm stage's task.")

@@ -9,7 +9,8 @@ A dataset is named by one string (a stage's `task` key), `LOCATION[?option=value
 | `s3://bucket/gsm8k/train.parquet`, `gs://...`, any fsspec URL | the same through fsspec: one file, or a prefix whose `*.parquet` / `*.jsonl` files are read in name order |
 | `hub:openai/gsm8k?config=main&split=test` | `datasets.load_dataset` (needs the Hub, or its cache; offline it fails with what to do instead) |
 
-Options: `format` (the row format, see public.py; default: detected from the first row's columns),
+Options: `format` (the row format, see public.py; default: detected from the columns of each file's
+first row, so a directory may hold GSM8K and MATH files side by side),
 `split` (a `datasets` directory holding several splits, or a Hub dataset; default `train`),
 `config` (a Hub dataset's configuration, e.g. `main` for GSM8K), `neutral` (PRM800K: the label of
 a neutral step, see public.py).
@@ -66,7 +67,8 @@ def parse(task: str) -> Spec:
 
 
 def iter_rows(spec: Spec) -> Iterator[tuple[str, dict]]:
-    """(where, row) for every row of the dataset, in order; where = 'FILE, line N' or 'FILE, row N'."""
+    """(where, row) for every row of the dataset, in order; where = 'FILE, line N' or 'FILE, row N'
+    (`file_of(where)` gives FILE: a directory's files may hold different formats)."""
     loc = spec.location
     if loc.startswith(HUB_PREFIX):
         yield from _hub_rows(loc[len(HUB_PREFIX):], spec.options)
@@ -94,6 +96,11 @@ def iter_rows(spec: Spec) -> Iterator[tuple[str, dict]]:
 
 
 # --- files ----------------------------------------------------------------------------------------
+
+def file_of(where: str) -> str:
+    """The file (or split) part of a row's `where`."""
+    return where.rsplit(", ", 1)[0]
+
 
 def _file_rows(f: IO[bytes], name: str) -> Iterator[tuple[str, dict]]:
     if name.endswith((".jsonl", ".json")):

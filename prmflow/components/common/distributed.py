@@ -4,7 +4,7 @@ A training stage (sft, prm, ppo) runs as N ranks when `engine.nproc_per_node` as
 (0 = one per visible GPU, 1 on a CPU machine). The user starts it as always (`prmflow sft ...`, the
 KFP component, `stage.run(cfg)`): `launch` re-executes the stage through torchrun's own Python entry
 point (`torch.distributed.run`, its elastic agent and c10d rendezvous on this node), with the config
-written to a file; the ranks see LOCAL_RANK and do not launch again. Under an outside torchrun (a
+written to a file; the ranks see torchrun's environment (`under_launcher`) and do not launch again. Under an outside torchrun (a
 Kubeflow TrainJob, or a user's `torchrun --nproc-per-node N prmflow sft ...`) nothing is re-launched.
 
 What the ranks share (the rules the stages follow):
@@ -64,8 +64,10 @@ def is_main() -> bool:
 
 
 def under_launcher() -> bool:
-    """Started by torchrun (or a TrainJob running it): the launcher sets LOCAL_RANK for each rank."""
-    return "LOCAL_RANK" in os.environ
+    """Started as a rank by torchrun (a TrainJob, a user's torchrun, or `launch`), or by another launcher
+    of several ranks. Not LOCAL_RANK alone: a one-process run sets it for DeepSpeed (`init`), and a
+    later stage run in the same process must still be able to launch its ranks."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def init(timeout_s: float) -> None:

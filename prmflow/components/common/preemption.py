@@ -19,6 +19,11 @@ checkpoint save; raise `terminationGracePeriodSeconds` for big models. 143 = 128
 status a process stopped by SIGTERM reports, so KFP and Kubernetes read it as "terminated", and a
 retry policy restarts the step. SIGINT (Ctrl-C) is handled the same way once; a second Ctrl-C
 interrupts at once. Repeated SIGTERMs are ignored while the checkpoint is written.
+
+N ranks (common/distributed.py): the SIGTERM goes to the torchrun agent (the stage's own launcher or
+an outside torchrun), which passes it to every rank and kills them 30 s later. A rank may see it a
+step later than another, so the loops ask `distributed.any_rank(stop.requested)` after every step:
+all ranks save the same step's checkpoint (a collective save) and exit 143 together.
 """
 
 from __future__ import annotations

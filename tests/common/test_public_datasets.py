@@ -259,6 +259,7 @@ def s3(monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("MLFLOW_S3_ENDPOINT_URL", raising=False)
     s3fs.S3FileSystem.clear_instance_cache()
     fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
     fs.mkdir("data")
@@ -284,6 +285,11 @@ def test_s3_parquet_and_jsonl_through_fsspec(tmp_path, s3, monkeypatch):
     monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": endpoint})
     fs.clear_instance_cache()
     assert [r.answer for r in tasks.load("s3://data/gsm8k/?format=gsm8k")] == ["72", "1234"]
+    # or the pipeline's object-store secret (MLFLOW_S3_ENDPOINT_URL) when nothing else names one
+    monkeypatch.setitem(fsspec.config.conf, "s3", {})
+    monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", endpoint)
+    fs.clear_instance_cache()
+    assert len(tasks.load("s3://data/gsm8k/test.parquet")) == 2
 
 
 def test_s3_errors_name_the_object_and_row(tmp_path, s3, monkeypatch):

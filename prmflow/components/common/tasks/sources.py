@@ -16,7 +16,8 @@ first row, so a directory may hold GSM8K and MATH files side by side),
 a neutral step, see public.py).
 
 Object-store credentials and endpoints come from the environment as their libraries read them:
-for S3, `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` and `AWS_ENDPOINT_URL` (MinIO, Ceph, ...);
+for S3, `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` and `AWS_ENDPOINT_URL` (MinIO, Ceph, ...; else
+`MLFLOW_S3_ENDPOINT_URL`, which a pipeline's `cluster.object_store_secret` sets);
 any fsspec storage option from `FSSPEC_<PROTOCOL>_<OPTION>` variables, e.g.
 `FSSPEC_S3_ENDPOINT_URL` (fsspec's own configuration). Every row comes with where it is (`FILE,
 line N` / `FILE, row N`), so a bad row is reported by file and row.
@@ -176,11 +177,13 @@ def _fsspec_rows(url: str) -> Iterator[tuple[str, dict]]:
 
 
 def _storage_options(url: str) -> dict:
-    """S3-compatible stores: the endpoint from AWS_ENDPOINT_URL(_S3) when fsspec's own config gives none."""
+    """S3-compatible stores: the endpoint from AWS_ENDPOINT_URL(_S3), else MLFLOW_S3_ENDPOINT_URL, when
+    fsspec's own config gives none."""
     import fsspec.config
 
     if url.startswith(("s3://", "s3a://")) and "endpoint_url" not in fsspec.config.conf.get("s3", {}):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        endpoint = (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+                    or os.environ.get("MLFLOW_S3_ENDPOINT_URL"))  # what the pipeline's object_store_secret provides
         if endpoint:
             return {"endpoint_url": endpoint}
     return {}

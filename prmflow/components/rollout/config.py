@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -65,6 +66,10 @@ class Config:
     """This pod's shard: it samples the prompts with index % num_shards == shard."""
     num_shards: int = 1
     """Pods sampling this iteration in parallel, each into its own output; their parent reads as one dataset."""
+    rank: int = -1
+    """This process's rank among world_size processes splitting the shard's prompts (one engine per GPU): it samples and scores generation batches rank, rank + world_size, ... and writes OUTPUT/rank-<rank>; the ranks' directories read as one dataset. -1: $RANK (torchrun sets it), else 0."""
+    world_size: int = 0
+    """Processes splitting this shard's prompts, e.g. `torchrun --nproc-per-node 8 prmflow rollout ...`; the samples are the same as on one process. 0: $WORLD_SIZE (torchrun sets it), else 1."""
     log_samples: int = 16
     """Responses (with per-step PRM scores) logged as an MLflow table artifact."""
     overwrite: bool = False
@@ -90,6 +95,10 @@ class Config:
         for key in ("num_prompts", "max_prompt_len", "log_samples", "iteration"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must be 0 or more.")
+        rank, world = self.ranks()
+        if world < 1 or not 0 <= rank < world:
+            raise ConfigError(f"rank is {rank} with world_size={world} (from the keys rank/world_size or $RANK/$WORLD_SIZE); "
+                              f"use 0 <= rank < world_size.")
         if not 0 <= self.shard < self.num_shards:
             raise ConfigError(f"shard is {self.shard} with num_shards={self.num_shards}; use 0 <= shard < num_shards.")
         if self.task in tasks.TASKS and self.num_prompts == 0:
@@ -105,3 +114,9 @@ class Config:
         # a malformed recipe fails here; user functions are imported when the stage runs (the machine
         # that compiles a pipeline may not have them)
         rewards_lib.build_recipes(self.rewards, import_functions=False)
+
+    def ranks(self) -> tuple[int, int]:
+        """(rank, world size) of this process: the keys when set, else torchrun's $RANK / $WORLD_SIZE."""
+        world = self.world_size or int(os.environ.get("WORLD_SIZE", "1") or 1)
+        rank = self.rank if self.rank >= 0 else int(os.environ.get("RANK", "0") or 0)
+        return rank, world

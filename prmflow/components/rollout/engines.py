@@ -59,7 +59,8 @@ class SamplingParams:
     stop: Sequence[str] = ()
     """Strings that end a sample once they appear in its text (kept in the response)."""
     seed: int = 0
-    """Seed of the sampling random numbers: the same seed, prompts and batch size give the same samples."""
+    """Seed of the sampling random numbers: the same seed, prompts and batch size give the same samples,
+    on one rank or split over several (each generation batch, or each vLLM request, has its own seed)."""
     ignore_eos: bool = False
     """Keep generating after an end-of-sequence token (benchmarks: every sample gets max_new_tokens)."""
 
@@ -102,6 +103,11 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
         remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
     return logits
+
+
+def batch_seed(seed: int, batch: int) -> int:
+    """The seed of generation batch `batch` (batch 0 keeps `seed` itself)."""
+    return (seed + batch * 1_000_000_007) % (2**63)
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
@@ -182,16 +188,22 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  progress: Callable[[int], None] | None = None,
-                 images: Sequence[Sequence[bytes]] | None = None) -> list[list[Completion]]:
+                 images: Sequence[Sequence[bytes]] | None = None, rank: int = 0, world: int = 1) -> list[list[Completion]]:
+        """Completions per prompt. With world > 1 this is rank `rank` of `world` processes given the
+        same prompts: every rank cuts the same length-sorted batches, samples batches rank, rank +
+        world, ... and leaves the other prompts' lists empty. Each batch draws from its own seed, so
+        a prompt's samples are the same whichever rank samples it (the same batch, the same numbers)."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if images is not None and any(images) and self.vision is None:
             raise ValueError("prompts with images need a vision-language model (its tokenizer carries the processor)")
-        generator = torch.Generator(device=self.device).manual_seed(params.seed)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         per_batch = max(1, self.batch_size // params.n)
         out: list[list[Completion]] = [[] for _ in prompts]
-        for b in range(0, len(order), per_batch):
+        for k, b in enumerate(range(0, len(order), per_batch)):
+            if k % world != rank:
+                continue
+            generator = torch.Generator(device=self.device).manual_seed(batch_seed(params.seed, k))
             chunk = order[b:b + per_batch]
             pixels = {}
             if images is not None and any(images[i] for i in chunk):
@@ -298,21 +310,24 @@ class VLLMEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  progress: Callable[[int], None] | None = None,
-                 images: Sequence[Sequence[bytes]] | None = None) -> list[list[Completion]]:
+                 images: Sequence[Sequence[bytes]] | None = None, rank: int = 0, world: int = 1) -> list[list[Completion]]:
+        """Completions per prompt; rank `rank` of `world` samples the prompts with index % world ==
+        rank (seeded by the prompt's index in the whole list) and leaves the others empty."""
         from vllm import SamplingParams as VSamplingParams
 
-        requests = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
-        for i, req in enumerate(requests):  # placeholders already expanded in the ids; vLLM matches them
+        mine = [i for i in range(len(prompts)) if i % world == rank]
+        requests = [{"prompt_token_ids": list(map(int, prompts[i]))} for i in mine]
+        for i, req in zip(mine, requests):  # placeholders already expanded in the ids; vLLM matches them
             if images is not None and images[i]:
                 req["multi_modal_data"] = {"image": [decode_image(b, f"prompt {i}") for b in images[i]]}
         sampling = [VSamplingParams(
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
             max_tokens=params.max_new_tokens, stop=list(params.stop) or None, include_stop_str_in_output=True,
             ignore_eos=params.ignore_eos, logprobs=0, seed=params.seed * 1_000_003 + i, detokenize=bool(params.stop),
-        ) for i in range(len(prompts))]
+        ) for i in mine]
         results = self.llm.generate(requests, sampling, use_tqdm=False)
-        out = []
-        for res in results:
+        out: list[list[Completion]] = [[] for _ in prompts]
+        for i, res in zip(mine, results):
             samples = []
             for c in sorted(res.outputs, key=lambda c: c.index):
                 if c.finish_reason not in (STOP, LENGTH):
@@ -320,7 +335,7 @@ class VLLMEngine:
                 ids = list(c.token_ids)
                 lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs)]
                 samples.append(Completion(ids, lps, c.finish_reason))
-            out.append(samples)
+            out[i] = samples
         if progress is not None:
             progress(len(prompts))
         return out

@@ -21,8 +21,10 @@ from .engines import Completion
 
 def output_dir(cfg: Config) -> Path:
     """Where this invocation writes: `output`, one directory per shard (the pipeline gives every pod
-    its own); shards placed under one parent read back as one dataset."""
-    return Path(cfg.output)
+    its own); shards placed under one parent read back as one dataset. On several ranks each writes
+    `output/rank-<rank>`, and `output` reads as one dataset the same way."""
+    rank, world = cfg.ranks()
+    return Path(cfg.output) / f"rank-{rank}" if world > 1 else Path(cfg.output)
 
 
 def identity(cfg: Config) -> dict:

@@ -8,6 +8,7 @@ from the PRM on the re-tokenized text. One model is on the device at a time.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -22,8 +23,10 @@ from .engines import Completion, HFEngine, SamplingParams, VLLMEngine
 
 
 def device(cfg: Config) -> torch.device:
-    """The configured device; empty = cuda when available, else cpu."""
-    return torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """The configured device; empty = cuda when available (a rank's own GPU, $LOCAL_RANK), else cpu."""
+    if cfg.device:
+        return torch.device(cfg.device)
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def sampling_seed(cfg: Config) -> int:
@@ -55,7 +58,8 @@ def load_scorer_model(path: str, cfg: Config, scalar: bool):
 
 def generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: SamplingParams, images=None):
     """Sample with the configured engine. Returns (completions per prompt, the HF policy for
-    scoring, timings); with vLLM the engine is shut down first, then the HF policy is loaded."""
+    scoring, timings); with vLLM the engine is shut down first, then the HF policy is loaded. On
+    several ranks the prompts other ranks sample have no completions here."""
     t0 = time.perf_counter()
     if cfg.sampler == "hf":
         policy, _ = modeling.load_causal_lm(cfg.policy, cfg.dtype, seed=cfg.seed)
@@ -65,7 +69,8 @@ def generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: Sampli
     load_s = time.perf_counter() - t0
     bar = progress(len(prompt_ids), f"rollout iter {cfg.iteration}: generate", "prompt")
     t0 = time.perf_counter()
-    completions = engine.generate(prompt_ids, params, progress=bar.update, images=images)
+    rank, world = cfg.ranks()
+    completions = engine.generate(prompt_ids, params, progress=bar.update, images=images, rank=rank, world=world)
     generate_s = time.perf_counter() - t0
     bar.close()
     if cfg.sampler == "vllm":

@@ -20,7 +20,9 @@ Phases, in one process:
    manifest keeps the config and the metrics, so a re-run with the same config returns at once.
 
 With num_shards > 1 each pod writes its own output directory (ITER/shard-0, ITER/shard-1, ...);
-the parent reads as one dataset (`schema.open_dataset(ITER)`). Logprobs are of the model's raw
+the parent reads as one dataset (`schema.open_dataset(ITER)`). Inside one shard, N processes
+(`torchrun --nproc-per-node N prmflow rollout ...`, or the keys rank / world_size) split the
+generation batches and each writes OUTPUT/rank-<r>; the samples are those of one process. Logprobs are of the model's raw
 distribution (temperature 1, no top-k/top-p), see engines.py.
 """
 
@@ -69,11 +71,22 @@ def run(cfg: Config) -> dict:
     prompt_texts, prompt_ids, truncated = prompts.tokenize_prompts(cfg, tokenizer, records, window)
     params = SamplingParams(n=cfg.n_samples, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                             top_k=cfg.sampling.top_k, max_new_tokens=cfg.sampling.max_new_tokens, stop=list(cfg.stop), seed=passes.sampling_seed(cfg))
+    rank, world = cfg.ranks()
+    rank_tag = {"prmflow.rank": f"{rank}/{world}"} if world > 1 else {}
     tracker = tracking.start_stage_run(cfg.tracking, "rollout", params=config_lib.flat_dict(cfg), iteration=cfg.iteration,
-                                       tags={"prmflow.output": str(out.resolve()), "prmflow.shard": f"{cfg.shard}/{cfg.num_shards}"})
+                                       tags={"prmflow.output": str(out.resolve()), "prmflow.shard": f"{cfg.shard}/{cfg.num_shards}",
+                                             **rank_tag})
     with tracker:
         images = [r.images or [] for r in records] if has_images else None
         completions, policy, timing = passes.generate(cfg, tokenizer, prompt_ids, params, images)
+        if world > 1:  # keep this rank's prompts: the ones it sampled (every prompt gets n_samples >= 1)
+            mine = [i for i, c in enumerate(completions) if c]
+            if not mine:
+                raise DataError(f"rank {rank} of {world} has no prompts: {len(records)} prompts make fewer than {world} "
+                                f"generation batches of batch_sequences / n_samples prompts; lower world_size or "
+                                f"batch_sequences.")
+            records, prompt_texts, prompt_ids, completions = ([xs[i] for i in mine] for xs in
+                                                              (records, prompt_texts, prompt_ids, completions))
         rows = [(i, j, c) for i, group in enumerate(completions) for j, c in enumerate(group)]
         n_tokens = sum(len(c.token_ids) for _, _, c in rows)
 

@@ -196,3 +196,17 @@ def test_a_retried_step_waits_for_the_job_its_first_attempt_submitted(tmp_path, 
     assert fake.posted() == [] and len(fake.jobs) == 1
     assert (out / "policy" / "model.safetensors").read_bytes() == b"weights"
 
+
+
+def test_the_7b_two_node_recipe_compiles_with_sft_and_ppo_as_trainjobs(tmp_path):
+    text = (ROOT / "configs" / "cluster" / "ppo-7b-2x8.yaml").read_text()
+    spec, _ = compile_yaml(tmp_path, text)
+    by_name = {t["taskInfo"]["name"]: t for t in all_tasks(spec).values()}
+    assert "sft (trainjob)" in by_name and "prm" in by_name
+    assert {f"ppo-{k} (trainjob)" for k in range(10)} <= set(by_name)
+    ex = by_name["ppo-9 (trainjob)"]["componentRef"]["name"].replace("comp-", "exec-")
+    submitted = json.loads(trainjob_env(spec, ex))
+    assert submitted["num_nodes"] == 2 and submitted["resources_per_node"]["nvidia.com/gpu"] == 8
+    assert submitted["workspace_pvc"] == "prmflow-workspace" and submitted["runtime"] == "torch-distributed"
+    ppo_params = spec["root"]["inputDefinitions"]["parameters"]["ppo_config"]["defaultValue"]
+    assert ppo_params["train_critic"] is True and ppo_params["engine"]["zero_stage"] == 3

@@ -83,3 +83,39 @@ def test_recipe_runs_the_real_model_on_public_data_with_process_rewards(tmp_path
     tp = rollout["vllm"]["tensor_parallel_size"]
     assert all(h % tp == 0 for h in heads) and tp <= yaml.safe_load(
         (ROOT / "configs/cluster" / name).read_text())["pipeline"]["cluster"]["gpu_pool"]["accelerator_count"]
+
+
+def readme_block() -> dict:
+    """The README's 'Real models and data' block: the keys that take the quickstart to Qwen2.5 on GSM8K."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"```yaml\n# quickstart -> Qwen2.5[^\n]*\n(.*?)```", text, re.S)
+    assert m, "README: the 'Real models and data' YAML block is missing"
+    return yaml.safe_load(m.group(1))
+
+
+def merged(base: dict, change: dict) -> dict:
+    out = dict(base)
+    for k, v in change.items():
+        out[k] = merged(base.get(k) or {}, v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
+def test_readme_keys_take_the_quickstart_to_qwen_on_gsm8k(tmp_path):
+    """Every key the README names exists, really changes the quickstart's value, and the result compiles."""
+    from prmflow import stages
+
+    quick = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
+    block = readme_block()
+    for stage, section in block.items():
+        Config = stages.available()[stage].Config
+        before = config.flat_dict(config.build(Config, config.flatten(quick.get(stage) or {})))
+        after = config.flat_dict(config.build(Config, config.flatten(merged(quick.get(stage) or {}, section))))
+        for key, value in config.flatten(section).items():
+            if isinstance(value, dict):  # flatten also keeps the nested section itself
+                continue
+            assert key in after, f"README names {stage}.{key}, which is not a key"
+            assert before[key] != after[key], f"README says {stage}.{key} changes, but the quickstart already has {value!r}"
+    assert block["sft"]["task"].endswith(".parquet") and block["prm"]["task"].endswith("math-shepherd.parquet")
+    path = tmp_path / "qwen-gsm8k.yaml"
+    path.write_text(yaml.safe_dump(merged(quick, block)))
+    assert cli.main(["pipeline", "compile", "--config", str(path), "-o", str(tmp_path / "compiled.yaml")]) == 0

@@ -22,3 +22,26 @@ def test_oracle_labels_each_step_up_to_the_first_error(response, want):
 def test_oracle_refuses_prompts_without_an_exact_step_checker():
     with pytest.raises(ConfigError, match="row 1 .*'gsm8k'.*trained PRM"):
         oracle.step_rewards(["arithmetic", "gsm8k"], [PROMPT, "Janet has 3 ducks"], ["answer: 32", "#### 3"], "\n")
+
+
+@pytest.mark.parametrize("configured, want", [({"prm": "oracle"}, "oracle"), ({}, "/pvc/prm_model")])
+def test_pipeline_step_uses_the_oracle_only_when_configured(monkeypatch, configured, want):
+    """In the pipeline the rollout step is handed the trained PRM artifact; `rollout: {prm: oracle}` wins."""
+    from kfp import dsl
+
+    from prmflow.components.common import kfp_shim
+    from prmflow.components.rollout import component
+
+    seen = {}
+    monkeypatch.setattr(kfp_shim, "run_stage", lambda name, stage, config, paths, *a: seen.update(paths))
+    monkeypatch.setattr(kfp_shim, "dataset_metadata", lambda path: {})
+
+    def art(cls, path):
+        a = cls(uri=f"file://{path}")
+        a.path = path
+        return a
+
+    component.rollout(configured, "run", "", "exp", 0, 0, 1, art(dsl.Model, "/pvc/policy"), "policy",
+                      art(dsl.Model, "/pvc/prm_model"), art(dsl.Model, "/pvc/ref"), art(dsl.Model, "/pvc/critic"), "critic",
+                      False, art(dsl.Dataset, "/pvc/rollouts"))
+    assert seen["prm"] == want and seen["policy"] == "/pvc/policy/policy"

@@ -12,7 +12,9 @@ def rollout(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, i
     from prmflow.components.common.kfp_shim import dataset_metadata, run_stage
     from prmflow.components.rollout import stage
 
-    paths = {"policy": os.path.join(policy.path, policy_subdir), "prm": prm_model.path, "ref": ref.path,
+    # `prm: oracle` in the rollout config (the exact checker's step labels) stands in for the trained PRM
+    prm = "oracle" if (config or {}).get("prm") == "oracle" else prm_model.path
+    paths = {"policy": os.path.join(policy.path, policy_subdir), "prm": prm, "ref": ref.path,
              "critic": os.path.join(critic.path, critic_subdir) if use_critic else "",
              "shard": shard, "num_shards": num_shards, "output": rollouts.path}
     run_stage("rollout", stage, config, paths, kfp_run_id, tracking_uri, experiment, iteration)

@@ -41,7 +41,7 @@ def test_metrics_against_independent_recomputation(sft_policy, flat_prm, tmp_pat
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(sqlite_store)
-    assert client.get_run(parent.run_id).data.metrics["eval/accuracy"] == pytest.approx(m["eval/accuracy"])
+    assert client.get_run(parent.run_id).data.metrics["final/accuracy"] == pytest.approx(m["eval/accuracy"])
 
 
 def test_per_step_view_marks_the_first_wrong_step():

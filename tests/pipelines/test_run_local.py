@@ -69,7 +69,7 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     names = sorted(r.info.run_name for r in children)
     expected = ["evaluate", "prm", "sft"]
     for k in (0, 1):
-        expected += [f"rollout-iter{k}", f"rollout-iter{k}", f"advantage-iter{k}", f"ppo-iter{k}"]
+        expected += [f"rollout-iter{k} shard 0/2", f"rollout-iter{k} shard 1/2", f"advantage-iter{k}", f"ppo-iter{k}"]
     assert names == sorted(expected)
     assert all(r.info.status == "FINISHED" for r in children)
     by_name = {r.info.run_name: r for r in children}
@@ -87,9 +87,9 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     _assert_weights_moved(by_name["ppo-iter0"].data.params["policy"], by_name["evaluate"].data.params["policy"])
     # the parent carries the whole configuration and the evaluation headline
     assert parent.data.params["sft.max_steps"] == "12"
-    assert "eval/accuracy" in parent.data.metrics
-    assert parent.data.metrics["sft/accuracy"] == by_name["sft"].data.metrics["eval/accuracy"]
-    assert "prm/step_auc" in parent.data.metrics and "eval/step_auc" not in parent.data.metrics
+    assert "final/accuracy" in parent.data.metrics and "eval/accuracy" not in parent.data.metrics
+    assert parent.data.metrics["sft/eval_accuracy"] == by_name["sft"].data.metrics["sft/eval_accuracy"]
+    assert "prm/eval_step_auc" in parent.data.metrics and "eval/step_auc" not in parent.data.metrics
     # the console is quiet: kfp.local's executor JSON and the tasks' own output went to the log file
     out = capsys.readouterr().out
     before_table = out.split(f"MLflow run {parent.info.run_id}")[0]
@@ -100,11 +100,12 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     table = out.split(f"MLflow run {parent.info.run_id}")[1]
     rows = {line.split("  ")[0].strip(): line.split()[-4:] for line in table.splitlines()[2:] if line.strip()}
     assert {"sft", "iter 0", "iter 1", "sft (same prompts)", "final"} <= set(rows)
-    assert rows["final"][0] == f"{parent.data.metrics['eval/accuracy']:.3f}"
-    shards = [r for r in children if r.info.run_name == "rollout-iter1"]
+    assert rows["final"][0] == f"{parent.data.metrics['final/accuracy']:.3f}"
+    shards = [r for r in children if r.info.run_name.startswith("rollout-iter1 ")]
     reward = sum(r.data.metrics["rollout/reward_mean"] * r.data.metrics["rollout/samples"] for r in shards) / sum(
         r.data.metrics["rollout/samples"] for r in shards)
     assert rows["iter 1"][1] == f"{reward:.3f}"  # the batch mean over both shards
+    assert client.get_metric_history(parent.info.run_id, "pipeline/reward_mean")[-1].value == pytest.approx(reward)
 
 
 @pytest.mark.timeout(900)
@@ -135,7 +136,7 @@ def test_compare_runs_each_variant_on_one_shared_warm_up(tmp_path, monkeypatch):
     assert parents["grpo_process"].data.params["advantage.estimator"] == "grpo_process"
     assert parents["outcome-only"].data.params["advantage.estimator"] == "grpo"
     # both evaluations scored the same SFT policy on the same prompts
-    base = {n: p.data.metrics["eval/baseline_accuracy"] for n, p in parents.items()}
+    base = {n: p.data.metrics["final/baseline_accuracy"] for n, p in parents.items()}
     assert base["outcome-only"] == base["grpo_process"]
     table = (tmp_path / "runs" / "comparison.txt").read_text()
     assert "outcome-only" in table and "grpo_process" in table and "PRM best-of-k" in table

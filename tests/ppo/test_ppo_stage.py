@@ -354,9 +354,11 @@ def test_metrics_reach_mlflow_under_their_names(sft_policy, rows16, tmp_path, sq
     (run,) = client.search_runs([client.get_experiment_by_name("prmflow").experiment_id])
     assert run.data.tags["prmflow.stage"] == "ppo" and run.data.tags["prmflow.iteration"] == "2"
     for key in ("train/policy_loss", "train/value_loss", "train/clip_frac", "train/approx_kl", "train/entropy",
-                "train/grad_norm", "train/lr", "train/skipped_updates", "perf/tokens_per_s", "train/kl_coef"):
+                "train/grad_norm", "train/lr", "train/skipped_updates", "perf/tokens_per_s", "ppo/kl_coef", "ppo/policy_loss"):
         assert key in run.data.metrics, key
-    assert len(client.get_metric_history(run.info.run_id, "train/policy_loss")) == 3  # 2 updates + the summary
+    # one point per update, at the global update count (iteration 2 of 2-update iterations: 5, 6); the summary is ppo/*
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/policy_loss")] == [5, 6]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "ppo/policy_loss")] == [6]
 
 
 def test_next_iteration_continues_the_optimizer(sft_policy, rows16, tmp_path):

@@ -186,10 +186,10 @@ def test_tracking_records_the_prm_metrics(tmp_path, sqlite_store):
     stage.run(cfg)
     client = MlflowClient(sqlite_store)
     (run,) = client.search_runs([client.get_experiment_by_name("prmflow").experiment_id])
-    assert {"train/loss", "train/lr", "train/grad_norm", "eval/step_auc", "eval/step_accuracy",
-            "eval/first_error_recall", "eval/loss", "perf/tokens_per_s"} <= set(run.data.metrics)
+    assert {"train/loss", "train/lr", "train/grad_norm", "prm/eval_step_auc", "prm/eval_step_accuracy",
+            "prm/eval_first_error_recall", "prm/eval_loss", "perf/tokens_per_s"} <= set(run.data.metrics)
     assert run.data.tags["prmflow.stage"] == "prm" and run.data.params["head.kind"] == "token_classification"
-    assert {m.step for m in client.get_metric_history(run.info.run_id, "eval/step_auc")} == {2, 4}
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "prm/eval_step_auc")} == {2, 4}
 
 
 def test_a_labelled_file_can_be_judged_on_the_exact_arithmetic_split(tmp_path):

@@ -249,8 +249,8 @@ def test_training_survives_a_real_mlflow_server_going_down_and_coming_back(mlflo
     assert run.info.status == "FINISHED" and run.data.tags["prmflow.stage"] == "sft"
     assert run.data.params["max_steps"] == "10"
     assert [s for s, _, _ in history(client, tracker.run_id, "train/loss")] == list(range(1, 11))  # nothing lost
-    assert [s for s, _, _ in history(client, tracker.run_id, "eval/accuracy")] == [5, 10]
-    assert run.data.metrics["eval/loss"] == pytest.approx(metrics["eval/loss"])
+    assert [s for s, _, _ in history(client, tracker.run_id, "sft/eval_accuracy")] == [5, 10]
+    assert run.data.metrics["sft/eval_loss"] == pytest.approx(metrics["eval/loss"])
     assert False in saves  # checkpoints were written while the server was down
     during_outage = [s for n, s in call_s if 6 <= n < 8]  # between the kill and the restart
     assert during_outage and max(during_outage) < 1.0  # a down server costs a refused connection, not a stall
@@ -258,7 +258,7 @@ def test_training_survives_a_real_mlflow_server_going_down_and_coming_back(mlflo
     assert all((a[n] == b[n]).all() for n in a)  # tracking trouble does not change training
     reliability.add("tracking/real-server", server_restarts=server.starts, metric_points_expected=12,
                     metric_points_arrived=len(history(client, tracker.run_id, "train/loss")) +
-                    len(history(client, tracker.run_id, "eval/accuracy")),
+                    len(history(client, tracker.run_id, "sft/eval_accuracy")),
                     calls_delivered_late=tracker.delivered_late,
                     slowest_call_during_outage_s=round(max(during_outage), 3),
                     checkpoints_while_down=saves.count(False))

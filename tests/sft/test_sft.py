@@ -139,7 +139,7 @@ def test_tracking_records_metrics_and_params(tmp_path, sqlite_store):
     stage.run(cfg)
     client = MlflowClient(sqlite_store)
     (run,) = client.search_runs([client.get_experiment_by_name("prmflow").experiment_id])
-    assert {"train/loss", "train/lr", "eval/accuracy", "eval/loss", "perf/tokens_per_s"} <= set(run.data.metrics)
+    assert {"train/loss", "train/lr", "sft/eval_accuracy", "sft/eval_loss", "perf/tokens_per_s"} <= set(run.data.metrics)
     assert run.data.params["optim.lr"] == "0.003" and run.data.params["engine.backend"] == "torch"
     assert run.data.tags["prmflow.stage"] == "sft" and run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, "train/loss")

@@ -263,9 +263,9 @@ def _stage_command(args) -> int:
         image = args.image or (DEFAULT_CPU_IMAGE if args.stage == "advantage" else DEFAULT_GPU_IMAGE)
         argv = stage_command(args.stage, run.data.params, image, args.output, inputs,
                              engine=args.engine or container_engine())
+    Path(args.output).mkdir(parents=True, exist_ok=True)  # podman refuses a mount source that does not exist
     print(shlex.join(argv), flush=True)
     if args.run:
-        Path(args.output).mkdir(parents=True, exist_ok=True)  # podman refuses a missing mount source
         return subprocess.run(argv).returncode
     return 0
 

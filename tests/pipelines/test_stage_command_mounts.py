@@ -62,6 +62,11 @@ class ContainerView:
                 return None
         return self._mounted(resolved)
 
+    def exists(self, path: str) -> bool:
+        """`path` is there in the container: a mounted file or directory, or one the engine makes for a mount point."""
+        host = self.host(path)
+        return (host is not None and host.exists()) or any(c.startswith(path.rstrip("/") + "/") for c, _ in self.mounts)
+
     def _mounted(self, path: str) -> Path | None:
         for c, h in self.mounts:
             if path == c or path.startswith(c.rstrip("/") + "/"):
@@ -86,7 +91,7 @@ def printed_line(argv: list[str]) -> list[str]:
     buf = stdio.StringIO()
     with contextlib.redirect_stdout(buf):
         assert cli.main(argv) == 0
-    return shlex.split(buf.getvalue().strip().splitlines()[-1])
+    return shlex.split(buf.getvalue())  # one line, unless a value holds a newline (chat_template)
 
 
 def test_a_dangling_shard_link_is_named_not_reported_as_a_missing_manifest(tmp_path):
@@ -155,8 +160,10 @@ def test_every_stage_of_a_local_run_sees_all_its_inputs_in_the_container(tmp_pat
         for i, a in enumerate(argv):
             if a == "--set" and argv[i + 1].split("=", 1)[1].startswith("/inputs/"):
                 key, value = argv[i + 1].split("=", 1)
-                assert view.host(value) is not None and view.host(value).exists(), (stage, key, value)
-        if stage == "advantage":  # the gathered shards: one mount each, the stage's whole input
+                assert view.exists(value), (stage, key, value)
+        if stage == "advantage":  # the gathered shards: one mount each, each a finished rollouts hand-off
             assert sum(a.endswith(":ro") and ":/inputs/input/shard-" in a for a in argv) == 2
+            for shard in ("shard-00000", "shard-00001"):
+                assert view.host(f"/inputs/input/{shard}/manifest.json").is_file()
         if stage in ("rollout", "ppo", "evaluate"):
             assert "/inputs/policy" in " ".join(argv), argv

@@ -73,7 +73,8 @@ def record_cluster_run(tmp_path: Path, monkeypatch, fs) -> tuple[str, str, Path]
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     # what the advantage component does in its pod (prmflow/components/advantage/component.py)
     gathered = kfp_shim.gather_shards(shards, str(tmp_path / "pod" / "tmp" / "advantages.inputs"))
-    kfp_shim.run_stage("advantage", advantage, {"estimator": "grpo_process"}, {"input": gathered, "output": str(out)},
+    config = {"estimator": "gae", "gamma": 0.9, "lam": 0.8, "kl_coef": 0.05}  # not the defaults: the re-run must use them
+    kfp_shim.run_stage("advantage", advantage, config, {"input": gathered, "output": str(out)},
                        "run-7", store, "cluster", iteration=0)
     fs.put(str(out) + "/", f"{BUCKET}/{RUN_ROOT}advantage/advantages/", recursive=True)
     original = shutil.copytree(out, tmp_path / "original")
@@ -120,7 +121,7 @@ def test_stage_command_fetches_verifies_and_reruns_to_the_same_output(tmp_path, 
     assert mounts == [f"{cache}/s3/{BUCKET}/{RUN_ROOT}rollout-0/rollouts:/inputs/input/shard-00000:ro",
                       f"{cache}/s3/{BUCKET}/{RUN_ROOT}rollout-1/rollouts:/inputs/input/shard-00001:ro",
                       f"{rerun}:/outputs"]
-    assert "input=/inputs/input" in argv and "output=/outputs/advantages" in argv and "estimator=grpo_process" in argv
+    assert "input=/inputs/input" in argv and "output=/outputs/advantages" in argv and "estimator=gae" in argv and "kl_coef=0.05" in argv
 
 
 def _line(argv: list[str]) -> str:
@@ -130,7 +131,7 @@ def _line(argv: list[str]) -> str:
     buf = stdio.StringIO()
     with contextlib.redirect_stdout(buf):
         assert cli.main(argv) == 0
-    return buf.getvalue().strip().splitlines()[-1]
+    return buf.getvalue().strip()
 
 
 def test_a_tampered_input_is_refused_naming_the_file(tmp_path, monkeypatch, s3, capsys):

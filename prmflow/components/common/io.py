@@ -23,6 +23,10 @@ from . import config_keys, distributed
 from .errors import DataError, OutputExistsError
 
 MANIFEST = "manifest.json"
+# The process umask, read once at import (os.umask can only be read by setting it): outputs made through
+# temporary files and directories get the modes open() and mkdir() would give them.
+UMASK = os.umask(0o022)
+os.umask(UMASK)
 
 #: Config keys that may change between a run and its resume or re-run without changing the result.
 NOT_IDENTITY = ("tracking", "resume", "overwrite")
@@ -68,6 +72,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp's 0600 would hide the file from other readers
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2, sort_keys=True, default=str)
             f.flush()
@@ -235,6 +240,9 @@ def atomic_output_dir(path: str | Path, kind: str, overwrite: bool = False,
     clean_stale_temporaries(path)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
+        # mkdtemp's 0700 would make the committed output readable by its owner only (a container
+        # running as another uid could not read its inputs); give it the mode mkdir gives.
+        os.chmod(tmp, 0o777 & ~UMASK)
         yield tmp
         write_json_atomic(tmp / MANIFEST, build_manifest(tmp, kind, **manifest_extra))
         _fsync_dir(tmp)

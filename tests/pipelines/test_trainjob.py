@@ -210,3 +210,54 @@ def test_the_7b_two_node_recipe_compiles_with_sft_and_ppo_as_trainjobs(tmp_path)
     assert submitted["workspace_pvc"] == "prmflow-workspace" and submitted["runtime"] == "torch-distributed"
     ppo_params = spec["root"]["inputDefinitions"]["parameters"]["ppo_config"]["defaultValue"]
     assert ppo_params["train_critic"] is True and ppo_params["engine"]["zero_stage"] == 3
+
+
+def run_node_pods(body, workspace: Path):
+    """The node pods, for real on this machine: the TrainJob's command with the env Kubeflow Trainer's
+    torch plugin gives a 1-node, 1-process job (torchrun reads the PET_* variables)."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PET_NNODES": "1", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "0",
+           "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    env.pop(trainjob.ENV, None)  # the pods are not steps: they train
+    proc = subprocess.run(body["spec"]["trainer"]["command"], env=env, capture_output=True, text=True, cwd=workspace)
+    if proc.returncode:
+        return ("FailedJobs", f"node-0 exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return None
+
+
+@pytest.mark.slow
+def test_sft_trainjob_command_trains_and_tags_its_mlflow_run(tmp_path, monkeypatch):
+    """The command the TrainJob carries, run as its pod would run it (torchrun, the config on the
+    volume): the step's artifact is the trained policy and the stage's MLflow run names the TrainJob."""
+    import mlflow
+
+    from prmflow.components.sft import component as sft_component
+
+    workspace = tmp_path / "pvc"
+    workspace.mkdir()
+    spec, _ = compile_yaml(tmp_path, CLUSTER_YAML.format(workspace=workspace).replace("ppo: trainjob", "sft: trainjob"))
+    ex = next(e for e in spec["deploymentSpec"]["executors"] if trainjob_env(spec, e))
+    monkeypatch.setenv(trainjob.ENV, trainjob_env(spec, ex))
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with FakeK8s(work=lambda body: run_node_pods(body, workspace)) as fake:
+        monkeypatch.setenv("KUBECONFIG", str(fake.kubeconfig(tmp_path / "kubeconfig")))
+        policy = dsl.Model(uri="s3://b/policy")
+        policy.path = str(tmp_path / "outputs" / "policy")
+        (tmp_path / "outputs").mkdir()
+        sft_component.sft(config={"max_steps": 2, "num_prompts": 32, "eval_size": 8, "micro_batch_size": 4,
+                                  "eval_every": 2, "save_every": 0, "optim": {"warmup_steps": 0},
+                                  "engine": {"backend": "torch"}},
+                          kfp_run_id="run-9", tracking_uri=store, experiment="trainjob-test", policy=policy)
+    name = fake.posted()[0]["metadata"]["name"]
+    out = Path(policy.path)
+    io.verify_files(out, io.read_manifest(out))
+    assert (out / "model.safetensors").is_file()
+    runs = mlflow.MlflowClient(store).search_runs(
+        [mlflow.MlflowClient(store).get_experiment_by_name("trainjob-test").experiment_id])
+    assert [r.data.tags.get("prmflow.trainjob") for r in runs if r.data.tags.get("prmflow.stage") == "sft"] == [name]

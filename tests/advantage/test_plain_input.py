@@ -15,8 +15,8 @@ import torch
 
 from prmflow import cli
 from prmflow.components.advantage import stage as advantage
-from prmflow.components.common import config, io, schema
-from prmflow.components.common.errors import DataError
+from prmflow.components.common import config, schema
+from prmflow.components.common.errors import DataError, OutputExistsError
 from prmflow.components.common.tracking import TrackingConfig
 from prmflow.components.ppo import stage as ppo
 
@@ -64,10 +64,16 @@ def test_advantage_reads_a_plain_directory_as_it_reads_a_handoff(tmp_path, caplo
     # a re-run on the same plain input is recognised (its bytes are fingerprinted) and does nothing
     assert advantage.run(advantage.Config(input=str(plain), output=str(tmp_path / "a_plain"), estimator="reinforce_baseline",
                                           kl_coef=0.05, tracking=OFF))["train/rows_out"] == len(rows)
-    # the plain input's fingerprint follows its bytes
-    before = io.fingerprint([plain])
-    pq.write_table(pa.Table.from_pylist(rows[:2]), plain / "rollouts-1.parquet")
-    assert io.fingerprint([plain]) != before
+    # another tool rewrites a file with two rewards swapped (same size, same row count): a re-run must
+    # not take the old result for the new data
+    second = [dict(r) for r in rows[6:]]
+    second[0]["outcome_reward"], second[1]["outcome_reward"] = second[1]["outcome_reward"], second[0]["outcome_reward"]
+    size = (plain / "rollouts-1.parquet").stat().st_size
+    pq.write_table(pa.Table.from_pylist(second), plain / "rollouts-1.parquet")
+    assert (plain / "rollouts-1.parquet").stat().st_size == size and second[0] != rows[6]
+    with pytest.raises(OutputExistsError, match="different inputs"):
+        advantage.run(advantage.Config(input=str(plain), output=str(tmp_path / "a_plain"), estimator="reinforce_baseline",
+                                       kl_coef=0.05, tracking=OFF))
 
 
 def test_a_single_plain_parquet_file(tmp_path):

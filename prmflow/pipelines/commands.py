@@ -136,11 +136,13 @@ def _submit(args) -> int:
 
 
 def _run_local(args) -> int:
+    from .summary import ui_hint
+
     spec = load_spec(args.config, _overrides(args.set))
     params = _params(args.param)
     uri, experiment, parent = run_local(spec, params, Path(args.root), verbose=args.verbose)
     _print_summary(uri, experiment, parent)
-    print(f"see the runs with: mlflow ui --backend-store-uri {uri}")
+    print(ui_hint(uri, experiment))  # the page opens on the runs table, not MLflow's GenAI view
     return 0
 
 

@@ -140,8 +140,10 @@ def register_models(uri: str, experiment: str, parent_run_id: str) -> dict[str, 
     LoggedModel (`models:/<model id>`), whose run is the pipeline's parent run (the UI links it),
     with the evaluation metrics (final/* for the policy, prm/eval_* for the PRM) as tags and in the
     description, and the weights' URI (`prmflow.uri`). The policy's LoggedModel also gets the
-    final/* metrics. Registering the same parent run again adds no version. Never raises: a model
+    final/* metrics, and both models are listed as the parent run's outputs (run.outputs; the UI's
+    Models column lists a run's own LoggedModels, so the parent's stays empty). Registering the same parent run again adds no version. Never raises: a model
     that cannot be registered is a warning."""
+    from mlflow.entities import LoggedModelOutput
     from mlflow.tracking import MlflowClient
 
     from ..components.common.tracking.models import ROLE_TAG, URI_TAG, models_of_run
@@ -166,6 +168,8 @@ def register_models(uri: str, experiment: str, parent_run_id: str) -> dict[str, 
                   {k: v for k, v in run.data.metrics.items() if k.startswith("prm/eval_")})
         try:
             versions[name] = _register(client, uri, name, model, run, parent, scores, model.tags.get(URI_TAG, ""))
+            if model.model_id not in {o.model_id for o in parent.outputs.model_outputs or []}:  # twice: refused
+                client.log_outputs(parent_run_id, [LoggedModelOutput(model.model_id, 0)])  # the pipeline's outputs
             if suffix == "policy" and final:  # the final evaluation on the policy's model page
                 from mlflow.entities import Metric
 
@@ -206,3 +210,16 @@ def _register(client, tracking_uri: str, name: str, model, run, parent, scores: 
     finally:
         mlflow.set_tracking_uri(previous)
     return int(version.version)
+
+
+def ui_hint(uri: str, experiment: str, port: int = 5000) -> str:
+    """How to open the runs of `experiment` in the MLflow UI: the command and the page to open.
+
+    MLflow 3.17's UI opens every experiment in its GenAI view (traces, "Eval" runs) until the
+    workflow switch at the top left is set to "Model training" (remembered by the browser); the
+    link sets it, so the page opens on the runs table."""
+    from mlflow.tracking import MlflowClient
+
+    exp = MlflowClient(uri).get_experiment_by_name(experiment)
+    page = f"http://127.0.0.1:{port}/#/experiments/{exp.experiment_id if exp else ''}?workflowType=machine_learning"
+    return f"see the runs with: mlflow ui --backend-store-uri {uri} --port {port}\nthen open {page}"

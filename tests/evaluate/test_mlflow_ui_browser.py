@@ -1,18 +1,26 @@
-"""The MLflow UI in a real browser: two finished prmflow parent runs, selected and compared.
+"""The MLflow UI in a real browser: what a user finds there after a pipeline run.
 
-A real `mlflow server` on loopback serves a SQLite store holding two FINISHED pipeline parent runs
-written through prmflow's own tracking calls (`start_pipeline_run` / `finish_pipeline_run`, as the
-pipeline's init_tracking step and exit handler do). Headless Chromium (Debian's package, driven by
-Playwright with the system browser; no browser download) opens the experiment's runs table, ticks
-both runs, clicks Compare, and the test reads each run's `eval/accuracy` off the comparison page,
-under that run's own column. The comparison page is saved as a PNG in the test's tmp_path and
-copied to $PRMFLOW_TEST_ARTIFACTS (default: tests-output/ in the repository, git-ignored).
+A real `mlflow server` on loopback serves a SQLite store; headless Chromium (Debian's package,
+driven by Playwright with the system browser; no browser download) opens it.
 
+- Two FINISHED pipeline parent runs written through prmflow's own tracking calls
+  (`start_pipeline_run` / `finish_pipeline_run`, as the pipeline's init_tracking step and exit
+  handler do): the test ticks both in the runs table, clicks Compare, and reads each run's
+  `eval/accuracy` off the comparison page, under that run's own column.
+- A small `prmflow pipeline run-local` (slow: every stage runs for real, two RL iterations of two
+  rollout shards): the page run-local prints opens on the runs table (not MLflow's GenAI overview)
+  with every stage run under the parent, the parent charts reward per RL iteration, a stage run
+  shows its datasets and the model it wrote, and the registered policy links its parent run.
+
+Screenshots are saved in the test's tmp_path and copied to $PRMFLOW_TEST_ARTIFACTS (default:
+tests-output/ in the repository, git-ignored); their paths are printed.
 Skipped, with the reason, only when no Chromium is installed; `.ci/run` installs it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shutil
@@ -25,6 +33,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from prmflow.components.common import tracking
 
@@ -81,21 +90,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def mlflow_server(store, tmp_path):
-    """`mlflow server` (the venv's) on loopback against the store; yields its base URL."""
-    uri, _, _ = store
+@contextlib.contextmanager
+def _serve(uri: str, workdir: Path):
+    """`mlflow server` (the venv's) on loopback against the store `uri`; yields its base URL."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "mlflow-server.log"
+    log_path = workdir / "mlflow-server.log"
     mlflow_bin = Path(sys.executable).with_name("mlflow")
     cmd = [str(mlflow_bin) if mlflow_bin.exists() else "mlflow", "server", "--backend-store-uri", uri,
-           "--default-artifact-root", str(tmp_path / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+           "--default-artifact-root", str(workdir / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
            "--workers", "1"]
     # no background job runner (it starts several huey consumers): the UI test needs none of it
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + 120
@@ -114,6 +122,12 @@ def mlflow_server(store, tmp_path):
         yield base
     finally:
         _stop(proc)
+
+
+@pytest.fixture
+def mlflow_server(store, tmp_path):
+    with _serve(store[0], tmp_path) as base:
+        yield base
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -153,6 +167,7 @@ def _save(page, tmp_path: Path, name: str) -> Path:
     page.screenshot(path=str(shot))
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shutil.copy(shot, ARTIFACTS / name)
+    print(f"screenshot: {ARTIFACTS / name}")
     return shot
 
 
@@ -209,3 +224,124 @@ def test_two_runs_compared_in_the_mlflow_ui(store, mlflow_server, page, tmp_path
         except Exception:
             pass
         raise
+
+
+#: A small pipeline (the budgets of tests/pipelines/test_run_local.py): 2 RL iterations of 2 rollout shards.
+PIPELINE = {
+    "pipeline": {"iterations": 2, "rollout_shards": 2, "experiment": "ui-test"},
+    "sft": {"policy": "tiny-llama", "max_steps": 12, "micro_batch_size": 8, "optim": {"warmup_steps": 1}, "eval_size": 4,
+            "eval_every": 0, "save_every": 0, "engine": {"backend": "torch"}},
+    "prm": {"max_steps": 4, "num_prompts": 16, "eval_size": 4, "micro_batch_size": 8, "optim": {"warmup_steps": 1},
+            "eval_every": 0, "save_every": 0, "engine": {"backend": "torch"}},
+    "rollout": {"num_prompts": 4, "n_samples": 2, "sampling": {"max_new_tokens": 16}},
+    "advantage": {"estimator": "grpo_process"},
+    "ppo": {"epochs": 1, "minibatch_size": 8, "micro_batch_size": 8, "engine": {"backend": "torch"}},
+    "evaluate": {"num_prompts": 4, "n_samples": 2, "sampling": {"max_new_tokens": 16}},
+}
+
+
+@pytest.fixture
+def pipeline_run(tmp_path, monkeypatch):
+    """A finished `pipeline run-local` in a SQLite store: (uri, the page run-local says to open, client)."""
+    from mlflow.tracking import MlflowClient
+
+    from prmflow import cli
+
+    (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(PIPELINE))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the task subprocesses: one thread each, this checkout
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["pipeline", "run-local", "--config", str(tmp_path / "pipeline.yaml"), "--root",
+                         str(tmp_path / "root"), "--param", f"tracking_uri={uri}"]) == 0
+    printed = out.getvalue()
+    page = re.search(r"then open (http://\S+)", printed)
+    assert page, f"run-local printed no MLflow page to open:\n{printed[-2000:]}"
+    return uri, page.group(1), MlflowClient(uri)
+
+
+def _close_assistant(page) -> None:
+    close = page.get_by_role("button", name="Close", exact=True)  # the assistant side panel, if shown
+    if close.count() == 1:
+        close.click()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_a_pipeline_run_as_the_mlflow_ui_shows_it(pipeline_run, page, tmp_path):
+    from playwright.sync_api import expect
+
+    uri, printed_page, client = pipeline_run
+    exp = client.get_experiment_by_name("ui-test")
+    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id], max_results=100)}
+    [parent] = [r for r in runs.values() if r.data.tags.get("prmflow.role") == "pipeline"]
+    ppo = runs["ppo-iter1"]
+    # what the UI will be asked to show, read from the store first
+    rewards = [(m.step, m.value) for m in client.get_metric_history(parent.info.run_id, "pipeline/reward_mean")]
+    assert [s for s, _ in rewards] == [0, 1]
+    models = {m.name: m for m in client.search_logged_models([exp.experiment_id]).to_list()}
+    assert {"policy", "prm", "policy-iter0", "policy-iter1"} <= set(models)
+    datasets = [d.dataset.name for d in ppo.inputs.dataset_inputs]
+    assert datasets, "the ppo run logged no datasets"
+    [version] = client.search_model_versions("name = 'ui-test-policy'")
+    assert (version.run_id, version.source) == (parent.info.run_id, f"models:/{models['policy-iter1'].model_id}")
+
+    with _serve(uri, tmp_path) as base:
+        step = "landing"
+        try:
+            # 1. the page run-local printed opens on the runs table, every stage run under the parent
+            page.goto(printed_page.replace("http://127.0.0.1:5000", base), wait_until="domcontentloaded")
+            parent_link = page.get_by_role("link", name=parent.info.run_name, exact=True)
+            expect(parent_link).to_be_visible(timeout=90_000)  # first load parses the whole UI bundle
+            assert "/runs" in page.url and "overview" not in page.url, page.url
+            _close_assistant(page)
+            # the parent's row expands into its child runs (the [+] before its name)
+            parent_row = page.locator(f'[role=row][row-id="{parent.info.run_id}"]')
+            parent_row.get_by_role("button").first.click()
+            for name in ("sft", "prm", "rollout-iter1 shard 0/2", "rollout-iter1 shard 1/2", "ppo-iter1", "evaluate"):
+                link = page.locator(f'a[href$="/runs/{runs[name].info.run_id}"]').first  # the run's name cell
+                expect(link).to_be_visible()
+                expect(link).to_have_text(name)
+            # a stage run's row: its first dataset and the model it wrote (Dataset and Models columns)
+            ppo_row = page.locator(f'[role=row][row-id="{ppo.info.run_id}"]')
+            expect(ppo_row.get_by_text(datasets[0], exact=False).first).to_be_visible()
+            expect(ppo_row.locator(f'a[href$="/models/{models["policy-iter1"].model_id}"]').first).to_be_visible()
+            _close_assistant(page)
+            _save(page, tmp_path, "mlflow-landing-runs.png")
+
+            # 2. the parent run's chart of reward per RL iteration
+            step = "parent-reward-chart"
+            parent_link.click()
+            page.get_by_role("tab", name="Model metrics").click()
+            page.get_by_placeholder("Search metric charts").fill("reward_mean")
+            expect(page.get_by_text("reward_mean", exact=True).first).to_be_visible(timeout=30_000)
+            _close_assistant(page)
+            page.wait_for_timeout(1000)  # let the plot settle before the picture
+            _save(page, tmp_path, "mlflow-parent-reward-per-iteration.png")
+
+            # 3. a stage run: its datasets and the model it wrote
+            step = "stage-run"
+            page.goto(f"{base}/#/experiments/{exp.experiment_id}/runs/{ppo.info.run_id}?workflowType=machine_learning")
+            expect(page.get_by_text("Datasets", exact=True)).to_be_visible(timeout=30_000)
+            expect(page.get_by_text(re.compile("|".join(re.escape(d) for d in datasets))).first).to_be_visible()
+            expect(page.get_by_role("link", name="policy-iter1", exact=True).first).to_be_visible()
+            expect(page.get_by_text("PPO update of the policy", exact=False)).to_be_visible()  # the description
+            _close_assistant(page)
+            _save(page, tmp_path, "mlflow-stage-run-datasets-models.png")
+
+            # 4. the registered final policy: its evaluation and a link to the pipeline's parent run
+            step = "registered-model"
+            page.goto(f"{base}/#/models/ui-test-policy/versions/{version.version}?workflowType=machine_learning")
+            expect(page.get_by_role("link", name=parent.info.run_name, exact=True)).to_be_visible(timeout=30_000)
+            expect(page.get_by_role("link", name="policy-iter1", exact=True)).to_be_visible()
+            expect(page.get_by_text("final/accuracy", exact=True)).to_be_visible()
+            _close_assistant(page)
+            _save(page, tmp_path, "mlflow-registered-policy.png")
+        except BaseException:
+            try:
+                _save(page, tmp_path, f"mlflow-{step}-FAILED.png")
+            except Exception:
+                pass
+            raise

@@ -90,7 +90,8 @@ def deliver_model(client, op: dict, run_id: str) -> str:
     """Create (or, on a replay, find) the LoggedModel of a log_model record; returns its model id."""
     from mlflow.entities import LoggedModelOutput, Metric
 
-    experiment = client.get_run(run_id).info.experiment_id
+    run = client.get_run(run_id)
+    experiment = run.info.experiment_id
     key = op["id"]
     found = client.search_logged_models([experiment], filter_string=f"tags.`{MODEL_KEY_TAG}` = '{key}'",
                                         max_results=1).to_list()
@@ -104,7 +105,8 @@ def deliver_model(client, op: dict, run_id: str) -> str:
     metrics = [Metric(k, float(v), int(ts), int(step), model_id=model.model_id) for k, v, ts, step in op.get("metrics", [])]
     for i in range(0, len(metrics), 1000):  # MLflow's log_batch limit
         client.log_batch(run_id, metrics=metrics[i:i + 1000])
-    client.log_outputs(run_id, [LoggedModelOutput(model.model_id, max((m.step for m in metrics), default=0))])
+    if model.model_id not in {o.model_id for o in getattr(run.outputs, "model_outputs", None) or []}:  # twice: refused
+        client.log_outputs(run_id, [LoggedModelOutput(model.model_id, max((m.step for m in metrics), default=0))])
     if op.get("weights") and model.status != "READY":
         path = Path(op["weights"])
         if not path.is_dir():

@@ -90,18 +90,20 @@ def workdir_of(spec: TrainJobSpec, kfp_run_id: str, stage: str, iteration: int |
     return Path(spec.workspace_path) / "trainjobs" / run / (f"{stage}-it{iteration}" if iteration is not None else stage)
 
 
-def _stage_inputs(values: dict[str, Any], input_keys: list[str], inputs_dir: Path) -> dict[str, Any]:
-    """Copy every input path outside the workspace onto it; the stage reads the copies."""
-    moved = {}
-    for key in input_keys:
+def _staged_paths(values: dict[str, Any], input_keys: list[str], inputs_dir: Path) -> dict[str, str]:
+    """Where each input outside the workspace goes on it: {key: path the stage reads}."""
+    return {key: str(inputs_dir / key / Path(values[key]).name if Path(values[key]).is_file() else inputs_dir / key)
+            for key in input_keys}
+
+
+def _stage_inputs(values: dict[str, Any], staged: dict[str, str]) -> None:
+    """Copy the inputs onto the workspace (only before submitting: a running job may be reading them)."""
+    for key, dst in map(lambda kv: (kv[0], Path(kv[1])), staged.items()):
         src = Path(values[key])
-        dst = inputs_dir / key / src.name if src.is_file() else inputs_dir / key
         if dst.exists():
             shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(src, dst, symlinks=False) if src.is_dir() else shutil.copy2(src, dst)
-        moved[key] = str(dst)
-    return moved
 
 
 def _option(fn):
@@ -210,7 +212,8 @@ def run(stage: str, config_cls: type, values: dict[str, Any], paths: dict[str, A
     base = job_name(kfp_run_id, stage, iteration)
     inputs = [k for k, v in paths.items() if k != "output" and isinstance(v, str) and v and os.path.exists(v)
               and not Path(v).resolve().is_relative_to(Path(spec.workspace_path).resolve())]
-    values = {**values, **_stage_inputs(values, inputs, work / "in"), "output": str(work / "output")}
+    staged = _staged_paths(values, inputs, work / "in")
+    original, values = values, {**values, **staged, "output": str(work / "output")}
     client = client_for(spec)
     name, status = base, _existing_status(client, base)
     for attempt in range(1, 100):  # a failed job of an earlier attempt keeps its name; resubmit as -r<k>
@@ -226,6 +229,7 @@ def run(stage: str, config_cls: type, values: dict[str, Any], paths: dict[str, A
     tmp.write_text(yaml.safe_dump({stage: config_lib.to_dict(cfg)}, sort_keys=False))
     os.replace(tmp, config_path)  # a resubmitted job reads a whole config, never half of one
     if status is None:
+        _stage_inputs(original, staged)
         runtime = client.get_runtime(spec.runtime)
         framework = runtime.trainer.framework
         launcher = LAUNCHERS.get(framework)

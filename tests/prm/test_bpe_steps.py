@@ -23,7 +23,8 @@ from prmflow.components.prm import label
 from prmflow.components.rollout import scoring
 
 TOK = modeling.load_tokenizer("tiny-qwen2-bpe")
-PROMPT = tasks.render_prompt(TOK, tasks.PromptRecord("p", "Compute left to right: 7+5*3\n"))
+RAW_PROMPT = "Compute left to right: 7+5*3\n"
+PROMPT = tasks.render_prompt(TOK, tasks.PromptRecord("p", RAW_PROMPT))  # Qwen2.5's template around it
 
 ADVERSARIAL = [
     "7+5=12\n12*3=36\nanswer: 36",
@@ -121,15 +122,17 @@ def test_prm_label_prefixes_end_on_a_token_boundary_of_the_response():
             assert full[:len(part)] == part, (text, prefix)
 
 
-def test_prm_scores_are_read_at_the_reference_tokens(tmp_path):
-    """PRMScorer's score of every step = the PRM's output at the reference token, from one plain forward."""
+@pytest.mark.parametrize("templated", [True, False])
+def test_prm_scores_are_read_at_the_reference_tokens(tmp_path, templated):
+    """PRMScorer's score of every step = the PRM's output at the reference token, from one plain forward
+    of the prompt as the PRM was trained to read it (through the chat template or not, prmflow.json)."""
     prm = PRM.load("tiny-qwen2-bpe", seed=3)
     with torch.no_grad():
         prm.model.score.weight.normal_(0, 1.0)
-    modeling.save_pretrained(prm.model, prm.tokenizer, tmp_path / "prm", extra=prm.metadata("\n"))
+    modeling.save_pretrained(prm.model, prm.tokenizer, tmp_path / "prm", extra=prm.metadata("\n", templated))
     texts = ADVERSARIAL[:8]
-    got = PRMScorer(str(tmp_path / "prm"), device="cpu").score([PROMPT] * len(texts), texts)
-    p_ids = TOK(PROMPT)["input_ids"]
+    got = PRMScorer(str(tmp_path / "prm"), device="cpu").score([RAW_PROMPT] * len(texts), texts)
+    p_ids = TOK(PROMPT if templated else RAW_PROMPT)["input_ids"]
     for text, scores in zip(texts, got):
         r_ids = TOK(text, add_special_tokens=False)["input_ids"]
         with torch.no_grad():

@@ -94,9 +94,10 @@ def run(cfg: Config) -> dict:
     tracker = tracking.start_stage_run(cfg.tracking, "evaluate", params=config_lib.flat_dict(cfg),
                                        iteration=cfg.iteration if cfg.iteration >= 0 else None)
     with tracker:
-        candidates, greedy, prompts = bestofn.sample(cfg.policy, records, bon_cfg, cfg.chat_template)
+        candidates, greedy, _ = bestofn.sample(cfg.policy, records, bon_cfg, cfg.chat_template)
         if cfg.prm:
             scorer = PRMScorer(cfg.prm, step_separator=cfg.step_separator)
+            prompts = [r.prompt for r in records]  # as written: the scorer renders them as its PRM was trained
             images = bestofn.prompt_images(records)
             flat = scorer.score([p for p in prompts for _ in range(cfg.n_samples)], [c for cs in candidates for c in cs],
                                 images=[im for im in images for _ in range(cfg.n_samples)] if images else None)

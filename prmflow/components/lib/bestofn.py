@@ -167,10 +167,11 @@ def evaluate(prm_path: str, cfg: BestOfNConfig, arithmetic_cfg: arithmetic.Arith
     eval/bon_step_auc says how well the PRM ranks the policy's own steps.
     """
     records = load_prompts(cfg, arithmetic_cfg, seed)
-    candidates, greedy, prompts = sample(cfg.policy, records, cfg, chat_template)
+    candidates, greedy, _ = sample(cfg.policy, records, cfg, chat_template)
     scorer = PRMScorer(prm_path, batch_size=cfg.batch_sequences, step_separator=step_separator)
     images = prompt_images(records)
-    flat = scorer.score([p for p in prompts for _ in range(cfg.n_samples)], [c for cs in candidates for c in cs],
+    # the prompts as written: the scorer renders them the way its PRM was trained
+    flat = scorer.score([r.prompt for r in records for _ in range(cfg.n_samples)], [c for cs in candidates for c in cs],
                         images=[im for im in images for _ in range(cfg.n_samples)] if images else None)
     scores = [flat[i * cfg.n_samples:(i + 1) * cfg.n_samples] for i in range(len(records))]
     metrics = score_table(records, candidates, scores, greedy, cfg.aggregations)

@@ -197,9 +197,14 @@ class PRM:
         out = (model or self.model)(input_ids=input_ids, attention_mask=attention_mask, **pixels)
         return step_logits(out.logits, self.head, self.good_id, self.bad_id)
 
-    def metadata(self, separator: str) -> dict:
-        """What save() records so a scorer reads the checkpoint the way it was trained."""
-        return {"stage": "prm", "prm_head": asdict(self.head), "step_separator": separator}
+    def metadata(self, separator: str, chat_template: bool | None = None) -> dict:
+        """What save() records so a scorer reads the checkpoint the way it was trained: the head, the
+        step separator, and (when given) whether prompts went through the tokenizer's chat template."""
+        meta = {"stage": "prm", "prm_head": asdict(self.head), "step_separator": separator}
+        if chat_template is not None:
+            holder = processor_of(self.tokenizer) or self.tokenizer
+            meta["chat_template"] = bool(chat_template and getattr(holder, "chat_template", None))
+        return meta
 
 
 def append_identity_layers(model: torch.nn.Module, n: int, seed: int = 0) -> torch.nn.Module:
@@ -268,6 +273,24 @@ def saved_head(path: str | Path) -> HeadConfig | None:
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"'{meta}' is not valid JSON ({e}).") from None
     return HeadConfig(**data["prm_head"]) if "prm_head" in data else None
+
+
+def saved_chat_template(path: str | Path) -> bool:
+    """Whether the PRM at `path` read its training prompts through its tokenizer's chat template
+    (the prm stage's `chat_template`, default true; it renders only when the tokenizer has a
+    template): from prmflow.json when recorded there, else from the config in the output's
+    manifest.json; a foreign checkpoint (no prmflow.json) reads plain prompts."""
+    p = Path(str(path))
+    if not (p / PRM_META).is_file():
+        return False
+    data = json.loads((p / PRM_META).read_text())
+    if "chat_template" in data:
+        return bool(data["chat_template"])
+    try:
+        config = json.loads((p / "manifest.json").read_text()).get("config", {})
+    except (OSError, ValueError):
+        config = {}
+    return data.get("stage") == "prm" and bool(config.get("chat_template", True))
 
 
 def saved_separator(path: str | Path) -> str | None:

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from ..common.errors import DataError
-from ..common.vision import Vision, batch_pixels, processor_of
-from .prm_model import PRM, HeadConfig, encode, has_shared_readout, saved_separator
+from ..common.tasks import PromptRecord, render_prompt
+from ..common.vision import batch_pixels, processor_of
+from .prm_model import PRM, HeadConfig, encode, has_shared_readout, saved_chat_template, saved_separator
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class PRMScorer:
         self.prm = PRM.load(path, head, dtype)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.prm.model.to(self.device).eval()
+        self.chat_template = saved_chat_template(path)  # prompts are rendered as in training
         saved = saved_separator(path)
         if saved is not None and saved != step_separator:
             log.warning("PRM %s was trained with step separator %r, scoring with %r", path, saved, step_separator)
@@ -51,8 +53,10 @@ class PRMScorer:
     def score(self, prompts: list[str], responses: list[str], images: list[list[bytes]] | None = None) -> list[list[float]]:
         """Per-step probability of being correct, one list per response, one float per step
         (steps = steps.steps(response, step_separator)). Re-tokenizes the text with the PRM's own
-        tokenizer (never takes policy token ids). `images`: per response its prompt's images (a
-        vision-language PRM sees them too; their placeholders follow the prompt text).
+        tokenizer (never takes policy token ids). `prompts` are the task's prompts as written (not
+        chat-templated): the scorer renders them the way the PRM was trained (its chat template when
+        prmflow.json says so, `saved_chat_template`; image placeholders for `images`, per response
+        its prompt's images, which a vision-language PRM sees too).
 
         A step whose readout token lies beyond max_length cannot be seen by the model and scores 0.0
         (a logged warning says how many). Steps that end in the same token (a tokenizer merging across
@@ -62,11 +66,10 @@ class PRMScorer:
             raise DataError(f"score() got {len(prompts)} prompts but {len(responses)} responses; pass one prompt per response.")
         t0 = time.perf_counter()
         images = images or [[] for _ in prompts]
-        if any(images):
-            vis = Vision(processor_of(self.prm.tokenizer)) if processor_of(self.prm.tokenizer) is not None else None
-            if vis is None:
-                raise DataError(f"responses with images need a vision-language PRM; '{self.path}' is text-only.")
-            prompts = [vis.render(p, len(im), chat_template=False) for p, im in zip(prompts, images)]
+        if any(images) and processor_of(self.prm.tokenizer) is None:
+            raise DataError(f"responses with images need a vision-language PRM; '{self.path}' is text-only.")
+        prompts = [render_prompt(self.prm.tokenizer, PromptRecord("", p, images=im or None), self.chat_template)
+                   for p, im in zip(prompts, images)]
         encoded = [encode(self.prm.tokenizer, p, r, self.step_separator, self.prm.head.step_tag, self.max_length, im)
                    for p, r, im in zip(prompts, responses, images)]
         out: list[list[float]] = [[0.0] * e.n_steps for e in encoded]

@@ -107,6 +107,10 @@ def describe(key: str, path: str | os.PathLike, context: str, shard: str = "") -
     """The Handoff for `path` (an existing local file or directory) read or written through `key`."""
     local = Path(path).resolve()  # a gathered shard is a symlink: record where it really is
     root = manifest_root(local)
+    if root is not None and root != local:  # a part of a hand-off (ppo's policy/): only if its manifest lists it
+        sub = local.relative_to(root).as_posix()
+        if not any(n == sub or n.startswith(sub + "/") for n in json.loads((root / MANIFEST).read_text()).get("files", {})):
+            root = None
     if root is None:
         files = hash_tree(local)
         kind = "file" if local.is_file() else "directory"

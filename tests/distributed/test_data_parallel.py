@@ -11,10 +11,10 @@ sums half of each micro-batch's per-token losses and gradients, and DeepSpeed ad
 Each such sum is exact to a few units in the last place (relative 2^-23 ~ 1.2e-7 per rounding, a
 handful of roundings), Adam's update lr * m / (sqrt(v) + eps) is scale-free in the gradient, so a
 relative gradient error of ~1e-6 moves a weight by ~lr * 1e-6 per step; the weights are O(1), so
-after 3 steps the difference is a few float32 ulps of O(1) numbers: ~1e-7 to 1e-6 (measured:
-1.2e-7 sft ZeRO-2, 5.7e-7 ppo ZeRO-3). We allow 1e-5: 10x that headroom, still 100x below what a
-real mistake does (a rank training on the other rank's slice, or a wrong step: >= 1e-3 with these
-learning rates).
+after 3 steps the difference is a few float32 ulps of O(1) numbers: ~1e-7 to 1e-6 (measured,
+ZeRO-2 / ZeRO-3: sft 1.2e-7 / 1.2e-7, prm 7.7e-7 / 8.4e-7, ppo 1.1e-6 / 5.7e-7). We allow 1e-5:
+about 10x that headroom, and below what a real mistake does (DeepSpeed's average over ranks not
+undone: 3.3e-5 on sft; a rank on the wrong slice or a missed step: >= 1e-3 at these learning rates).
 
 Adam hides a gradient that is off by a constant factor (e.g. DeepSpeed's average over ranks not
 undone, or the loss divided by each rank's own token count): the weights barely move differently.

@@ -189,14 +189,15 @@ def test_a_retried_step_waits_for_the_job_its_first_attempt_submitted(tmp_path, 
     with FakeK8s(work=fake_ppo_output) as fake:
         _, workspace = run_ppo_step(tmp_path, monkeypatch, fake)
         staged = workspace / "trainjobs" / "run-7f3a" / "ppo-it0" / "in" / "policy" / "part-00000.parquet"
-        inode = staged.stat().st_ino
+        marker = staged.with_name("being-read-by-the-job")
+        marker.write_text("")  # stands for the running job's open files: a re-copy would delete it
         fake.requests.clear()
         shutil.rmtree(tmp_path / "outputs")
         for p in ("minio", "compiled.yaml", "pipeline.yaml"):
             shutil.rmtree(tmp_path / p) if (tmp_path / p).is_dir() else (tmp_path / p).unlink()
         out, _ = run_ppo_step(tmp_path, monkeypatch, fake)
     assert fake.posted() == [] and len(fake.jobs) == 1
-    assert staged.stat().st_ino == inode  # the job's inputs were left alone (it may still be reading them)
+    assert marker.exists() and staged.exists()  # the job's inputs were left alone (it may still be reading them)
     assert (out / "policy" / "model.safetensors").read_bytes() == b"weights"
 
 

@@ -94,3 +94,14 @@ def test_end_of_turn_comes_from_the_template_when_eos_differs():
     assert chat.end_of_turn_id(tok) == im_end and chat.end_of_turn_id(tok, templated=False) == eot
     model, _ = modeling.build_tiny_model("tiny-llama")
     assert set(chat.stop_token_ids(model, tok)) >= {im_end, eot}
+
+
+def test_training_is_deterministic():
+    """Every process builds the preset's tokenizer itself (policy, PRM, reference): it must come out
+    the same each time, or ids would mean different tokens in different stages."""
+    from prmflow.components.common import bpe_tokenizer
+
+    first = bpe_tokenizer.train_bpe(bpe_tokenizer.VOCAB_SIZE, 300, 7)
+    bpe_tokenizer.train_bpe.cache_clear()
+    again = bpe_tokenizer.train_bpe(bpe_tokenizer.VOCAB_SIZE, 300, 7)
+    assert first == again and len(first[1]) > 50

@@ -99,11 +99,19 @@ def fake_ppo_output(body) -> None:
         (tmp / "kl_state.json").write_text(json.dumps({"kl_coef": 0.05, "trainjob_tag": cfg.tracking.tags}))
 
 
-def run_ppo_step(tmp_path, monkeypatch, fake):
-    """The compiled ppo step's env, then the ppo component function as its container runs it."""
-    workspace = tmp_path / "pvc"
-    spec, _ = compile_yaml(tmp_path, CLUSTER_YAML.format(workspace=workspace))
-    monkeypatch.setenv(trainjob.ENV, trainjob_env(spec, "exec-ppo"))
+@pytest.fixture(scope="module")
+def compiled_ppo_step(tmp_path_factory):
+    """(the compiled ppo step's $PRMFLOW_TRAINJOB, the workspace volume), compiled once for the module."""
+    tmp = tmp_path_factory.mktemp("compiled")
+    workspace = tmp / "pvc"
+    spec, _ = compile_yaml(tmp, CLUSTER_YAML.format(workspace=workspace))
+    return trainjob_env(spec, "exec-ppo"), workspace
+
+
+def run_ppo_step(tmp_path, monkeypatch, fake, compiled, run_id):
+    """The ppo component function as the compiled step's container runs it (its env, KFP's paths)."""
+    env, workspace = compiled
+    monkeypatch.setenv(trainjob.ENV, env)
     monkeypatch.setenv("KUBECONFIG", str(fake.kubeconfig(tmp_path / "kubeconfig")))
     inputs = tmp_path / "minio"  # where KFP's launcher put the input artifacts
     for name in ("policy", "advantages"):
@@ -114,15 +122,16 @@ def run_ppo_step(tmp_path, monkeypatch, fake):
     policy.path, advantages.path, previous.path = str(inputs / "policy"), str(inputs / "advantages"), str(inputs / "policy")
     updated.path = str(tmp_path / "outputs" / "updated")
     (tmp_path / "outputs").mkdir()
-    ppo_component.ppo(config={"optim": {"lr": 1e-6}}, kfp_run_id="run-7f3a", tracking_uri="http://mlflow:5000",
+    ppo_component.ppo(config={"optim": {"lr": 1e-6}}, kfp_run_id=run_id, tracking_uri="http://mlflow:5000",
                       experiment="prm-rl", iteration=0, policy=policy, policy_subdir="", advantages=advantages,
                       previous=previous, resume_previous=False, updated=updated)
     return Path(updated.path), workspace
 
 
-def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(tmp_path, monkeypatch, capsys):
+def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(tmp_path, monkeypatch, capsys,
+                                                                               compiled_ppo_step):
     with FakeK8s(work=fake_ppo_output) as fake:
-        out, workspace = run_ppo_step(tmp_path, monkeypatch, fake)
+        out, workspace = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-7f3a")
     (job,) = fake.posted()
     name = job["metadata"]["name"]
     assert job["kind"] == "TrainJob" and job["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
@@ -162,18 +171,18 @@ def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(
         < log.index(f"TrainJob {name}: Complete")
 
 
-def test_a_failed_trainjob_fails_the_step_with_its_reason_and_hands_on_nothing(tmp_path, monkeypatch):
+def test_a_failed_trainjob_fails_the_step_with_its_reason_and_hands_on_nothing(tmp_path, monkeypatch, compiled_ppo_step):
     def oom(body):
         return ("FailedJobs", "jobset failed: node-1 OOMKilled (exit code 137)")
 
     with FakeK8s(work=oom) as fake, pytest.raises(trainjob.TrainJobError) as err:
-        run_ppo_step(tmp_path, monkeypatch, fake)
+        run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-failed")
     assert "failed: FailedJobs: jobset failed: node-1 OOMKilled (exit code 137)" in str(err.value)
     assert fake.posted()[0]["metadata"]["name"] in str(err.value)
     assert not (tmp_path / "outputs" / "updated").exists()
 
 
-def test_a_trainjob_that_completes_without_a_complete_output_fails_the_step(tmp_path, monkeypatch):
+def test_a_trainjob_that_completes_without_a_complete_output_fails_the_step(tmp_path, monkeypatch, compiled_ppo_step):
     def no_manifest(body):
         command = body["spec"]["trainer"]["command"]
         out = Path(command[command.index("--config") + 1]).parent / "output"
@@ -181,21 +190,20 @@ def test_a_trainjob_that_completes_without_a_complete_output_fails_the_step(tmp_
         (out / "config.json").write_text("{}")  # weights and manifest missing: a rank-0 crash after exit 0
 
     with FakeK8s(work=no_manifest) as fake, pytest.raises(trainjob.TrainJobError, match="output at .* is not complete"):
-        run_ppo_step(tmp_path, monkeypatch, fake)
+        run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-incomplete")
     assert not (tmp_path / "outputs" / "updated").exists()
 
 
-def test_a_retried_step_waits_for_the_job_its_first_attempt_submitted(tmp_path, monkeypatch):
+def test_a_retried_step_waits_for_the_job_its_first_attempt_submitted(tmp_path, monkeypatch, compiled_ppo_step):
     with FakeK8s(work=fake_ppo_output) as fake:
-        _, workspace = run_ppo_step(tmp_path, monkeypatch, fake)
-        staged = workspace / "trainjobs" / "run-7f3a" / "ppo-it0" / "in" / "policy" / "part-00000.parquet"
+        _, workspace = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-retried")
+        staged = workspace / "trainjobs" / "run-retried" / "ppo-it0" / "in" / "policy" / "part-00000.parquet"
         marker = staged.with_name("being-read-by-the-job")
         marker.write_text("")  # stands for the running job's open files: a re-copy would delete it
         fake.requests.clear()
         shutil.rmtree(tmp_path / "outputs")
-        for p in ("minio", "compiled.yaml", "pipeline.yaml"):
-            shutil.rmtree(tmp_path / p) if (tmp_path / p).is_dir() else (tmp_path / p).unlink()
-        out, _ = run_ppo_step(tmp_path, monkeypatch, fake)
+        shutil.rmtree(tmp_path / "minio")  # the retry's pod downloads its inputs afresh
+        out, _ = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-retried")
     assert fake.posted() == [] and len(fake.jobs) == 1
     assert marker.exists() and staged.exists()  # the job's inputs were left alone (it may still be reading them)
     assert (out / "policy" / "model.safetensors").read_bytes() == b"weights"

@@ -210,6 +210,20 @@ def test_a_retried_step_waits_for_the_job_its_first_attempt_submitted(tmp_path, 
 
 
 
+def test_a_step_retried_after_its_trainjob_failed_submits_a_new_one(tmp_path, monkeypatch, compiled_ppo_step):
+    outcomes = [("FailedJobs", "node-0: preempted"), None]
+    with FakeK8s(work=lambda body: outcomes.pop(0) or fake_ppo_output(body)) as fake:
+        with pytest.raises(trainjob.TrainJobError, match="preempted"):
+            run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-resubmit")
+        shutil.rmtree(tmp_path / "minio")
+        shutil.rmtree(tmp_path / "outputs")
+        out, workspace = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-resubmit")
+    first, second = (job["metadata"]["name"] for job in fake.posted())
+    assert second == f"{first}-r1"
+    staged = yaml.safe_load((workspace / "trainjobs" / "run-resubmit" / "ppo-it0" / "config.yaml").read_text())["ppo"]
+    assert staged["tracking"]["tags"] == {"prmflow.trainjob": second}  # the MLflow run names the job that ran
+    assert (out / "policy" / "model.safetensors").read_bytes() == b"weights"
+
 def test_the_7b_two_node_recipe_compiles_with_sft_and_ppo_as_trainjobs(tmp_path):
     text = (ROOT / "configs" / "cluster" / "ppo-7b-2x8.yaml").read_text()
     spec, _ = compile_yaml(tmp_path, text)

@@ -98,8 +98,8 @@ def _staged_paths(values: dict[str, Any], input_keys: list[str], inputs_dir: Pat
 
 def _stage_inputs(values: dict[str, Any], staged: dict[str, str]) -> None:
     """Copy the inputs onto the workspace (only before submitting: a running job may be reading them)."""
-    for key, dst in map(lambda kv: (kv[0], Path(kv[1])), staged.items()):
-        src = Path(values[key])
+    for key, target in staged.items():
+        src, dst = Path(values[key]), Path(target)
         if dst.exists():
             shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -224,12 +224,11 @@ def run(stage: str, config_cls: type, values: dict[str, Any], paths: dict[str, A
     tags = {**(values.get("tracking.tags") or {}), "prmflow.trainjob": name}
     cfg = config_lib.build(config_cls, {**values, "tracking.tags": tags}, where=f"pipeline step '{stage}'")
     config_path = work / "config.yaml"
-    config_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = config_path.with_name(f".config.yaml.tmp-{os.getpid()}")
-    tmp.write_text(yaml.safe_dump({stage: config_lib.to_dict(cfg)}, sort_keys=False))
-    os.replace(tmp, config_path)  # a resubmitted job reads a whole config, never half of one
-    if status is None:
+    if status is None:  # a new job: its inputs and config on the volume (a running one keeps what it reads)
         _stage_inputs(original, staged)
+        tmp = config_path.with_name(f".config.yaml.tmp-{os.getpid()}")
+        tmp.write_text(yaml.safe_dump({stage: config_lib.to_dict(cfg)}, sort_keys=False))
+        os.replace(tmp, config_path)
         runtime = client.get_runtime(spec.runtime)
         framework = runtime.trainer.framework
         launcher = LAUNCHERS.get(framework)

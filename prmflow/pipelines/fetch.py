@@ -74,11 +74,13 @@ def _check_manifest(h: Handoff, manifest_path: Path, where: str) -> dict:
     return manifest
 
 
-def _wanted(manifest: dict, sub: str) -> dict[str, str]:
-    """The manifest's files under `sub` ('' = all); a file `sub` is itself."""
-    if not sub:
-        return dict(manifest["files"])
-    return {n: d for n, d in manifest["files"].items() if n == sub or n.startswith(sub.rstrip("/") + "/")}
+def _wanted(h: Handoff, manifest: dict) -> dict[str, str]:
+    """The manifest's files under the part the run read ('' = all); a file is itself. Never none."""
+    sub = h.path.rstrip("/")
+    files = {n: d for n, d in manifest["files"].items() if not sub or n == sub or n.startswith(sub + "/")}
+    if not files:
+        raise _refuse(h, f"the manifest of '{h.uri}' lists no files{f' under {sub!r}' if sub else ''}")
+    return files
 
 
 def verify_local(h: Handoff, local: Path) -> None:
@@ -90,7 +92,7 @@ def verify_local(h: Handoff, local: Path) -> None:
             raise _refuse(h, f"'{local}' does not match the digest MLflow recorded")
         return
     manifest = _check_manifest(h, local / MANIFEST, str(local))
-    for name, digest in _wanted(manifest, h.path).items():
+    for name, digest in _wanted(h, manifest).items():
         path = safe_child(local, name)
         if not path.is_file() or sha256_file(path) != digest:
             raise _refuse(h, f"'{local}/{name}' does not match the sha256 in its manifest"
@@ -157,7 +159,7 @@ def _fetch_manifested(h: Handoff, fs, remote: str, dest: Path) -> None:
             os.replace(part, manifest_path)
         finally:
             part.unlink(missing_ok=True)
-    for name, digest in _wanted(manifest, h.path).items():
+    for name, digest in _wanted(h, manifest).items():
         local = safe_child(dest, name)
         if not (local.is_file() and sha256_file(local) == digest):
             _get_checked(h, fs, f"{remote}/{name}", local, digest, name)

@@ -179,3 +179,28 @@ def test_a_launcher_path_is_recorded_as_the_uri_kfp_copied_it_from(uri):
     # the reference is KFP's own mapping (what its launcher does in the pod), run backwards
     assert datasets.handoff_uri(Artifact(uri=uri).path) == uri
     assert datasets.handoff_uri("/tmp/outputs/kfp-local/advantages") == "/tmp/outputs/kfp-local/advantages"
+
+
+def test_a_failed_stage_run_keeps_its_inputs_and_can_be_re_run(tmp_path):
+    """The run to re-run is usually one that failed: its inputs are recorded when it starts, no output when it fails."""
+    from mlflow.tracking import MlflowClient
+
+    from prmflow.components.common import config
+    from prmflow.components.common.errors import DataError
+
+    rollouts = tmp_path / "rollouts"
+    schema.write_dataset(rollouts, random_rollouts(np.random.default_rng(0), equal_groups=6), "rollouts")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = config.load(advantage.Config, overrides={  # every group has one reward: dropping them leaves nothing
+        "input": str(rollouts), "output": str(tmp_path / "adv"), "estimator": "grpo", "zero_variance": "drop",
+        "tracking.uri": store, "tracking.experiment": "failed"})
+    with pytest.raises(DataError, match="zero_variance=drop"):
+        advantage.run(cfg)
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name("failed").experiment_id])
+    assert run.info.status == "FAILED"
+    assert [(d.dataset.name, {t.key: t.value for t in d.tags}["mlflow.data.context"]) for d in run.inputs.dataset_inputs] == [
+        ("rollouts", "training")]
+    line = _line(["stage-command", "advantage", "--run-id", run.info.run_id, "--tracking-uri", store,
+                  "--output", str(tmp_path / "rerun"), "--fetch", str(tmp_path / "cache")])
+    assert f"-v {rollouts}:/inputs/input:ro" in line and "--set zero_variance=drop" in line

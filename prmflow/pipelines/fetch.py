@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..components.common.errors import DataError, PrmflowError
 from ..components.common.io import MANIFEST, safe_child, sha256_file
-from ..components.common.tracking.datasets import DIGEST_CHARS, Handoff, fingerprint_files, hash_tree
+from ..components.common.tracking.datasets import DIGEST_CHARS, SIZED, Handoff, fingerprint_files, hash_tree
 
 REMOTE = ("s3://", "minio://", "gs://")
 
@@ -88,7 +88,7 @@ def verify_local(h: Handoff, local: Path) -> None:
     if not h.has_manifest:
         if not local.exists():
             raise _refuse(h, f"'{local}' does not exist")
-        if fingerprint_files(hash_tree(local))[:DIGEST_CHARS] != h.digest[:DIGEST_CHARS]:
+        if fingerprint_files(hash_tree(local, h.kind == SIZED))[:DIGEST_CHARS] != h.digest[:DIGEST_CHARS]:
             raise _refuse(h, f"'{local}' does not match the digest MLflow recorded")
         return
     manifest = _check_manifest(h, local / MANIFEST, str(local))
@@ -182,7 +182,7 @@ def _fetch_whole(h: Handoff, fs, remote: str, dest: Path) -> None:
         else:
             got = tmp / Path(remote).name
             fs.get(remote, str(got))
-        if fingerprint_files(hash_tree(got))[:DIGEST_CHARS] != h.digest[:DIGEST_CHARS]:
+        if fingerprint_files(hash_tree(got, h.kind == SIZED))[:DIGEST_CHARS] != h.digest[:DIGEST_CHARS]:
             raise _refuse(h, f"'{h.uri}' does not match the digest MLflow recorded")
         if dest.exists():
             shutil.rmtree(dest) if dest.is_dir() else dest.unlink()

@@ -204,3 +204,26 @@ def test_a_failed_stage_run_keeps_its_inputs_and_can_be_re_run(tmp_path):
     line = _line(["stage-command", "advantage", "--run-id", run.info.run_id, "--tracking-uri", store,
                   "--output", str(tmp_path / "rerun"), "--fetch", str(tmp_path / "cache")])
     assert f"-v {rollouts}:/inputs/input:ro" in line and "--set zero_variance=drop" in line
+
+
+def test_an_input_without_a_manifest_is_checked_by_its_files(tmp_path, monkeypatch):
+    """A base model imported from elsewhere has no manifest: its files' sha256 (names and sizes past HASH_LIMIT)."""
+    from prmflow.components.common.errors import DataError
+    from prmflow.pipelines import fetch
+
+    base = tmp_path / "base-model"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "model.safetensors").write_bytes(b"\x01" * 64)
+    whole = datasets.describe("policy", base, "training")
+    monkeypatch.setattr(datasets, "HASH_LIMIT", 32)
+    sized = datasets.describe("policy", base, "training")
+    assert (whole.kind, sized.kind) == ("directory", "directory-by-size")
+    fetch.verify_local(whole, base), fetch.verify_local(sized, base)
+    (base / "model.safetensors").write_bytes(b"\x02" * 64)  # same size, other bytes
+    with pytest.raises(DataError, match="does not match the digest MLflow recorded"):
+        fetch.verify_local(whole, base)
+    fetch.verify_local(sized, base)  # what a by-size record cannot see
+    (base / "model.safetensors").write_bytes(b"\x02" * 65)
+    with pytest.raises(DataError, match=f"'{base}' does not match the digest MLflow recorded"):
+        fetch.verify_local(sized, base)

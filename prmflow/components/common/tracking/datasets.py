@@ -11,7 +11,8 @@ input, `output` for what the stage wrote) as an MLflow `MetaDataset`: no data is
   Anything else is recorded as the local path it is.
 - digest: `io.fingerprint` of the hand-off's manifest (sha256 over every file's sha256; MLflow keeps
   32 hex digits of it), or, for a file or directory no manifest covers (a JSONL task, a base
-  model), the same over files hashed here.
+  model), the same over files hashed here; such a directory over HASH_LIMIT (1 GiB) is fingerprinted
+  by file names and sizes instead (kind `directory-by-size`), and a fetch checks it no further.
 - schema (Parquet hand-offs: the columns of the first shard) and profile (`num_rows`, `kind`).
 - tags `prmflow.key` (the config key it was read through), `prmflow.path` (the part of the
   hand-off the key names: `policy` of a ppo output, `kl_state.json`), `prmflow.shard` (one entry of
@@ -45,6 +46,10 @@ OUTPUT_KEY = "output"
 KFP_MOUNTS = {"/gcs/": "gs://", "/minio/": "minio://", "/s3/": "s3://"}
 MANIFEST = "manifest.json"
 DIGEST_CHARS = 32  # MLflow's dataset digest column holds 36 characters
+#: A directory with no manifest past this size (a base model imported from elsewhere, read again by every
+#: rollout pod of every iteration) is fingerprinted by file names and sizes, not read through.
+HASH_LIMIT = 1 << 30
+SIZED = "directory-by-size"
 KEY_TAG, PATH_TAG, SHARD_TAG, CONTEXT_TAG = "prmflow.key", "prmflow.path", "prmflow.shard", "mlflow.data.context"
 
 
@@ -78,7 +83,7 @@ class Handoff:
 
     @property
     def has_manifest(self) -> bool:
-        return self.kind not in ("", "file", "directory")
+        return self.kind not in ("", "file", "directory", SIZED)
 
 
 def fingerprint_files(files: dict[str, str]) -> str:
@@ -86,13 +91,14 @@ def fingerprint_files(files: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
-def hash_tree(path: Path) -> dict[str, str]:
-    """{relative path: sha256} of every file under `path` (or {name: sha256} of the file `path`)."""
+def hash_tree(path: Path, by_size: bool = False) -> dict[str, str]:
+    """{relative path: sha256} of every file under `path` (or {name: sha256} of the file `path`);
+    with `by_size`, {relative path: "size:N"} (nothing is read)."""
     from ..io import sha256_file
 
-    if path.is_file():
-        return {path.name: sha256_file(path)}
-    return {p.relative_to(path).as_posix(): sha256_file(p) for p in sorted(path.rglob("*")) if p.is_file()}
+    files = [path] if path.is_file() else [p for p in sorted(path.rglob("*")) if p.is_file()]
+    name = (lambda p: p.name) if path.is_file() else (lambda p: p.relative_to(path).as_posix())
+    return {name(p): f"size:{p.stat().st_size}" if by_size else sha256_file(p) for p in files}
 
 
 def manifest_root(path: Path) -> Path | None:
@@ -111,9 +117,10 @@ def describe(key: str, path: str | os.PathLike, context: str, shard: str = "") -
         sub = local.relative_to(root).as_posix()
         if not any(n == sub or n.startswith(sub + "/") for n in json.loads((root / MANIFEST).read_text()).get("files", {})):
             root = None
-    if root is None:
-        files = hash_tree(local)
-        kind = "file" if local.is_file() else "directory"
+    if root is None:  # a base model, a task file: no manifest, so hashed here (by size past HASH_LIMIT)
+        by_size = local.is_dir() and sum(p.stat().st_size for p in local.rglob("*") if p.is_file()) > HASH_LIMIT
+        files = hash_tree(local, by_size)
+        kind = SIZED if by_size else "file" if local.is_file() else "directory"
         return Handoff(key, handoff_uri(local), fingerprint_files(files)[:DIGEST_CHARS], context, shard=shard,
                        name=f"{key}/{shard}" if shard else local.name, kind=kind)
     manifest = json.loads((root / MANIFEST).read_text())

@@ -226,6 +226,7 @@ def run(stage: str, config_cls: type, values: dict[str, Any], paths: dict[str, A
     config_path = work / "config.yaml"
     if status is None:  # a new job: its inputs and config on the volume (a running one keeps what it reads)
         _stage_inputs(original, staged)
+        config_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = config_path.with_name(f".config.yaml.tmp-{os.getpid()}")
         tmp.write_text(yaml.safe_dump({stage: config_lib.to_dict(cfg)}, sort_keys=False))
         os.replace(tmp, config_path)

@@ -73,11 +73,11 @@ def add_parsers(sub) -> None:
     sc.add_argument("--iteration", type=int, default=None, help="with --kfp-run-id: the RL iteration of rollout/advantage/ppo")
     sc.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     sc.add_argument("--image", default="", help="image to run (default: the stage's CPU/GPU image)")
-    sc.add_argument("--output", default="rerun", help="host directory for the re-run's output")
+    sc.add_argument("--output", default="rerun", help="host directory for the re-run's output (default: ./rerun)")
     sc.add_argument("--fetch", default="", metavar="DIR",
-                    help="cache for inputs fetched from the object store (default: $XDG_CACHE_HOME/prmflow/handoffs); "
+                    help="cache for inputs fetched from the object store (default: ~/.cache/prmflow/handoffs); "
                          "credentials and endpoint from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL")
-    sc.add_argument("--engine", default="", choices=["", "docker", "podman"],
+    sc.add_argument("--engine", default=None, choices=["docker", "podman"],
                     help="container engine of the printed line (default: docker if installed, else podman)")
     sc.add_argument("--run", action="store_true", help="run the line after printing it")
     sc.add_argument("--no-container", action="store_true",

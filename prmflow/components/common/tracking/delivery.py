@@ -68,7 +68,7 @@ def create_run(client, op: dict, dedupe: bool) -> tuple[str, str]:
         if found:
             return found[0].info.run_id, found[0].data.tags.get("mlflow.parentRunId", "")
     parent = op.get("parent_run_id") or ""
-    if not parent and op.get("pipeline_run_id"):
+    if not parent and op.get("pipeline_run_id") and op.get("tags", {}).get(ROLE_TAG) != "pipeline":  # not the parent itself
         parent = find_pipeline_run(client, op["experiment"], op["pipeline_run_id"]) or ""
         if not parent:
             log.warning("no MLflow parent run is tagged %s=%s; logging a top-level run", PIPELINE_TAG, op["pipeline_run_id"])

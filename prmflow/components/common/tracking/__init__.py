@@ -33,6 +33,14 @@ Modules, each with one job:
     tracker.py   MlflowTracker: send now, or queue + file + retry with backoff
     sync.py      sync_fallback and the `prmflow tracking-sync` command
     runs.py      run lifecycle: start_stage_run, start_pipeline_run, finish_pipeline_run
+    datasets.py  lineage: a stage's input and output hand-offs as MLflow datasets
+    models.py    lineage: the models a stage writes as MLflow LoggedModels (weights stay in the artifact store)
+
+What the MLflow UI shows (README, "The MLflow UI"): run names unique within a pipeline run
+(`rollout-iter1 shard 0/2`), source/user/description tags, system/* metrics, experiments tagged as
+model training; `eval/` is the evaluate stage's namespace (a training stage's held-out `eval/x` is
+logged as `<stage>/eval_x`), and a stage's copies onto the parent are `final/*` (evaluate) and
+`pipeline/*` (ppo, one point per RL iteration).
 """
 
 from .config import DEFAULT_STORE, TrackingConfig, resolve_uri

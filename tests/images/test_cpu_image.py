@@ -90,6 +90,22 @@ def test_help_in_the_image_is_the_help_here(container, dirs):
     assert denied.returncode != 0 and not (inputs / "x").exists()
 
 
+# The libraries whose versions decide the bytes of an output (weights, Parquet shards).
+DECISIVE = ("torch", "transformers", "deepspeed", "safetensors", "tokenizers", "pyarrow", "numpy", "scipy")
+
+
+def test_the_image_runs_the_library_versions_this_environment_runs(container):
+    """The byte-for-byte comparisons below mean something only on the same versions. The image resolves
+    pyproject's ranges when it is built; a later release can separate it from a fresh venv."""
+    import importlib.metadata as md
+
+    code = f"import importlib.metadata as md; print(*[md.version(d) for d in {DECISIVE!r}])"
+    inside = dict(zip(DECISIVE, container.run(["python", "-c", code]).stdout.split()))
+    here = {d: md.version(d) for d in DECISIVE}
+    assert inside == here, (f"the image has {inside}, this environment {here}: rebuild the image from current "
+                            f"releases by deleting {image_build.cache_dir() / 'storage'} (its layers are the cache)")
+
+
 def rollouts() -> pa.Table:
     """Three groups of three samples: varied lengths, step rewards and outcomes, one zero-variance group."""
     rows = []

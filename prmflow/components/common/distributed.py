@@ -224,8 +224,9 @@ def launch(stage: str, cfg: Any, n: int) -> None:
         except ChildFailedError as e:
             first, failure = e.get_first_failure()
             code = failure.exitcode if failure.exitcode > 0 else 1
-            how = f"exit status {failure.exitcode}" if failure.exitcode >= 0 else f"killed by signal {-failure.exitcode}"
-            err = RankFailedError(f"{stage}: rank {first} of {n} (pid {failure.pid}) failed with {how}; "
+            how = (f"exited with status {failure.exitcode}" if failure.exitcode >= 0
+                   else f"was killed by signal {-failure.exitcode}")
+            err = RankFailedError(f"{stage}: rank {first} of {n} (pid {failure.pid}) {how}; "
                                   f"the other ranks were stopped and nothing was committed. Its error is above; "
                                   f"run the same command again to resume from the last checkpoint.")
             err.exit_code = code

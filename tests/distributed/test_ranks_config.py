@@ -1,0 +1,46 @@
+"""Fast checks of what decides the ranks: engine.nproc_per_node, the launch decision, the shards."""
+
+from __future__ import annotations
+
+import pytest
+
+from prmflow.components.common import distributed
+from prmflow.components.common.engine import EngineConfig
+from prmflow.components.common.errors import ConfigError
+
+
+def test_shards_are_the_micro_batch_in_order_and_cover_it():
+    rows = list(range(7))
+    parts = [distributed.shard(rows, r, 3) for r in range(3)]
+    assert parts == [[0, 1, 2], [3, 4], [5, 6]]  # contiguous, rank order, the first len % N get one more
+    assert sum(parts, []) == rows
+
+
+def test_auto_is_one_rank_on_cpu_and_torch_backend_is_one_process():
+    assert distributed.nproc(0, "deepspeed") == 1  # no GPU here
+    assert distributed.nproc(0, "torch") == 1
+    assert distributed.nproc(3, "deepspeed") == 3
+    with pytest.raises(ConfigError, match="engine.backend=deepspeed"):
+        EngineConfig(backend="torch", nproc_per_node=2)
+    with pytest.raises(ConfigError, match="collective_timeout_s"):
+        EngineConfig(collective_timeout_s=0)
+
+
+def test_launches_only_outside_a_launcher(monkeypatch):
+    for key in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+    assert distributed.should_launch(EngineConfig(nproc_per_node=2)) == 2
+    assert distributed.should_launch(EngineConfig(nproc_per_node=1)) == 0
+    # what a one-process DeepSpeed run leaves in the environment must not stop a later launch
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert distributed.should_launch(EngineConfig(nproc_per_node=2)) == 2
+    # a rank started by torchrun (or a TrainJob) does not launch again
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert distributed.should_launch(EngineConfig(nproc_per_node=2)) == 0
+
+
+def test_micro_batch_smaller_than_the_ranks_is_refused(monkeypatch):
+    monkeypatch.setattr(distributed, "world_size", lambda: 4)
+    with pytest.raises(ConfigError, match="micro_batch_size is 2, fewer than the 4 ranks"):
+        distributed.check_divides(2)

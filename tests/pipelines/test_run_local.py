@@ -22,7 +22,8 @@ TINY = {
             "eval_every": 0, "save_every": 0, "engine": {"backend": "torch"}},
     "rollout": {"num_prompts": 4, "n_samples": 2, "sampling": {"max_new_tokens": 16}},
     "advantage": {"estimator": "grpo_process"},
-    "ppo": {"epochs": 1, "minibatch_size": 8, "micro_batch_size": 8, "engine": {"backend": "torch"}},
+    # 8 rollouts per iteration in two minibatches: the second update's approx_kl measures the first one's step
+    "ppo": {"epochs": 1, "minibatch_size": 4, "micro_batch_size": 4, "engine": {"backend": "torch"}},
     "evaluate": {"num_prompts": 4, "n_samples": 2, "sampling": {"max_new_tokens": 16}},
 }
 
@@ -83,7 +84,10 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     # weights differ from the SFT policy that PPO started from
     for k in (0, 1):
         assert by_name[f"advantage-iter{k}"].data.metrics["train/advantage_std"] > 0
-        assert by_name[f"ppo-iter{k}"].data.metrics["train/approx_kl"] > 0
+        kl = [m.value for m in client.get_metric_history(by_name[f"ppo-iter{k}"].info.run_id, "train/approx_kl")]
+        # the first update's approx_kl is float noise (~1e-14: the policy has not moved yet); the second one's
+        # is the first step's (~1e-6 at lr 1e-4)
+        assert len(kl) >= 2 and max(kl) > 1e-9, kl
     _assert_weights_moved(by_name["ppo-iter0"].data.params["policy"], by_name["evaluate"].data.params["policy"])
     # the parent carries the whole configuration and the evaluation headline
     assert parent.data.params["sft.max_steps"] == "12"

@@ -47,6 +47,9 @@ class FakeK8s:
         self.work = work or (lambda body: None)
         self.runtimes = runtimes or {"torch-distributed": "torch"}
         self.lock = threading.Lock()
+        # set once a pod listing has shown a job's node pods Running: like a real controller, the fake does not
+        # finish a job between the status read that says Running and the listing of its pods
+        self.pods_seen: dict[str, threading.Event] = {}
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -116,6 +119,7 @@ class FakeK8s:
                 self.phase[name] = "Created"
             elif phase == "Created":
                 self.phase[name] = "Running"
+                self.pods_seen.setdefault(name, threading.Event())
                 threading.Thread(target=self._run, args=(name,), daemon=True).start()
             job = json.loads(json.dumps(self.jobs[name]))
             phase = self.phase[name]
@@ -135,6 +139,7 @@ class FakeK8s:
             failed = self.work(self.jobs[name])
         except Exception as e:  # noqa: BLE001 - a crash of the simulated pods is a failed job
             failed = ("Error", repr(e))
+        self.pods_seen[name].wait(timeout=10)
         with self.lock:
             if failed:
                 self.failure[name] = failed
@@ -152,6 +157,7 @@ class FakeK8s:
                                               "batch.kubernetes.io/job-completion-index": str(i)}},
                       "spec": {"containers": [{"name": "node", "image": "x"}]},
                       "status": {"phase": "Running"}} for i in range(nodes)]
+            self.pods_seen[m[1]].set()
         return {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}
 
     def posted(self) -> list[dict]:

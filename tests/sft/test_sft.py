@@ -160,7 +160,7 @@ def run_cli(args, capsys):
     (lambda d: ["--task", str(d / "missing.jsonl")], "missing.jsonl' does not exist"),
     (lambda d: ["--task", str(_write(d / "empty.jsonl", ""))], "empty.jsonl' is empty"),
     (lambda d: ["--task", str(_write(d / "bad.jsonl", '{"prompt": "a", "response": "b"}\n{oops\n'))], "bad.jsonl, line 2: not valid JSON"),
-    (lambda d: ["--task", str(_write(d / "nocol.jsonl", '{"question": "a", "response": "b"}\n'))], "nocol.jsonl, line 1: no 'prompt' field"),
+    (lambda d: ["--task", str(_write(d / "nocol.jsonl", '{"question": "a", "response": "b"}\n'))], "nocol.jsonl, line 1: cannot tell the dataset's format from its columns ['question', 'response']"),
     (lambda d: ["--policy", str(_mkdir(d / "notamodel"))], "is not a model directory: it has no config.json"),
     (lambda d: ["--optim.warmup_steps", "50", "--max_steps", "10"], "warmup_steps (50) must be smaller than max_steps (10)"),
 ])

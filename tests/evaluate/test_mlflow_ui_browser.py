@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tiny_pipeline import tiny_pipeline
 from prmflow.components.common import tracking
 
 CHROMIUM = os.environ.get("PRMFLOW_CHROMIUM", "/usr/bin/chromium")
@@ -227,17 +228,7 @@ def test_two_runs_compared_in_the_mlflow_ui(store, mlflow_server, page, tmp_path
 
 
 #: A small pipeline (the budgets of tests/pipelines/test_run_local.py): 2 RL iterations of 2 rollout shards.
-PIPELINE = {
-    "pipeline": {"iterations": 2, "rollout_shards": 2, "experiment": "ui-test"},
-    "sft": {"policy": "tiny-llama", "max_steps": 12, "micro_batch_size": 8, "optim": {"warmup_steps": 1}, "eval_size": 4,
-            "eval_every": 0, "save_every": 0, "engine": {"backend": "torch"}},
-    "prm": {"max_steps": 4, "num_prompts": 16, "eval_size": 4, "micro_batch_size": 8, "optim": {"warmup_steps": 1},
-            "eval_every": 0, "save_every": 0, "engine": {"backend": "torch"}},
-    "rollout": {"num_prompts": 4, "n_samples": 2, "sampling": {"max_new_tokens": 16}},
-    "advantage": {"estimator": "grpo_process"},
-    "ppo": {"epochs": 1, "minibatch_size": 8, "micro_batch_size": 8, "engine": {"backend": "torch"}},
-    "evaluate": {"num_prompts": 4, "n_samples": 2, "sampling": {"max_new_tokens": 16}},
-}
+PIPELINE = tiny_pipeline(pipeline={"experiment": "ui-test"})
 
 
 @pytest.fixture

@@ -12,20 +12,14 @@ import sys
 import pytest
 import yaml
 
+from tiny_pipeline import tiny_pipeline
 from prmflow import cli
 
-TINY = {
-    "pipeline": {"iterations": 2, "rollout_shards": 2, "experiment": "run-local-test"},
-    "sft": {"policy": "tiny-llama", "max_steps": 12, "micro_batch_size": 8, "optim": {"warmup_steps": 1}, "eval_size": 4,
-            "eval_every": 0, "save_every": 0, "engine": {"backend": "torch"}},
-    "prm": {"max_steps": 4, "num_prompts": 16, "eval_size": 4, "micro_batch_size": 8, "optim": {"warmup_steps": 1},
-            "eval_every": 0, "save_every": 0, "engine": {"backend": "torch"}},
-    "rollout": {"num_prompts": 4, "n_samples": 2, "sampling": {"max_new_tokens": 16}},
-    "advantage": {"estimator": "grpo_process"},
+TINY = tiny_pipeline(
+    pipeline={"experiment": "run-local-test"},
     # 8 rollouts per iteration in two minibatches: the second update's approx_kl measures the first one's step
-    "ppo": {"epochs": 1, "minibatch_size": 4, "micro_batch_size": 4, "engine": {"backend": "torch"}},
-    "evaluate": {"num_prompts": 4, "n_samples": 2, "sampling": {"max_new_tokens": 16}},
-}
+    ppo={"minibatch_size": 4, "micro_batch_size": 4},
+)
 
 
 def _assert_weights_moved(before_dir: str, after_dir: str) -> None:

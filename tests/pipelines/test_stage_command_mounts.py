@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import yaml
 
+from tiny_pipeline import tiny_pipeline
 from prmflow import cli
 from prmflow.components.advantage import stage as advantage
 from prmflow.components.common import config, kfp_shim, schema
@@ -120,17 +121,10 @@ def test_the_view_finds_a_link_to_an_unmounted_host_path(tmp_path):
     assert new.dangling() == [] and new.host("/inputs/input/shard-00000/manifest.json").is_file()
 
 
-TINY = {
-    "pipeline": {"iterations": 1, "rollout_shards": 2, "experiment": "mounts-test"},
-    "sft": {"policy": "tiny-llama", "max_steps": 4, "micro_batch_size": 8, "optim": {"warmup_steps": 1}, "eval_size": 4,
-            "eval_every": 0, "save_every": 0, "engine": {"backend": "torch"}},
-    "prm": {"max_steps": 2, "num_prompts": 16, "eval_size": 4, "micro_batch_size": 8, "optim": {"warmup_steps": 1},
-            "eval_every": 0, "save_every": 0, "engine": {"backend": "torch"}},
-    "rollout": {"num_prompts": 4, "n_samples": 2, "sampling": {"max_new_tokens": 8}},
-    "advantage": {"estimator": "grpo_process"},
-    "ppo": {"epochs": 1, "minibatch_size": 8, "micro_batch_size": 8, "engine": {"backend": "torch"}},
-    "evaluate": {"num_prompts": 4, "n_samples": 2, "sampling": {"max_new_tokens": 8}},
-}
+TINY = tiny_pipeline(
+    pipeline={"iterations": 1, "experiment": "mounts-test"}, sft={"max_steps": 4}, prm={"max_steps": 2},
+    rollout={"sampling": {"max_new_tokens": 8}}, evaluate={"sampling": {"max_new_tokens": 8}},
+)
 
 
 @pytest.mark.slow

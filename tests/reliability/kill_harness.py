@@ -243,6 +243,18 @@ def _first_kill(case: StageCase, rng: random.Random, ref_dir: Path, ref_seconds:
     return ("time", rng.uniform(0.1, 0.8) * ref_seconds, sig)
 
 
+def _sooner(kill: tuple) -> tuple | None:
+    """The same first kill, earlier: half the time into the run (down to 0.5 s), or half the delay after the
+    checkpoint appeared, then right when it appears; None when it cannot come sooner."""
+    trigger, when, sig = kill
+    if trigger == "time":
+        return (trigger, when / 2, sig) if when > 0.5 else None
+    pattern, delay = when
+    if delay == 0:
+        return None
+    return (trigger, (pattern, delay / 2 if delay > 0.05 else 0.0), sig)
+
+
 def kill_and_resume(case: StageCase, root: Path, inputs: Path, seed: int, ref_dir: Path, ref_seconds: float) -> SeedResult:
     rng = random.Random(f"{case.name}/{seed}")
     run_dir = root / f"seed-{seed}"
@@ -262,10 +274,11 @@ def kill_and_resume(case: StageCase, root: Path, inputs: Path, seed: int, ref_di
                         else ("time", rng.uniform(0.1, 1.05) * ref_seconds, sig))
         name = f"attempt-{k}"
         a = run_attempt(case, argv, run_dir, kill, name)
-        while k == 0 and a.rc == 0 and a.signal is None and (kill[1] > 0.5 if kill[0] == "time" else kill[1][1] > 0.05):
-            # the machine sped up and the run ended before its first kill: start the seed over, killing sooner
+        while k == 0 and a.rc == 0 and (sooner := _sooner(kill)) is not None:
+            # the machine sped up and the run ended before its first kill landed (not sent, or sent to a process
+            # that was already done): start the seed over, killing sooner
             shutil.rmtree(run_dir / case.output)
-            kill = (kill[0], kill[1] / 2 if kill[0] == "time" else (kill[1][0], kill[1][1] / 2), kill[2])
+            kill = sooner
             a = run_attempt(case, argv, run_dir, kill, name)
         result.attempts.append(a)
         _expect_exit(case, a, run_dir, name)

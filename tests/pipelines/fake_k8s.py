@@ -13,11 +13,14 @@ from __future__ import annotations
 import json
 import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
 import yaml
+
+from .fake_http import JsonHandler
+
 
 API = "/apis/trainer.kubeflow.org/v1alpha1"
 CREATED_AT = "2026-11-24T01:00:00Z"
@@ -52,18 +55,7 @@ class FakeK8s:
         self.pods_seen: dict[str, threading.Event] = {}
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _reply(self, status: int, body: dict):
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def _not_found(self, what: str):
                 return self._reply(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                          "reason": "NotFound", "code": 404, "message": f"{what} not found"})

@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 
 from ..components.common.errors import DataError, PrmflowError
-from ..components.common.io import MANIFEST, safe_child, sha256_file
-from ..components.common.tracking.datasets import DIGEST_CHARS, SIZED, Handoff, fingerprint_files, hash_tree
+from ..components.common.io import MANIFEST, fingerprint_files, safe_child, sha256_file
+from ..components.common.tracking.datasets import DIGEST_CHARS, SIZED, Handoff, hash_tree
 
 REMOTE = ("s3://", "minio://", "gs://")
 

@@ -165,6 +165,11 @@ def clean_stale_temporaries(path: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def fingerprint_files(files: dict[str, str]) -> str:
+    """sha256 over a {relative path: sha256} map: the fingerprint of a manifest listing these files."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
 def fingerprint(directories) -> dict[str, str]:
     """{directory: sha256 of its manifest's file digests} for committed inputs: what a re-run compares.
 
@@ -180,7 +185,7 @@ def fingerprint(directories) -> dict[str, str]:
             files = {p.name: sha256_file(p) for p in shards}
         else:
             files = read_manifest(d)["files"]
-        out[str(d)] = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+        out[str(d)] = fingerprint_files(files)
     return out
 
 

@@ -25,7 +25,6 @@ warning and skipped.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -86,11 +85,6 @@ class Handoff:
         return self.kind not in ("", "file", "directory", SIZED)
 
 
-def fingerprint_files(files: dict[str, str]) -> str:
-    """sha256 over a {relative path: sha256} map: `io.fingerprint` of a manifest with these files."""
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
 def hash_tree(path: Path, by_size: bool = False) -> dict[str, str]:
     """{relative path: sha256} of every file under `path` (or {name: sha256} of the file `path`);
     with `by_size`, {relative path: "size:N"} (nothing is read)."""
@@ -111,6 +105,8 @@ def manifest_root(path: Path) -> Path | None:
 
 def describe(key: str, path: str | os.PathLike, context: str, shard: str = "") -> Handoff:
     """The Handoff for `path` (an existing local file or directory) read or written through `key`."""
+    from ..io import fingerprint_files
+
     local = Path(path).resolve()  # a gathered shard is a symlink: record where it really is
     root = manifest_root(local)
     if root is not None and root != local:  # a part of a hand-off (ppo's policy/): only if its manifest lists it

@@ -41,14 +41,15 @@ URI_TAG, ROLE_TAG, MODEL_KEY_TAG, DIGEST_TAG = "prmflow.uri", "prmflow.role", "p
 def output_models(stage: str, output: str | os.PathLike, iteration: int | None = None,
                   log_weights: bool = False) -> list[dict]:
     """The log_model records for the models in a finished output directory ([] if it holds none)."""
-    from .datasets import fingerprint_files, handoff_uri
+    from ..io import fingerprint_files
+    from .datasets import DIGEST_CHARS, handoff_uri
 
     root = Path(output)
     manifest_path = root / "manifest.json"
     if not manifest_path.is_file():
         return []
     manifest = json.loads(manifest_path.read_text())
-    digest = fingerprint_files(manifest.get("files", {}))[:32]
+    digest = fingerprint_files(manifest.get("files", {}))[:DIGEST_CHARS]
     records = []
     for role, sub in MODELS_BY_KIND.get(str(manifest.get("kind", "")), []):
         path = root / sub if sub else root

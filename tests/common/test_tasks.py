@@ -73,6 +73,35 @@ def test_first_error_on_truncated_and_garbled_responses():
     assert ar.first_error(p.prompt, "3+4=7\n7*2=14\nanswer: 14\nmore") == 3
 
 
+def test_a_shortcut_step_is_one_step_right_iff_its_value_is():
+    prompt = "Compute left to right: 7+5*3-4\n"  # 7+5=12, 12*3=36, 36-4=32
+    assert ar.step_labels(prompt, "7+5*3=36\n36-4=32\nanswer: 32") == [1, 1, 1]
+    assert ar.first_error(prompt, "7+5*3=36\n36-4=32\nanswer: 32") is None
+    assert ar.step_labels(prompt, "7+5=12\n12*3-4=32\nanswer: 32") == [1, 1, 1]  # merged at the end
+    assert ar.step_labels(prompt, "7+5*3=22\n22-4=18\nanswer: 18") == [0, 0, 0]  # precedence, not left to right
+    assert ar.step_labels(prompt, "7+5*3=37\n37-4=33\nanswer: 33") == [0, 0, 0]  # wrong value: it and all after
+    assert ar.step_labels(prompt, "7+5=12\n12*3-4=33\nanswer: 33") == [1, 0, 0]
+    assert ar.step_labels(prompt, "7+5*4=48\n48-4=44\nanswer: 44") == [0, 0, 0]  # wrong operand
+    assert ar.step_labels(prompt, "7+5*3-4=32\nanswer: 32") == [0, 0]  # three operations are not a step
+    assert ar.step_labels("Compute left to right: 7+5\n", "7+5*3=36\nanswer: 36") == [0, 0]  # past the last operation
+    assert ar.is_shortcut("7+5*3=36") and not ar.is_shortcut("7+5=12") and not ar.is_shortcut("answer: 3")
+
+
+def test_shortcut_frac_merges_that_share_of_steps_and_zero_changes_nothing():
+    plain = ar.generate(1000, seed=5, cfg=ar.ArithmeticConfig(min_ops=4, max_ops=6))
+    merged = ar.generate(1000, seed=5, cfg=ar.ArithmeticConfig(min_ops=4, max_ops=6, shortcut_frac=0.3))
+    assert [p.prompt for p in merged] == [p.prompt for p in plain]
+    assert ar.generate(200, seed=5) == ar.generate(200, seed=5, cfg=ar.ArithmeticConfig(shortcut_frac=0.0))
+    lines = [s for p in merged for s in p.steps[:-1]]
+    share = sum(map(ar.is_shortcut, lines)) / len(lines)
+    assert 0.15 < share < 0.35
+    for p in merged:
+        assert ar.step_labels(p.prompt, p.solution) == [1] * len(p.steps)
+        assert ar.verify(p.solution, p.answer) == 1.0
+    with pytest.raises(ConfigError, match="shortcut_frac=-0.1 must be in"):
+        ar.ArithmeticConfig(shortcut_frac=-0.1)
+
+
 def test_dataset_loader_jsonl_messages_and_gsm8k(tmp_path):
     f = tmp_path / "d.jsonl"
     rows = [

@@ -5,7 +5,10 @@
 
 Every step is checkable exactly: step k must read `a<op>b=c` where `a` is the previous result
 (the first number for k = 0), `<op>b` is the k-th operation of the problem and `c` its value. The
-last line `answer: N` is the final step, correct when N is the true result. A step after the first
+last line `answer: N` is the final step, correct when N is the true result. A shortcut step merges
+two consecutive operations into one line, `a<op1>b<op2>c=d` computed left to right
+(`7+5*3=36`): it is one step, right when it names those two operations from the previous result
+and d is their value (demonstrations take shortcuts when `shortcut_frac` > 0). A step after the first
 wrong one is labelled wrong too (the convention of Math-Shepherd and PRM800K: once a prefix is
 wrong the solution cannot recover), so the labels of a solution are 1...1 0...0.
 
@@ -27,6 +30,8 @@ SPLITS = {"train": range(0, 8), "eval": range(8, 9), "test": range(9, 10)}
 
 STEP_RE = re.compile(r"^\s*(-?\d+)\s*([+\-*])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
 """A computation step `a<op>b=c`; groups a, op, b, c (shared with the visual task)."""
+SHORTCUT_RE = re.compile(r"^\s*(-?\d+)\s*([+\-*])\s*(-?\d+)\s*([+\-*])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
+"""A shortcut step `a<op1>b<op2>c=d` (two operations, left to right); groups a, op1, b, op2, c, d."""
 ANSWER_RE = re.compile(r"^\s*answer\s*:\s*(-?\d+)\s*$", re.IGNORECASE)
 """The final `answer: N` line with an integer N; group N (shared with the visual task)."""
 
@@ -45,12 +50,21 @@ class ArithmeticConfig:
     """Fraction of problems whose reference solution is the `answer: N` line alone, with no working
     (picked by a hash of the problem, so the same problems in every run). Warm-up data from a mixed
     source: SFT learns to skip the steps that often, and RL can learn that working them out pays."""
+    shortcut_frac: float = 0.0
+    """Chance that a step of a reference solution merges the next two operations into one line
+    (`7+5*3=36`, left to right; picked by a hash of the problem and the step). The checker accepts a
+    right one as one step. A risky habit to imitate: a small policy gets the merged value wrong far more
+    often than a single step, and RL can learn to avoid it (the prm-vs-outcome benchmark's regime)."""
 
     def __post_init__(self):
         if not 0.0 <= self.direct_answer_frac <= 1.0:
             from ..errors import ConfigError
 
             raise ConfigError(f"arithmetic.direct_answer_frac={self.direct_answer_frac} must be in [0, 1].")
+        if not 0.0 <= self.shortcut_frac <= 1.0:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"arithmetic.shortcut_frac={self.shortcut_frac} must be in [0, 1].")
 
 
 @dataclass
@@ -80,6 +94,30 @@ def solve(start: int, ops: list[tuple[str, int]]) -> tuple[list[str], int]:
         value = nxt
     steps.append(f"{ANSWER_PREFIX}{value}")
     return steps, value
+
+
+def shortcut_steps(start: int, ops: list[tuple[str, int]], merge: list[bool]) -> list[str]:
+    """The solution of (start, ops) where operation i and i+1 share one line when merge[i] (and
+    operation i is not itself the second half of a merged line, nor the last operation)."""
+    steps, value, i = [], start, 0
+    while i < len(ops):
+        (op, b) = ops[i]
+        nxt = apply_op(value, op, b)
+        if merge[i] and i + 1 < len(ops):
+            op2, b2 = ops[i + 1]
+            nxt2 = apply_op(nxt, op2, b2)
+            steps.append(f"{value}{op}{b}{op2}{b2}={nxt2}")
+            value, i = nxt2, i + 2
+        else:
+            steps.append(f"{value}{op}{b}={nxt}")
+            value, i = nxt, i + 1
+    steps.append(f"{ANSWER_PREFIX}{value}")
+    return steps
+
+
+def is_shortcut(step: str) -> bool:
+    """The step merges two operations into one line (`a<op1>b<op2>c=d`)."""
+    return SHORTCUT_RE.match(step) is not None
 
 
 def split_of(text: str) -> str:
@@ -123,6 +161,8 @@ def generate(n: int, seed: int = 0, split: str = "train", cfg: ArithmeticConfig 
             continue
         seen.add(expr)
         steps, value = solve(start, ops)
+        if cfg.shortcut_frac:
+            steps = shortcut_steps(start, ops, [hash_unit(f"shortcut:{expr}:{i}") < cfg.shortcut_frac for i in range(len(ops))])
         if cfg.direct_answer_frac and hash_unit(f"direct:{expr}") < cfg.direct_answer_frac:
             steps = steps[-1:]
         pid = "arith-" + hashlib.sha1(expr.encode()).hexdigest()[:12]
@@ -161,36 +201,54 @@ def split_steps(response: str) -> list[str]:
 def first_error(prompt: str, response: str) -> int | None:
     """Index (into `split_steps(response)`) of the first wrong step; None if every step is right.
 
-    A response that stops before its answer line has its first missing step as the error (index
-    = number of steps present).
+    Each line must do the next operation (`a<op>b=c`) or the next two (a shortcut, `a<op1>b<op2>c=d`)
+    from the previous result; after the last operation comes the `answer: N` line. A response that
+    stops before its answer line has its first missing step as the error (index = number of steps
+    present); anything after the answer line is wrong.
     """
     parsed = parse_problem(prompt)
     if parsed is None:
         raise ValueError(f"not an arithmetic-task prompt: {prompt!r}")
-    start, ops = parsed
-    expected, _ = solve(start, ops)
+    value, ops = parsed
     steps = split_steps(response)
-    for k, want in enumerate(expected):
+    i = k = 0  # next operation, next line
+    while i < len(ops):
         if k >= len(steps):
             return k
-        line = steps[k]
-        if k < len(ops):
-            m = STEP_RE.match(line)
-            if not m or [int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))] != _parts(want):
-                return k
-        else:
-            m = ANSWER_RE.match(line)
-            if not m or int(m.group(1)) != int(want[len(ANSWER_PREFIX):]):
-                return k
-    if len(steps) > len(expected):
-        return len(expected)  # anything after the answer line is wrong
+        done = _operations_done(steps[k], value, ops, i)
+        if done is None:
+            return k
+        value = _value_after(value, ops[i:i + done])
+        i, k = i + done, k + 1
+    if k >= len(steps):
+        return k
+    m = ANSWER_RE.match(steps[k])
+    if not m or int(m.group(1)) != value:
+        return k
+    if len(steps) > k + 1:
+        return k + 1  # anything after the answer line is wrong
     return None
 
 
-def _parts(step: str) -> list:
-    m = STEP_RE.match(step)
-    assert m, step
-    return [int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))]
+def _value_after(value: int, ops: list[tuple[str, int]]) -> int:
+    for op, b in ops:
+        value = apply_op(value, op, b)
+    return value
+
+
+def _operations_done(line: str, value: int, ops: list[tuple[str, int]], i: int) -> int | None:
+    """How many operations (1, or 2 for a shortcut) `line` rightly does from `value` starting at ops[i]; None if wrong."""
+    m = STEP_RE.match(line)
+    if m:
+        op, b = ops[i]
+        ok = [int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))] == [value, op, b, apply_op(value, op, b)]
+        return 1 if ok else None
+    m = SHORTCUT_RE.match(line)
+    if m and i + 1 < len(ops):
+        (op1, b1), (op2, b2) = ops[i], ops[i + 1]
+        got = [int(m.group(1)), m.group(2), int(m.group(3)), m.group(4), int(m.group(5)), int(m.group(6))]
+        return 2 if got == [value, op1, b1, op2, b2, _value_after(value, ops[i:i + 2])] else None
+    return None
 
 
 def step_labels(prompt: str, response: str) -> list[int]:

@@ -198,3 +198,25 @@ def test_top_fraction_matches_sorting(fraction):
     threshold = sorted(scores.tolist(), reverse=True)[k - 1]
     assert got.tolist() == [s >= threshold for s in scores.tolist()]
     assert int(got.sum()) == k
+
+
+# --- the entropy metric without an entropy bonus ------------------------------------------------------
+
+def test_entropy_metric_is_exact_on_all_tokens_and_the_mean_of_its_sample_otherwise():
+    """`train/entropy` with entropy_coef 0: every masked token (max_tokens 0 or >= the count) gives the
+    full sum; a cap gives the picked tokens' mean entropy times the masked count, picked evenly over the
+    masked tokens only (a padded position's entropy never enters)."""
+    from prmflow.components.ppo.update import entropy_metric_sum
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 50, generator=g) * 3
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5], dtype=torch.bool)
+    p = torch.softmax(logits, -1)
+    ent = -(p * p.log()).sum(-1)                                   # (3, 7), by the definition
+    full = float(ent[mask].sum())
+    assert abs(entropy_metric_sum(logits, mask, 0) - full) < 1e-4
+    assert abs(entropy_metric_sum(logits, mask, 13) - full) < 1e-4
+    # 13 masked tokens, 4 picked: positions 0, 4, 8, 12 of the masked tokens in order
+    picked = ent[mask][[0, 4, 8, 12]]
+    assert abs(entropy_metric_sum(logits, mask, 4) - float(picked.mean()) * 13) < 1e-4
+    assert entropy_metric_sum(logits, torch.zeros_like(mask), 4) == 0.0

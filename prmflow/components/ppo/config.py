@@ -51,6 +51,10 @@ class Config:
     """Clamp advantages to [-advantage_clip, advantage_clip] (0 = off); guards against outlier rewards."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (loss -= coef * entropy); costs a softmax over the vocabulary with gradient."""
+    entropy_metric_tokens: int = 64
+    """With entropy_coef 0, the `train/entropy` metric is the mean over at most this many evenly spaced response
+    tokens of each micro-batch (a full-vocabulary softmax per token; at 151,936 tokens it cost as much as a third
+    of the update); 0 = every token."""
     kl_loss_coef: float = 0.0
     """KL loss to the reference model (GRPO style; needs ref_logprobs); 0 = KL only in the reward."""
     kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -147,7 +151,7 @@ class Config:
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"ema_decay is {self.ema_decay}; use 0 (off) or a decay in (0, 1).")
         for key in ("advantage_clip", "entropy_coef", "kl_loss_coef", "ptx_coef", "value_clip", "kl_coef",
-                    "critic_warmup_steps", "save_every", "drgrpo_max_len", "iteration"):
+                    "critic_warmup_steps", "save_every", "drgrpo_max_len", "iteration", "entropy_metric_tokens"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must not be negative.")
         if self.kl_target <= 0:

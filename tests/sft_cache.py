@@ -47,14 +47,20 @@ def cached_sft(name: str, overrides: dict):
     from prmflow.components.common.errors import DataError
     from prmflow.components.sft import stage
 
+    import fcntl
+
     recipe = hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest()[:8]
     root = Path(os.environ.get("PRMFLOW_TEST_CACHE", Path.home() / ".cache" / "prmflow-tests"))
     out = root / f"{name}-{source_digest()}-{recipe}"
-    if out.exists():
-        try:  # a hit must be intact: every file the manifest lists, with its checksum
-            io.verify_files(out, io.read_manifest(out))
-            return out
-        except DataError:
-            shutil.rmtree(out)
-    stage.run(config.load(stage.Config, overrides={**overrides, "output": str(out)}))
+    root.mkdir(parents=True, exist_ok=True)
+    # one trainer per entry: parallel test workers (pytest -n) wait here for the first one's result
+    with open(root / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            try:  # a hit must be intact: every file the manifest lists, with its checksum
+                io.verify_files(out, io.read_manifest(out))
+                return out
+            except DataError:
+                shutil.rmtree(out)
+        stage.run(config.load(stage.Config, overrides={**overrides, "output": str(out)}))
     return out

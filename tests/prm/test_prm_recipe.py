@@ -6,9 +6,11 @@ AUC 0.76) and reranks 8 samples of the quickstart's mixed policy (half bare answ
 wrong) on 100 held-out prompts (measured: best-of-8 by mean step score 0.69 against a random pick's
 0.46; picking the lowest-scored sample instead gave 0.19). The margin asserted below is one that a
 selector picking at random, or the worst sample, cannot meet: both are at or below `eval/random`.
+Then the RL loop of tests/ppo/test_learning.py runs on this PRM's step rewards alone (grpo_process).
 """
 
 import pytest
+from rl_loop import assert_learned, rl_loop
 
 from prmflow.components.common import config
 from prmflow.components.prm import stage
@@ -28,3 +30,7 @@ def test_short_recipe_ranks_steps_and_best_of_n_beats_random_by_a_margin(tmp_pat
     assert m["eval/step_auc"] >= 0.72, report
     assert m["eval/bon_mean"] >= m["eval/random"] + 0.10, report
     assert m["eval/pass_at_n"] > m["eval/bon_mean"] - 1e-9, report
+
+    # the quickstart's RL path with this trained PRM: process-supervised GRPO on its step rewards alone (no
+    # outcome reward) must raise the judged outcome reward, as the oracle PRM does in tests/ppo/test_learning.py
+    assert_learned(rl_loop(mixed_sft_policy, tmp_path / "rl", "grpo_process", str(tmp_path / "prm")))

@@ -1,0 +1,348 @@
+"""Do step rewards beat outcome-only GRPO at equal rollout budget? (issue 20; README "Does it learn?")
+
+    python benchmarks/prm_vs_outcome.py --config configs/prm-vs-outcome.yaml
+    python benchmarks/prm_vs_outcome.py --config configs/prm-vs-outcome.yaml --set seeds=[0] --set iterations=2
+    python benchmarks/prm_vs_outcome.py --help          # every key, with its meaning and default
+
+One SFT policy and one PRM (trained once into OUTPUT/sft and OUTPUT/prm; a complete one is reused),
+then for every variant x seed an RL loop run in-process through the stages' `run(config)`:
+rollout -> advantage -> ppo, `iterations` times, with the same prompts, samples, PPO settings and
+seeds for every variant (seed s picks the prompts and the samples; variants differ only in the
+advantage estimator and where step rewards come from: `prm: ""` none, `oracle` the exact checker's
+step labels, `trained` OUTPUT/prm). After every PPO update the policy answers the same held-out
+test-split prompts greedily (pass@1, graded by the task's verifier). Per point it records the train
+reward and the reward-hacking watch (steps per response, response length, share without the step
+separator, format errors, share of shortcut steps) of the training batch and of the greedy answers,
+and for variants scored by the trained PRM its step AUC on the policy's own samples (checker labels).
+
+Writes OUTPUT/results.json, OUTPUT/table.md (final pass@1 over seeds, McNemar over prompts per
+seed and a paired t-test over seeds against `reference`), OUTPUT/curves.png, OUTPUT/benchmark.log
+(the stages' own output) and an MLflow store OUTPUT/mlflow.db: a parent run per variant (seed-mean
+curves, the table and the PNG as artifacts) with one child run per seed. A finished variant x seed
+(OUTPUT/runs/VARIANT/seed-S/result.json) is not run again, so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import prm_vs_outcome_stats as bench_stats  # noqa: E402
+
+from prmflow.components.advantage import stage as advantage  # noqa: E402
+from prmflow.components.common import config as config_lib, modeling, schema, steps as steps_lib, tasks  # noqa: E402
+from prmflow.components.common.errors import ConfigError  # noqa: E402
+from prmflow.components.common.generation import generate_texts  # noqa: E402
+from prmflow.components.common.tasks import arithmetic  # noqa: E402
+from prmflow.components.lib.prm_metrics import roc_auc  # noqa: E402
+from prmflow.components.ppo import stage as ppo  # noqa: E402
+from prmflow.components.prm import stage as prm_stage  # noqa: E402
+from prmflow.components.rollout import prompts as rollout_prompts, stage as rollout  # noqa: E402
+from prmflow.components.sft import stage as sft  # noqa: E402
+
+OFF = {"enabled": False}
+log = logging.getLogger("prm_vs_outcome")
+
+
+@dataclass
+class BenchConfig:
+    output: str = "outputs/prm-vs-outcome"
+    """Directory for the shared SFT policy and PRM, every run, the table, the PNG and the MLflow store."""
+    arithmetic: dict = field(default_factory=dict)
+    """The task's difficulty (ArithmeticConfig keys: min_ops, max_ops, shortcut_frac, ...), laid under every stage and the held-out prompts; a stage section's own `arithmetic` wins."""
+    sft: dict = field(default_factory=dict)
+    """sft stage keys (`prmflow sft --help`) for the one shared SFT policy (output is OUTPUT/sft)."""
+    prm: dict = field(default_factory=dict)
+    """prm stage keys for the one shared PRM on the SFT backbone (output is OUTPUT/prm)."""
+    rollout: dict = field(default_factory=dict)
+    """rollout stage keys shared by every variant (num_prompts, n_samples, sampling); seed, iteration and prm are set per run."""
+    ppo: dict = field(default_factory=dict)
+    """ppo stage keys shared by every variant (epochs, batch sizes, optim); seed and rl_iterations are set per run."""
+    variants: dict = field(default_factory=lambda: {"outcome-only": {"prm": "", "advantage": {"estimator": "grpo"}}})
+    """name -> {prm: '' | oracle | trained, advantage: {advantage stage keys}}: what differs between variants."""
+    reference: str = "outcome-only"
+    """The variant every other one is tested against (paired over prompts and over seeds)."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """Seeds of rollout (prompts, samples) and ppo; every variant runs every seed, so seed s pairs variants."""
+    iterations: int = 4
+    """RL iterations per run (each: rollout.num_prompts x rollout.n_samples responses, one PPO update)."""
+    eval_prompts: int = 300
+    """Held-out test-split prompts answered greedily after every update (the same ones for every run)."""
+    eval_seed: int = 0
+    """Seed that picks the held-out prompts."""
+    eval_max_new_tokens: int = 96
+    """Token budget of a greedy held-out answer."""
+    experiment: str = "prm-vs-outcome"
+    """MLflow experiment of the parent (variant) and child (seed) runs in OUTPUT/mlflow.db."""
+
+    def __post_init__(self):
+        if self.reference not in self.variants:
+            raise ConfigError(f"reference={self.reference!r} is not one of the variants {sorted(self.variants)}.")
+        for name, v in self.variants.items():
+            if not isinstance(v, dict) or set(v) - {"prm", "advantage"}:
+                raise ConfigError(f"variants.{name} must be a mapping with keys prm and advantage, got {v!r}.")
+            if v.get("prm", "") not in ("", "oracle", "trained"):
+                raise ConfigError(f"variants.{name}.prm={v['prm']!r}: use '' (no step rewards), oracle or trained.")
+        if not self.seeds or self.iterations < 1 or self.eval_prompts < 1:
+            raise ConfigError("seeds must be non-empty and iterations, eval_prompts at least 1.")
+
+
+# --- the shared start: SFT policy and PRM -------------------------------------------------------
+
+def stage_config(cls, cfg: BenchConfig, section: dict, **fixed):
+    """A stage config from its section, the shared task difficulty under it, and the run's own keys."""
+    values = {**section, **fixed, "tracking": OFF}
+    if "arithmetic" in {f.name for f in cls.__dataclass_fields__.values()}:
+        values["arithmetic"] = {**cfg.arithmetic, **section.get("arithmetic", {})}
+    return config_lib.build(cls, values, where=f"{cls.__module__}")
+
+
+def train_shared(cfg: BenchConfig, out: Path) -> dict:
+    """Train (or reuse) the SFT policy and the PRM; return the PRM's held-out metrics."""
+    sft.run(stage_config(sft.Config, cfg, cfg.sft, output=str(out / "sft")))
+    needs_prm = any(v.get("prm") == "trained" for v in cfg.variants.values())
+    if not needs_prm:
+        return {}
+    prm_stage.run(stage_config(prm_stage.Config, cfg, cfg.prm, backbone=str(out / "sft"), output=str(out / "prm")))
+    from prmflow.components.common import io
+
+    return io.read_manifest(out / "prm").get("metrics", {})
+
+
+# --- held-out evaluation (the evaluate stage's library: greedy generation, the task's grader) -------
+
+def heldout_records(cfg: BenchConfig) -> list[tasks.PromptRecord]:
+    return tasks.load("arithmetic", "test", cfg.eval_prompts, cfg.eval_seed, **cfg.arithmetic)
+
+
+def evaluate(policy: Path, records: list[tasks.PromptRecord], max_new_tokens: int) -> dict:
+    """Greedy answers to the held-out prompts: {"pass1", "correct": [0/1], "eval/<stat>"}."""
+    model, tok = modeling.load_causal_lm(str(policy))
+    prompts = [tasks.render_prompt(tok, r) for r in records]
+    special = not any(tasks.templated(tok, r) for r in records)
+    answers = generate_texts(model, tok, prompts, max_new_tokens, batch_size=len(prompts), add_special_tokens=special)
+    correct = [int(tasks.verify(r, a)) for r, a in zip(records, answers)]
+    lengths = [len(tok(a, add_special_tokens=False)["input_ids"]) for a in answers]
+    stats = bench_stats.response_stats(answers, lengths)
+    return {"pass1": sum(correct) / len(correct), "correct": correct, **{f"eval/{k}": v for k, v in stats.items()}}
+
+
+# --- one variant x seed -----------------------------------------------------------------------
+
+def train_batch_stats(rollout_cfg, out: Path, with_prm: bool) -> dict:
+    """The training batch's watch stats and, when a trained PRM scored it, its step AUC against the checker."""
+    table = schema.read_dataset(out, "rollouts")
+    responses = table.column("response").to_pylist()
+    lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
+    point = {f"train/{k}": v for k, v in bench_stats.response_stats(responses, lengths).items()}
+    if with_prm:
+        raw = {r.prompt_id: r.prompt for r in rollout_prompts.select_prompts(rollout_cfg)}
+        scores, labels = [], []
+        for pid, resp, sr in zip(table.column("prompt_id").to_pylist(), responses, table.column("step_rewards").to_pylist()):
+            steps = steps_lib.steps(resp, rollout_cfg.step_separator)
+            labels += arithmetic.step_labels(raw[pid], arithmetic.STEP_SEPARATOR.join(steps))
+            scores += list(sr or [])
+        if len(scores) == len(labels):
+            point["prm/step_auc_on_policy"] = roc_auc(scores, labels)
+            point["prm/step_label_mean"] = sum(labels) / max(len(labels), 1)
+    return point
+
+
+def run_digest(cfg: BenchConfig, name: str | None) -> str:
+    """Digest of everything that makes a run's result (or, name None, the shared start and its evaluation)."""
+    c = config_lib.to_dict(cfg)
+    keys = ["arithmetic", "sft", "prm", "eval_prompts", "eval_seed", "eval_max_new_tokens"]
+    if name is not None:
+        keys += ["rollout", "ppo", "iterations"]
+    picked = {k: c[k] for k in keys}
+    if name is not None:
+        picked["variant"] = c["variants"][name]
+    return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict, records) -> dict:
+    """One RL run; its result (points 0..iterations, final per-prompt correctness) is saved and returned."""
+    variant = cfg.variants[name]
+    work = out / "runs" / name / f"seed-{seed}"
+    done = work / "result.json"
+    key = run_digest(cfg, name)
+    if done.exists():
+        result = json.loads(done.read_text())
+        if result.get("config_digest") == key:
+            return result
+    if work.exists():  # unfinished, or made by another config: start it over
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    prm = {"": "", "oracle": "oracle", "trained": str(out / "prm")}[variant.get("prm", "")]
+    batch = int(cfg.rollout.get("num_prompts", 64)) * int(cfg.rollout.get("n_samples", 4))
+    policy, optimizer = out / "sft", ""
+    points = [{k: v for k, v in sft_point.items() if k != "correct"}]
+    correct = sft_point["correct"]
+    t0 = time.perf_counter()
+    for k in range(cfg.iterations):
+        it = work / f"iter{k}"
+        rcfg = stage_config(rollout.Config, cfg, cfg.rollout, policy=str(policy), output=str(it / "rollouts"),
+                            seed=seed, iteration=k, prm=prm, log_samples=0)
+        m = rollout.run(rcfg)
+        points[-1].update({"train_reward": m["rollout/reward_mean"], **train_batch_stats(rcfg, it / "rollouts", variant.get("prm") == "trained")})
+        advantage.run(config_lib.build(advantage.Config, {**variant.get("advantage", {}), "input": str(it / "rollouts"),
+                                                          "output": str(it / "advantages"), "iteration": k, "tracking": OFF}))
+        ppo.run(stage_config(ppo.Config, cfg, cfg.ppo, policy=str(policy), input=str(it / "advantages"),
+                             output=str(it / "ppo"), iteration=k, rl_iterations=cfg.iterations, seed=seed,
+                             optimizer_state=optimizer))
+        policy, optimizer = it / "ppo" / "policy", str(it / "ppo" / "optimizer")
+        ev = evaluate(policy, records, cfg.eval_max_new_tokens)
+        correct = ev.pop("correct")
+        points.append({"iteration": k + 1, "rollouts": (k + 1) * batch, **ev})
+        log.info("%s seed %d iteration %d: %s", name, seed, k, json.dumps(points[-2]))
+    result = {"variant": name, "seed": seed, "points": points, "final_correct": correct,
+              "seconds": time.perf_counter() - t0, "config_digest": key}
+    done.write_text(json.dumps(result))
+    return result
+
+
+# --- MLflow ---------------------------------------------------------------------------------------
+
+#: a point's keys as MLflow metric names (the others are already namespaced: train/..., eval/..., prm/...)
+METRIC_NAMES = {"pass1": "eval/pass1", "train_reward": "train/reward"}
+
+
+def log_mlflow(cfg: BenchConfig, out: Path, results: dict, table: str, png: Path) -> None:
+    """A parent run per variant (seed-mean curves, the table, the PNG) with a child run per seed; a variant
+    whose results were logged before (same digest) is not logged twice."""
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{(out / 'mlflow.db').resolve()}")
+    exp = mlflow.set_experiment(cfg.experiment)
+    client = mlflow.MlflowClient()
+    for name, runs in results.items():
+        digest = hashlib.sha256(json.dumps([runs[s] for s in sorted(runs)], sort_keys=True).encode()).hexdigest()[:16]
+        seen = client.search_runs([exp.experiment_id], f"tags.`prmflow.results_digest` = '{digest}'")
+        if seen:
+            continue
+        variant = cfg.variants[name]
+        with mlflow.start_run(run_name=name, tags={"prmflow.results_digest": digest, "prmflow.variant": name,
+                                                   "mlflow.note.content": f"{name}: {json.dumps(variant)}"}):
+            mlflow.log_params({"prm": variant.get("prm", "") or "none", "seeds": len(runs), "iterations": cfg.iterations,
+                               **{f"advantage.{k}": v for k, v in variant.get("advantage", {}).items()},
+                               **{f"rollout.{k}": v for k, v in config_lib.flatten(cfg.rollout).items()},
+                               **{f"arithmetic.{k}": v for k, v in cfg.arithmetic.items()}})
+            for key in ("pass1", "train_reward"):
+                xs, mean, lo, hi = bench_stats.curve(runs, key)
+                for x, m, a, b in zip(xs, mean, lo, hi):
+                    mlflow.log_metrics({f"mean/{key}": m, f"min/{key}": a, f"max/{key}": b}, step=x)
+            mlflow.log_artifact(str(png))
+            mlflow.log_text(table, "table.md")
+            for seed in sorted(runs):
+                with mlflow.start_run(run_name=f"{name} seed {seed}", nested=True, tags={"prmflow.seed": str(seed)}):
+                    mlflow.log_params({"seed": seed, "prm": variant.get("prm", "") or "none"})
+                    for p in runs[seed]["points"]:
+                        mlflow.log_metrics({METRIC_NAMES.get(k, k): v for k, v in p.items()
+                                            if isinstance(v, (int, float)) and k not in ("rollouts", "iteration")},
+                                           step=p["rollouts"])
+                    mlflow.log_metric("final/pass1", runs[seed]["points"][-1]["pass1"])
+
+
+# --- the whole benchmark -------------------------------------------------------------------------
+
+def auc_table(results: dict, prm_metrics: dict) -> str:
+    """The trained PRM's step AUC on each trained-PRM variant's own samples, first and last iteration."""
+    lines = ["| variant | PRM step AUC on the SFT policy's samples (iteration 0) | on the last iteration's samples "
+             "| share of right steps there | PRM held-out AUC (its own eval split) |", "|---|---|---|---|---|"]
+    for name, runs in results.items():
+        firsts = [r["points"][0].get("prm/step_auc_on_policy") for r in runs.values()]
+        lasts = [r["points"][-2].get("prm/step_auc_on_policy") for r in runs.values()]
+        share = [r["points"][-2].get("prm/step_label_mean") for r in runs.values()]
+        if None in firsts or None in lasts:
+            continue
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        lines.append(f"| {name} | {mean(firsts):.3f} | {mean(lasts):.3f} ({min(lasts):.3f}-{max(lasts):.3f}) "
+                     f"| {mean(share):.3f} | {prm_metrics.get('eval/step_auc', float('nan')):.3f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def run(cfg: BenchConfig, console=None) -> dict:
+    """Run every variant x seed (resuming finished ones); write and log the results; return them with the table."""
+    console = console or sys.stderr
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config_lib.to_dict(cfg), indent=2))
+    logfile = open(out / "benchmark.log", "a")
+    handler = logging.StreamHandler(logfile)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    say = lambda msg: print(msg, file=console, flush=True)  # noqa: E731
+    try:
+        with contextlib.redirect_stdout(logfile), contextlib.redirect_stderr(logfile):
+            t0 = time.perf_counter()
+            prm_metrics = train_shared(cfg, out)
+            records = heldout_records(cfg)
+            sft_eval = out / "sft-eval.json"
+            key = run_digest(cfg, None)
+            if not sft_eval.exists() or json.loads(sft_eval.read_text()).get("config_digest") != key:
+                ev = evaluate(out / "sft", records, cfg.eval_max_new_tokens)
+                sft_eval.write_text(json.dumps({"rollouts": 0, "iteration": 0, **ev, "config_digest": key}))
+            sft_point = {k: v for k, v in json.loads(sft_eval.read_text()).items() if k != "config_digest"}
+        say(f"shared SFT policy and PRM ready ({time.perf_counter() - t0:.0f} s): SFT held-out pass@1 {sft_point['pass1']:.3f}"
+            + (f", PRM held-out step AUC {prm_metrics['eval/step_auc']:.3f}" if "eval/step_auc" in prm_metrics else ""))
+        results: dict = {name: {} for name in cfg.variants}
+        jobs = [(name, seed) for seed in cfg.seeds for name in cfg.variants]
+        for i, (name, seed) in enumerate(jobs):
+            with contextlib.redirect_stdout(logfile), contextlib.redirect_stderr(logfile):
+                r = run_one(cfg, out, name, int(seed), sft_point, records)
+            results[name][int(seed)] = r
+            pts = r["points"]
+            say(f"[{i + 1}/{len(jobs)}] {name} seed {seed}: held-out pass@1 {pts[0]['pass1']:.3f} -> {pts[-1]['pass1']:.3f}, "
+                f"train reward {pts[0]['train_reward']:.3f} -> {pts[-2]['train_reward']:.3f}, "
+                f"shortcut steps {pts[0]['eval/shortcut_share']:.3f} -> {pts[-1]['eval/shortcut_share']:.3f} ({r['seconds']:.0f} s)")
+        rows = bench_stats.summarize(results, cfg.reference)
+        table = bench_stats.format_table(rows, cfg.reference)
+        aucs = auc_table(results, prm_metrics)
+        png = out / "curves.png"
+        arith = ", ".join(f"{k}={v}" for k, v in cfg.arithmetic.items())
+        bench_stats.plot_curves(results, png, title=f"{arith}; {cfg.rollout.get('num_prompts')} prompts x "
+                                                   f"{cfg.rollout.get('n_samples')} samples per iteration")
+        text = table + ("\n\n" + aucs if aucs else "") + "\n"
+        (out / "table.md").write_text(text)
+        (out / "results.json").write_text(json.dumps({"rows": rows, "results": results, "prm_metrics": prm_metrics}, indent=1))
+        with contextlib.redirect_stdout(logfile), contextlib.redirect_stderr(logfile):
+            log_mlflow(cfg, out, results, text, png)
+        say("\n" + text + f"\nwritten: {out / 'table.md'}, {png}, {out / 'results.json'}; "
+            f"mlflow ui --backend-store-uri sqlite:///{(out / 'mlflow.db').resolve()}")
+        return {"rows": rows, "results": results, "table": text}
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+        logfile.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/prm_vs_outcome.py", description=__doc__.split("\n\n")[0],
+                                     epilog="Keys nest with dots on the command line: --set rollout.num_prompts=32.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    config_lib.add_arguments(parser, BenchConfig)
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_lib.from_args(BenchConfig, args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The numbers of benchmarks/prm_vs_outcome.py, as pure functions (tests/benchmarks checks them by hand).
+
+    response_stats(responses, lengths)    reward-hacking watch of one batch of responses
+    mcnemar(a, b)                         exact paired test over prompts (two policies, same prompts)
+    summarize(results) -> table rows      final pass@1 over seeds, tests against the reference variant
+    format_table(rows), plot_curves(...)  what the console, the README and MLflow show
+
+`results[variant][seed]` is a run: {"points": [...], "final_correct": [0/1 per held-out prompt]}
+where point k is the policy after k RL iterations: {"rollouts": responses sampled to make it,
+"pass1": held-out greedy pass@1, "train_reward": mean reward of the rollouts it samples next (absent
+for the last policy), plus the stats below under "train/" and "eval/" prefixes}.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from scipy import stats as scipy_stats
+
+from prmflow.components.common import steps as steps_lib
+from prmflow.components.common.tasks import arithmetic
+
+# --- reward hacking watch (PURE, arXiv 2504.15275: summed step rewards taught a policy to drop the separator) --
+
+STAT_KEYS = ("steps_per_response", "response_length", "no_separator", "format_errors", "shortcut_share")
+
+
+def response_stats(responses: list[str], lengths: list[int], separator: str = "\n") -> dict[str, float]:
+    """Means over a batch of responses (lengths: their token counts):
+
+    steps_per_response: steps as the PRM and the advantage stage cut them (`steps.steps`);
+    response_length: tokens; no_separator: share whose text (stripped) holds no separator, i.e. one
+    step at most; format_errors: share with no `answer: N` line; shortcut_share: of all steps, the
+    share that merge two operations into one line (`7+5*3=36`).
+    """
+    if not responses:
+        return {k: float("nan") for k in STAT_KEYS}
+    all_steps = [steps_lib.steps(r, separator) for r in responses]
+    n_steps = sum(len(s) for s in all_steps)
+    return {
+        "steps_per_response": n_steps / len(responses),
+        "response_length": sum(lengths) / len(lengths),
+        "no_separator": sum(separator not in r.strip() for r in responses) / len(responses),
+        "format_errors": sum(arithmetic.extract_answer(r) is None for r in responses) / len(responses),
+        "shortcut_share": sum(arithmetic.is_shortcut(s) for ss in all_steps for s in ss) / n_steps if n_steps else 0.0,
+    }
+
+
+# --- tests ----------------------------------------------------------------------------------------
+
+def mcnemar(a: list[int], b: list[int]) -> tuple[int, int, float]:
+    """(right only under a, right only under b, exact two-sided McNemar p) over the same prompts.
+
+    The exact test is a binomial test of the discordant pairs against 1/2; p = 1 when there are none.
+    """
+    if len(a) != len(b):
+        raise ValueError(f"paired test over prompts needs the same prompts: {len(a)} vs {len(b)} results")
+    only_a = sum(1 for x, y in zip(a, b) if x and not y)
+    only_b = sum(1 for x, y in zip(a, b) if y and not x)
+    if only_a + only_b == 0:
+        return 0, 0, 1.0
+    return only_a, only_b, float(scipy_stats.binomtest(only_a, only_a + only_b, 0.5).pvalue)
+
+
+def paired_seed_test(a: list[float], b: list[float]) -> float:
+    """Two-sided paired t-test over seeds (a[s] and b[s] share seed s); NaN below 2 seeds or with no spread."""
+    if len(a) != len(b) or len(a) < 2:
+        return float("nan")
+    diffs = [x - y for x, y in zip(a, b)]
+    if max(diffs) == min(diffs):
+        return 1.0 if diffs[0] == 0 else 0.0
+    return float(scipy_stats.ttest_rel(a, b).pvalue)
+
+
+# --- curves and table ----------------------------------------------------------------------------
+
+def curve(runs: dict, key: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(rollouts, mean, min, max) of `key` over the seeds of one variant, at the points every seed has."""
+    points = [r["points"] for r in runs.values()]
+    n = min(len(p) for p in points)
+    xs, mean, lo, hi = [], [], [], []
+    for k in range(n):
+        vals = [p[k][key] for p in points if p[k].get(key) is not None]
+        if not vals:
+            continue
+        xs.append(points[0][k]["rollouts"])
+        mean.append(sum(vals) / len(vals))
+        lo.append(min(vals))
+        hi.append(max(vals))
+    return xs, mean, lo, hi
+
+
+def rollouts_to_reach(xs: list[int], ys: list[float], target: float) -> int | None:
+    """The first rollout count at which the curve ys is >= target; None if it never is."""
+    return next((x for x, y in zip(xs, ys) if y >= target - 1e-12), None)
+
+
+def summarize(results: dict, reference: str) -> list[dict]:
+    """One row per variant: final pass@1 over seeds, the seed mean at half the rollouts (the point at or
+    before the middle), rollouts to reach `reference`'s final mean pass@1,
+    the paired tests against `reference` (McNemar per shared seed, t-test over seeds) and the last
+    policy's reward-hacking stats (mean over seeds)."""
+    ref_runs = results[reference]
+    ref_final = {s: r["points"][-1]["pass1"] for s, r in ref_runs.items()}
+    target = curve(ref_runs, "pass1")[1][-1]
+    rows = []
+    for name, runs in results.items():
+        seeds = sorted(runs)
+        finals = [runs[s]["points"][-1]["pass1"] for s in seeds]
+        xs, mean, _, _ = curve(runs, "pass1")
+        row = {"variant": name, "seeds": len(seeds), "pass1_mean": sum(finals) / len(finals),
+               "pass1_min": min(finals), "pass1_max": max(finals),
+               "pass1_sd": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+               "rollouts": xs[-1], "rollouts_to_reference": rollouts_to_reach(xs, mean, target),
+               "half_rollouts": xs[(len(xs) - 1) // 2], "half_pass1_mean": mean[(len(xs) - 1) // 2],
+               "mcnemar": [], "seed_p": float("nan")}
+        last = [runs[s]["points"][-1] for s in seeds]
+        for key in STAT_KEYS:
+            vals = [p.get(f"eval/{key}") for p in last if p.get(f"eval/{key}") is not None]
+            row[key] = sum(vals) / len(vals) if vals else float("nan")
+        if name != reference:
+            shared = [s for s in seeds if s in ref_runs]
+            row["mcnemar"] = [(s, *mcnemar(runs[s]["final_correct"], ref_runs[s]["final_correct"])) for s in shared]
+            row["seed_p"] = paired_seed_test([runs[s]["points"][-1]["pass1"] for s in shared], [ref_final[s] for s in shared])
+        rows.append(row)
+    return rows
+
+
+def _p(p: float) -> str:
+    return "n/a" if p is None or math.isnan(p) else f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
+
+
+def format_table(rows: list[dict], reference: str) -> str:
+    """The final table in Markdown (the README's and the console's)."""
+    head = ("| variant | final pass@1, mean (min-max) over seeds | pass@1 at half the rollouts | rollouts to reach "
+            f"{reference}'s final | vs {reference}: McNemar per seed (only this / only ref, p) | t-test over seeds p "
+            "| steps / response | shortcut steps | no separator | format errors |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        reach = "-" if r["rollouts_to_reference"] is None else f"{r['rollouts_to_reference']} of {r['rollouts']}"
+        tests = "; ".join(f"s{s}: {a}/{b}, p={_p(p)}" for s, a, b, p in r["mcnemar"]) or "(reference)"
+        lines.append(f"| {r['variant']} | {r['pass1_mean']:.3f} ({r['pass1_min']:.3f}-{r['pass1_max']:.3f}) "
+                     f"| {r['half_pass1_mean']:.3f} ({r['half_rollouts']}) | {reach} "
+                     f"| {tests} | {_p(r['seed_p']) if r['mcnemar'] else '-'} | {r['steps_per_response']:.2f} "
+                     f"| {r['shortcut_share']:.3f} | {r['no_separator']:.3f} | {r['format_errors']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot_curves(results: dict, path, title: str = "") -> None:
+    """PNG: held-out pass@1 and train reward against rollouts consumed, seed mean and min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=80)
+    for name, runs in results.items():
+        for ax, key in zip(axes, ("pass1", "train_reward")):
+            xs, mean, lo, hi = curve(runs, key)
+            line, = ax.plot(xs, mean, marker="o", ms=3, label=f"{name} ({len(runs)} seeds)")
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+    axes[0].set(xlabel="rollouts consumed (responses sampled)", ylabel="held-out pass@1 (greedy)")
+    axes[1].set(xlabel="rollouts consumed before the batch", ylabel="train reward (batch mean)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="best")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,135 @@
+"""benchmarks/prm_vs_outcome.py: its numbers against hand counts, and a tiny run of the real command."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import prm_vs_outcome as bench  # noqa: E402
+import prm_vs_outcome_stats as bs  # noqa: E402
+
+
+def test_response_stats_against_hand_counts():
+    responses = ["1+2=3\n3*2=6\nanswer: 6",  # 3 steps
+                 "1+2*2=6\nanswer: 6\n",      # 2 steps, one a shortcut; a trailing newline is no step
+                 "answer: 5",                 # 1 step, no separator
+                 "  garbage  \n"]             # 1 step, no separator once stripped, no answer line
+    got = bs.response_stats(responses, [10, 8, 4, 2])
+    assert got == pytest.approx({"steps_per_response": 7 / 4, "response_length": 24 / 4, "no_separator": 2 / 4,
+                                 "format_errors": 1 / 4, "shortcut_share": 1 / 7})
+
+
+def test_mcnemar_is_the_exact_binomial_test_of_the_discordant_prompts():
+    a = [1, 1, 1, 1, 0, 0, 1, 0]
+    b = [1, 0, 0, 0, 0, 1, 1, 0]
+    assert bs.mcnemar(a, b) == (3, 1, pytest.approx(10 / 16))  # P(X <= 1) + P(X >= 3), X ~ Bin(4, 1/2)
+    assert bs.mcnemar([1] * 8 + [0] + [1], [0] * 8 + [1] + [1]) == (8, 1, pytest.approx(2 * 10 / 512))
+    assert bs.mcnemar([1, 0], [1, 0]) == (0, 0, 1.0)
+
+
+def _run(pass1: list[float], correct: list[int], batch: int = 100) -> dict:
+    points = [{"rollouts": k * batch, "pass1": p, "eval/steps_per_response": 3.0, "eval/shortcut_share": 0.2,
+               "eval/no_separator": 0.0, "eval/format_errors": 0.0, "eval/response_length": 20.0} for k, p in enumerate(pass1)]
+    for k, p in enumerate(points[:-1]):
+        p["train_reward"] = 0.1 * (k + 1)
+    return {"points": points, "final_correct": correct}
+
+
+def test_summary_table_against_a_hand_computed_example():
+    results = {
+        "ref": {0: _run([0.4, 0.5, 0.5], [1, 0, 0, 1]), 1: _run([0.4, 0.5, 0.55], [1, 1, 0, 0])},
+        "new": {0: _run([0.4, 0.55, 0.6], [1, 1, 1, 1]), 1: _run([0.4, 0.6, 0.7], [1, 1, 1, 0])},
+    }
+    rows = {r["variant"]: r for r in bs.summarize(results, "ref")}
+    new = rows["new"]
+    assert new["pass1_mean"] == pytest.approx(0.65) and (new["pass1_min"], new["pass1_max"]) == (0.6, 0.7)
+    # ref ends at mean 0.525; new's seed mean is 0.575 after 100 rollouts (the ref needed 200 to reach 0.5)
+    assert new["rollouts_to_reference"] == 100 and rows["ref"]["rollouts_to_reference"] == 200
+    assert new["mcnemar"] == [(0, 2, 0, pytest.approx(0.5)), (1, 1, 0, pytest.approx(1.0))]
+    # paired t over seeds: differences 0.1 and 0.15, t = 0.125 / (0.0354 / sqrt 2) = 5 on 1 df (Cauchy)
+    assert new["seed_p"] == pytest.approx(1 - 2 * math.atan(5) / math.pi)
+    assert math.isnan(rows["ref"]["seed_p"]) and rows["ref"]["mcnemar"] == []
+    table = bs.format_table(list(rows.values()), "ref")
+    assert (new["half_rollouts"], rows["ref"]["half_rollouts"]) == (100, 100)
+    assert (new["half_pass1_mean"], rows["ref"]["half_pass1_mean"]) == (pytest.approx(0.575), pytest.approx(0.5))
+    assert "| new | 0.650 (0.600-0.700) | 0.575 (100) | 100 of 200 | s0: 2/0, p=0.500; s1: 1/0, p=1.000 | 0.126 |" in table
+    assert "| ref | 0.525 (0.500-0.550) | 0.500 (100) | 200 of 200 | (reference) | - |" in table
+    xs, mean, lo, hi = bs.curve(results["new"], "train_reward")
+    assert (xs, mean, lo, hi) == ([0, 100], pytest.approx([0.1, 0.2]), pytest.approx([0.1, 0.2]), pytest.approx([0.1, 0.2]))
+
+
+def test_help_lists_every_key(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for key in ("--variants", "--seeds", "--iterations", "--eval_prompts", "--arithmetic", "--reference"):
+        assert key in text
+
+
+TOY = {
+    "arithmetic": {"min_ops": 2, "max_ops": 3, "shortcut_frac": 0.3},
+    "sft": {"policy": "tiny-llama", "num_prompts": 64, "eval_size": 4, "max_steps": 4, "micro_batch_size": 8,
+            "eval_every": 4, "save_every": 0, "eval_max_new_tokens": 8, "optim": {"warmup_steps": 1},
+            "engine": {"backend": "torch"}},
+    "rollout": {"num_prompts": 4, "n_samples": 2, "sampling": {"max_new_tokens": 12}},
+    "ppo": {"epochs": 1, "minibatch_size": 8, "micro_batch_size": 8, "engine": {"backend": "torch"}},
+    "variants": {"outcome-only": {"prm": "", "advantage": {"estimator": "grpo"}},
+                 "oracle": {"prm": "oracle", "advantage": {"estimator": "grpo_process"}}},
+    "seeds": [0, 1], "iterations": 1, "eval_prompts": 6, "eval_max_new_tokens": 12,
+}
+
+
+@pytest.mark.timeout(300)
+def test_a_toy_run_writes_the_mlflow_runs_the_png_and_the_table(tmp_path):
+    import mlflow
+
+    cfg_file = tmp_path / "toy.yaml"
+    cfg_file.write_text(json.dumps({**TOY, "output": str(tmp_path / "out")}))  # JSON is YAML
+    console = tmp_path / "console.txt"
+    with open(console, "w") as f:
+        cfg = bench.config_lib.load(bench.BenchConfig, cfg_file)
+        got = bench.run(cfg, console=f)
+    out = tmp_path / "out"
+    lines = console.read_text().splitlines()
+    assert sum(line.startswith("[") for line in lines) == 4  # one line per finished run
+
+    # the table holds each variant's seed mean of the saved runs' final pass@1
+    saved = {(v, s): json.loads((out / "runs" / v / f"seed-{s}" / "result.json").read_text())
+             for v in TOY["variants"] for s in TOY["seeds"]}
+    table = (out / "table.md").read_text()
+    for v in TOY["variants"]:
+        finals = [saved[v, s]["points"][-1]["pass1"] for s in TOY["seeds"]]
+        assert len(saved[v, 0]["final_correct"]) == 6
+        assert finals == [sum(saved[v, s]["final_correct"]) / 6 for s in TOY["seeds"]]
+        assert f"| {v} | {sum(finals) / 2:.3f} ({min(finals):.3f}-{max(finals):.3f}) |" in table
+    assert saved["outcome-only", 0]["points"][0]["pass1"] == saved["oracle", 1]["points"][0]["pass1"]  # shared SFT start
+    assert [p["rollouts"] for p in saved["oracle", 0]["points"]] == [0, 8]
+    assert got["table"] == table
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # MLflow: a parent run per variant with the PNG, and a child per seed holding its final pass@1
+    mlflow.set_tracking_uri(f"sqlite:///{out / 'mlflow.db'}")
+    client = mlflow.MlflowClient()
+    exp = client.get_experiment_by_name("prm-vs-outcome")
+    runs = client.search_runs([exp.experiment_id])
+    parents = {r.info.run_name: r for r in runs if "mlflow.parentRunId" not in r.data.tags}
+    assert sorted(parents) == sorted(TOY["variants"])
+    for v, parent in parents.items():
+        assert "curves.png" in [a.path for a in client.list_artifacts(parent.info.run_id)]
+        children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+        assert sorted(int(c.data.tags["prmflow.seed"]) for c in children) == TOY["seeds"]
+        for c in children:
+            assert c.data.metrics["final/pass1"] == saved[v, int(c.data.tags["prmflow.seed"])]["points"][-1]["pass1"]
+
+    # a second call finds everything done: no new runs, the same table
+    with open(console, "w") as f:
+        again = bench.run(cfg, console=f)
+    assert again["table"] == table
+    assert len(client.search_runs([exp.experiment_id])) == len(runs)

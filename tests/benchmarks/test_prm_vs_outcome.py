@@ -60,6 +60,9 @@ def test_summary_table_against_a_hand_computed_example():
     assert (new["half_pass1_mean"], rows["ref"]["half_pass1_mean"]) == (pytest.approx(0.575), pytest.approx(0.5))
     assert "| new | 0.650 (0.600-0.700) | 0.575 (100) | 100 of 200 | s0: 2/0, p=0.500; s1: 1/0, p=1.000 | 0.126 |" in table
     assert "| ref | 0.525 (0.500-0.550) | 0.500 (100) | 200 of 200 | (reference) | - |" in table
+    # 3 iterations (0, 100, 200, 300 rollouts): the half point is the one at or before 150
+    odd = bs.summarize({"ref": {0: _run([0.4, 0.5, 0.6, 0.7], [1])}}, "ref")[0]
+    assert (odd["half_rollouts"], odd["half_pass1_mean"]) == (100, 0.5)
     xs, mean, lo, hi = bs.curve(results["new"], "train_reward")
     assert (xs, mean, lo, hi) == ([0, 100], pytest.approx([0.1, 0.2]), pytest.approx([0.1, 0.2]), pytest.approx([0.1, 0.2]))
 
@@ -112,6 +115,16 @@ def test_a_toy_run_writes_the_mlflow_runs_the_png_and_the_table(tmp_path):
     assert saved["outcome-only", 0]["points"][0]["pass1"] == saved["oracle", 1]["points"][0]["pass1"]  # shared SFT start
     assert [p["rollouts"] for p in saved["oracle", 0]["points"]] == [0, 8]
     assert got["table"] == table
+
+    # the training batch's numbers, recomputed from the rollouts hand-off the run wrote
+    from prmflow.components.common import schema
+
+    rollouts = schema.read_dataset(out / "runs" / "oracle" / "seed-1" / "iter0" / "rollouts", "rollouts")
+    rewards = rollouts.column("outcome_reward").to_pylist()
+    lengths = [len(ids) for ids in rollouts.column("response_ids").to_pylist()]
+    first = saved["oracle", 1]["points"][0]
+    assert first["train_reward"] == pytest.approx(sum(rewards) / len(rewards))
+    assert first["train/response_length"] == pytest.approx(sum(lengths) / len(lengths))
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # MLflow: a parent run per variant with the PNG, and a child per seed holding its final pass@1
@@ -126,7 +139,10 @@ def test_a_toy_run_writes_the_mlflow_runs_the_png_and_the_table(tmp_path):
         children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
         assert sorted(int(c.data.tags["prmflow.seed"]) for c in children) == TOY["seeds"]
         for c in children:
-            assert c.data.metrics["final/pass1"] == saved[v, int(c.data.tags["prmflow.seed"])]["points"][-1]["pass1"]
+            points = saved[v, int(c.data.tags["prmflow.seed"])]["points"]
+            assert c.data.metrics["final/pass1"] == points[-1]["pass1"]
+            first = client.get_metric_history(c.info.run_id, "train/reward")[0]
+            assert (first.step, first.value) == (0, pytest.approx(points[0]["train_reward"]))
 
     # a second call finds everything done: no new runs, the same table
     with open(console, "w") as f:

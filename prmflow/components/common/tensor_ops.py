@@ -15,11 +15,14 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
     logits: (B, T, V) float; tokens: (B, T) long -> (B, T) float32.
     Equivalent to `torch.log_softmax(logits.float(), -1).gather(-1, tokens[..., None])[..., 0]`,
-    computed as logit - logsumexp so the (B, T, V) log-softmax is never materialized twice.
+    computed as minus the per-token cross-entropy: the fused log-softmax kernels a causal-LM training
+    step uses, forward and backward. (`logit - logsumexp` took six passes over the (B, T, V) logits
+    against their two each way: at Qwen2.5's 151,936-token vocabulary the PPO update spent 2x the
+    bare step's time in its head.)
     """
-    logits = logits.float()
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    B, T, V = logits.shape
+    nll = torch.nn.functional.cross_entropy(logits.float().reshape(B * T, V), tokens.reshape(B * T), reduction="none")
+    return -nll.view(B, T)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

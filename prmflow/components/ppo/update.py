@@ -153,7 +153,8 @@ def entropy_metric_sum(logits: torch.Tensor, mask: torch.Tensor, max_tokens: int
         return 0.0
     if 0 < max_tokens < n:
         where = where[torch.linspace(0, n - 1, max_tokens, device=where.device).round().long()]
-    rows = logits.reshape(-1, logits.shape[-1]).index_select(0, where)            # (k, V): only the picked rows
+    T = mask.shape[1]
+    rows = logits[where // T, where % T]  # (k, V): only the picked rows (a reshape of the sliced logits would copy all)
     return float(entropy_from_logits(rows).sum()) * n / where.numel()
 
 

@@ -86,33 +86,20 @@ def apply_op(a: int, op: str, b: int) -> int:
     return a + b if op == "+" else a - b if op == "-" else a * b
 
 
-def solve(start: int, ops: list[tuple[str, int]]) -> tuple[list[str], int]:
-    steps, value = [], start
-    for op, b in ops:
-        nxt = apply_op(value, op, b)
-        steps.append(f"{value}{op}{b}={nxt}")
-        value = nxt
+def solve(start: int, ops: list[tuple[str, int]], merge: list[bool] | None = None) -> tuple[list[str], int]:
+    """(solution lines, result) of (start, ops): one operation per line, except that operation i and i+1
+    share one line (a shortcut, left to right) when merge[i] (and operation i is not itself the second half
+    of a merged line, nor the last operation); then the `answer: N` line."""
+    steps, value, i = [], start, 0
+    while i < len(ops):
+        take = 2 if merge and merge[i] and i + 1 < len(ops) else 1
+        nxt = _value_after(value, ops[i:i + take])
+        steps.append(str(value) + "".join(f"{op}{b}" for op, b in ops[i:i + take]) + f"={nxt}")
+        value, i = nxt, i + take
     steps.append(f"{ANSWER_PREFIX}{value}")
     return steps, value
 
 
-def shortcut_steps(start: int, ops: list[tuple[str, int]], merge: list[bool]) -> list[str]:
-    """The solution of (start, ops) where operation i and i+1 share one line when merge[i] (and
-    operation i is not itself the second half of a merged line, nor the last operation)."""
-    steps, value, i = [], start, 0
-    while i < len(ops):
-        (op, b) = ops[i]
-        nxt = apply_op(value, op, b)
-        if merge[i] and i + 1 < len(ops):
-            op2, b2 = ops[i + 1]
-            nxt2 = apply_op(nxt, op2, b2)
-            steps.append(f"{value}{op}{b}{op2}{b2}={nxt2}")
-            value, i = nxt2, i + 2
-        else:
-            steps.append(f"{value}{op}{b}={nxt}")
-            value, i = nxt, i + 1
-    steps.append(f"{ANSWER_PREFIX}{value}")
-    return steps
 
 
 def is_shortcut(step: str) -> bool:
@@ -160,9 +147,8 @@ def generate(n: int, seed: int = 0, split: str = "train", cfg: ArithmeticConfig 
         if expr in seen or split_of(expr) != split:
             continue
         seen.add(expr)
-        steps, value = solve(start, ops)
-        if cfg.shortcut_frac:
-            steps = shortcut_steps(start, ops, [hash_unit(f"shortcut:{expr}:{i}") < cfg.shortcut_frac for i in range(len(ops))])
+        merge = [hash_unit(f"shortcut:{expr}:{i}") < cfg.shortcut_frac for i in range(len(ops))] if cfg.shortcut_frac else None
+        steps, value = solve(start, ops, merge)
         if cfg.direct_answer_frac and hash_unit(f"direct:{expr}") < cfg.direct_answer_frac:
             steps = steps[-1:]
         pid = "arith-" + hashlib.sha1(expr.encode()).hexdigest()[:12]

@@ -199,22 +199,31 @@ def test_two_runs_compared_in_the_mlflow_ui(store, mlflow_server, page, tmp_path
         if close.count() == 1:
             close.click()
 
-        # each run's accuracy is on the page, in that run's column of the comparison
-        acc_rows = []
+        # each run's accuracy is on the page, in that run's column of the comparison, on the eval/accuracy row.
+        # The metrics table is two virtualized grids side by side (metric names | one column per run); a cell
+        # is a `[role=rowgroup] > div` placed by its inline `top`, so "same row" is read from the DOM, and the
+        # boxes are measured after one scroll (a scroll between two measurements moves the second one).
+        def cell(text: str):
+            found = page.locator("[role=rowgroup] > div", has=page.get_by_text(text, exact=True))
+            expect(found).to_have_count(1)
+            return found
+
+        label = cell("eval/accuracy")
+        values = {name: cell(f"{RUNS[name]['metrics']['eval/accuracy']:.3f}") for name in RUNS}
+        label.scroll_into_view_if_needed()
+        tops = {"eval/accuracy": label.evaluate("e => e.style.top"),
+                **{name: v.evaluate("e => e.style.top") for name, v in values.items()}}
+        assert len(set(tops.values())) == 1, f"the accuracies are not on the eval/accuracy row: {tops}"
+        assert values["outcome-only"].evaluate("(e, other) => e.parentElement === other.parentElement",
+                                               values["prm+outcome"].element_handle()), "not one grid"
+        boxes = {"eval/accuracy": label.bounding_box(), **{name: v.bounding_box() for name, v in values.items()}}
+        assert max(b["y"] for b in boxes.values()) - min(b["y"] for b in boxes.values()) < 1, boxes
         for name in RUNS:
-            value = page.get_by_text(f"{RUNS[name]['metrics']['eval/accuracy']:.3f}", exact=True)
-            expect(value).to_be_visible()
-            value.scroll_into_view_if_needed()
             column = page.locator("td", has=page.get_by_text(name, exact=True))
             expect(column).to_have_count(1)
-            col, val = column.bounding_box(), value.bounding_box()
-            assert col["x"] <= val["x"] and val["x"] + val["width"] <= col["x"] + col["width"], (name, col, val)
-            acc_rows.append(val["y"])
-        assert abs(acc_rows[0] - acc_rows[1]) < 5, acc_rows  # both in one row ...
-        labels = page.get_by_text("eval/accuracy", exact=True)
-        assert any(abs(box["y"] - acc_rows[0]) < 10 for box in
-                   (labels.nth(i).bounding_box() for i in range(labels.count())) if box), \
-            "no 'eval/accuracy' label on the row of the accuracies"  # ... the eval/accuracy row
+            col, val = column.bounding_box(), boxes[name]
+            assert col["x"] <= val["x"] + 1 and val["x"] + val["width"] <= col["x"] + col["width"] + 1, \
+                (name, col, val)
 
         page.wait_for_timeout(500)  # let the plot settle before the picture
         shot = _save(page, tmp_path, "mlflow-compare-runs.png")

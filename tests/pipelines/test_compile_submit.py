@@ -98,6 +98,18 @@ def test_gpu_stages_get_accelerators_node_pool_and_tolerations_advantage_does_no
     assert "ghcr.io/prmflow/prmflow-gpu" in spec["deploymentSpec"]["executors"]["exec-ppo"]["container"]["image"]
 
 
+def test_steps_start_the_stage_without_installing_kfp(tmp_path):
+    """The images carry prmflow's pinned kfp: a step runs KFP's executor straight away (no pip install of
+    kfp at every pod start, which needs an index the cluster may not reach)."""
+    spec, _, _ = compile_spec(tmp_path)
+    executors = {name: ex["container"] for name, ex in spec["deploymentSpec"]["executors"].items() if "container" in ex}
+    assert executors
+    for name, container in executors.items():
+        *launcher, source = container["command"]  # the shell lines that start the step, then the function's source
+        assert "kfp.dsl.executor_main" in " ".join(launcher), name
+        assert not re.search(r"\bpip\b", " ".join(launcher)), (name, launcher)
+
+
 def test_secrets_only_by_reference(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "hunter2-secret-value")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-value-xyz")

@@ -18,7 +18,6 @@ from functools import cached_property
 from typing import Callable
 
 import numpy as np
-from scipy.signal import lfilter
 
 
 # --- ragged layout -------------------------------------------------------------------------------
@@ -83,7 +82,7 @@ def discounted_reverse_cumsum(x: np.ndarray, layout: Ragged, discount: float, ov
     """y[t] = sum over k >= t in t's row of discount**(k - t) * x[k].    x, y: (N,) float64.
 
     Slow equivalent, per row: `for t in reversed(range(L)): y[t] = x[t] + discount * y[t + 1]`
-    (y[L] = 0). Here one IIR filter pass (scipy.signal.lfilter, a C loop) runs backwards over the
+    (y[L] = 0). Here one IIR filter pass (scipy.signal.lfilter, a C loop; numpy's cumsum for discount 1) runs backwards over the
     whole flat array as if it were one row. What would leak from row i+1 into row i is
     discount * y[first token of row i+1], which equals the row's discount-weighted sum
     sum_j discount**j * x[start + j]; subtracting it at row i's last token beforehand cancels the
@@ -100,6 +99,10 @@ def discounted_reverse_cumsum(x: np.ndarray, layout: Ragged, discount: float, ov
         powers = discount ** np.arange(int(layout.lengths.max()), dtype=np.float64)
         head = np.add.reduceat(y * powers[layout.pos], layout.starts)
     y[layout.last[:-1]] -= discount * head[1:]
+    if discount == 1.0:  # the same recurrence y[t] = x[t] + y[t+1], summed in the same order: bit-identical
+        return np.cumsum(y[::-1])[::-1]
+    from scipy.signal import lfilter  # imported here: scipy.signal costs ~1 s per process, gamma = 1 never needs it
+
     return lfilter([1.0], [1.0, -discount], y[::-1])[::-1]
 
 

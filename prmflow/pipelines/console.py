@@ -14,6 +14,7 @@ import contextlib
 import io
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import IO, Iterator
@@ -28,8 +29,11 @@ _DONE = re.compile(r"Task '([^']+)' finished with status (\w+)")
 class TaskLog(io.TextIOBase):
     """A text stream that appends to `log` and reports kfp.local's task lines to `bar` (tqdm)."""
 
-    def __init__(self, log: IO[str], bar: tqdm):
-        self.log, self.bar, self.pending = log, bar, ""
+    def __init__(self, log: IO[str], bar: tqdm, console: IO[str]):
+        self.log, self.bar, self.console, self.pending = log, bar, console, ""
+        # kfp.local runs a ParallelFor's tasks on threads that print at once; re-entrant: whatever tqdm
+        # itself prints to the (redirected) sys.stdout/stderr while the lock is held comes back here
+        self.lock = threading.RLock()
         self.started: dict[str, float] = {}
         self.finished: list[tuple[str, str, float]] = []
 
@@ -37,11 +41,12 @@ class TaskLog(io.TextIOBase):
         return True
 
     def write(self, s: str) -> int:
-        self.log.write(s)
-        self.pending += s
-        *lines, self.pending = self.pending.split("\n")
-        for line in lines:
-            self._line(_ANSI.sub("", line))
+        with self.lock:
+            self.log.write(s)
+            self.pending += s
+            *lines, self.pending = self.pending.split("\n")
+            for line in lines:
+                self._line(_ANSI.sub("", line))
         return len(s)
 
     def flush(self) -> None:
@@ -56,7 +61,8 @@ class TaskLog(io.TextIOBase):
             took = time.monotonic() - self.started.get(name, time.monotonic())
             self.finished.append((name, status, took))
             mark = "ok" if status == "SUCCESS" else status
-            self.bar.write(f"  {mark:<7} {name:<40} {took:6.0f} s")
+            # to the terminal: tqdm.write's default file is sys.stdout, which is this log while the pipeline runs
+            self.bar.write(f"  {mark:<7} {name:<40} {took:6.0f} s", file=self.console)
             self.bar.update(1)
 
 
@@ -68,7 +74,7 @@ def task_log(log_path: Path, console: IO[str] | None = None) -> Iterator[TaskLog
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a", encoding="utf-8") as log, \
             tqdm(desc="starting", unit="task", file=console, dynamic_ncols=True, leave=False) as bar:
-        stream = TaskLog(log, bar)
+        stream = TaskLog(log, bar, console)
         try:
             with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
                 yield stream

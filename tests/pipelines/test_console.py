@@ -2,6 +2,7 @@
 
 import io
 import logging
+import re
 
 from tqdm import tqdm
 
@@ -37,3 +38,38 @@ def test_a_failure_shows_the_end_of_the_log(tmp_path):
     except RuntimeError:
         pass
     assert "the stage's own error" in screen.getvalue() and "full log:" in screen.getvalue()
+
+
+def test_tasks_printing_at_once_from_threads_lose_no_line(tmp_path):
+    """kfp.local runs a ParallelFor's tasks on threads that print at the same time (a line per write, as
+    its logging handler and its output pump do): every task's finish line is still read, and shown on
+    the terminal, not in the log only."""
+    import sys
+    import threading
+
+    screen = io.StringIO()
+    log_path = tmp_path / "run-local.log"
+    n, chatter = 8, 300
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: a race shows up at once
+    try:
+        with console.task_log(log_path, console=screen) as stream:
+            def task(i):
+                print(f"Executing task 'rollout-{i}'")  # print: sys.stdout is the log while the pipeline runs
+                for j in range(chatter):
+                    stream.write(f"    shard {i} line {j}\n")
+                stream.write(f"Task 'rollout-{i}' finished with status SUCCESS\n")
+
+            threads = [threading.Thread(target=task, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert sorted(name for name, _, _ in stream.finished) == sorted(f"rollout-{i}" for i in range(n))
+    lines = log_path.read_text().splitlines()
+    assert len(lines) == n * (chatter + 2)  # nothing lost or merged in the log
+    assert all(f"    shard {i} line {j}" in lines for i in range(n) for j in (0, chatter - 1))
+    shown = screen.getvalue()
+    assert all(re.search(rf"ok +rollout-{i} ", shown) for i in range(n)), shown  # one line per task on the terminal

@@ -172,11 +172,24 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     with warnings.catch_warnings(), _root_handlers_kept(), shown:
         # kfp.local's notes that it ignores the cluster settings (images, GPUs, node pools) here, per task
         warnings.filterwarnings("ignore", message=".*(non-Python base image|have no effect in the current local runner).*")
-        build(spec)(**params)
+        build(spec, shard_threads=local_shard_threads(spec.pipeline.rollout_shards))(**params)
     print(f"pipeline finished in {time.monotonic() - t0:.0f} s; artifacts under {root}; runs in {params['tracking_uri']}"
           + ("" if verbose else f"; full log: {log_path}"))
     parent = latest_pipeline_run(MlflowClient(params["tracking_uri"]), experiment)
     return params["tracking_uri"], experiment, parent
+
+
+#: How many ParallelFor iterations kfp.local (2.17) runs at once (its orchestrator's cap).
+KFP_LOCAL_PARALLEL = 2
+
+
+def local_shard_threads(shards: int, environ=os.environ) -> int | None:
+    """Threads per rollout shard under kfp.local: the cores this process may use, split between the shards
+    that run at once; None (torch's default) for one shard, or when OMP_NUM_THREADS is set (the user's)."""
+    if shards < 2 or environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // min(shards, KFP_LOCAL_PARALLEL))
 
 
 @contextlib.contextmanager

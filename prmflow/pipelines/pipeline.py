@@ -77,8 +77,12 @@ def _place(task, pool: NodePool, cluster: ClusterConfig, gpu: bool, cache: bool)
     return task
 
 
-def build(spec: PipelineSpec) -> Any:
-    """The pipeline function for `spec` (a KFP graph component, ready to compile or run locally)."""
+def build(spec: PipelineSpec, shard_threads: int | None = None) -> Any:
+    """The pipeline function for `spec` (a KFP graph component, ready to compile or run locally).
+
+    shard_threads (run-local only): OMP_NUM_THREADS of each rollout shard. kfp.local runs a ParallelFor's
+    iterations side by side (two at a time in kfp 2.17), so shards that each took every core would
+    oversubscribe them. None on a cluster: a shard has its pod's cores to itself."""
     pipe, cluster = spec.pipeline, spec.pipeline.cluster
     gpu, cpu = cluster.gpu_image, cluster.cpu_image
     on_trainjob = set(cluster.trainer.stages())  # these steps submit a TrainJob from the CPU pool
@@ -143,6 +147,8 @@ def build(spec: PipelineSpec) -> Any:
                         ref=sft_policy, critic=previous if k else sft_policy,
                         critic_subdir="critic" if k else "", use_critic=bool(critic)).after(init), cache=sampled)
                     roll.set_display_name(f"rollout-{k}")
+                    if shard_threads:
+                        roll.set_env_variable("OMP_NUM_THREADS", str(shard_threads))
                 adv = on_cpu(advantage_op(config=advantage_config, **common, iteration=k,
                                           rollouts=dsl.Collected(roll.outputs["rollouts"]), kl_source=previous,
                                           use_kl_state=k > 0)).set_display_name(f"advantage-{k}")

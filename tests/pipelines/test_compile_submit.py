@@ -110,6 +110,33 @@ def test_steps_start_the_stage_without_installing_kfp(tmp_path):
         assert not re.search(r"\bpip\b", " ".join(launcher)), (name, launcher)
 
 
+def test_run_local_splits_the_cores_between_rollout_shards_that_run_at_once(tmp_path, monkeypatch):
+    """kfp.local runs two ParallelFor iterations at once: each rollout shard gets half the cores (at least 1),
+    set as the task's OMP_NUM_THREADS; a compiled pipeline (a cluster: a pod per shard) sets none."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert commands.local_shard_threads(2, environ={}) == max(1, cores // 2)
+    assert commands.local_shard_threads(4, environ={}) == max(1, cores // 2)  # still two at a time
+    assert commands.local_shard_threads(1, environ={}) is None  # one shard runs alone: torch's default
+    assert commands.local_shard_threads(2, environ={"OMP_NUM_THREADS": "3"}) is None  # the user's setting wins
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert commands.local_shard_threads(2, environ={}) == 1
+
+    from kfp import compiler
+
+    from prmflow.pipelines.pipeline import build
+
+    spec = load_spec(None, data=yaml.safe_load(CLUSTER_YAML))
+    for threads, expected in ((3, [{"name": "OMP_NUM_THREADS", "value": "3"}]), (None, None)):
+        out = tmp_path / f"local-{threads}.yaml"
+        compiler.Compiler().compile(build(spec, shard_threads=threads), package_path=str(out))
+        executors = list(yaml.safe_load_all(out.read_text()))[0]["deploymentSpec"]["executors"]
+        for name, ex in executors.items():
+            env = ex.get("container", {}).get("env")
+            assert env == (expected if re.fullmatch(r"exec-rollout(-\d+)?", name) else None), (name, env)
+
+
 def test_secrets_only_by_reference(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "hunter2-secret-value")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-value-xyz")

@@ -148,13 +148,18 @@ def train_batch_stats(rollout_cfg, out: Path, with_prm: bool) -> dict:
     if with_prm:
         raw = {r.prompt_id: r.prompt for r in rollout_prompts.select_prompts(rollout_cfg)}
         scores, labels = [], []
-        for pid, resp, sr in zip(table.column("prompt_id").to_pylist(), responses, table.column("step_rewards").to_pylist()):
+        for row, (pid, resp, sr) in enumerate(zip(table.column("prompt_id").to_pylist(), responses,
+                                                   table.column("step_rewards").to_pylist())):
             steps = steps_lib.steps(resp, rollout_cfg.step_separator)
-            labels += arithmetic.step_labels(raw[pid], arithmetic.STEP_SEPARATOR.join(steps))
+            row_labels = arithmetic.step_labels(raw[pid], arithmetic.STEP_SEPARATOR.join(steps))
+            if len(sr or []) != len(row_labels):  # the PRM and the checker split the steps differently
+                raise ValueError(f"{out}: row {row} (prompt {pid!r}) has {len(sr or [])} PRM step rewards but the "
+                                 f"checker labels {len(row_labels)} steps; the step AUC would pair the wrong steps "
+                                 f"(are rollout.step_separator and the PRM's step_separator the same?)")
+            labels += row_labels
             scores += list(sr or [])
-        if len(scores) == len(labels):
-            point["prm/step_auc_on_policy"] = roc_auc(scores, labels)
-            point["prm/step_label_mean"] = sum(labels) / max(len(labels), 1)
+        point["prm/step_auc_on_policy"] = roc_auc(scores, labels)
+        point["prm/step_label_mean"] = sum(labels) / max(len(labels), 1)
     return point
 
 

@@ -90,7 +90,7 @@ TOY = {
 
 
 @pytest.mark.timeout(300)
-def test_a_toy_run_writes_the_mlflow_runs_the_png_and_the_table(tmp_path):
+def test_a_toy_run_writes_the_mlflow_runs_the_png_and_the_table(tmp_path, monkeypatch):
     import mlflow
 
     cfg_file = tmp_path / "toy.yaml"
@@ -126,6 +126,20 @@ def test_a_toy_run_writes_the_mlflow_runs_the_png_and_the_table(tmp_path):
     assert first["train_reward"] == pytest.approx(sum(rewards) / len(rewards))
     assert first["train/response_length"] == pytest.approx(sum(lengths) / len(lengths))
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # the on-policy step statistics pair each PRM step reward with the checker's label of that step: with the
+    # oracle's rewards (the checker's own labels) their mean is the label mean; a step count that differs in
+    # any row is an error naming the row, not a silently skipped metric
+    rdir = out / "runs" / "oracle" / "seed-1" / "iter0" / "rollouts"
+    rcfg = bench.stage_config(bench.rollout.Config, cfg, cfg.rollout, policy=str(out / "sft"), output=str(rdir),
+                              seed=1, iteration=0, prm="oracle", log_samples=0)
+    flat = [x for row in rollouts.column("step_rewards").to_pylist() for x in (row or [])]
+    assert flat and bench.train_batch_stats(rcfg, rdir, True)["prm/step_label_mean"] == pytest.approx(sum(flat) / len(flat))
+    labels = bench.arithmetic.step_labels
+    monkeypatch.setattr(bench.arithmetic, "step_labels", lambda p, r: labels(p, r) + [1])
+    with pytest.raises(ValueError, match=r"row 0 .* PRM step rewards but the checker labels"):
+        bench.train_batch_stats(rcfg, rdir, True)
+    monkeypatch.undo()
 
     # MLflow: a parent run per variant with the PNG, and a child per seed holding its final pass@1
     mlflow.set_tracking_uri(f"sqlite:///{out / 'mlflow.db'}")

@@ -196,14 +196,19 @@ def local_shard_threads(shards: int, environ=os.environ) -> int | None:
 def _root_handlers_kept():
     """kfp.local swaps the root logger's handlers for a StreamHandler on the sys.stdout of that moment and,
     on some paths, leaves it there: a later log record in the same process (a test, a notebook) then
-    writes to a stream that may be closed. Put back the handlers and level we had."""
+    writes to a stream that may be closed. It also indents its output by replacing `builtins.print`
+    for the length of each task, which the threads of a ParallelFor undo out of order: print stayed
+    indented (by up to 28 spaces) after the pipeline. Put back the handlers, the level and print."""
+    import builtins
+
     root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    handlers, level, printer = root.handlers[:], root.level, builtins.print
     try:
         yield
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+        builtins.print = printer
 
 
 def _print_summary(uri: str, experiment: str, parent: str | None) -> None:

@@ -4,6 +4,7 @@ Every stage runs for real (SFT, PRM on the SFT backbone, two RL iterations of tw
 advantage, PPO, evaluate); the MLflow store it leaves behind is what a user would open in the UI.
 """
 
+import builtins
 import logging
 import os
 import re
@@ -46,11 +47,12 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
 
-    handlers = logging.getLogger().handlers[:]
+    handlers, printer = logging.getLogger().handlers[:], builtins.print
     assert cli.main(["pipeline", "run-local", "--config", str(cfg), "--root", str(tmp_path / "root"),
                      "--param", f"tracking_uri={store}"]) == 0
-    # kfp.local swapped the root logger's handlers; a later record must not go to its (closed) stream
-    assert logging.getLogger().handlers == handlers
+    # kfp.local swapped the root logger's handlers; a later record must not go to its (closed) stream;
+    # and its per-task indenting print (undone out of order by the shards' threads) is gone
+    assert logging.getLogger().handlers == handlers and builtins.print is printer
 
     client = MlflowClient(store)
     exp = client.get_experiment_by_name("run-local-test")
@@ -92,6 +94,7 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     out = capsys.readouterr().out
     before_table = out.split(f"MLflow run {parent.info.run_id}")[0]
     assert "executor" not in before_table.lower() and len(before_table.splitlines()) <= 3, before_table
+    assert re.search(r"^pipeline finished in \d+ s", out, re.M), out  # not indented by kfp.local's print
     log = re.sub(r"\x1b\[[0-9;]*m", "", (tmp_path / "root" / "run-local.log").read_text())  # kfp colors the status
     assert log.count("finished with status SUCCESS") >= len(expected) and "rollout: " in log
     # the closing table: one row per stage/iteration, numbers as MLflow has them

@@ -82,8 +82,8 @@ def discounted_reverse_cumsum(x: np.ndarray, layout: Ragged, discount: float, ov
     """y[t] = sum over k >= t in t's row of discount**(k - t) * x[k].    x, y: (N,) float64.
 
     Slow equivalent, per row: `for t in reversed(range(L)): y[t] = x[t] + discount * y[t + 1]`
-    (y[L] = 0). Here one IIR filter pass (scipy.signal.lfilter, a C loop; numpy's cumsum for discount 1) runs backwards over the
-    whole flat array as if it were one row. What would leak from row i+1 into row i is
+    (y[L] = 0). Here one IIR filter pass (scipy.signal.lfilter, a C loop; numpy's cumsum for discount
+    1) runs backwards over the whole flat array as if it were one row. What would leak from row i+1 into row i is
     discount * y[first token of row i+1], which equals the row's discount-weighted sum
     sum_j discount**j * x[start + j]; subtracting it at row i's last token beforehand cancels the
     leak exactly. That sum only multiplies by powers <= 1, so it is stable for every discount in

@@ -100,8 +100,6 @@ def solve(start: int, ops: list[tuple[str, int]], merge: list[bool] | None = Non
     return steps, value
 
 
-
-
 def is_shortcut(step: str) -> bool:
     """The step merges two operations into one line (`a<op1>b<op2>c=d`)."""
     return SHORTCUT_RE.match(step) is not None

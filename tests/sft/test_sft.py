@@ -82,6 +82,31 @@ def test_deepspeed_and_plain_engines_agree(tmp_path, zero_stage):
     assert moved > 1e-3  # training really changed the weights
 
 
+def test_micro_batches_of_a_step_are_cut_from_its_examples_sorted_by_length(tmp_path, monkeypatch):
+    """With grad_accum > 1 a step's examples are sorted by length before they are cut into micro-batches
+    (less padding); the step's loss is the same mean as with the step in one micro-batch."""
+    seen = []
+    collate = stage.SFTObjective.collate
+
+    def recording(self, examples):
+        seen.append([len(e.input_ids) for e in examples])
+        return collate(self, examples)
+
+    monkeypatch.setattr(stage.SFTObjective, "collate", recording)
+    # half bare answers: lengths in a step vary widely, so an unsorted cut is all but never in order
+    mixed = {"max_steps": 1, "optim.warmup_steps": 0, "arithmetic.direct_answer_frac": 0.5}
+    split = stage.run(make_cfg(tmp_path, "split", micro_batch_size=4, grad_accum=4, **mixed))
+    assert len(seen) == 4 and all(len(b) == 4 for b in seen)
+    lengths = [n for b in seen for n in b]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1], seen
+    padded = sum(max(b) * len(b) for b in seen)
+    assert padded < max(lengths) * len(lengths)  # fewer padded tokens than one 16-example batch
+    seen.clear()
+    whole = stage.run(make_cfg(tmp_path, "whole", micro_batch_size=16, grad_accum=1, **mixed))
+    assert sorted(seen[0]) == lengths  # the same 16 examples
+    assert split["train/loss"] == pytest.approx(whole["train/loss"], rel=1e-6)
+
+
 def test_resume_continues_steps_schedule_and_data_order(tmp_path, monkeypatch):
     full = make_cfg(tmp_path, "full", max_steps=12, save_every=5)
     stage.run(full)

@@ -10,6 +10,9 @@ this module owns everything around it, written once:
 - The step: `grad_accum` micro-batches of `micro_batch_size` examples; each micro-batch's loss is its
   summed loss divided by the loss units (response tokens, steps) of the *whole* optimizer step, so the
   step's loss is a mean over all its units and gradient accumulation does not change the objective.
+  So a step's examples are sorted by length before they are cut into micro-batches: each micro-batch
+  pads to a length near its own examples' (on the quickstart's data 1.31x -> 1.12x the real tokens at
+  2 x 16), while the step's loss and gradient stay the same sums (up to float rounding).
 - N ranks (common/distributed.py): every rank forms the same global step and takes its `shard` of
   each micro-batch; the loss units are counted over the whole global step (every rank holds the
   data, so no collective is needed) and the engine undoes DeepSpeed's averaging over ranks, so the
@@ -148,6 +151,8 @@ def train(objective: Objective, schedule: Schedule, engine: TrainEngine, tokeniz
         if guard.skips([objective.examples[i] for i in chosen], state, tracker):  # image tokens that do not match the images
             state["consumed"] += per_step
             continue
+        if schedule.grad_accum > 1:  # less padding, the same step (see the module docstring); stable, so deterministic
+            chosen = sorted(chosen, key=lambda i: len(objective.examples[i].input_ids))
         groups = [chosen[j:j + schedule.micro_batch_size] for j in range(0, per_step, schedule.micro_batch_size)]
         whole = [objective.collate([objective.examples[i] for i in g]) for g in groups]
         units = sum(objective.loss_units(b) for b in whole)  # of the whole global step, the same on every rank

@@ -6,7 +6,8 @@
 
 Choices: loss on response tokens only (prompt tokens masked), token-mean over every response token
 of the optimizer step (so gradient accumulation does not change the objective), right padding to
-the longest example of a micro-batch, AdamW with linear warm-up then cosine/linear decay, gradient
+the longest example of a micro-batch (with grad_accum > 1 a step's examples are cut into micro-batches
+in length order: less padding, the same step), AdamW with linear warm-up then cosine/linear decay, gradient
 clipping, DeepSpeed (ZeRO 0-3) or plain PyTorch, optional LoRA through peft (saved merged). Held-out
 evaluation: loss, and greedy-decoding accuracy checked by the task's verifier. The training loop is
 the one prm uses too (lib/supervised.py); this module supplies the loss. Resume: a checkpoint

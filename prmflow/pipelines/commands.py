@@ -169,7 +169,7 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     t0 = time.monotonic()
     log_path = root / "run-local.log"
     shown = contextlib.nullcontext() if verbose else console.task_log(log_path)
-    with warnings.catch_warnings(), _root_handlers_kept(), shown:
+    with warnings.catch_warnings(), _root_handlers_kept(), shown, console.parallel_task_records_kept():
         # kfp.local's notes that it ignores the cluster settings (images, GPUs, node pools) here, per task
         warnings.filterwarnings("ignore", message=".*(non-Python base image|have no effect in the current local runner).*")
         build(spec, shard_threads=local_shard_threads(spec.pipeline.rollout_shards))(**params)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import re
 import sys
 import threading
@@ -30,9 +31,13 @@ class TaskLog(io.TextIOBase):
     """A text stream that appends to `log` and reports kfp.local's task lines to `bar` (tqdm)."""
 
     def __init__(self, log: IO[str], bar: tqdm, console: IO[str]):
-        self.log, self.bar, self.console, self.pending = log, bar, console, ""
-        # kfp.local runs a ParallelFor's tasks on threads that print at once; re-entrant: whatever tqdm
-        # itself prints to the (redirected) sys.stdout/stderr while the lock is held comes back here
+        self.log, self.bar, self.console = log, bar, console
+        # kfp.local runs a ParallelFor's tasks on threads that print at once, and `print(x)` is two
+        # writes (x, then the newline): each thread's text is put together into lines on its own, so
+        # one thread's line never runs into another's (in the log, or where a task line is looked for)
+        self.pending: dict[int, str] = {}
+        # re-entrant: whatever tqdm itself prints to the (redirected) sys.stdout/stderr while the lock
+        # is held comes back here
         self.lock = threading.RLock()
         self.started: dict[str, float] = {}
         self.finished: list[tuple[str, str, float]] = []
@@ -42,15 +47,26 @@ class TaskLog(io.TextIOBase):
 
     def write(self, s: str) -> int:
         with self.lock:
-            self.log.write(s)
-            self.pending += s
-            *lines, self.pending = self.pending.split("\n")
+            thread = threading.get_ident()
+            *lines, rest = (self.pending.pop(thread, "") + s).split("\n")
+            if rest:
+                self.pending[thread] = rest
             for line in lines:
+                self.log.write(line + "\n")
                 self._line(_ANSI.sub("", line))
         return len(s)
 
     def flush(self) -> None:
         self.log.flush()
+
+    def drain(self) -> None:
+        """Write out what the threads left without a closing newline."""
+        with self.lock:
+            for rest in self.pending.values():
+                self.log.write(rest + "\n")
+                self._line(_ANSI.sub("", rest))
+            self.pending.clear()
+            self.log.flush()
 
     def _line(self, line: str) -> None:
         if m := _START.search(line):
@@ -78,10 +94,34 @@ def task_log(log_path: Path, console: IO[str] | None = None) -> Iterator[TaskLog
         try:
             with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
                 yield stream
+            stream.drain()
         except BaseException:
-            stream.flush()
+            stream.drain()
             bar.close()
             tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-30:]
             print("\n".join(["pipeline failed; the last lines of its log:", *(f"  | {t}" for t in tail),
                              f"full log: {log_path}"]), file=console)
             raise
+
+
+@contextlib.contextmanager
+def parallel_task_records_kept() -> Iterator[None]:
+    """Keep the log records of tasks that kfp.local runs side by side (a ParallelFor's shards).
+
+    kfp.local (2.17, `logging_utils.local_logger_context`) wraps each task in a context that saves the
+    root logger's handlers and level, installs its own handler, and puts the saved ones back on exit.
+    Two tasks on threads interleave that: when the first to finish restores what it saw on entry (the
+    handlers from before either task), the other task's "finished with status" line and its outputs
+    went to no handler at a level that drops INFO, and the console missed that shard. Under this
+    context what is restored is a handler on the `sys.stdout` of this moment (the run's log, or the
+    terminal with --verbose) at INFO, so those records land there too. The caller restores the root
+    logger afterwards (run-local's `_root_handlers_kept`)."""
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s - %(levelname)s - %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)

@@ -73,3 +73,80 @@ def test_tasks_printing_at_once_from_threads_lose_no_line(tmp_path):
     assert all(f"    shard {i} line {j}" in lines for i in range(n) for j in (0, chatter - 1))
     shown = screen.getvalue()
     assert all(re.search(rf"ok +rollout-{i} ", shown) for i in range(n)), shown  # one line per task on the terminal
+
+
+def test_the_second_of_two_parallel_tasks_to_finish_is_still_reported(tmp_path):
+    """kfp.local's per-task logger context, entered and left by two ParallelFor threads out of order
+    (A enters, B enters, A leaves, B logs its finish): B's finish line still reaches the log and the console."""
+    import threading
+
+    from kfp.local import logging_utils, status
+
+    screen = io.StringIO()
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    entered, left = threading.Event(), threading.Event()
+
+    def finish(name):
+        task = logging_utils.format_task_name(name)
+        logging.info(f"Task {task} finished with status {logging_utils.format_status(status.Status.SUCCESS)}")
+
+    def a():
+        with logging_utils.local_logger_context():
+            logging.info(f"Executing task {logging_utils.format_task_name('rollout')}")
+            entered.wait()
+            finish("rollout")
+        left.set()
+
+    def b():
+        with logging_utils.local_logger_context():
+            logging.info(f"Executing task {logging_utils.format_task_name('rollout')}")
+            entered.set()
+            left.wait()
+            finish("rollout")
+
+    try:
+        root.handlers.clear()
+        root.setLevel(logging.WARNING)  # the default root logger: what kfp.local restores without the fix
+        with console.task_log(tmp_path / "run-local.log", console=screen) as stream, \
+                console.parallel_task_records_kept():
+            threads = [threading.Thread(target=a), threading.Thread(target=b)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    assert [f[:2] for f in stream.finished] == [("rollout", "SUCCESS")] * 2
+    assert len(re.findall(r"ok +rollout ", screen.getvalue())) == 2
+    assert (tmp_path / "run-local.log").read_text().count("finished with status") == 2
+
+
+def test_a_line_half_written_by_one_thread_does_not_swallow_another_threads_line(tmp_path):
+    """`print(x)` writes x and then the newline: between the two, another task's thread writes its finish
+    line. Each thread's text is its own line: both tasks are read, the log has both lines whole."""
+    import threading
+
+    screen = io.StringIO()
+    half, other = threading.Event(), threading.Event()
+    with console.task_log(tmp_path / "run-local.log", console=screen) as stream:
+        def a():
+            stream.write("Executing task 'rollout'")
+            half.set()
+            other.wait()
+            stream.write("\n")
+
+        def b():
+            half.wait()
+            stream.write("Task 'sft' finished with status SUCCESS\n")
+            other.set()
+
+        threads = [threading.Thread(target=a), threading.Thread(target=b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert [f[:2] for f in stream.finished] == [("sft", "SUCCESS")]
+    assert (tmp_path / "run-local.log").read_text().splitlines() == [
+        "Task 'sft' finished with status SUCCESS", "Executing task 'rollout'"]

@@ -6,6 +6,10 @@ the base root filesystem (images/bootstrap-base.sh keys it on its own content), 
 of its own (so the test never touches the user's images), the torch wheel, and builds.jsonl with the
 time and size of every build. The built image is tagged with a hash of everything that goes into it,
 so a warm run only starts containers.
+
+The image is built with this environment's versions pinned (`pip freeze` as build.sh --constraints):
+the comparisons with outputs made here mean something only on the same libraries, and a dependency
+layer cached from an earlier day would otherwise keep the releases of that day.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -71,10 +76,28 @@ def torch_wheels(cache: Path) -> Path | None:
     return wheels if result.returncode == 0 and any(wheels.glob("torch-*.whl")) else None
 
 
-def build_key(base: str, wheels: Path | None) -> str:
-    """Hash of what goes into the image: the Dockerfile, the build context it copies, the base, the wheels."""
-    h = hashlib.sha256(base.encode())
-    files = [ROOT / "images" / "Dockerfile.cpu", ROOT / ".dockerignore", ROOT / "pyproject.toml", ROOT / "README.md"]
+_PIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*==\S+$")
+
+
+def constraints(cache: Path) -> Path:
+    """This environment's versions as a pip constraints file: `pip freeze`'s `name==version` lines, less
+    prmflow itself (the image installs it from the build context)."""
+    frozen = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    pins = [line for line in frozen if _PIN.match(line) and line.split("==")[0].lower() != "prmflow"]
+    path = cache / "constraints.txt"
+    text = "\n".join(sorted(pins, key=str.lower)) + "\n"
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return path
+
+
+def build_key(base: str, wheels: Path | None, pins: Path) -> str:
+    """Hash of what goes into the image: the Dockerfile, the build context it copies, the base, the wheels
+    and the pinned versions."""
+    h = hashlib.sha256(base.encode() + b"\0" + pins.read_bytes())
+    files = [ROOT / "images" / "Dockerfile.cpu", ROOT / "images" / "build.sh", ROOT / ".dockerignore",
+             ROOT / "pyproject.toml", ROOT / "README.md"]
     for folder in ("prmflow", "configs"):
         files += sorted(p for p in (ROOT / folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     for p in files:
@@ -90,10 +113,12 @@ def cpu_image() -> dict:
     base = sh([str(ROOT / "images" / "bootstrap-base.sh"), "--tool", "buildah", "--cache", str(cache)],
               env).stdout.split()[-1]
     wheels = torch_wheels(cache)
-    image = f"{REPO}:{build_key(base, wheels)}"
+    pins = constraints(cache)
+    image = f"{REPO}:{build_key(base, wheels, pins)}"
     built, seconds = False, None
     if subprocess.run(["buildah", "inspect", "--type", "image", image], env=env, capture_output=True).returncode != 0:
-        cmd = [str(ROOT / "images" / "build.sh"), "cpu", image, "--tool", "buildah", "--base", base]
+        cmd = [str(ROOT / "images" / "build.sh"), "cpu", image, "--tool", "buildah", "--base", base,
+               "--constraints", str(pins)]
         cmd += ["--wheels", str(wheels)] if wheels else []
         cmd += ["--ca-bundle", str(CA_BUNDLE)] if CA_BUNDLE.is_file() else []
         start = time.monotonic()

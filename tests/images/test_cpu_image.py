@@ -95,15 +95,17 @@ DECISIVE = ("torch", "transformers", "deepspeed", "safetensors", "tokenizers", "
 
 
 def test_the_image_runs_the_library_versions_this_environment_runs(container):
-    """The byte-for-byte comparisons below mean something only on the same versions. The image resolves
-    pyproject's ranges when it is built; a later release can separate it from a fresh venv."""
+    """The byte-for-byte comparisons below mean something only on the same versions. Left to itself the
+    image resolves pyproject's ranges when its dependency layer is built, and that cached layer keeps
+    the releases of that day; it is built with this environment's `pip freeze` as its constraints."""
     import importlib.metadata as md
 
     code = f"import importlib.metadata as md; print(*[md.version(d) for d in {DECISIVE!r}])"
     inside = dict(zip(DECISIVE, container.run(["python", "-c", code]).stdout.split()))
     here = {d: md.version(d) for d in DECISIVE}
-    assert inside == here, (f"the image has {inside}, this environment {here}: rebuild the image from current "
-                            f"releases by deleting {image_build.cache_dir() / 'storage'} (its layers are the cache)")
+    assert inside == here, (f"the image has {inside}, this environment {here}, though it was built with "
+                            f"{image_build.cache_dir() / 'constraints.txt'} (this environment's pip freeze) as "
+                            f"its pins: images/build.sh --constraints did not reach pip")
 
 
 def rollouts() -> pa.Table:

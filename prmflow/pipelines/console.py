@@ -39,7 +39,9 @@ class TaskLog(io.TextIOBase):
         # re-entrant: whatever tqdm itself prints to the (redirected) sys.stdout/stderr while the lock
         # is held comes back here
         self.lock = threading.RLock()
-        self.started: dict[str, float] = {}
+        # keyed by thread as well: a ParallelFor's shards share a task name, and each task's start and
+        # finish lines come from the thread that runs it
+        self.started: dict[tuple[int, str], float] = {}
         self.finished: list[tuple[str, str, float]] = []
 
     def writable(self) -> bool:
@@ -53,7 +55,7 @@ class TaskLog(io.TextIOBase):
                 self.pending[thread] = rest
             for line in lines:
                 self.log.write(line + "\n")
-                self._line(_ANSI.sub("", line))
+                self._line(_ANSI.sub("", line), thread)
         return len(s)
 
     def flush(self) -> None:
@@ -62,19 +64,20 @@ class TaskLog(io.TextIOBase):
     def drain(self) -> None:
         """Write out what the threads left without a closing newline."""
         with self.lock:
-            for rest in self.pending.values():
+            for thread, rest in self.pending.items():
                 self.log.write(rest + "\n")
-                self._line(_ANSI.sub("", rest))
+                self._line(_ANSI.sub("", rest), thread)
             self.pending.clear()
             self.log.flush()
 
-    def _line(self, line: str) -> None:
+    def _line(self, line: str, thread: int) -> None:
         if m := _START.search(line):
-            self.started[m.group(1)] = time.monotonic()
+            self.started[thread, m.group(1)] = time.monotonic()
             self.bar.set_description_str(f"running {m.group(1)}")
         elif m := _DONE.search(line):
             name, status = m.groups()
-            took = time.monotonic() - self.started.get(name, time.monotonic())
+            now = time.monotonic()
+            took = now - self.started.pop((thread, name), now)
             self.finished.append((name, status, took))
             mark = "ok" if status == "SUCCESS" else status
             # to the terminal: tqdm.write's default file is sys.stdout, which is this log while the pipeline runs

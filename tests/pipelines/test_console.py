@@ -150,3 +150,39 @@ def test_a_line_half_written_by_one_thread_does_not_swallow_another_threads_line
     assert [f[:2] for f in stream.finished] == [("sft", "SUCCESS")]
     assert (tmp_path / "run-local.log").read_text().splitlines() == [
         "Task 'sft' finished with status SUCCESS", "Executing task 'rollout'"]
+
+
+def test_each_parallel_shard_is_timed_from_its_own_start(tmp_path, monkeypatch):
+    """Two shards of one ParallelFor share the task name 'rollout': shard A starts at t=0, shard B at t=10,
+    A finishes at t=30 and B at t=40. Each is timed from its own start line (30 s and 30 s), not
+    both from the later start (20 s and 30 s)."""
+    import queue
+    import threading
+
+    clock = [0.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+    screen = io.StringIO()
+    with console.task_log(tmp_path / "run-local.log", console=screen) as stream:
+        # one long-lived thread per shard (a thread id may be reused once its thread has ended)
+        inbox = {s: queue.Queue() for s in "AB"}
+        done = queue.Queue()
+
+        def shard(s):
+            while (text := inbox[s].get()) is not None:
+                stream.write(text)
+                done.put(s)
+
+        threads = [threading.Thread(target=shard, args=(s,)) for s in "AB"]
+        for t in threads:
+            t.start()
+        for at, s, text in [(0, "A", "Executing task 'rollout'\n"), (10, "B", "Executing task 'rollout'\n"),
+                            (30, "A", "Task 'rollout' finished with status SUCCESS\n"),
+                            (40, "B", "Task 'rollout' finished with status SUCCESS\n")]:
+            clock[0] = at
+            inbox[s].put(text)
+            done.get()
+        for s in "AB":
+            inbox[s].put(None)
+        for t in threads:
+            t.join()
+    assert [(name, took) for name, _, took in stream.finished] == [("rollout", 30.0), ("rollout", 30.0)]

@@ -282,6 +282,28 @@ def test_docs_cover_every_estimator():
     assert command.strip().startswith("prmflow advantage --input ROLLOUTS_DIR --output ADV_DIR")
 
 
+def test_the_pipeline_step_runs_where_torch_cannot_be_imported(tmp_path):
+    """The advantage step (the CPU pool's, started once per iteration) needs numpy and pyarrow only;
+    importing torch cost ~1.5 s of every start. Its KFP component function, called as kfp calls it,
+    in a process where torch is made unimportable."""
+    import subprocess
+    import sys
+
+    write_rows(tmp_path, [row(pid="p0", idx=0, outcome_reward=1.0), row(pid="p0", idx=1, outcome_reward=0.0)])
+    code = f"""
+import sys
+sys.modules["torch"] = None
+from types import SimpleNamespace as A
+from prmflow.components.advantage.component import advantage
+out = A(path={str(tmp_path / "advantages")!r}, metadata={{}})
+advantage({{"estimator": "grpo", "tracking": {{"enabled": False}}}}, "", "", "prmflow", 0,
+          [A(path={str(tmp_path / "rollouts")!r})], A(path=""), False, out)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["advantages"][0] > 0 for r in read_out(tmp_path)] == [True, False]
+
+
 # --- tracking ---------------------------------------------------------------------------------------------
 
 def test_metrics_are_logged_under_their_names(tmp_path, monkeypatch):

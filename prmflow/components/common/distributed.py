@@ -27,11 +27,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from .errors import ConfigError, PrmflowError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,9 +43,11 @@ class RankFailedError(PrmflowError):
 
 
 def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
+    """torch.distributed when this process is in a process group, else None. Looked up, not imported:
+    no group can exist before something imported it, and the stages that never train (advantage)
+    then start without torch (~1.5 s of imports)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
 
 
 def world_size() -> int:
@@ -74,6 +77,7 @@ def init(timeout_s: float) -> None:
     """Join the process group (gloo on CPU, nccl on GPUs) with collectives that fail after `timeout_s`
     instead of waiting forever for a rank that died or hangs. One process needs no launcher."""
     import deepspeed
+    import torch
 
     if _dist() is not None:
         return
@@ -129,6 +133,8 @@ def any_rank(flag: bool) -> bool:
     d = _dist()
     if not d or d.get_world_size() == 1:
         return bool(flag)
+    import torch
+
     t = torch.tensor([1.0 if flag else 0.0], device=_device(d))
     d.all_reduce(t, op=d.ReduceOp.MAX)
     return bool(t.item() > 0)
@@ -139,6 +145,8 @@ def sum_ranks(value: float) -> float:
     d = _dist()
     if not d or d.get_world_size() == 1:
         return value
+    import torch
+
     t = torch.tensor([value], dtype=torch.float64, device=_device(d))
     d.all_reduce(t)
     return float(t.item())
@@ -149,12 +157,16 @@ def min_ranks(value: float) -> float:
     d = _dist()
     if not d or d.get_world_size() == 1:
         return value
+    import torch
+
     t = torch.tensor([value], dtype=torch.float64, device=_device(d))
     d.all_reduce(t, op=d.ReduceOp.MIN)
     return float(t.item())
 
 
 def _device(d) -> torch.device:
+    import torch
+
     return torch.device("cuda", torch.cuda.current_device()) if d.get_backend() == "nccl" else torch.device("cpu")
 
 
@@ -184,6 +196,8 @@ def nproc(requested: int, backend: str) -> int:
     if requested < 0:
         raise ConfigError(f"engine.nproc_per_node is {requested}; use 0 (auto: one rank per GPU) or a count.")
     if requested == 0:
+        import torch
+
         return torch.cuda.device_count() if torch.cuda.is_available() and backend == "deepspeed" else 1
     if requested > 1 and backend != "deepspeed":
         raise ConfigError(f"engine.nproc_per_node={requested} needs engine.backend=deepspeed; the torch backend "

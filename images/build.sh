@@ -51,7 +51,7 @@ if [ -n "$constraints" ]; then
   while IFS= read -r line || [ -n "$line" ]; do
     lineno=$((lineno + 1))
     line="${line%%#*}"
-    line="$(echo "$line" | tr -d '[:space:]')"
+    line="${line//[[:space:]]/}"
     [ -n "$line" ] || continue
     if ! [[ "$line" =~ ^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9,._-]+\])?==[A-Za-z0-9.+!_-]+$ ]]; then
       echo "build.sh: $constraints line $lineno: '$line' is not a 'name==version' pin (pip freeze --exclude-editable writes those; drop '-e', '@ URL' and option lines)" >&2

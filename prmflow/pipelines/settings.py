@@ -201,11 +201,18 @@ def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None,
         pipe = config_lib.build(PipelineConfig, {**config_lib.flatten(config_lib.to_dict(pipe)), **overrides}, "command line")
     available = stages.available()
     stage_configs: dict[str, dict[str, Any]] = {}
+    prefixes: dict[str, str] = {}  # stage -> the arithmetic prompt prefix it trains or tests on
     for name in sections:
         section = data.get(name) or {}
         if name in available:
-            config_lib.build(available[name].Config, config_lib.flatten(section), where=f"{path} [{name}]")
+            built = config_lib.build(available[name].Config, config_lib.flatten(section), where=f"{path} [{name}]")
+            if getattr(built, "task", None) == "arithmetic" and hasattr(built, "arithmetic"):
+                prefixes[name] = built.arithmetic.prompt_prefix
             # old key names (warned about just now) become the new ones in the pipeline's parameters
             section = config_lib.upgrade_stored(available[name].Config, section, fill=False)
         stage_configs[name] = section
+    if len(set(prefixes.values())) > 1:  # the policy would be trained on one prompt and tested on another
+        seen = ", ".join(f"[{k}] {v!r}" for k, v in prefixes.items())
+        raise ConfigError(f"{path}: arithmetic.prompt_prefix differs between stages ({seen}); set the same value "
+                          f"in every section that uses the arithmetic task.")
     return PipelineSpec(pipe, stage_configs)

@@ -40,6 +40,23 @@ def test_direct_answer_frac_keeps_the_problems_and_drops_the_working_of_that_sha
         ar.ArithmeticConfig(direct_answer_frac=1.5)
 
 
+def test_the_prompt_prefix_changes_only_the_prompt_text_and_the_checker_reads_any_prefix():
+    plain = ar.generate(300, seed=4, split="eval")
+    bare = ar.generate(300, seed=4, split="eval", cfg=ar.ArithmeticConfig(prompt_prefix=""))
+    assert plain[0].prompt.startswith("Compute left to right: ")
+    for p, b in zip(plain, bare):  # the same problems, ids, answers and solutions; the prompt is the expression
+        assert (b.prompt_id, b.answer, b.solution) == (p.prompt_id, p.answer, p.solution)
+        assert b.prompt == p.prompt[len("Compute left to right: "):]
+        assert ar.first_error(b.prompt, b.solution) is None
+        wrong, k = ar.corrupt(b, random.Random(1))
+        assert ar.first_error(b.prompt, wrong) == k == ar.first_error(p.prompt, wrong)
+    recs = tasks.load("arithmetic", "eval", 5, 4, prompt_prefix="Solve: ")
+    assert [r.prompt for r in recs] == ["Solve: " + p.prompt[len("Compute left to right: "):] for p in plain[:5]]
+    for bad in ("x 7", "a+", "two\nlines: "):
+        with pytest.raises(ConfigError, match="prompt_prefix"):
+            ar.ArithmeticConfig(prompt_prefix=bad)
+
+
 def test_splits_are_disjoint_whatever_the_seed():
     train = {p.prompt for p in ar.generate(1500, seed=0, split="train")}
     held = {p.prompt for p in ar.generate(150, seed=7, split="eval")} | {p.prompt for p in ar.generate(150, seed=3, split="test")}

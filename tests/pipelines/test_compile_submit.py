@@ -178,6 +178,23 @@ def test_typo_in_a_stage_section_fails_at_compile_time(tmp_path, capsys):
     assert not (tmp_path / "x.yaml").exists()
 
 
+def test_a_prompt_prefix_that_differs_between_stages_fails_at_compile_time(tmp_path, capsys):
+    """The policy would be trained on one prompt and rolled out or tested on another."""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("sft:\n  arithmetic: {prompt_prefix: ''}\nrollout:\n  arithmetic: {prompt_prefix: ''}\n")
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(tmp_path / "x.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "arithmetic.prompt_prefix differs between stages" in err
+    assert "[sft] ''" in err and "[prm] 'Compute left to right: '" in err and "[evaluate] 'Compute left to right: '" in err
+    assert not (tmp_path / "x.yaml").exists()
+    same = "\n".join(f"{s}:\n  arithmetic: {{prompt_prefix: ''}}" for s in ("sft", "prm", "rollout", "evaluate"))
+    cfg.write_text(same + "\n")
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(tmp_path / "x.yaml")]) == 0
+    spec = next(yaml.safe_load_all((tmp_path / "x.yaml").read_text()))
+    sections = spec["root"]["inputDefinitions"]["parameters"]
+    assert sections["rollout_config"]["defaultValue"]["arithmetic"] == {"prompt_prefix": ""}
+
+
 def test_submit_uploads_the_package_and_parameters(tmp_path):
     cfg = tmp_path / "p.yaml"
     cfg.write_text(CLUSTER_YAML)

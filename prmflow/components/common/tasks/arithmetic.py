@@ -50,6 +50,11 @@ class ArithmeticConfig:
     """Fraction of problems whose reference solution is the `answer: N` line alone, with no working
     (picked by a hash of the problem, so the same problems in every run). Warm-up data from a mixed
     source: SFT learns to skip the steps that often, and RL can learn that working them out pays."""
+    prompt_prefix: str = PROMPT_PREFIX
+    """Text before the expression in every prompt (`Compute left to right: 7+5*3-4`). The tiny
+    character-level presets learn nothing from it and pay for its 23 tokens in every example, about
+    half of a prompt (the quickstart sets it to '': SFT steps 1.4x faster); an instruct model reads it.
+    Every stage of a pipeline must use the same prefix (the pipeline refuses a mix)."""
     shortcut_frac: float = 0.0
     """Chance that a step of a reference solution merges the next two operations into one line
     (`7+5*3=36`, left to right; picked by a hash of the problem and the step). The checker accepts a
@@ -65,6 +70,11 @@ class ArithmeticConfig:
             from ..errors import ConfigError
 
             raise ConfigError(f"arithmetic.shortcut_frac={self.shortcut_frac} must be in [0, 1].")
+        if self.prompt_prefix and (self.prompt_prefix[-1].isdigit() or self.prompt_prefix[-1] in "+-*" or "\n" in self.prompt_prefix):
+            from ..errors import ConfigError
+
+            raise ConfigError(f"arithmetic.prompt_prefix={self.prompt_prefix!r} must not end with a digit or an "
+                              f"operator, nor hold a newline (the checker reads the expression at the prompt's end).")
 
 
 @dataclass
@@ -150,7 +160,7 @@ def generate(n: int, seed: int = 0, split: str = "train", cfg: ArithmeticConfig 
         if cfg.direct_answer_frac and hash_unit(f"direct:{expr}") < cfg.direct_answer_frac:
             steps = steps[-1:]
         pid = "arith-" + hashlib.sha1(expr.encode()).hexdigest()[:12]
-        out.append(Problem(pid, f"{PROMPT_PREFIX}{expr}\n", str(value), start, ops, steps))
+        out.append(Problem(pid, f"{cfg.prompt_prefix}{expr}\n", str(value), start, ops, steps))
     return out
 
 

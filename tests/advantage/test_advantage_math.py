@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prmflow.components.advantage.estimators import Moments, Ragged, discounted_reverse_cumsum, group_moments, \
-    merge_group_moments
+    merge_group_moments, step_suffix_sums
 from prmflow.components.advantage.rewards import KL_ESTIMATORS, kl_per_token, make_steps, step_contributions, \
     token_rewards
 
@@ -40,6 +40,28 @@ def test_discounted_reverse_cumsum_long_rows_stay_accurate(discount):
     got = discounted_reverse_cumsum(x, Ragged.from_lengths(lengths), discount)
     expected = [g for row in split(x, lengths) for g in ref.returns_to_go(list(row), discount)]
     np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=lengths_st, seed=st.integers(0, 2**32 - 1))
+def test_step_suffix_sums_match_a_per_token_loop(lengths, seed):
+    """Token t gets the sum of the values of its row's steps that end at or after t: rows without steps,
+    empty rows, steps at a row's last token, two steps at one token and steps out of order included."""
+    rng = np.random.default_rng(seed)
+    rows, ends = [], []
+    for r, n in enumerate(lengths):
+        for _ in range(rng.integers(0, 5) if n else 0):
+            rows.append(r)
+            ends.append(int(rng.integers(0, n)))
+    layout = Ragged.from_lengths(lengths)
+    row = np.asarray(rows, dtype=np.int64)
+    token = layout.offsets[:-1][row] + np.asarray(ends, dtype=np.int64)
+    a, b = rng.normal(0, 2, len(row)), rng.random(len(row))
+    got_a, got_b = step_suffix_sums(token, row, layout, a, b)
+    for got, v in ((got_a, a), (got_b, b)):
+        expected = [sum(v[k] for k in range(len(row)) if row[k] == r and ends[k] >= t)
+                    for r, n in enumerate(lengths) for t in range(n)]
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
 
 
 @settings(max_examples=100, deadline=None)

@@ -100,10 +100,44 @@ def discounted_reverse_cumsum(x: np.ndarray, layout: Ragged, discount: float, ov
         head = np.add.reduceat(y * powers[layout.pos], layout.starts)
     y[layout.last[:-1]] -= discount * head[1:]
     if discount == 1.0:  # the same recurrence y[t] = x[t] + y[t+1], summed in the same order: bit-identical
-        return np.cumsum(y[::-1])[::-1]
+        out = np.empty_like(y)
+        np.cumsum(y[::-1], out=out[::-1])  # into a reversed view: no reversed copy, a contiguous result
+        return out
     from scipy.signal import lfilter  # imported here: scipy.signal costs ~1 s per process, gamma = 1 never needs it
 
     return lfilter([1.0], [1.0, -discount], y[::-1])[::-1]
+
+
+def step_suffix_sums(token: np.ndarray, row: np.ndarray, layout: Ragged, *per_step: np.ndarray) -> list[np.ndarray]:
+    """For each (S,) array v of per-step values: the (N,) array y with y[t] = the sum of v over the steps
+    of t's row that end at or after token t (0 after a row's last step).
+
+    The same numbers as discounted_reverse_cumsum(np.bincount(token, v, N), layout, 1.0), up to float
+    rounding, without a pass over the N tokens but the one that writes y: a step reward is constant
+    between two step ends, so the suffix sums are taken over the S steps (S << N) and each is repeated
+    over the tokens up to its step's end. token: (S,) flat index of each step's last token; row: (S,)
+    its row.
+    """
+    if len(token) > 1 and (np.diff(token) < 0).any():  # steps are normally in order already
+        order = np.argsort(token, kind="stable")
+        token, row, per_step = token[order], row[order], tuple(v[order] for v in per_step)
+    n_steps, n_rows = len(token), layout.n_rows
+    by_row = Ragged.from_lengths(np.bincount(row, minlength=n_rows))
+    # segments, in token order: each step's (up to and including its end), then its row's tail
+    at_step = np.arange(n_steps) + row  # steps before it + tails of the rows before it
+    at_tail = by_row.offsets[1:] + np.arange(n_rows)
+    ends = np.empty(n_steps + n_rows, dtype=np.int64)
+    ends[at_step] = token + 1
+    ends[at_tail] = layout.offsets[1:]
+    counts = np.diff(ends, prepend=0)  # tokens per segment
+    if (counts < 0).any():
+        raise ValueError("step_suffix_sums: a step's token lies outside its row")
+    out = []
+    seg = np.zeros(n_steps + n_rows, dtype=np.float64)  # tails stay 0
+    for v in per_step:
+        seg[at_step] = discounted_reverse_cumsum(v, by_row, 1.0)
+        out.append(np.repeat(seg, counts))
+    return out
 
 
 # --- estimator inputs and registry ------------------------------------------------------------
@@ -251,8 +285,11 @@ def grpo_process(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
     """
     st = inp.steps
     normalized = (st.value - inp.group_mean[st.row]) / (inp.group_std[st.row] + inp.eps)
-    at_end = np.bincount(st.token, weights=normalized, minlength=inp.layout.n_tokens)
-    return discounted_reverse_cumsum(at_end.astype(np.float64, copy=False), inp.layout, 1.0), returns_to_go(inp)
+    if inp.gamma != 1.0 or inp.outcome is not None:  # (the stage refuses an outcome or a KL penalty here)
+        return step_suffix_sums(st.token, st.row, inp.layout, normalized)[0], returns_to_go(inp)
+    # undiscounted, and the token rewards are the step rewards alone: the returns are their suffix sums too
+    advantages, returns = step_suffix_sums(st.token, st.row, inp.layout, normalized, st.value)
+    return advantages, returns
 
 
 # --- statistics ---------------------------------------------------------------------------------

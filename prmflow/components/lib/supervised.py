@@ -11,7 +11,7 @@ this module owns everything around it, written once:
   summed loss divided by the loss units (response tokens, steps) of the *whole* optimizer step, so the
   step's loss is a mean over all its units and gradient accumulation does not change the objective.
   So a step's examples are sorted by length before they are cut into micro-batches: each micro-batch
-  pads to a length near its own examples' (on the quickstart's data 1.31x -> 1.12x the real tokens at
+  pads to a length near its own examples' (on the quickstart's old-prompt data 1.31x -> 1.12x the real tokens at
   2 x 16), while the step's loss and gradient stay the same sums (up to float rounding).
 - N ranks (common/distributed.py): every rank forms the same global step and takes its `shard` of
   each micro-batch; the loss units are counted over the whole global step (every rank holds the

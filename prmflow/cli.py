@@ -20,7 +20,7 @@ import sys
 
 from . import stages
 from .components.common import config as config_lib
-from .components.common import io, modeling, tracking
+from .components.common import io, tracking
 from .components.common.errors import PrmflowError
 from .pipelines import commands
 
@@ -30,9 +30,23 @@ def _summary(module) -> str:
     return doc.splitlines()[0] if doc else ""
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    """The `prmflow` parser, and {name: module} of the stages it has a subcommand for."""
-    stage_modules = stages.available()
+def _command(argv: list[str]) -> str | None:
+    """The subcommand on the command line: its first argument that is not an option (the top-level
+    options take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, dict]:
+    """The `prmflow` parser, and {name: module} of the stages it has a subcommand for.
+
+    When `argv` names a stage, only that stage's module is imported: the others pull in torch and
+    transformers (~2 s), which `prmflow advantage` (numpy and pyarrow) never needs."""
+    command = _command(sys.argv[1:] if argv is None else argv)
+    if command in stages.STAGES:
+        module = stages.load(command)
+        stage_modules = {command: module} if module is not None else {}
+    else:
+        stage_modules = stages.available()
     parser = argparse.ArgumentParser(
         prog="prmflow", description="RL fine-tuning with step-level process rewards, stage by stage.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,6 +68,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
 
 def _make_tiny(args) -> int:
+    from .components.common import modeling  # torch and transformers: imported for this command only
+
     if not modeling.is_tiny(args.preset):
         known = sorted([*modeling.TINY_PRESETS, *modeling.TINY_VL_PRESETS])
         print(f"error: unknown preset '{args.preset}'; known presets: {', '.join(known)}.", file=sys.stderr)
@@ -67,7 +83,7 @@ def _make_tiny(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parser, stage_modules = build_parser()
+    parser, stage_modules = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

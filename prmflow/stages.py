@@ -31,12 +31,15 @@ def available() -> dict[str, ModuleType]:
 
     A stage whose module is absent (a build without it) is left out; any other import error, such
     as a missing dependency inside a stage that is present, is raised."""
-    found = {}
-    for name, module in STAGES.items():
-        try:
-            found[name] = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name and (e.name == module or module.startswith(e.name + ".")):
-                continue
-            raise
-    return found
+    return {name: module for name in STAGES if (module := load(name)) is not None}
+
+
+def load(name: str) -> ModuleType | None:
+    """The imported module of stage `name`, or None when this build lacks it (see `available`)."""
+    module = STAGES[name]
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and (e.name == module or module.startswith(e.name + ".")):
+            return None
+        raise

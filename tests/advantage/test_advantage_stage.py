@@ -304,6 +304,29 @@ advantage({{"estimator": "grpo", "tracking": {{"enabled": False}}}}, "", "", "pr
     assert [r["advantages"][0] > 0 for r in read_out(tmp_path)] == [True, False]
 
 
+def test_the_command_runs_where_torch_cannot_be_imported(tmp_path):
+    """`prmflow advantage` (what a local re-run of the CPU pool's step runs in the image) imports only its
+    own stage: the other stages' modules pull in torch and transformers. `--help` too."""
+    import subprocess
+    import sys
+
+    write_rows(tmp_path, [row(pid="p0", idx=0, outcome_reward=1.0), row(pid="p0", idx=1, outcome_reward=0.0)])
+    code = f"""
+import sys
+sys.modules["torch"] = None
+from prmflow import cli
+sys.exit(cli.main(["advantage", "--input", {str(tmp_path / "rollouts")!r}, "--output", {str(tmp_path / "advantages")!r},
+                   "--estimator", "grpo", "--tracking.enabled", "false"]))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["advantages"][0] > 0 for r in read_out(tmp_path)] == [True, False]
+    code = "import sys; sys.modules['torch'] = None; from prmflow import cli; cli.main(['advantage', '--help'])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--estimator" in result.stdout and "--kl_coef" in result.stdout
+
+
 # --- tracking ---------------------------------------------------------------------------------------------
 
 def test_metrics_are_logged_under_their_names(tmp_path, monkeypatch):

@@ -206,7 +206,8 @@ def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None,
         section = data.get(name) or {}
         if name in available:
             built = config_lib.build(available[name].Config, config_lib.flatten(section), where=f"{path} [{name}]")
-            if getattr(built, "task", None) == "arithmetic" and hasattr(built, "arithmetic"):
+            if hasattr(built, "arithmetic") and (getattr(built, "task", None) == "arithmetic" or (
+                    getattr(built, "ptx_coef", 0) > 0 and built.ptx_task == "arithmetic")):  # ppo's SFT (ptx) loss
                 prefixes[name] = built.arithmetic.prompt_prefix
             # old key names (warned about just now) become the new ones in the pipeline's parameters
             section = config_lib.upgrade_stored(available[name].Config, section, fill=False)

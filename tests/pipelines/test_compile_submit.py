@@ -193,6 +193,9 @@ def test_a_prompt_prefix_that_differs_between_stages_fails_at_compile_time(tmp_p
     spec = next(yaml.safe_load_all((tmp_path / "x.yaml").read_text()))
     sections = spec["root"]["inputDefinitions"]["parameters"]
     assert sections["rollout_config"]["defaultValue"]["arithmetic"] == {"prompt_prefix": ""}
+    cfg.write_text(same + "\nppo:\n  ptx_coef: 0.1\n")  # ppo's SFT (ptx) loss trains on arithmetic prompts too
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(tmp_path / "y.yaml")]) == 2
+    assert "[ppo] 'Compute left to right: '" in capsys.readouterr().err
 
 
 def test_submit_uploads_the_package_and_parameters(tmp_path):

@@ -23,12 +23,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from . import hf_quiet
 from .errors import ConfigError, ModelLoadError
 from .vision import attach, processor_of
 
@@ -250,7 +250,7 @@ def load_causal_lm(model_path: str | Path, dtype: str = "float32", seed: int = 0
     p = check_model_dir(model_path)
     auto = AutoModelForImageTextToText if is_vision(p) else AutoModelForCausalLM
     try:
-        with _transformers_quiet():
+        with hf_quiet.transformers_quiet():
             model = auto.from_pretrained(p, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
                                          use_safetensors=True)
     except (OSError, ValueError, KeyError) as e:
@@ -315,66 +315,11 @@ def save_pretrained(model: torch.nn.Module, tokenizer, directory: str | Path, ex
             import copy
 
             model = copy.deepcopy(model).merge_and_unload()
-        with _transformers_quiet(), _no_deepspeed_import():
+        with hf_quiet.transformers_quiet(), hf_quiet.no_deepspeed_import():
             model.save_pretrained(directory, safe_serialization=True)
     (processor_of(tokenizer) or tokenizer).save_pretrained(directory)  # a VL processor saves its tokenizer too
     if extra:
         (directory / "prmflow.json").write_text(json.dumps(extra, indent=2, sort_keys=True, default=str))
-
-
-@contextlib.contextmanager
-def _transformers_quiet(hold: list[logging.LogRecord] | None = None):
-    """Around one from_pretrained / save_pretrained: transformers' own progress bars ('Loading weights',
-    'Writing model shards', one per checkpoint, beside the stage's bar) are off. With a `hold` list,
-    the records of transformers' loader (its load report, a warning) go into it instead of the console;
-    `_release(hold)` prints them when the caller finds something unexpected."""
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    loader = logging.getLogger("transformers.modeling_utils")
-
-    def keep(record: logging.LogRecord) -> bool:
-        hold.append(record)
-        return False
-
-    if bars:
-        hf_logging.disable_progress_bar()
-    if hold is not None:
-        loader.addFilter(keep)
-    try:
-        yield
-    finally:
-        loader.removeFilter(keep)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-def _release(held: list[logging.LogRecord]) -> None:
-    """Print warnings `_transformers_quiet` held back, as transformers would have."""
-    for record in held:
-        logging.getLogger(record.name).handle(record)
-    held.clear()
-
-
-@contextlib.contextmanager
-def _no_deepspeed_import():
-    """transformers' save_pretrained unwraps the model through accelerate, which imports DeepSpeed
-    whenever it is installed, to test for its engine wrapper: 1-2.5 s per save on a CPU and a warning
-    that it found no GPU. A model can only be inside a DeepSpeed engine if DeepSpeed was imported, so
-    while it was not, accelerate is told it is absent."""
-    try:
-        from accelerate.utils import other
-    except ImportError:
-        other = None
-    if "deepspeed" in sys.modules or not hasattr(other, "is_deepspeed_available"):
-        yield
-        return
-    original = other.is_deepspeed_available
-    other.is_deepspeed_available = lambda: False
-    try:
-        yield
-    finally:
-        other.is_deepspeed_available = original
 
 
 def load_scalar_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False):
@@ -394,22 +339,22 @@ def load_scalar_model(path: str | Path, dtype: str = "float32", trust_remote_cod
         cfg.num_labels = 1
         # from a causal LM the score head is new by design: transformers' load report (a table of
         # MISSING keys, at warning level) is held back and shown only if something else is off
-        with _transformers_quiet(hold=held if from_lm else None):
+        with hf_quiet.transformers_quiet(hold=held if from_lm else None):
             model, info = AutoModelForTokenClassification.from_pretrained(
                 p, config=cfg, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
                 use_safetensors=True, output_loading_info=True)
     except (OSError, ValueError, KeyError) as e:
-        _release(held)
+        hf_quiet.release(held)
         raise ModelLoadError(f"Cannot load a scalar-head model from '{p}': {e}") from None
     except BaseException:
-        _release(held)
+        hf_quiet.release(held)
         raise
     if from_lm:
-        other = sorted(k for k in info.get("missing_keys", ()) if not k.startswith("score."))
-        other += sorted(k for k in info.get("unexpected_keys", ()) if not k.startswith("lm_head."))  # untied LM head
-        other += sorted(str(k) for k in info.get("mismatched_keys", ()))
-        if other:
-            _release(held)
+        off = sorted(k for k in info.get("missing_keys", ()) if not k.startswith("score."))
+        off += sorted(k for k in info.get("unexpected_keys", ()) if not k.startswith("lm_head."))  # untied LM head
+        off += sorted(str(k) for k in info.get("mismatched_keys", ()))
+        if off:
+            hf_quiet.release(held)
         log.info("'%s' is a causal LM: its backbone is loaded and the scalar head ('score') starts at zero.", p)
         with torch.no_grad():
             model.score.weight.zero_()

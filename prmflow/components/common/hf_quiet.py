@@ -18,8 +18,8 @@ import sys
 def transformers_quiet(hold: list[logging.LogRecord] | None = None):
     """Around one from_pretrained / save_pretrained: transformers' own progress bars ('Loading weights',
     'Writing model shards', one per checkpoint, beside the stage's bar) are off. With a `hold` list,
-    the records of transformers' loader (its load report, a warning) go into it instead of the console;
-    `release(hold)` prints them when the caller finds something unexpected."""
+    the records of transformers' loader (its load report, a warning) go into it instead of the console:
+    printed if the load raises, else `release(hold)` prints them when the caller finds something unexpected."""
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
@@ -35,6 +35,11 @@ def transformers_quiet(hold: list[logging.LogRecord] | None = None):
         loader.addFilter(keep)
     try:
         yield
+    except BaseException:
+        loader.removeFilter(keep)
+        if hold:
+            release(hold)  # the report says why the load failed
+        raise
     finally:
         loader.removeFilter(keep)
         if bars:

@@ -344,11 +344,7 @@ def load_scalar_model(path: str | Path, dtype: str = "float32", trust_remote_cod
                 p, config=cfg, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
                 use_safetensors=True, output_loading_info=True)
     except (OSError, ValueError, KeyError) as e:
-        hf_quiet.release(held)
         raise ModelLoadError(f"Cannot load a scalar-head model from '{p}': {e}") from None
-    except BaseException:
-        hf_quiet.release(held)
-        raise
     if from_lm:
         off = sorted(k for k in info.get("missing_keys", ()) if not k.startswith("score."))
         off += sorted(k for k in info.get("unexpected_keys", ()) if not k.startswith("lm_head."))  # untied LM head

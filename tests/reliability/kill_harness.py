@@ -78,7 +78,7 @@ class Attempt:
     checkpoint_at_s: float | None = None
     """Seconds after the start when `case.checkpoint` first existed (the first periodic save)."""
     commit_at_s: float | None = None
-    """Seconds after the start when the output's temporary sibling first existed (training is over)."""
+    """Seconds after the start when the output's temporary sibling, or the output, first existed (training is over)."""
 
 
 @dataclass
@@ -147,7 +147,9 @@ def run_attempt(case: StageCase, argv: list[str], run_dir: Path, kill: tuple[str
                     raise AssertionError(f"{case.name}: {log_name} did not finish within {case.timeout_s} s")
                 if case.checkpoint and attempt.checkpoint_at_s is None and any(run_dir.glob(case.checkpoint)):
                     attempt.checkpoint_at_s = now
-                if attempt.commit_at_s is None and any(run_dir.glob(f".{case.output}.tmp-*")):
+                # the temporary sibling may live for less than a poll (a tiny model saves in milliseconds):
+                # the output itself, once renamed into place, is the other sign that training is over
+                if attempt.commit_at_s is None and (out.exists() or any(run_dir.glob(f".{case.output}.tmp-*"))):
                     attempt.commit_at_s = now
                 if not seen_output and out.exists():  # once committed it never changes: read it once
                     attempt.outputs_read += _check_output(case, out)
@@ -224,6 +226,10 @@ def reference(case: StageCase, root: Path, inputs: Path) -> tuple[Path, float]:
     run_dir.mkdir(parents=True)
     a = run_attempt(case, case.argv(run_dir, inputs), run_dir, None, "reference")
     _expect_exit(case, a, run_dir, "reference")
+    if case.checkpoint:  # without both, _first_kill could not aim a kill between them and would test a restart
+        assert a.checkpoint_at_s is not None and a.commit_at_s is not None, (
+            f"{case.name}: the reference run's first checkpoint ({case.checkpoint}) or its commit was never seen "
+            f"(checkpoint at {a.checkpoint_at_s} s, commit at {a.commit_at_s} s); see {run_dir / 'logs'}")
     (run_dir / "logs" / "reference.json").write_text(json.dumps({"seconds": a.seconds, "checkpoint_at_s": a.checkpoint_at_s,
                                                                  "commit_at_s": a.commit_at_s}))
     return run_dir, a.seconds

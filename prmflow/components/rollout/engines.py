@@ -184,6 +184,9 @@ class HFEngine:
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         params = inspect.signature(model.forward).parameters
         self._prefill_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        # transformers 5.x renamed the KV cache `past_key_values` -> `cache` (argument and output field, the old
+        # names warn and go away in 5.40); releases before the rename know only the old name
+        self._cache_name = "cache" if "cache" in params else "past_key_values"
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
@@ -226,7 +229,7 @@ class HFEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **self._prefill_kwargs,
                     **(pixels or {}))
-        cache = out.past_key_values
+        cache = out[self._cache_name]
         logits = out.logits[:, -1].float()  # (P, V)
         next_pos = positions[:, -1] + 1  # (P,)
         if n > 1:
@@ -260,7 +263,7 @@ class HFEngine:
                 rows, tok, mask, next_pos = rows[keep], tok[keep], mask[keep], next_pos[keep]
             mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
             out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                        past_key_values=cache, use_cache=True)
+                        use_cache=True, **{self._cache_name: cache})
             logits = out.logits[:, -1].float()  # (b, V)
             next_pos = next_pos + 1
         tokens, logps = tokens.cpu(), logps.cpu()

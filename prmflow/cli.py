@@ -20,6 +20,7 @@ import sys
 
 from . import stages
 from .components.common import config as config_lib
+from .components.common import distributed
 from .components.common import io, tracking
 from .components.common.errors import PrmflowError
 from .pipelines import commands
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             return args.handler(args)
         module = stage_modules[args.stage]
         cfg = config_lib.from_args(module.Config, args, section=args.stage)
-        module.run(cfg)
+        with distributed.leave_group_at_exit():
+            module.run(cfg)
         return 0
     except PrmflowError as e:
         print(f"prmflow {args.command}: error: {e}", file=sys.stderr)

@@ -44,3 +44,47 @@ def test_micro_batch_smaller_than_the_ranks_is_refused(monkeypatch):
     monkeypatch.setattr(distributed, "world_size", lambda: 4)
     with pytest.raises(ConfigError, match="micro_batch_size is 2, fewer than the 4 ranks"):
         distributed.check_divides(2)
+
+
+def test_a_rank_leaves_its_process_group_when_its_stage_ends_or_is_preempted(monkeypatch, tmp_path):
+    """A rank that exits with its gloo group alive can abort at interpreter shutdown (SIGABRT, "terminate
+    called without an active exception"; seen in CI after a ZeRO-3 ppo rank's work was done). The CLI runs
+    each stage inside leave_group_at_exit: the group is destroyed after a normal end or an agreed
+    preemption (exit 143); kept after another error (peers may be inside a collective, where leaving can
+    hang) and outside a launcher (a one-process run keeps its group for the next stage in the process)."""
+    import torch.distributed as dist
+
+    from prmflow.components.common.preemption import Preempted
+
+    def group():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+        (tmp_path / "rendezvous").unlink(missing_ok=True)
+
+    def ends(body):
+        try:
+            with distributed.leave_group_at_exit():
+                body()
+        except BaseException as e:
+            return type(e).__name__
+        return "returned"
+
+    def preempted():
+        raise Preempted("sft", 3, "checkpoint")
+
+    def failed():
+        raise ValueError("a rank's own error")
+
+    assert not dist.is_initialized()
+    try:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+        for body, how, left in [(lambda: None, "returned", True), (preempted, "Preempted", True),
+                                (failed, "ValueError", False)]:
+            if not dist.is_initialized():
+                group()
+            assert ends(body) == how
+            assert dist.is_initialized() is not left, how
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+        assert ends(lambda: None) == "returned" and dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -20,6 +20,7 @@ What the ranks share (the rules the stages follow):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -96,6 +97,31 @@ def init(timeout_s: float) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False,
                                timeout=datetime.timedelta(seconds=timeout_s))
+
+
+@contextlib.contextmanager
+def leave_group_at_exit():
+    """Around the whole of a rank's stage: leave the process group (`destroy_process_group`) when the stage
+    returns, or exits through a preemption that all ranks agreed on, before the interpreter shuts down.
+
+    A rank that exits with its gloo group still alive can abort (SIGABRT, "terminate called without an
+    active exception") while the interpreter tears down the group's worker threads: seen once in CI, a
+    ZeRO-3 ppo rank after its work was done, which failed the whole run. PyTorch asks every trainer
+    process to call destroy_process_group at the end. Not after other errors: a rank that failed alone
+    may have peers inside a collective, where leaving can hang (the launcher stops them instead). Only
+    under a launcher: a one-process run, e.g. several stages in one Python process, keeps its group."""
+    try:
+        yield
+    except SystemExit:  # preemption.Preempted: every rank saved the same step and exits 143 together
+        _leave()
+        raise
+    _leave()
+
+
+def _leave() -> None:
+    d = _dist()
+    if d is not None and under_launcher():
+        d.destroy_process_group()
 
 
 def barrier() -> None:

@@ -199,7 +199,7 @@ def test_ptx_loss_is_the_supervised_token_mean_and_is_trained(sft_policy, rows16
     adv = write_advantages(tmp_path / "adv", rows, 0.0)
     out = tmp_path / "out"
     cfg = make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=8, micro_batch_size=4, ptx_coef=1.0, **{"optim.lr": 1e-5},
-                   ptx_size=64, ptx_batch_size=8)
+                   ptx_num_prompts=64, ptx_batch_size=8)
     stage.run(cfg)
     model, tok = modeling.load_causal_lm(sft_policy)
     examples = ptx.load_ptx(cfg, tok)

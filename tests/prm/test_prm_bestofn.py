@@ -87,7 +87,7 @@ def test_stage_learns_and_adds_best_of_n_to_a_finished_prm(tmp_path, sft_policy,
     from prmflow.components.prm import stage
 
     base = {"output": str(tmp_path / "prm"), "backbone": "tiny-llama", "extra_layers": 0, "train_layers": 0,
-            "train_size": 400, "eval_size": 60, "max_steps": 40, "micro_batch_size": 16, "optim.warmup_steps": 5, "optim.lr": 3e-3,
+            "num_prompts": 400, "eval_size": 60, "max_steps": 40, "micro_batch_size": 16, "optim.warmup_steps": 5, "optim.lr": 3e-3,
             "eval_every": 0, "save_every": 0, "engine.backend": "torch", "tracking.enabled": False}
     trained = stage.run(config.load(stage.Config, overrides=base))
     assert trained["eval/step_auc"] >= 0.6 and trained["train/loss"] < math.log(2)  # untrained: 0.5 and log 2

@@ -149,7 +149,7 @@ def test_rerun_of_a_finished_output_does_nothing(tmp_path, capsys):
 
 def test_cli_runs_the_stage_and_refuses_bad_config(tmp_path, capsys):
     assert cli.main(["prm", "--output", str(tmp_path / "cli"), "--backbone", "tiny-llama", "--max_steps", "1",
-                     "--optim.warmup_steps", "0", "--train_size", "8", "--eval_size", "4", "--micro_batch_size", "8",
+                     "--optim.warmup_steps", "0", "--num_prompts", "8", "--eval_size", "4", "--micro_batch_size", "8",
                      "--engine.backend", "torch", "--tracking.enabled", "false"]) == 0
     assert (tmp_path / "cli" / "manifest.json").is_file()
     assert cli.main(["prm", "--output", str(tmp_path / "x"), "--head.kind", "regression"]) == 2

@@ -169,7 +169,7 @@ def make_ppo_inputs(inputs: Path) -> None:
                          "--step_rewards", "false", "--kl_coef", "0.05", "--tracking.enabled", "false"]) == 0
 
 
-SFT_FLAGS = ["--train_size", "64", "--eval_size", "4", "--max_steps", "10", "--micro_batch_size", "4",
+SFT_FLAGS = ["--num_prompts", "64", "--eval_size", "4", "--max_steps", "10", "--micro_batch_size", "4",
              "--optim.warmup_steps", "2", "--eval_every", "5", "--save_every", "3", "--eval_max_new_tokens", "4",
              "--max_seq_len", "64", "--engine.backend", "torch", "--tracking.enabled", "false"]
 
@@ -243,7 +243,7 @@ CASES = {
     "ppo": StageCase(
         name="ppo",
         argv=lambda run, inputs: ["ppo", "--output", str(run / "out"), "--policy", str(inputs / "policy"),
-                                  "--advantages", str(inputs / "ppo-advantages"), *PPO_FLAGS],
+                                  "--input", str(inputs / "ppo-advantages"), *PPO_FLAGS],
         prepare=make_ppo_inputs,
         read=read_model("ppo"),
         compare=same_but_timing,

@@ -15,7 +15,7 @@ from prmflow.components.common import checkpoint, config, modeling, tasks
 from prmflow.components.lib import supervised_data as data
 from prmflow.components.sft import stage
 
-SHORT = {"train_size": 256, "eval_size": 16, "max_steps": 12, "micro_batch_size": 16, "optim.warmup_steps": 2,
+SHORT = {"num_prompts": 256, "eval_size": 16, "max_steps": 12, "micro_batch_size": 16, "optim.warmup_steps": 2,
          "eval_every": 0, "save_every": 0, "eval_max_new_tokens": 24, "engine.backend": "torch",
          "tracking.enabled": False}
 

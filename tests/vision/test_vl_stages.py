@@ -213,7 +213,7 @@ def test_sft_freezes_the_named_modules(tmp_path):
     modeling.save_pretrained(model, tok, base)
     sft.run(config.build(sft.Config, {
         "policy": str(base), "task": "visual", "output": str(tmp_path / "sft"), "max_steps": 2, "optim.warmup_steps": 1,
-        "train_size": 16, "eval_size": 2, "micro_batch_size": 8, "eval_every": 0, "save_every": 0,
+        "num_prompts": 16, "eval_size": 2, "micro_batch_size": 8, "eval_every": 0, "save_every": 0,
         "freeze": "model.vision_tower, model.multi_modal_projector", "engine": {"backend": "torch"}, "tracking": OFF}))
     before, after = load_file(str(base / "model.safetensors")), load_file(str(tmp_path / "sft" / "model.safetensors"))
     # (LLaVA's files keep the original checkpoint names: vision_tower.*, multi_modal_projector.*, language_model.*)

@@ -24,6 +24,26 @@ def no_tracking():
 
 
 @pytest.fixture
+def transformers_log():
+    """The messages transformers logs during the test, as a list (its loggers do not propagate to the root,
+    so caplog never sees them)."""
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    seen, logger = Records(), logging.getLogger("transformers")
+    logger.addHandler(seen)
+    yield seen.messages
+    logger.removeHandler(seen)
+
+
+@pytest.fixture
 def sqlite_store(tmp_path):
     """A real MLflow SQLite store in the test's directory."""
     return f"sqlite:///{tmp_path / 'mlflow.db'}"

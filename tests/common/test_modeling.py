@@ -74,35 +74,21 @@ def test_saving_a_model_trained_without_deepspeed_does_not_import_deepspeed(tmp_
         assert torch.equal(a, b), name
 
 
-def test_a_scalar_model_from_a_causal_lm_loads_quietly_unless_more_than_its_head_is_missing(tmp_path, capsys):
-    import logging
-
+def test_a_scalar_model_from_a_causal_lm_loads_quietly_unless_more_than_its_head_is_missing(tmp_path, capsys,
+                                                                                             transformers_log):
     from safetensors.torch import load_file, save_file
-
-    class Records(logging.Handler):
-        def __init__(self):
-            super().__init__()
-            self.messages = []
-
-        def emit(self, record):
-            self.messages.append(record.getMessage())
 
     model, tok = modeling.build_tiny_model("tiny-llama", seed=1)
     modeling.save_pretrained(model, tok, tmp_path / "lm")
-    seen = Records()
-    logging.getLogger("transformers").addHandler(seen)  # transformers' loggers do not propagate to the root
-    try:
-        capsys.readouterr()
-        scalar, _ = modeling.load_scalar_model(tmp_path / "lm")
-        assert float(scalar.score.weight.abs().sum()) == 0.0
-        assert not [m for m in seen.messages if "LOAD REPORT" in m]  # the new head is expected: no report
-        assert "Loading weights" not in capsys.readouterr().err  # nor transformers' own progress bar
-        # a checkpoint that lacks one of the backbone's weights: transformers' report is shown, naming it
-        weights = load_file(tmp_path / "lm" / "model.safetensors")
-        del weights[next(k for k in weights if "layers.1.mlp.up_proj" in k)]
-        save_file(weights, tmp_path / "lm" / "model.safetensors", metadata={"format": "pt"})
-        modeling.load_scalar_model(tmp_path / "lm")
-        reports = [m for m in seen.messages if "LOAD REPORT" in m]
-        assert len(reports) == 1 and "layers.1.mlp.up_proj" in reports[0], seen.messages
-    finally:
-        logging.getLogger("transformers").removeHandler(seen)
+    capsys.readouterr()
+    scalar, _ = modeling.load_scalar_model(tmp_path / "lm")
+    assert float(scalar.score.weight.abs().sum()) == 0.0
+    assert not [m for m in transformers_log if "LOAD REPORT" in m]  # the new head is expected: no report
+    assert "Loading weights" not in capsys.readouterr().err  # nor transformers' own progress bar
+    # a checkpoint that lacks one of the backbone's weights: transformers' report is shown, naming it
+    weights = load_file(tmp_path / "lm" / "model.safetensors")
+    del weights[next(k for k in weights if "layers.1.mlp.up_proj" in k)]
+    save_file(weights, tmp_path / "lm" / "model.safetensors", metadata={"format": "pt"})
+    modeling.load_scalar_model(tmp_path / "lm")
+    reports = [m for m in transformers_log if "LOAD REPORT" in m]
+    assert len(reports) == 1 and "layers.1.mlp.up_proj" in reports[0], transformers_log

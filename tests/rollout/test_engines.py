@@ -150,33 +150,19 @@ def test_hf_engine_batches_agree_with_one_prompt_at_a_time(policy, prompts):
         assert [c.token_ids for c in group] == [single.token_ids] * 2
 
 
-def test_hf_engine_passes_the_kv_cache_by_the_name_this_transformers_knows(policy, prompts):
+def test_hf_engine_passes_the_kv_cache_by_the_name_this_transformers_knows(policy, prompts, transformers_log):
     """transformers 5.x renamed `past_key_values` to `cache` and drops the old name in 5.40, which pyproject
     allows: the engine's cache loop must not lean on the deprecated name (argument or output field), or
     sampling stops working on an upgrade. A deprecated use warns (FutureWarning, or transformers' log once
     per process, hence the cleared once-cache)."""
-    import logging
     import warnings
 
     from transformers.utils import logging as hf_logging
 
-    class Records(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.WARNING)
-            self.messages = []
-
-        def emit(self, record):
-            self.messages.append(record.getMessage())
-
     model, tok = policy
-    records, hf_root = Records(), logging.getLogger("transformers")
     hf_logging.warning_once.cache_clear()
-    hf_root.addHandler(records)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", FutureWarning)
-            out = HFEngine(model, tok, batch_size=4).generate(prompts[:2], SamplingParams(temperature=0, max_new_tokens=8))
-    finally:
-        hf_root.removeHandler(records)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = HFEngine(model, tok, batch_size=4).generate(prompts[:2], SamplingParams(temperature=0, max_new_tokens=8))
     assert [len(c.token_ids) for (c,) in out] and all(c.token_ids for (c,) in out)
-    assert not [m for m in records.messages if "deprecated" in m], records.messages
+    assert not [m for m in transformers_log if "deprecated" in m], transformers_log

@@ -21,7 +21,7 @@ import sys
 from . import stages
 from .components.common import config as config_lib
 from .components.common import distributed
-from .components.common import io, tracking
+from .components.common import io, shutdown, tracking
 from .components.common.errors import PrmflowError
 from .pipelines import commands
 
@@ -84,6 +84,7 @@ def _make_tiny(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    shutdown.freeze_objects_at_exit()
     parser, stage_modules = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

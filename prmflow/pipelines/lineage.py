@@ -19,8 +19,9 @@ def init_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, sft_confi
     """
     from prmflow import stages
     from prmflow.components.common import config as config_lib
-    from prmflow.components.common import tracking
+    from prmflow.components.common import shutdown, tracking
 
+    shutdown.freeze_objects_at_exit()  # this task's process ends with this function
     cfg = tracking.TrackingConfig(uri=tracking_uri, experiment=experiment, pipeline_run_id=kfp_run_id,
                                   run_name=run_name)
     sections = {"sft": sft_config, "prm": prm_config, "rollout": rollout_config, "advantage": advantage_config,
@@ -45,9 +46,10 @@ def finish_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, status:
     FINISHED run, the final policy and the PRM in the Model Registry (<experiment>-policy, -prm)."""
     from mlflow.tracking import MlflowClient
 
-    from prmflow.components.common import tracking
+    from prmflow.components.common import shutdown, tracking
     from prmflow.pipelines.summary import parent_summary, register_models
 
+    shutdown.freeze_objects_at_exit()
     cfg = tracking.TrackingConfig(uri=tracking_uri, experiment=experiment, pipeline_run_id=kfp_run_id)
     state = "FINISHED" if status.state == "SUCCEEDED" else "FAILED"
     uri = tracking.resolve_uri(cfg)

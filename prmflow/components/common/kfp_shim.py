@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from . import config as config_lib
-from . import trainjob
+from . import shutdown, trainjob
 
 
 def run_stage(name: str, stage: ModuleType, config: dict, paths: dict[str, Any], kfp_run_id: str = "",
@@ -24,6 +24,7 @@ def run_stage(name: str, stage: ModuleType, config: dict, paths: dict[str, Any],
     """Run `stage` (a module with `Config` and `run`), called `name` in errors, with `config` (its
     Config keys) plus artifact `paths`; returns its metrics."""
     where = f"pipeline step '{name}'"
+    shutdown.freeze_objects_at_exit()  # this task's process ends when the stage does
     # old key names in the section are renamed first, so the paths below win over them too
     values = config_lib.upgrade_keys(stage.Config, config_lib.flatten(dict(config or {})), where)
     values.update({"tracking.pipeline_run_id": kfp_run_id, "tracking.experiment": experiment})

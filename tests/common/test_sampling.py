@@ -24,3 +24,15 @@ def test_top_k_one_samples_the_greedy_response():
     assert top1 == greedy
     free = generate_texts(model, tok, prompts, 12, do_sample=True, temperature=1.0, top_k=0, seed=3)
     assert free != greedy  # an untrained model's own distribution is nearly flat: top_k=0 is no cut
+
+
+def test_a_progress_label_shows_a_bar_over_the_responses(capsys):
+    model, tok = modeling.build_tiny_model("tiny-llama", seed=0)
+    prompts = [f"{a}+{a}=" for a in range(10)]
+    capsys.readouterr()
+    quiet = generate_texts(model, tok, prompts, 4, batch_size=4)
+    assert "10/10" not in capsys.readouterr().err
+    shown = generate_texts(model, tok, prompts, 4, batch_size=4, progress="prm: sampling the policy")
+    err = capsys.readouterr().err
+    assert "prm: sampling the policy" in err and "10/10" in err, err  # every response counted, over 3 batches
+    assert shown == quiet

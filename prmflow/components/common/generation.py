@@ -8,7 +8,10 @@ Qwen2.5's `<|im_end|>` and `<|endoftext|>`; special tokens are not in the decode
 
 from __future__ import annotations
 
+import sys
+
 import torch
+from tqdm.auto import tqdm
 
 from . import chat
 
@@ -16,11 +19,14 @@ from . import chat
 @torch.no_grad()
 def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, batch_size: int = 64,
                    do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                   add_special_tokens: bool = True, images: list[list[bytes]] | None = None) -> list[str]:
+                   add_special_tokens: bool = True, images: list[list[bytes]] | None = None,
+                   progress: str = "") -> list[str]:
     """One response per prompt. Deterministic for a given seed.
 
     `images`: per prompt its encoded images (vision-language models; the prompt text carries their
-    placeholders, see tasks.render_prompt); the tokenizer must carry the model's processor."""
+    placeholders, see tasks.render_prompt); the tokenizer must carry the model's processor.
+    `progress`: the label of a progress bar over the responses (none when empty); it redraws at most
+    every 10 s when stderr is a log file, not a terminal."""
     was_training = model.training
     model.eval()
     side = tokenizer.padding_side
@@ -33,6 +39,8 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 6
     processor = processor_of(tokenizer)
     # a templated prompt (no special tokens added to it) ends at the template's end of turn too
     stops = chat.stop_token_ids(model, tokenizer, templated=not add_special_tokens)
+    bar = tqdm(total=len(prompts), desc=progress, unit="seq", dynamic_ncols=True, disable=not progress,
+               mininterval=0.2 if sys.stderr.isatty() else 10.0)
     try:
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i:i + batch_size]
@@ -55,7 +63,9 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 6
             ids = model.generate(**enc, **kwargs)
             new = ids[:, enc["input_ids"].shape[1]:]
             out += tokenizer.batch_decode(new, skip_special_tokens=True)
+            bar.update(len(chunk))
     finally:
+        bar.close()
         tokenizer.padding_side = side
         model.train(was_training)
     return out

@@ -136,9 +136,9 @@ def sample(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConf
     sampled = generate_texts(policy, tok, flat, cfg.sampling.max_new_tokens, batch_size=cfg.batch_sequences, do_sample=True,
                              temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                              seed=cfg.seed, add_special_tokens=special,
-                             images=flat_images)
+                             images=flat_images, progress=f"sampling {cfg.n_samples} per prompt")
     greedy = generate_texts(policy, tok, prompts, cfg.sampling.max_new_tokens, batch_size=cfg.batch_sequences,
-                            add_special_tokens=special, images=images)
+                            add_special_tokens=special, images=images, progress="greedy")
     return [sampled[i * cfg.n_samples:(i + 1) * cfg.n_samples] for i in range(len(records))], greedy, prompts
 
 

@@ -335,7 +335,8 @@ def policy_examples(policy_path: str, records: list[tasks.PromptRecord], samples
     owners = [r for r in records for _ in range(samples)]
     images = [r.images or [] for r in records for _ in range(samples)] if any(r.images for r in records) else None
     texts = generate_texts(policy, tok, [p for p in rendered for _ in range(samples)], max_new_tokens,
-                           batch_size=batch_size, do_sample=True, seed=seed, add_special_tokens=special, images=images)
+                           batch_size=batch_size, do_sample=True, seed=seed, add_special_tokens=special, images=images,
+                           progress="prm: sampling the policy")
     out = from_records(owners, texts, separator)
     for ex in out:
         ex.where = f"sample of {policy_path}"

@@ -165,7 +165,8 @@ def run(cfg: Config) -> dict:
         # 1. solutions
         rendered = [tasks.render_prompt(tok, r, cfg.chat_template) for r in records]
         owners = [i for i in range(len(records)) for _ in range(cfg.n_samples)]
-        solutions = generate_texts(policy, tok, [rendered[i] for i in owners], seed=cfg.seed, **gen)
+        solutions = generate_texts(policy, tok, [rendered[i] for i in owners], seed=cfg.seed, **gen,
+                                   progress="prm-label: solutions")
         kept = [(i, s) for i, s in zip(owners, solutions) if steps_lib.steps(s, cfg.step_separator)]
         # 2. continuations from every step prefix but the last, all in one batched pass
         jobs = [(j, k, prefix) for j, (i, s) in enumerate(kept) for k, prefix in enumerate(step_prefixes(s, cfg.step_separator))]

@@ -19,7 +19,8 @@
    same number of timed runs each (median). The vectorized side is timed with its layout: the
    response lengths read from the Arrow column and the ragged layout built from them inside the
    timed region; the loop gets its padded tensors prebuilt (its own layout, as a trainer holding
-   padded batches would; the time to pad from the flat data is printed beside it). Target >= 20x.
+   padded batches would; the time to pad from the flat data is printed beside it). Both sides run
+   on one thread (torch's, and numpy's BLAS through threadpoolctl). Target >= 20x.
 3. Memory: peak RSS of the stage in a fresh subprocess on --sequences and on --big sequences;
    target: the larger run stays within 25% of the smaller.
 
@@ -246,8 +247,17 @@ def bench_gae(work: Path, args) -> None:
     adv_vec = vectorized()[0]
     err = float(np.abs(adv_loop - adv_vec).max())
     n = args.repeats
-    t_loop, t_vec, t_pad = median_time(loop, n), median_time(vectorized, n), median_time(pad, n)
-    print(f"GAE on {B} x {T} padded ({n_tokens} tokens), torch threads={torch.get_num_threads()}, median of {n} "
+    # one thread on both sides: torch's for the loop, numpy's BLAS (the blocked scan's matrix product)
+    # for the vectorized side (threadpoolctl comes with scikit-learn, an MLflow dependency)
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with threadpool_limits(1):
+        blas = ",".join(f"{i['internal_api']}={i['num_threads']}" for i in threadpool_info())
+        t_loop, t_vec, t_pad = median_time(loop, n), median_time(vectorized, n), median_time(pad, n)
+    torch.set_num_threads(torch_threads)
+    print(f"GAE on {B} x {T} padded ({n_tokens} tokens), torch threads=1, {blas}, median of {n} "
           f"runs each: per-token loop {t_loop * 1e3:.0f} ms (+{t_pad * 1e3:.0f} ms to pad the flat data), "
           f"vectorized with its layout {t_vec * 1e3:.0f} ms: speed-up {t_loop / t_vec:.1f}x "
           f"({(t_loop + t_pad) / t_vec:.1f}x counting the padding)   (target >= 20x); max |diff| {err:.1e}")

@@ -19,6 +19,8 @@ from typing import Callable
 
 import numpy as np
 
+from .scan import blocked_reverse_scan
+
 
 # --- ragged layout -------------------------------------------------------------------------------
 
@@ -82,30 +84,22 @@ def discounted_reverse_cumsum(x: np.ndarray, layout: Ragged, discount: float, ov
     """y[t] = sum over k >= t in t's row of discount**(k - t) * x[k].    x, y: (N,) float64.
 
     Slow equivalent, per row: `for t in reversed(range(L)): y[t] = x[t] + discount * y[t + 1]`
-    (y[L] = 0). Here one IIR filter pass (scipy.signal.lfilter, a C loop; numpy's cumsum for discount
-    1) runs backwards over the whole flat array as if it were one row. What would leak from row i+1 into row i is
-    discount * y[first token of row i+1], which equals the row's discount-weighted sum
-    sum_j discount**j * x[start + j]; subtracting it at row i's last token beforehand cancels the
-    leak exactly. That sum only multiplies by powers <= 1, so it is stable for every discount in
-    [0, 1] (closed forms that divide by discount**t are not, over 1,000-token responses).
+    (y[L] = 0). For 0 < discount < 1 this is scan.blocked_reverse_scan (a blocked matrix product; its
+    docstring says how). For discount 1 it is numpy's cumsum run backwards over the whole flat array
+    as if it were one row: what would leak from row i+1 into row i is y[first token of row i+1], the
+    row's sum; subtracting it at row i's last token beforehand cancels the leak exactly.
     overwrite_x: x is a float64 temporary the caller gives up, so no copy is made.
     """
-    y = x if overwrite_x and x.dtype == np.float64 else np.array(x, dtype=np.float64)
     if layout.n_tokens == 0 or discount == 0.0:
-        return y
-    if discount == 1.0:
-        head = np.add.reduceat(y, layout.starts)  # (B',) y at each row's first token
-    else:
-        powers = discount ** np.arange(int(layout.lengths.max()), dtype=np.float64)
-        head = np.add.reduceat(y * powers[layout.pos], layout.starts)
-    y[layout.last[:-1]] -= discount * head[1:]
-    if discount == 1.0:  # the same recurrence y[t] = x[t] + y[t+1], summed in the same order: bit-identical
-        out = np.empty_like(y)
-        np.cumsum(y[::-1], out=out[::-1])  # into a reversed view: no reversed copy, a contiguous result
-        return out
-    from scipy.signal import lfilter  # imported here: scipy.signal costs ~1 s per process, gamma = 1 never needs it
-
-    return lfilter([1.0], [1.0, -discount], y[::-1])[::-1]
+        return x if overwrite_x and x.dtype == np.float64 else np.array(x, dtype=np.float64)
+    if discount != 1.0:
+        return blocked_reverse_scan(np.asarray(x, dtype=np.float64), layout.starts[1:], discount)
+    y = x if overwrite_x and x.dtype == np.float64 else np.array(x, dtype=np.float64)
+    head = np.add.reduceat(y, layout.starts)  # (B',) y at each row's first token
+    y[layout.last[:-1]] -= head[1:]
+    out = np.empty_like(y)  # the same recurrence y[t] = x[t] + y[t+1], summed in the same order: bit-identical
+    np.cumsum(y[::-1], out=out[::-1])  # into a reversed view: no reversed copy, a contiguous result
+    return out
 
 
 def step_suffix_sums(token: np.ndarray, row: np.ndarray, layout: Ragged, *per_step: np.ndarray) -> list[np.ndarray]:
@@ -232,7 +226,8 @@ def gae(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
     ends = inp.layout.last[:-1]  # the episode ends with the response: no V from the next row
     delta[ends] -= gamma * v[ends + 1]
     adv = discounted_reverse_cumsum(delta, inp.layout, gamma * inp.lam, overwrite_x=True)
-    return adv, adv + v
+    # delta is spent: its memory takes the returns (a fresh (N,) array costs its page faults again)
+    return adv, np.add(adv, v, out=delta if adv is not delta else None)
 
 
 @register("reinforce")

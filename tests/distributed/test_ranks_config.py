@@ -88,3 +88,51 @@ def test_a_rank_leaves_its_process_group_when_its_stage_ends_or_is_preempted(mon
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_leaving_rank_first_waits_on_every_group_it_is_in(monkeypatch, tmp_path):
+    # DeepSpeed runs ZeRO-3's collectives on its own copy of the world group: a barrier on the world group
+    # alone would not wait for work queued there, which a gloo thread may then finish during shutdown
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        world, mine, others = dist.group.WORLD, dist.new_group([0]), dist.new_group([0])
+        waited = []
+        real_barrier = dist.barrier
+        monkeypatch.setattr(dist, "barrier", lambda group=None: (waited.append(group), real_barrier(group=group)))
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+        with distributed.leave_group_at_exit():
+            pass
+        assert waited[0] is world and len(waited) == 3, waited  # the world group, then each other one
+        assert {id(g) for g in waited[1:]} == {id(mine), id(others)}, waited
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_rank_killed_by_sigkill_is_named_before_a_peer_that_failed_because_it_vanished(monkeypatch, tmp_path):
+    # rank 1 is SIGKILLed (the OOM killer); rank 0's gloo then reads "Connection reset by peer" and exits 1,
+    # which torchrun's agent may record first: the error must still name rank 1, and rank 0 beside it
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    missing = str(tmp_path / "no-error-file.json")
+    failures = {0: ProcessFailure(0, 101, 1, missing), 1: ProcessFailure(1, 102, -9, missing)}
+    failures[0].timestamp, failures[1].timestamp = 1000, 1001  # rank 0's exit was seen first
+
+    def run(args):
+        raise ChildFailedError("prmflow.cli", failures)
+
+    monkeypatch.setattr(torchrun, "run", run)
+    with pytest.raises(distributed.RankFailedError) as e:
+        distributed.launch("sft", EngineConfig(), 2)
+    assert str(e.value).startswith("sft: rank 1 of 2 (pid 102) was killed by signal 9 (rank 0 exited with status 1 too)")
+    assert e.value.exit_code == 1
+    # with no SIGKILL among them, the first failure is named, as torchrun orders them
+    failures[1] = ProcessFailure(1, 102, 2, missing)
+    failures[1].timestamp = 1001
+    with pytest.raises(distributed.RankFailedError) as e:
+        distributed.launch("sft", EngineConfig(), 2)
+    assert str(e.value).startswith("sft: rank 0 of 2 (pid 101) exited with status 1 (rank 1 exited with status 2 too)")

@@ -109,7 +109,15 @@ def leave_group_at_exit():
     ZeRO-3 ppo rank after its work was done, which failed the whole run. PyTorch asks every trainer
     process to call destroy_process_group at the end. Not after other errors: a rank that failed alone
     may have peers inside a collective, where leaving can hang (the launcher stops them instead). Only
-    under a launcher: a one-process run, e.g. several stages in one Python process, keeps its group."""
+    under a launcher: a one-process run, e.g. several stages in one Python process, keeps its group.
+
+    Seen again after that (CI, 2026-11-25, same test, rank 1 while rank 0 still saved): destroying the
+    group does not wait for work already queued on it. A gloo worker thread that finishes a collective
+    nobody waited for (ZeRO-3's parameter prefetches, on DeepSpeed's own copy of the world group) drops
+    the last reference to its tensors; once the interpreter is finalizing, taking the GIL for that ends
+    the thread inside C++ and aborts the process (pytorch/pytorch#179291). So each rank first passes a
+    barrier on every group it is in: gloo's barrier completes only after all work queued before it on
+    that group, and no rank starts to leave while another still works."""
     try:
         yield
     except SystemExit:  # preemption.Preempted: every rank saved the same step and exits 143 together
@@ -121,7 +129,17 @@ def leave_group_at_exit():
 def _leave() -> None:
     d = _dist()
     if d is not None and under_launcher():
+        for group in _groups(d):
+            d.barrier(group=group)
         d.destroy_process_group()
+
+
+def _groups(d: Any) -> list:
+    """Every process group this rank is in, the world group first (torch keeps the others in a private
+    registry, `_world.pg_map`; without it, the world group alone)."""
+    registry = getattr(getattr(d.distributed_c10d, "_world", None), "pg_map", {})
+    world = d.group.WORLD
+    return [world] + [g for g in list(registry) if g is not world and d.get_rank(g) >= 0]
 
 
 def barrier() -> None:
@@ -239,6 +257,21 @@ def should_launch(engine_cfg) -> int:
     return n if n > 1 else 0
 
 
+def _how(failure: Any) -> str:
+    return (f"exited with status {failure.exitcode}" if failure.exitcode >= 0
+            else f"was killed by signal {-failure.exitcode}")
+
+
+def _root_failure(e: Any) -> tuple[int, Any]:
+    """The failed rank to name first: one killed by SIGKILL (the OOM killer, an operator, a lost node:
+    nothing inside a rank sends it) before the ranks that then failed because a peer vanished (gloo's
+    "Connection reset by peer"), which can exit before the agent sees the killed one; else the earliest."""
+    import signal
+
+    killed = [(r, f) for r, f in sorted(e.failures.items()) if f.exitcode == -signal.SIGKILL]
+    return killed[0] if killed else e.get_first_failure()
+
+
 def launch(stage: str, cfg: Any, n: int) -> None:
     """Run `prmflow <stage>` with `cfg` as `n` ranks through torchrun's elastic agent on this node
     (`torch.distributed.run`, standalone c10d rendezvous) and wait for them.
@@ -262,11 +295,10 @@ def launch(stage: str, cfg: Any, n: int) -> None:
         try:
             torchrun.run(args)
         except ChildFailedError as e:
-            first, failure = e.get_first_failure()
+            first, failure = _root_failure(e)
             code = failure.exitcode if failure.exitcode > 0 else 1
-            how = (f"exited with status {failure.exitcode}" if failure.exitcode >= 0
-                   else f"was killed by signal {-failure.exitcode}")
-            err = RankFailedError(f"{stage}: rank {first} of {n} (pid {failure.pid}) {how}; "
+            also = "".join(f" (rank {r} {_how(f)} too)" for r, f in sorted(e.failures.items()) if r != first)
+            err = RankFailedError(f"{stage}: rank {first} of {n} (pid {failure.pid}) {_how(failure)}{also}; "
                                   f"the other ranks were stopped and nothing was committed. Its error is above; "
                                   f"run the same command again to resume from the last checkpoint.")
             err.exit_code = code

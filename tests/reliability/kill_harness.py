@@ -280,9 +280,10 @@ def kill_and_resume(case: StageCase, root: Path, inputs: Path, seed: int, ref_di
                         else ("time", rng.uniform(0.1, 1.05) * ref_seconds, sig))
         name = f"attempt-{k}"
         a = run_attempt(case, argv, run_dir, kill, name)
-        while k == 0 and a.rc == 0 and (sooner := _sooner(kill)) is not None:
-            # the machine sped up and the run ended before its first kill landed (not sent, or sent to a process
-            # that was already done): start the seed over, killing sooner
+        while k == 0 and (a.rc == 0 or (run_dir / case.output).exists()) and (sooner := _sooner(kill)) is not None:
+            # the machine sped up and the run committed its output before its first kill landed (not sent, sent to
+            # a process that was already done, or to one exiting after its commit, where SIGTERM's default action
+            # ends it with -15): that tested nothing, so start the seed over, killing sooner
             shutil.rmtree(run_dir / case.output)
             kill = sooner
             a = run_attempt(case, argv, run_dir, kill, name)

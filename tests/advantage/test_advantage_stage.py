@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -359,3 +360,24 @@ def test_metrics_are_logged_under_their_names(tmp_path, monkeypatch):
     assert summary["train/advantage_std"] == pytest.approx(advantages.std(), abs=1e-6)
     assert summary["train/return_mean"] == pytest.approx(np.concatenate([r["returns"] for r in written]).mean(),
                                                          abs=1e-6)
+
+
+def test_a_stage_run_prints_mlflows_info_lines_only_when_verbose(tmp_path):
+    """A tracked `prmflow <stage>` run: MLflow's INFO lines (store set-up, system metrics started and
+    stopped) are noise on a user's console; `-v` brings them back. The run is tracked either way."""
+    import subprocess
+    import sys
+
+    write_rows(tmp_path, [row(pid="p0", idx=0, outcome_reward=1.0), row(pid="p0", idx=1, outcome_reward=0.0)])
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_LOGGING_LEVEL"}
+    for verbose in (False, True):
+        store = tmp_path / f"mlflow-{verbose}.db"
+        out = tmp_path / f"advantages-{verbose}"
+        argv = ["advantage", "--input", str(tmp_path / "rollouts"), "--output", str(out), "--estimator", "grpo",
+                "--tracking.uri", f"sqlite:///{store}", "--tracking.system_metrics_interval_s", "1"]
+        result = subprocess.run([sys.executable, "-m", "prmflow.cli", *(["-v"] if verbose else []), *argv],
+                                capture_output=True, text=True, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        mlflow_info = [line for line in result.stderr.splitlines() if "INFO mlflow" in line]
+        assert bool(mlflow_info) is verbose, result.stderr[-3000:]
+        assert (out / "manifest.json").is_file() and store.is_file()

@@ -17,6 +17,25 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: each worker gets its s
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked `own_process` runs alone in a new interpreter, as a rank is its own process: what it
+    does to process-global state (torch.distributed's default group, which DeepSpeed's cached groups
+    point into) neither sees nor spoils what other tests in this worker did."""
+    if pyfuncitem.get_closest_marker("own_process") is None or os.environ.get("PRMFLOW_OWN_PROCESS") == pyfuncitem.nodeid:
+        return None
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PRMFLOW_OWN_PROCESS": pyfuncitem.nodeid}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "own_process",
+                            pyfuncitem.nodeid], cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True)
+    assert child.returncode == 0 and re.search(r"^1 passed", child.stdout, re.M), f"{pyfuncitem.nodeid} in its own process:\n{child.stdout[-6000:]}{child.stderr[-2000:]}"
+    return True
+
+
 @pytest.fixture
 def no_tracking():
     """Override for stage configs: tracking off."""

@@ -46,6 +46,7 @@ def test_micro_batch_smaller_than_the_ranks_is_refused(monkeypatch):
         distributed.check_divides(2)
 
 
+@pytest.mark.own_process
 def test_a_rank_leaves_its_process_group_when_its_stage_ends_or_is_preempted(monkeypatch, tmp_path):
     """A rank that exits with its gloo group alive can abort at interpreter shutdown (SIGABRT, "terminate
     called without an active exception"; seen in CI after a ZeRO-3 ppo rank's work was done). The CLI runs
@@ -74,42 +75,35 @@ def test_a_rank_leaves_its_process_group_when_its_stage_ends_or_is_preempted(mon
     def failed():
         raise ValueError("a rank's own error")
 
-    assert not dist.is_initialized()
-    try:
-        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
-        for body, how, left in [(lambda: None, "returned", True), (preempted, "Preempted", True),
-                                (failed, "ValueError", False)]:
-            if not dist.is_initialized():
-                group()
-            assert ends(body) == how
-            assert dist.is_initialized() is not left, how
-        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
-        assert ends(lambda: None) == "returned" and dist.is_initialized()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    assert not dist.is_initialized()  # a new process
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    for body, how, left in [(lambda: None, "returned", True), (preempted, "Preempted", True),
+                            (failed, "ValueError", False)]:
+        if not dist.is_initialized():
+            group()
+        assert ends(body) == how
+        assert dist.is_initialized() is not left, how
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert ends(lambda: None) == "returned" and dist.is_initialized()
 
 
+@pytest.mark.own_process
 def test_a_leaving_rank_first_waits_on_every_group_it_is_in(monkeypatch, tmp_path):
     # DeepSpeed runs ZeRO-3's collectives on its own copy of the world group: a barrier on the world group
     # alone would not wait for work queued there, which a gloo thread may then finish during shutdown
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        world, mine, others = dist.group.WORLD, dist.new_group([0]), dist.new_group([0])
-        waited = []
-        real_barrier = dist.barrier
-        monkeypatch.setattr(dist, "barrier", lambda group=None: (waited.append(group), real_barrier(group=group)))
-        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
-        with distributed.leave_group_at_exit():
-            pass
-        assert waited[0] is world and len(waited) == 3, waited  # the world group, then each other one
-        assert {id(g) for g in waited[1:]} == {id(mine), id(others)}, waited
-        assert not dist.is_initialized()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    world, mine, others = dist.group.WORLD, dist.new_group([0]), dist.new_group([0])
+    waited = []
+    real_barrier = dist.barrier
+    monkeypatch.setattr(dist, "barrier", lambda group=None: (waited.append(group), real_barrier(group=group)))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    with distributed.leave_group_at_exit():
+        pass
+    assert waited[0] is world and len(waited) == 3, waited  # the world group, then each other one
+    assert {id(g) for g in waited[1:]} == {id(mine), id(others)}, waited
+    assert not dist.is_initialized()
 
 
 def test_a_rank_killed_by_sigkill_is_named_before_a_peer_that_failed_because_it_vanished(monkeypatch, tmp_path):

@@ -1,10 +1,10 @@
 """How often a policy answers bare (the `answer: N` line alone) and how often each kind of answer is right.
 
-    python benchmarks/bare_vs_worked.py SFT_DIR FINAL_DIR [...] [--prompts 1000] [--prompt-prefix ""]
+    python benchmarks/bare_vs_worked.py SFT_DIR FINAL_DIR [...] [--config configs/quickstart.yaml] [--prompts 1000]
 
-Greedy decoding of the arithmetic task's test split (seed 0, the prompts the quickstart's evaluation
-uses), in batches of --batch prompts. For each policy directory: pass@1, the share of bare answers,
-pass@1 among the bare ones and among the worked ones (at least one step before the answer line). The
+Greedy decoding of the arithmetic task's test split, in batches of --batch prompts: the prompts of the
+evaluation in --config (its `evaluate` section's `arithmetic` keys and seed; default the quickstart's).
+For each policy directory: pass@1, the share of bare answers, pass@1 among the bare ones and among the worked ones (at least one step before the answer line). The
 README's "What sets the gain" table comes from this script run on the quickstart's SFT policy
 (`outputs/kfp-local/<run>/sft/policy`) and its last PPO update (`.../ppo-3/updated/policy`).
 """
@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -28,14 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("policies", nargs="+", help="HF policy directories")
     p.add_argument("--prompts", type=int, default=1000, help="test prompts (default 1000, the quickstart's evaluation)")
-    p.add_argument("--prompt-prefix", default="", help="arithmetic.prompt_prefix the policies were trained with (default '', the quickstart's)")
+    p.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
+                   help="pipeline YAML whose evaluate section (arithmetic keys, seed) sets the prompts (default: the quickstart's)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--batch", type=int, default=200, help="prompts per generation batch")
     args = p.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    records = tasks.load("arithmetic", "test", args.prompts, 0, prompt_prefix=args.prompt_prefix)
+    section = (yaml.safe_load(Path(args.config).read_text()) or {}).get("evaluate") or {}
+    records = tasks.load("arithmetic", "test", args.prompts, int(section.get("seed", 0)), **(section.get("arithmetic") or {}))
     print(f"{'policy':60s} {'pass@1':>7s} {'bare':>6s} {'right|bare':>10s} {'right|worked':>12s}")
     for d in args.policies:
         model, tok = modeling.load_causal_lm(d, "float32")

@@ -22,7 +22,9 @@ def pytest_pyfunc_call(pyfuncitem):
     """A test marked `own_process` runs alone in a new interpreter, as a rank is its own process: what it
     does to process-global state (torch.distributed's default group, which DeepSpeed's cached groups
     point into) neither sees nor spoils what other tests in this worker did."""
-    if pyfuncitem.get_closest_marker("own_process") is None or os.environ.get("PRMFLOW_OWN_PROCESS") == pyfuncitem.nodeid:
+    if pyfuncitem.get_closest_marker("own_process") is None:
+        return None
+    if os.environ.get("PRMFLOW_OWN_PROCESS") == pyfuncitem.nodeid:  # the child: run the test here
         return None
     import re
     import subprocess
@@ -32,7 +34,8 @@ def pytest_pyfunc_call(pyfuncitem):
     env.pop("PYTEST_XDIST_WORKER", None)
     child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "own_process",
                             pyfuncitem.nodeid], cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True)
-    assert child.returncode == 0 and re.search(r"^1 passed", child.stdout, re.M), f"{pyfuncitem.nodeid} in its own process:\n{child.stdout[-6000:]}{child.stderr[-2000:]}"
+    passed = child.returncode == 0 and re.search(r"^1 passed", child.stdout, re.M)
+    assert passed, f"{pyfuncitem.nodeid} in its own process:\n{child.stdout[-6000:]}{child.stderr[-2000:]}"
     return True
 
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from prmflow import cli
-from prmflow.components.common import checkpoint, config
+from prmflow.components.common import checkpoint, config, modeling
 from prmflow.components.lib.prm_metrics import step_metrics
 from prmflow.components.lib.prm_model import PRM, HeadConfig
 from prmflow.components.lib.prm_scoring import load_scorer
@@ -232,3 +232,13 @@ def test_policy_samples_join_the_training_data_labelled_by_the_checker(sft_polic
         make_cfg(tmp_path, **base, policy_from_backbone=True, task=str(tmp_path / "labels.jsonl"))
     with pytest.raises(ConfigError, match="untrained preset"):
         make_cfg(tmp_path, **{**base, "backbone": "tiny-llama"}, policy_from_backbone=True)
+    # the sampling keys reach the generation: each solution at most max_new_tokens tokens (the final
+    # end-of-sequence one included), in batches of 5 sequences; temperature 0 would repeat one solution
+    _, tok = modeling.load_causal_lm(sft_policy)
+    short, _ = data.load_data(make_cfg(tmp_path, **base, policy_from_backbone=True, batch_sequences=5,
+                                       **{"sampling.max_new_tokens": 3}))
+    lengths = [len(tok("\n".join(e.steps), add_special_tokens=False)["input_ids"]) for e in short[len(plain):]]
+    assert len(lengths) == 12 * 2 and max(lengths) <= 3
+    assert max(len(tok("\n".join(e.steps), add_special_tokens=False)["input_ids"]) for e in samples) > 3
+    with pytest.raises(ConfigError, match="temperature is 0"):
+        make_cfg(tmp_path, **base, policy_from_backbone=True, **{"sampling.temperature": 0})

@@ -30,6 +30,7 @@ import torch
 from ..common import config as config_lib, io, modeling, steps as steps_lib, tasks
 from ..common.errors import ConfigError, DataError
 from ..common.generation import generate_texts
+from ..common.sampling import SamplingConfig
 from ..common.tasks import arithmetic, public, sources, visual
 from ..common.vision import batch_pixels, read_image_list
 from ..lib.prm_model import encode, has_shared_readout
@@ -228,7 +229,8 @@ def load_data(cfg: Config) -> tuple[list[StepExample], list[StepExample]]:
         if cfg.samples_policy:
             records = tasks.load(cfg.task, "train", cfg.num_prompts, cfg.seed, **config_lib.to_dict(cfg.arithmetic))
             train += policy_examples(cfg.samples_policy, records, cfg.n_samples, cfg.step_separator,
-                                     seed=cfg.seed, chat_template=cfg.chat_template)
+                                     seed=cfg.seed, chat_template=cfg.chat_template, sampling=cfg.sampling,
+                                     batch_size=cfg.batch_sequences)
     else:
         train = load_stepwise(cfg.task, cfg.step_separator)
     if cfg.eval_task and cfg.eval_task not in tasks.TASKS:
@@ -322,7 +324,7 @@ def step_bce(z: torch.Tensor, targets: torch.Tensor, step_mask: torch.Tensor) ->
 
 
 def policy_examples(policy_path: str, records: list[tasks.PromptRecord], samples: int, separator: str = "\n",
-                    max_new_tokens: int = 64, seed: int = 0, chat_template: bool = True,
+                    seed: int = 0, chat_template: bool = True, sampling: SamplingConfig | None = None,
                     batch_size: int = 256) -> list[StepExample]:
     """The policy's own solutions to built-in task prompts (arithmetic, visual), labelled by the exact checker.
 
@@ -334,8 +336,10 @@ def policy_examples(policy_path: str, records: list[tasks.PromptRecord], samples
     special = not (chat_template and getattr(tok, "chat_template", None))
     owners = [r for r in records for _ in range(samples)]
     images = [r.images or [] for r in records for _ in range(samples)] if any(r.images for r in records) else None
-    texts = generate_texts(policy, tok, [p for p in rendered for _ in range(samples)], max_new_tokens,
-                           batch_size=batch_size, do_sample=True, seed=seed, add_special_tokens=special, images=images,
+    sampling = sampling or SamplingConfig()
+    texts = generate_texts(policy, tok, [p for p in rendered for _ in range(samples)], sampling.max_new_tokens,
+                           batch_size=batch_size, do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                           top_k=sampling.top_k, seed=seed, add_special_tokens=special, images=images,
                            progress="prm: sampling the policy")
     out = from_records(owners, texts, separator)
     for ex in out:

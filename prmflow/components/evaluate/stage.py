@@ -115,8 +115,7 @@ def run(cfg: Config) -> dict:
         metrics["eval/response_length"] = sum(lengths) / len(lengths)
         metrics["eval/format_errors"] = sum(bestofn.extract_answer(r, g) is None for r, g in zip(records, greedy)) / len(records)
         if cfg.baseline:
-            base_cfg = dataclasses.replace(bon_cfg, policy=cfg.baseline, n_samples=1)
-            _, base_greedy, _ = bestofn.sample(cfg.baseline, records, base_cfg, cfg.chat_template)
+            base_greedy = bestofn.greedy(cfg.baseline, records, bon_cfg, cfg.chat_template)
             metrics["eval/baseline_accuracy"] = sum(tasks.verify(r, g) for r, g in zip(records, base_greedy)) / len(records)
         rows = [{"prompt_id": r.prompt_id, "prompt": r.prompt, "response": g, "correct": tasks.verify(r, g),
                  "step_scores": s, "source": r.source} for r, g, s in zip(records, greedy, greedy_scores)]

@@ -127,9 +127,7 @@ def score_table(records: list[tasks.PromptRecord], candidates: list[list[str]], 
 def sample(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConfig,
            chat_template: bool = True) -> tuple[list[list[str]], list[str], list[str]]:
     """(N sampled solutions per prompt, one greedy solution per prompt, rendered prompts)."""
-    policy, tok = modeling.load_causal_lm(policy_path)
-    prompts = [tasks.render_prompt(tok, r, chat_template) for r in records]
-    special = not any(tasks.templated(tok, r, chat_template) for r in records)
+    policy, tok, prompts, special = _load(policy_path, records, chat_template)
     flat = [p for p in prompts for _ in range(cfg.n_samples)]
     images = prompt_images(records)
     flat_images = [im for im in images for _ in range(cfg.n_samples)] if images else None
@@ -137,9 +135,26 @@ def sample(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConf
                              temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                              seed=cfg.seed, add_special_tokens=special,
                              images=flat_images, progress=f"sampling {cfg.n_samples} per prompt")
-    greedy = generate_texts(policy, tok, prompts, cfg.sampling.max_new_tokens, batch_size=cfg.batch_sequences,
-                            add_special_tokens=special, images=images, progress="greedy")
+    greedy = _greedy(policy, tok, prompts, special, images, cfg)
     return [sampled[i * cfg.n_samples:(i + 1) * cfg.n_samples] for i in range(len(records))], greedy, prompts
+
+
+def greedy(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConfig, chat_template: bool = True) -> list[str]:
+    """One greedy solution per prompt, the same as `sample`'s, without drawing any samples."""
+    policy, tok, prompts, special = _load(policy_path, records, chat_template)
+    return _greedy(policy, tok, prompts, special, prompt_images(records), cfg)
+
+
+def _load(policy_path: str, records: list[tasks.PromptRecord], chat_template: bool):
+    """(policy, tokenizer, rendered prompts, whether the tokenizer adds its special tokens to them)."""
+    policy, tok = modeling.load_causal_lm(policy_path)
+    prompts = [tasks.render_prompt(tok, r, chat_template) for r in records]
+    return policy, tok, prompts, not any(tasks.templated(tok, r, chat_template) for r in records)
+
+
+def _greedy(policy, tok, prompts: list[str], special: bool, images, cfg: BestOfNConfig) -> list[str]:
+    return generate_texts(policy, tok, prompts, cfg.sampling.max_new_tokens, batch_size=cfg.batch_sequences,
+                          add_special_tokens=special, images=images, progress="greedy")
 
 
 def prompt_images(records: list[tasks.PromptRecord]) -> list[list[bytes]] | None:

@@ -75,16 +75,13 @@ def test_tasks_printing_at_once_from_threads_lose_no_line(tmp_path):
     assert all(re.search(rf"ok +rollout-{i} ", shown) for i in range(n)), shown  # one line per task on the terminal
 
 
-def test_the_second_of_two_parallel_tasks_to_finish_is_still_reported(tmp_path):
+def _two_tasks_leaving_out_of_order():
     """kfp.local's per-task logger context, entered and left by two ParallelFor threads out of order
-    (A enters, B enters, A leaves, B logs its finish): B's finish line still reaches the log and the console."""
+    (A enters, B enters, A leaves, B logs its finish)."""
     import threading
 
     from kfp.local import logging_utils, status
 
-    screen = io.StringIO()
-    root = logging.getLogger()
-    saved = root.handlers[:], root.level
     entered, left = threading.Event(), threading.Event()
 
     def finish(name):
@@ -105,21 +102,54 @@ def test_the_second_of_two_parallel_tasks_to_finish_is_still_reported(tmp_path):
             left.wait()
             finish("rollout")
 
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def test_the_second_of_two_parallel_tasks_to_finish_is_still_reported(tmp_path):
+    """Two tasks leaving kfp.local's logger context out of order: B's finish line still reaches the log and the console."""
+    screen = io.StringIO()
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
     try:
         root.handlers.clear()
         root.setLevel(logging.WARNING)  # the default root logger: what kfp.local restores without the fix
         with console.task_log(tmp_path / "run-local.log", console=screen) as stream, \
                 console.parallel_task_records_kept():
-            threads = [threading.Thread(target=a), threading.Thread(target=b)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            _two_tasks_leaving_out_of_order()
     finally:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
     assert [f[:2] for f in stream.finished] == [("rollout", "SUCCESS")] * 2
     assert len(re.findall(r"ok +rollout ", screen.getvalue())) == 2
+    assert (tmp_path / "run-local.log").read_text().count("finished with status") == 2
+
+
+def test_a_task_line_does_not_reach_the_terminal_through_the_clis_own_log_handler(tmp_path):
+    """The CLI's logging handler writes to the terminal's stderr (cli.main's basicConfig). Two tasks leaving
+    kfp.local's logger context out of order under run-local's contexts: the terminal gets the task lines
+    of the quiet console only, the handler is back afterwards."""
+    from prmflow.pipelines.commands import _root_handlers_kept
+
+    screen, stderr = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    clis = logging.StreamHandler(stderr)
+    try:
+        root.handlers[:] = [clis]
+        root.setLevel(logging.WARNING)
+        with _root_handlers_kept(detach=True), console.task_log(tmp_path / "run-local.log", console=screen) as stream, \
+                console.parallel_task_records_kept():
+            _two_tasks_leaving_out_of_order()
+        assert root.handlers == [clis] and root.level == logging.WARNING
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    assert [f[:2] for f in stream.finished] == [("rollout", "SUCCESS")] * 2
+    assert stderr.getvalue() == ""
     assert (tmp_path / "run-local.log").read_text().count("finished with status") == 2
 
 

@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if not Path(args.config).is_file():
+        p.error(f"--config {args.config}: no such file; pass a pipeline YAML (e.g. configs/quickstart.yaml)")
     section = (yaml.safe_load(Path(args.config).read_text()) or {}).get("evaluate") or {}
     records = tasks.load("arithmetic", "test", args.prompts, int(section.get("seed", 0)), **(section.get("arithmetic") or {}))
     print(f"{'policy':60s} {'pass@1':>7s} {'bare':>6s} {'right|bare':>10s} {'right|worked':>12s}")

@@ -169,7 +169,7 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     t0 = time.monotonic()
     log_path = root / "run-local.log"
     shown = contextlib.nullcontext() if verbose else console.task_log(log_path)
-    with warnings.catch_warnings(), _root_handlers_kept(detach=not verbose), shown, console.parallel_task_records_kept():
+    with warnings.catch_warnings(), console.root_logger_restored(detach=not verbose), shown, console.parallel_task_records_kept():
         # kfp.local's notes that it ignores the cluster settings (images, GPUs, node pools) here, per task
         warnings.filterwarnings("ignore", message=".*(non-Python base image|have no effect in the current local runner).*")
         build(spec, shard_threads=local_shard_threads(spec.pipeline.rollout_shards))(**params)
@@ -190,32 +190,6 @@ def local_shard_threads(shards: int, environ=os.environ) -> int | None:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // min(shards, KFP_LOCAL_PARALLEL))
-
-
-@contextlib.contextmanager
-def _root_handlers_kept(detach: bool = False):
-    """kfp.local swaps the root logger's handlers for a StreamHandler on the sys.stdout of that moment and,
-    on some paths, leaves it there: a later log record in the same process (a test, a notebook) then
-    writes to a stream that may be closed. It also indents its output by replacing `builtins.print`
-    for the length of each task, which the threads of a ParallelFor undo out of order: print stayed
-    indented (by up to 28 spaces) after the pipeline. Put back the handlers, the level and print.
-
-    detach: also take the root logger's handlers off until then. The CLI's own handler writes to the
-    terminal's stderr; when two parallel tasks leave kfp.local's logger context out of order, one of
-    them restores the handlers it found, and a task's INFO lines then reached the terminal past the
-    quiet console (console.parallel_task_records_kept sends them to the run's log)."""
-    import builtins
-
-    root = logging.getLogger()
-    handlers, level, printer = root.handlers[:], root.level, builtins.print
-    if detach:
-        root.handlers.clear()
-    try:
-        yield
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-        builtins.print = printer
 
 
 def _print_summary(uri: str, experiment: str, parent: str | None) -> None:

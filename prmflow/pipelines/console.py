@@ -118,7 +118,7 @@ def parallel_task_records_kept() -> Iterator[None]:
     went to no handler at a level that drops INFO, and the console missed that shard. Under this
     context what is restored is a handler on the `sys.stdout` of this moment (the run's log, or the
     terminal with --verbose) at INFO, so those records land there too. The caller restores the root
-    logger afterwards (run-local's `_root_handlers_kept`)."""
+    logger afterwards (`root_logger_restored`)."""
     root = logging.getLogger()
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(asctime)s - %(levelname)s - %(message)s"))
@@ -128,3 +128,29 @@ def parallel_task_records_kept() -> Iterator[None]:
         yield
     finally:
         root.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def root_logger_restored(detach: bool = False) -> Iterator[None]:
+    """kfp.local swaps the root logger's handlers for a StreamHandler on the sys.stdout of that moment and,
+    on some paths, leaves it there: a later log record in the same process (a test, a notebook) then
+    writes to a stream that may be closed. It also indents its output by replacing `builtins.print`
+    for the length of each task, which the threads of a ParallelFor undo out of order: print stayed
+    indented (by up to 28 spaces) after the pipeline. Put back the handlers, the level and print.
+
+    detach: also take the root logger's handlers off until then. The CLI's own handler writes to the
+    terminal's stderr; when two parallel tasks leave kfp.local's logger context out of order, one of
+    them restores the handlers it found, and a task's INFO lines then reached the terminal past the
+    quiet console (parallel_task_records_kept sends them to the run's log)."""
+    import builtins
+
+    root = logging.getLogger()
+    handlers, level, printer = root.handlers[:], root.level, builtins.print
+    if detach:
+        root.handlers.clear()
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        builtins.print = printer

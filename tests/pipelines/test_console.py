@@ -132,8 +132,6 @@ def test_a_task_line_does_not_reach_the_terminal_through_the_clis_own_log_handle
     """The CLI's logging handler writes to the terminal's stderr (cli.main's basicConfig). Two tasks leaving
     kfp.local's logger context out of order under run-local's contexts: the terminal gets the task lines
     of the quiet console only, the handler is back afterwards."""
-    from prmflow.pipelines.commands import _root_handlers_kept
-
     screen, stderr = io.StringIO(), io.StringIO()
     root = logging.getLogger()
     saved = root.handlers[:], root.level
@@ -141,7 +139,7 @@ def test_a_task_line_does_not_reach_the_terminal_through_the_clis_own_log_handle
     try:
         root.handlers[:] = [clis]
         root.setLevel(logging.WARNING)
-        with _root_handlers_kept(detach=True), console.task_log(tmp_path / "run-local.log", console=screen) as stream, \
+        with console.root_logger_restored(detach=True), console.task_log(tmp_path / "run-local.log", console=screen) as stream, \
                 console.parallel_task_records_kept():
             _two_tasks_leaving_out_of_order()
         assert root.handlers == [clis] and root.level == logging.WARNING

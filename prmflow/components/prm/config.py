@@ -42,7 +42,7 @@ class Config:
     """Arithmetic: sample those solutions from the backbone itself (the SFT policy), as if policy named it. The pipeline's switch: the SFT policy's path is only known at run time. Measured on the quickstart: a PRM trained so ranks the RL policy's own right and wrong solutions apart (weakest step 0.42 vs 0.28); one trained on corrupted references only does not (0.46 vs 0.45 mean step score)."""
     n_samples: int = 2
     """Arithmetic with policy (or policy_from_backbone): solutions sampled per training problem."""
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64))
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """How those solutions are sampled (temperature > 0, top_p, top_k; max_new_tokens caps each one)."""
     batch_sequences: int = 256
     """Sequences (a prompt and one sampled solution) per generation batch when sampling the policy. Larger batches are faster on CPU (1,024: ~1.35x the sequences per second of 256 on the quickstart's tiny model, 2 cores) and cost KV-cache memory on a GPU."""

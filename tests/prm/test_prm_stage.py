@@ -234,7 +234,7 @@ def test_policy_samples_join_the_training_data_labelled_by_the_checker(sft_polic
         make_cfg(tmp_path, **{**base, "backbone": "tiny-llama"}, policy_from_backbone=True)
     # the sampling keys reach the generation: each solution at most max_new_tokens tokens (the final
     # end-of-sequence one included), in batches of 5 sequences; temperature 0 would repeat one solution
-    _, tok = modeling.load_causal_lm(sft_policy)
+    tok = modeling.load_tokenizer(sft_policy)
     short, _ = data.load_data(make_cfg(tmp_path, **base, policy_from_backbone=True, batch_sequences=5,
                                        **{"sampling.max_new_tokens": 3}))
     lengths = [len(tok("\n".join(e.steps), add_special_tokens=False)["input_ids"]) for e in short[len(plain):]]

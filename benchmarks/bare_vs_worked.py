@@ -21,9 +21,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prmflow.components.common import modeling, tasks  # noqa: E402
+from prmflow.components.common import modeling  # noqa: E402
+from prmflow import tasks
 from prmflow.components.common.generation import generate_texts  # noqa: E402
-from prmflow.components.common.tasks import arithmetic  # noqa: E402
+from prmflow.tasks import arithmetic  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

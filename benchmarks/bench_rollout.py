@@ -47,7 +47,8 @@ def _status_mb(key: str) -> float:
 def _setup(args):
     import torch
 
-    from prmflow.components.common import modeling, tasks
+    from prmflow.components.common import modeling
+    from prmflow import tasks
 
     torch.manual_seed(0)
     model, tok = modeling.load_causal_lm(args.policy)

@@ -40,11 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import prm_vs_outcome_stats as bench_stats  # noqa: E402
 
 from prmflow.components.advantage import stage as advantage  # noqa: E402
-from prmflow.components.common import config as config_lib, modeling, schema, steps as steps_lib, tasks  # noqa: E402
-from prmflow.components.common.errors import ConfigError  # noqa: E402
+from prmflow.components.common import config as config_lib, modeling, schema, steps as steps_lib  # noqa: E402
+from prmflow import tasks
+from prmflow.errors import ConfigError  # noqa: E402
 from prmflow.components.common.generation import generate_texts  # noqa: E402
-from prmflow.components.common.tasks import arithmetic  # noqa: E402
-from prmflow.components.lib.prm_metrics import roc_auc  # noqa: E402
+from prmflow.tasks import arithmetic  # noqa: E402
+from prmflow.components.common.prm_metrics import roc_auc  # noqa: E402
 from prmflow.components.ppo import stage as ppo  # noqa: E402
 from prmflow.components.prm import stage as prm_stage  # noqa: E402
 from prmflow.components.rollout import prompts as rollout_prompts, stage as rollout  # noqa: E402

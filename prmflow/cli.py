@@ -21,8 +21,9 @@ import sys
 from . import stages
 from .components.common import config as config_lib
 from .components.common import distributed
-from .components.common import io, shutdown, tracking
-from .components.common.errors import PrmflowError
+from .components.common import io, shutdown
+from . import tracking
+from .errors import PrmflowError
 from .pipelines import commands
 
 

@@ -44,7 +44,7 @@ def cached_sft(name: str, overrides: dict):
     from pathlib import Path
 
     from prmflow.components.common import config, io
-    from prmflow.components.common.errors import DataError
+    from prmflow.errors import DataError
     from prmflow.components.sft import stage
 
     import fcntl

@@ -1,9 +1,9 @@
 """The package's shape: imports run one way, nothing reaches into another module's private names, and
 no module grows into a junk drawer.
 
-Layers, lowest first: components.common <- components.lib <- components.<stage> <- stages.py, cli.py,
-docs.py, pipelines. Every import counts, function-level ones included (they hide cycles, they do not
-remove them).
+Layers, lowest first: the foundation (errors.py, tasks/, tracking/, components/common/) <- the stages
+(components/<stage>/, which never import one another) <- stages.py, cli.py, docs.py, pipelines/. Every import
+counts, function-level ones included (they hide cycles, they do not remove them).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import prmflow
 
 ROOT = Path(prmflow.__file__).parent
 TESTS = Path(__file__).parent
-MAX_LINES = 400
+#: A module this long usually holds two jobs: the test flags it so someone splits it by job (not by count).
+MAX_LINES = 600
 #: Modules allowed over MAX_LINES, with the reason. Empty: keep it that way or say why here.
 LONG_MODULE_EXCEPTIONS: dict[str, str] = {}
 STAGE_PACKAGES = {"sft", "prm", "rollout", "advantage", "ppo", "evaluate"}
@@ -97,16 +98,17 @@ def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+FOUNDATION = {"errors", "tasks", "tracking"}
+
+
 def layer(name: str) -> tuple[int, str]:
     parts = name.split(".")
     if parts[1:2] == ["components"] and len(parts) > 2:
-        if parts[2] == "common":
-            return 0, "common"
-        if parts[2] == "lib":
-            return 1, "lib"
         if parts[2] in STAGE_PACKAGES:
             return 2, parts[2]
-        return 0, "components"
+        return 0, "common"
+    if parts[1:2] and parts[1] in FOUNDATION:
+        return 0, parts[1]
     return 3, "top"
 
 
@@ -126,7 +128,7 @@ def test_imports_run_one_way():
             (tlvl, troom) = layer(t)
             if tlvl > lvl or (lvl == tlvl == 2 and troom != room):
                 wrong.append(f"{name} imports {t}")
-    assert wrong == [], "imports must run common <- lib <- stages <- cli/pipelines:\n" + "\n".join(wrong)
+    assert wrong == [], "imports must run foundation (errors, tasks, tracking, components.common) <- stages <- cli/pipelines:\n" + "\n".join(wrong)
 
 
 def private_uses(path: Path, name: str | None) -> list[str]:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .. import stages
-from ..components.common.errors import ConfigError, PrmflowError
+from ..errors import ConfigError, PrmflowError
 from .settings import load_spec
 
 
@@ -154,7 +154,7 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     from kfp import local
     from mlflow.tracking import MlflowClient
 
-    from ..components.common import tracking
+    from .. import tracking
     from . import console
     from .pipeline import build
     from .summary import latest_pipeline_run
@@ -240,8 +240,8 @@ def _stage_command(args) -> int:
 
     from mlflow.tracking import MlflowClient
 
-    from ..components.common import tracking
-    from ..components.common.tracking.datasets import handoffs_of_run
+    from .. import tracking
+    from ..tracking.datasets import handoffs_of_run
     from .fetch import default_cache, fetch_inputs
     from .rerun import container_engine, direct_command, stage_command
     from .settings import DEFAULT_CPU_IMAGE, DEFAULT_GPU_IMAGE
@@ -272,7 +272,7 @@ def _stage_command(args) -> int:
 
 def _stage_run_of(client, uri: str, kfp_run_id: str, stage: str, iteration: int | None) -> str:
     """The MLflow run of `stage` (at `iteration`) in KFP run `kfp_run_id`; an error listing them if not one."""
-    from ..components.common.tracking import PIPELINE_TAG
+    from ..tracking import PIPELINE_TAG
 
     query = f"tags.`{PIPELINE_TAG}` = '{kfp_run_id}' and tags.`prmflow.stage` = '{stage}'"
     if iteration is not None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from ..components.common.errors import ConfigError
+from ..errors import ConfigError
 
 #: Columns of the comparison table.
 COLUMNS = ["pass@1", "SFT pass@1", "majority", "PRM best-of-k", "pass@k", "last train reward"]

@@ -26,9 +26,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..components.common.errors import DataError, PrmflowError
+from ..errors import DataError, PrmflowError
 from ..components.common.io import MANIFEST, fingerprint_files, safe_child, sha256_file
-from ..components.common.tracking.datasets import DIGEST_CHARS, SIZED, Handoff, hash_tree
+from ..tracking.datasets import DIGEST_CHARS, SIZED, Handoff, hash_tree
 
 REMOTE = ("s3://", "minio://", "gs://")
 

@@ -3,7 +3,7 @@
     init_tracking
       └─ sft ─────────────── policy_0 ──> prm (backbone: the SFT policy, unless prm.backbone is set)
     (sft, prm, ppo set to `trainjob` in pipeline.cluster.trainer: the step submits a Kubeflow Trainer
-     TrainJob of num_nodes GPU pods and waits for it; see components/common/trainjob.py)
+     TrainJob of num_nodes GPU pods and waits for it; see pipelines/trainjob.py)
     for k in 0..iterations-1 (unrolled at compile time):
       rollout[shard] x N  (ParallelFor) ── Collected ──> advantage (CPU pool) ──> ppo ──> policy_k+1
     evaluate (if the stage exists)
@@ -15,12 +15,12 @@ outputs used inside a ParallelFor, and the KFP exit task may not depend on other
 """
 
 
-import importlib
 from typing import Any, Callable
 
 from kfp import dsl, kubernetes
 
-from ..components.common import trainjob
+from .. import stages
+from . import components, trainjob
 from .lineage import finish_tracking, init_tracking
 from .settings import ClusterConfig, NodePool, PipelineSpec
 
@@ -33,11 +33,8 @@ def _component(fn: Callable, image: str):
 
 
 def _stage_fn(stage: str) -> Callable | None:
-    try:
-        module = importlib.import_module(f"prmflow.components.{stage}.component")
-    except ModuleNotFoundError:
-        return None
-    return getattr(module, stage)
+    """The KFP component function of `stage`, or None when this build lacks the stage."""
+    return getattr(components, stage) if stages.load(stage) is not None else None
 
 
 def trainjob_spec(cluster: ClusterConfig) -> trainjob.TrainJobSpec:

@@ -14,8 +14,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..components.common.errors import PrmflowError
-from ..components.common.tracking.datasets import INPUT_KEYS, KFP_MOUNTS, manifest_root
+from ..errors import PrmflowError
+from ..tracking.datasets import INPUT_KEYS, KFP_MOUNTS, manifest_root
 from .fetch import gather
 
 Inputs = dict[str, "Path | dict[str, Path]"]

@@ -18,7 +18,7 @@ import yaml
 
 from .. import stages
 from ..components.common import config as config_lib
-from ..components.common.errors import ConfigError
+from ..errors import ConfigError
 
 #: The project's own images. The tags are what images/build.sh pushes; pin them by digest in the
 #: pipeline YAML (cluster.cpu_image / cluster.gpu_image) or $PRMFLOW_CPU_IMAGE / $PRMFLOW_GPU_IMAGE.

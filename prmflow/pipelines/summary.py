@@ -92,7 +92,7 @@ def format_table(rows: list[Row]) -> str:
 
 def latest_pipeline_run(client, experiment: str) -> str | None:
     """Id of the newest pipeline (parent) run in `experiment`."""
-    from ..components.common.tracking import ROLE_TAG
+    from ..tracking import ROLE_TAG
 
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -146,7 +146,7 @@ def register_models(uri: str, experiment: str, parent_run_id: str) -> dict[str, 
     from mlflow.entities import LoggedModelOutput
     from mlflow.tracking import MlflowClient
 
-    from ..components.common.tracking.models import ROLE_TAG, URI_TAG, models_of_run
+    from ..tracking.models import ROLE_TAG, URI_TAG, models_of_run
 
     client = MlflowClient(uri)
     children = [r for r in child_runs(client, parent_run_id) if r.info.status == "FINISHED"]

@@ -14,7 +14,7 @@ import pytest
 from prmflow.components.advantage import stage
 from prmflow.components.advantage.estimators import ESTIMATORS
 from prmflow.components.common import schema
-from prmflow.components.common.tracking import TrackingConfig
+from prmflow.tracking import TrackingConfig
 
 COLUMNS = ("token_rewards", "advantages", "returns", "kl")
 

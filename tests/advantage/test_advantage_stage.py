@@ -15,8 +15,8 @@ import pytest
 from prmflow.components.advantage import stage
 from prmflow.components.advantage.estimators import ESTIMATORS
 from prmflow.components.common import config, schema
-from prmflow.components.common.errors import ConfigError, DataError, OutputExistsError
-from prmflow.components.common.tracking import TrackingConfig
+from prmflow.errors import ConfigError, DataError, OutputExistsError
+from prmflow.tracking import TrackingConfig
 
 OFF = TrackingConfig(enabled=False)
 
@@ -295,7 +295,7 @@ def test_the_pipeline_step_runs_where_torch_cannot_be_imported(tmp_path):
 import sys
 sys.modules["torch"] = None
 from types import SimpleNamespace as A
-from prmflow.components.advantage.component import advantage
+from prmflow.pipelines.components import advantage
 out = A(path={str(tmp_path / "advantages")!r}, metadata={{}})
 advantage({{"estimator": "grpo", "tracking": {{"enabled": False}}}}, "", "", "prmflow", 0,
           [A(path={str(tmp_path / "rollouts")!r})], A(path=""), False, out)

@@ -16,8 +16,8 @@ import torch
 from prmflow import cli
 from prmflow.components.advantage import stage as advantage
 from prmflow.components.common import config, schema
-from prmflow.components.common.errors import DataError, OutputExistsError
-from prmflow.components.common.tracking import TrackingConfig
+from prmflow.errors import DataError, OutputExistsError
+from prmflow.tracking import TrackingConfig
 from prmflow.components.ppo import stage as ppo
 
 OFF = TrackingConfig(enabled=False)

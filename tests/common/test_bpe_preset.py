@@ -7,9 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from prmflow.components.common import chat, modeling, tasks
+from prmflow.components.common import chat, modeling
+from prmflow import tasks
 from prmflow.components.common.bpe_tokenizer import DEFAULT_SYSTEM
-from prmflow.components.lib import supervised_data
+from prmflow.components.common import supervised_data
 
 PRESET = "tiny-qwen2-bpe"
 

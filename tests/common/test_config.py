@@ -4,7 +4,7 @@ from typing import ClassVar, Literal
 import pytest
 
 from prmflow.components.common import config
-from prmflow.components.common.errors import ConfigError
+from prmflow.errors import ConfigError
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 
 from prmflow.components.common import modeling
 from prmflow.components.common.engine import EngineConfig, OptimSettings, TrainEngine
-from prmflow.components.common.errors import ModelLoadError
+from prmflow.errors import ModelLoadError
 
 
 def _batches():

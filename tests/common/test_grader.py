@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from prmflow.components.common import tasks
-from prmflow.components.common.tasks import grader
+from prmflow import tasks
+from prmflow.tasks import grader
 from prmflow.components.rollout import rewards
 from prmflow.components.rollout.reward_components import RewardInput
 

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from prmflow.components.common import io
-from prmflow.components.common.errors import DataError, OutputExistsError
+from prmflow.errors import DataError, OutputExistsError
 
 
 def test_commit_writes_manifest_with_checksums(tmp_path):

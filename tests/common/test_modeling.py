@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prmflow.components.common import modeling
-from prmflow.components.common.errors import ModelLoadError
+from prmflow.errors import ModelLoadError
 
 
 def test_tokenizer_is_character_level_and_round_trips(tmp_path):

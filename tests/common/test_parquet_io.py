@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 
 from prmflow.components.common import parquet_io
-from prmflow.components.common.errors import DataError
+from prmflow.errors import DataError
 
 
 def tables(n):

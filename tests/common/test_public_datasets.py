@@ -17,9 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from prmflow.components.common import tasks
-from prmflow.components.common.errors import DataError
-from prmflow.components.common.tasks import grader
+from prmflow import tasks
+from prmflow.errors import DataError
+from prmflow.tasks import grader
 from prmflow.components.prm import data as prm_data
 
 GSM8K = [
@@ -235,7 +235,7 @@ def test_hub_id_offline_fails_with_what_to_do(tmp_path):
     """No hub here: the hub path runs datasets.load_dataset and, offline, says how to get the data in."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hfd")}
     code = ("from prmflow.components.common import tasks\n"
-            "from prmflow.components.common.errors import DataError\n"
+            "from prmflow.errors import DataError\n"
             "try:\n    tasks.load('hub:openai/gsm8k?config=main&split=test')\n"
             "except DataError as e:\n    print('DataError:', e); raise SystemExit(2)\n")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

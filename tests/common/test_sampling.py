@@ -4,7 +4,7 @@ that samples through generate_texts (evaluate, prm-label, best-of-N), as it does
 import pytest
 
 from prmflow.components.common import modeling
-from prmflow.components.common.errors import ConfigError
+from prmflow.errors import ConfigError
 from prmflow.components.common.generation import generate_texts
 from prmflow.components.common.sampling import SamplingConfig
 

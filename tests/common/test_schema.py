@@ -4,7 +4,7 @@ import pyarrow as pa
 import pytest
 
 from prmflow.components.common import schema
-from prmflow.components.common.errors import DataError
+from prmflow.errors import DataError
 
 
 def rollouts(n=4, prompt="p", start=0, **override):

@@ -28,7 +28,7 @@ ENTRY_POINTS = {
     "kfp-shim": textwrap.dedent("""
         import dataclasses, types
         from prmflow.components.common import kfp_shim
-        from prmflow.components.common.tracking import TrackingConfig
+        from prmflow.tracking import TrackingConfig
         @dataclasses.dataclass
         class Config:
             steps: int = 1

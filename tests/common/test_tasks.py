@@ -5,9 +5,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from prmflow.components.common import tasks
-from prmflow.components.common.errors import ConfigError, DataError
-from prmflow.components.common.tasks import arithmetic as ar
+from prmflow import tasks
+from prmflow.errors import ConfigError, DataError
+from prmflow.tasks import arithmetic as ar
 
 
 def test_generation_is_deterministic_and_solutions_are_right():
@@ -130,7 +130,7 @@ def test_dataset_loader_jsonl_messages_and_gsm8k(tmp_path):
     recs = tasks.load(str(f))
     assert [r.answer for r in recs] == ["4", "2"]
     assert recs[1].prompt == "1+1?" and recs[1].response == "answer: 2"
-    from prmflow.components.common.tasks.datasets import load_records
+    from prmflow.tasks.datasets import load_records
 
     g = tmp_path / "g.jsonl"
     g.write_text(json.dumps(rows[2]))

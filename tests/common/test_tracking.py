@@ -3,7 +3,7 @@ import time
 
 from mlflow.tracking import MlflowClient
 
-from prmflow.components.common import tracking
+from prmflow import tracking
 
 
 def test_child_run_under_parent_in_a_real_store(sqlite_store):

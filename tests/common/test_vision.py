@@ -12,9 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
-from prmflow.components.common import modeling, tasks, vision
-from prmflow.components.common.errors import DataError
-from prmflow.components.common.tasks.datasets import load_records
+from prmflow.components.common import modeling, vision
+from prmflow import tasks
+from prmflow.errors import DataError
+from prmflow.tasks.datasets import load_records
 
 
 def png(w=56, h=56, color="white") -> bytes:

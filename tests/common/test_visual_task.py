@@ -5,8 +5,8 @@ from collections import defaultdict
 import pytest
 from PIL import Image
 
-from prmflow.components.common.errors import ConfigError
-from prmflow.components.common.tasks import visual as vis
+from prmflow.errors import ConfigError
+from prmflow.tasks import visual as vis
 
 
 def _pixels(png: bytes, size: int) -> Image.Image:

@@ -6,7 +6,7 @@ import pytest
 
 from prmflow.components.common import distributed
 from prmflow.components.common.engine import EngineConfig
-from prmflow.components.common.errors import ConfigError
+from prmflow.errors import ConfigError
 
 
 def test_shards_are_the_micro_batch_in_order_and_cover_it():

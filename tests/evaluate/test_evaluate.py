@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from prmflow.components.common import config, modeling, tasks, tracking
+from prmflow.components.common import config, modeling
+from prmflow import tasks, tracking
 from prmflow.components.common.generation import generate_texts
 from prmflow.components.evaluate import report, stage
 

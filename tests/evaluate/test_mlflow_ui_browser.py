@@ -36,7 +36,7 @@ import pytest
 import yaml
 
 from tiny_pipeline import tiny_pipeline
-from prmflow.components.common import tracking
+from prmflow import tracking
 
 CHROMIUM = os.environ.get("PRMFLOW_CHROMIUM", "/usr/bin/chromium")
 #: What Chromium needs as root on a machine with a closed network (no sandbox, nothing fetched in the

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from prmflow import cli
-from prmflow.components.common.errors import ConfigError
+from prmflow.errors import ConfigError
 from prmflow.pipelines.compare import load_variants
 
 

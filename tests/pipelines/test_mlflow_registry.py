@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 from mlflow.tracking import MlflowClient
 
-from prmflow.components.common import io, tracking
+from prmflow.components.common import io
+from prmflow import tracking
 from prmflow.pipelines import lineage
 
 #: Two shards per iteration: (samples, reward_mean); the iteration's reward is the sample-weighted mean.

@@ -24,8 +24,9 @@ import yaml
 from tiny_pipeline import tiny_pipeline
 from prmflow import cli
 from prmflow.components.advantage import stage as advantage
-from prmflow.components.common import config, kfp_shim, schema
-from prmflow.components.common.errors import DataError
+from prmflow.components.common import config, schema
+from prmflow.pipelines import kfp_shim
+from prmflow.errors import DataError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "advantage"))
 from advantage_reference import random_rollouts  # noqa: E402

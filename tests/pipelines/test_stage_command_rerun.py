@@ -22,8 +22,9 @@ import pytest
 
 from prmflow import cli
 from prmflow.components.advantage import stage as advantage
-from prmflow.components.common import io, kfp_shim, schema
-from prmflow.components.common.tracking import datasets
+from prmflow.components.common import io, schema
+from prmflow.pipelines import kfp_shim
+from prmflow.tracking import datasets
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "advantage"))
 from advantage_reference import random_rollouts  # noqa: E402
@@ -71,7 +72,7 @@ def record_cluster_run(tmp_path: Path, monkeypatch, fs) -> tuple[str, str, Path]
         shards.append(str(mount / BUCKET / key))
     out = mount / BUCKET / RUN_ROOT / "advantage/advantages"
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    # what the advantage component does in its pod (prmflow/components/advantage/component.py)
+    # what the advantage component does in its pod (prmflow/pipelines/components.py)
     gathered = kfp_shim.gather_shards(shards, str(tmp_path / "pod" / "tmp" / "advantages.inputs"))
     config = {"estimator": "gae", "gamma": 0.9, "lam": 0.8, "kl_coef": 0.05}  # not the defaults: the re-run must use them
     kfp_shim.run_stage("advantage", advantage, config, {"input": gathered, "output": str(out)},
@@ -186,7 +187,7 @@ def test_a_failed_stage_run_keeps_its_inputs_and_can_be_re_run(tmp_path):
     from mlflow.tracking import MlflowClient
 
     from prmflow.components.common import config
-    from prmflow.components.common.errors import DataError
+    from prmflow.errors import DataError
 
     rollouts = tmp_path / "rollouts"
     schema.write_dataset(rollouts, random_rollouts(np.random.default_rng(0), equal_groups=6), "rollouts")
@@ -208,7 +209,7 @@ def test_a_failed_stage_run_keeps_its_inputs_and_can_be_re_run(tmp_path):
 
 def test_an_input_without_a_manifest_is_checked_by_its_files(tmp_path, monkeypatch):
     """A base model imported from elsewhere has no manifest: its files' sha256 (names and sizes past HASH_LIMIT)."""
-    from prmflow.components.common.errors import DataError
+    from prmflow.errors import DataError
     from prmflow.pipelines import fetch
 
     base = tmp_path / "base-model"

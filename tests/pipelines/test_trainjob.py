@@ -14,9 +14,10 @@ from kfp import dsl
 
 from prmflow import cli
 from prmflow.components.common import config as config_lib
-from prmflow.components.common import io, trainjob
-from prmflow.components.common.errors import ConfigError
-from prmflow.components.ppo import component as ppo_component
+from prmflow.components.common import io
+from prmflow.pipelines import trainjob
+from prmflow.errors import ConfigError
+from prmflow.pipelines import components as ppo_component
 from prmflow.components.ppo import stage as ppo_stage
 from prmflow.pipelines.settings import load_spec
 
@@ -263,7 +264,7 @@ def test_sft_trainjob_command_trains_and_tags_its_mlflow_run(tmp_path, monkeypat
     volume): the step's artifact is the trained policy and the stage's MLflow run names the TrainJob."""
     import mlflow
 
-    from prmflow.components.sft import component as sft_component
+    from prmflow.pipelines import components as sft_component
 
     workspace = tmp_path / "pvc"
     workspace.mkdir()

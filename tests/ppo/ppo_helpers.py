@@ -18,7 +18,7 @@ import pyarrow as pa
 import torch
 
 from prmflow.components.common import modeling, schema, tensor_ops
-from prmflow.components.common.tasks import arithmetic
+from prmflow.tasks import arithmetic
 
 FAST = {"tracking.enabled": False, "engine.backend": "torch", "optim.lr": 1e-3, "critic_lr": 1e-3}
 

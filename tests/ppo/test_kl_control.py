@@ -1,7 +1,7 @@
 import pytest
 
-from prmflow.components.common.errors import ConfigError
-from prmflow.components.lib import kl_state
+from prmflow.errors import ConfigError
+from prmflow.components.common import kl_state
 from prmflow.components.ppo import kl_control
 
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from ppo_helpers import FAST, params, score, write_advantages
-from prmflow.components.common import config, modeling, tracking
-from prmflow.components.common.errors import ConfigError, DataError, OutputExistsError
-from prmflow.components.lib import kl_state, supervised_data
+from prmflow.components.common import config, modeling
+from prmflow import tracking
+from prmflow.errors import ConfigError, DataError, OutputExistsError
+from prmflow.components.common import kl_state, supervised_data
 from prmflow.components.ppo import batch, models, prepass, ptx, stage
 
 

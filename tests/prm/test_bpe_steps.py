@@ -16,9 +16,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from prmflow.components.common import modeling, steps, tasks
-from prmflow.components.lib.prm_model import PRM, encode
-from prmflow.components.lib.prm_scoring import PRMScorer
+from prmflow.components.common import modeling, steps
+from prmflow import tasks
+from prmflow.components.common.prm_model import PRM, encode
+from prmflow.components.common.prm_scoring import PRMScorer
 from prmflow.components.prm import label
 from prmflow.components.rollout import scoring
 

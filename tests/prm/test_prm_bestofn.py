@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from prmflow.components.common import tasks
-from prmflow.components.common.tasks import arithmetic
-from prmflow.components.lib import bestofn
+from prmflow import tasks
+from prmflow.tasks import arithmetic
+from prmflow.components.common import bestofn
 
 
 def _record(expr="7+5*3", answer="36"):

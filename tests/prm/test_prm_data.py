@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from prmflow.components.common import config
-from prmflow.components.common.errors import DataError
-from prmflow.components.common.tasks import arithmetic
-from prmflow.components.lib.prm_metrics import roc_auc, step_metrics
-from prmflow.components.lib.prm_model import PRM
+from prmflow.errors import DataError
+from prmflow.tasks import arithmetic
+from prmflow.components.common.prm_metrics import roc_auc, step_metrics
+from prmflow.components.common.prm_model import PRM
 from prmflow.components.prm import data, stage
 
 GOOD = {"prompt": "Compute left to right: 7+5*3\n", "steps": ["7+5=12", "12*3=36", "answer: 36"], "labels": [1, 1, 1]}
@@ -59,7 +59,7 @@ def test_corrupt_solutions_are_labelled_from_the_corrupted_step():
 
 
 def arithmetic_record(p):
-    from prmflow.components.common.tasks import PromptRecord
+    from prmflow.tasks import PromptRecord
 
     return PromptRecord(p.prompt_id, p.prompt, p.answer, p.solution)
 

@@ -9,9 +9,10 @@ import re
 
 import pytest
 
-from prmflow.components.common import config, modeling, tasks
-from prmflow.components.common.errors import ModelLoadError
-from prmflow.components.common.tasks import arithmetic
+from prmflow.components.common import config, modeling
+from prmflow import tasks
+from prmflow.errors import ModelLoadError
+from prmflow.tasks import arithmetic
 from prmflow.components.prm import data, label
 
 
@@ -145,7 +146,7 @@ def test_soft_labels_are_the_fraction_of_continuations_that_reach_the_answer(tmp
 
 
 def test_prompts_without_answers_are_a_data_error_and_nothing_is_written(tmp_path):
-    from prmflow.components.common.errors import DataError
+    from prmflow.errors import DataError
 
     model, tok = modeling.build_tiny_model()
     modeling.save_pretrained(model, tok, tmp_path / "policy")

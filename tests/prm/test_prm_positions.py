@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prmflow.components.common.tasks import arithmetic
-from prmflow.components.lib.prm_model import PRM, encode
+from prmflow.tasks import arithmetic
+from prmflow.components.common.prm_model import PRM, encode
 from prmflow.components.prm import data
 
 
@@ -109,7 +109,7 @@ def test_a_step_swallowed_by_the_previous_token_shares_its_readout(tmp_path):
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     from prmflow.components.common import modeling
-    from prmflow.components.lib.prm_scoring import PRMScorer
+    from prmflow.components.common.prm_scoring import PRMScorer
 
     tok = _bpe_tokenizer(pre_tokenize=False)
     examples = data.arithmetic_examples(60, seed=4, split="eval", cfg=arithmetic.ArithmeticConfig())

@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 from prmflow import cli
 from prmflow.components.common import checkpoint, config, modeling
-from prmflow.components.lib.prm_metrics import step_metrics
-from prmflow.components.lib.prm_model import PRM, HeadConfig
-from prmflow.components.lib.prm_scoring import load_scorer
+from prmflow.components.common.prm_metrics import step_metrics
+from prmflow.components.common.prm_model import PRM, HeadConfig
+from prmflow.components.common.prm_scoring import load_scorer
 from prmflow.components.prm import data, stage
 
 SHORT = {"backbone": "tiny-llama", "extra_layers": 0, "train_layers": 0, "optim.lr": 2e-3, "num_prompts": 40,
@@ -159,7 +159,7 @@ def test_cli_runs_the_stage_and_refuses_bad_config(tmp_path, capsys):
 
 def test_extra_layers_start_as_the_identity_and_only_the_top_trains(tmp_path):
     from prmflow.components.common import modeling
-    from prmflow.components.lib.prm_model import append_identity_layers, freeze_below
+    from prmflow.components.common.prm_model import append_identity_layers, freeze_below
 
     lm, tok = modeling.build_tiny_model("tiny-llama", seed=0)
     lm.eval()
@@ -195,7 +195,7 @@ def test_tracking_records_the_prm_metrics(tmp_path, sqlite_store):
 def test_a_labelled_file_can_be_judged_on_the_exact_arithmetic_split(tmp_path):
     """eval_task=arithmetic: a PRM trained on a file (e.g. prm-label output) is evaluated against the
     exact checker's held-out split, and every file row trains."""
-    from prmflow.components.common.tasks import arithmetic
+    from prmflow.tasks import arithmetic
 
     rows = [{"prompt": f"Compute left to right: {a}+2\n", "steps": [f"{a}+2={a + 2}", f"answer: {a + 2}"], "labels": [1, 0.5]}
             for a in range(1, 7)]
@@ -212,8 +212,8 @@ def test_a_labelled_file_can_be_judged_on_the_exact_arithmetic_split(tmp_path):
 def test_policy_samples_join_the_training_data_labelled_by_the_checker(sft_policy, tmp_path):
     """policy_from_backbone samples the backbone (the pipeline's SFT policy) exactly as
     policy naming it does; every sample carries the exact checker's step labels."""
-    from prmflow.components.common.errors import ConfigError
-    from prmflow.components.common.tasks import arithmetic
+    from prmflow.errors import ConfigError
+    from prmflow.tasks import arithmetic
 
     base = dict(backbone=str(sft_policy), num_prompts=12, n_samples=2)
     plain, _ = data.load_data(make_cfg(tmp_path, **base))

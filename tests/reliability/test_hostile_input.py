@@ -24,10 +24,10 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from prmflow.components.advantage import stage as advantage
 from prmflow.components.common import config, io, modeling, schema
 from prmflow.components.common.engine import EngineConfig
-from prmflow.components.common.errors import ConfigError, DataError, PrmflowError
-from prmflow.components.common.tasks.datasets import load_records
-from prmflow.components.common.tracking import TrackingConfig
-from prmflow.components.lib import supervised_data as sft_data
+from prmflow.errors import ConfigError, DataError, PrmflowError
+from prmflow.tasks.datasets import load_records
+from prmflow.tracking import TrackingConfig
+from prmflow.components.common import supervised_data as sft_data
 from prmflow.components.sft import stage as sft
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,

@@ -17,8 +17,8 @@ from kill_harness import dump, kill_and_resume, seeds_for, summary
 from stage_cases import CASES, make_rollouts
 from prmflow import cli
 from prmflow.components.advantage import stage as advantage
-from prmflow.components.common.errors import OutputExistsError
-from prmflow.components.common.tracking import TrackingConfig
+from prmflow.errors import OutputExistsError
+from prmflow.tracking import TrackingConfig
 
 
 @pytest.mark.slow

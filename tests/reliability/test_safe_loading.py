@@ -15,7 +15,7 @@ import pytest
 
 import prmflow
 from prmflow.components.common import checkpoint, io, modeling
-from prmflow.components.common.errors import DataError, ModelLoadError, OutputExistsError
+from prmflow.errors import DataError, ModelLoadError, OutputExistsError
 
 PACKAGE = Path(prmflow.__file__).parent
 

@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 from kill_harness import free_port
 from stage_cases import make_rollouts
 from prmflow.components.advantage import stage as advantage
-from prmflow.components.common import checkpoint, config, tracking
+from prmflow.components.common import checkpoint, config
+from prmflow import tracking
 from prmflow.components.sft import stage as sft
 
 

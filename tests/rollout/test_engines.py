@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from prmflow.components.common import modeling, tasks
+from prmflow.components.common import modeling
+from prmflow import tasks
 from prmflow.components.rollout import engines
 from prmflow.components.rollout.engines import HFEngine, SamplingParams, VLLMEngine
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from prmflow.components.common.errors import ConfigError
+from prmflow.errors import ConfigError
 from prmflow.components.rollout import oracle
 
 PROMPT = "Compute left to right: 7+5*3-4\n"  # 7+5=12, 12*3=36, 36-4=32
@@ -29,8 +29,8 @@ def test_pipeline_step_uses_the_oracle_only_when_configured(monkeypatch, configu
     """In the pipeline the rollout step is handed the trained PRM artifact; `rollout: {prm: oracle}` wins."""
     from kfp import dsl
 
-    from prmflow.components.common import kfp_shim
-    from prmflow.components.rollout import component
+    from prmflow.pipelines import kfp_shim
+    from prmflow.pipelines import components as component
 
     seen = {}
     monkeypatch.setattr(kfp_shim, "run_stage", lambda name, stage, config, paths, *a: seen.update(paths))

@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from prmflow.components.common.errors import ConfigError
-from prmflow.components.common.tasks import arithmetic
+from prmflow.errors import ConfigError
+from prmflow.tasks import arithmetic
 from prmflow.components.rollout import reward_components, rewards
 from prmflow.components.rollout.reward_components import RewardError, RewardInput
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from prmflow.components.common import config, schema
-from prmflow.components.common.errors import ConfigError
+from prmflow.errors import ConfigError
 from prmflow.components.rollout import stage
 from prmflow.components.rollout.engines import VLLMSettings
 

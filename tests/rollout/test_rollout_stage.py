@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from prmflow import cli
-from prmflow.components.common import config, io, modeling, schema, steps, tasks
-from prmflow.components.common.errors import ConfigError, DataError, OutputExistsError
-from prmflow.components.common.tasks import arithmetic
+from prmflow.components.common import config, io, modeling, schema, steps
+from prmflow import tasks
+from prmflow.errors import ConfigError, DataError, OutputExistsError
+from prmflow.tasks import arithmetic
 from prmflow.components.rollout import prompts, stage
 from prmflow.components.rollout.rewards import RewardError
 

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..common import schema
-from ..common.errors import DataError
+from ...errors import DataError
 from .config import Plan
 from .estimators import EstimatorInput, Moments, Ragged
 from .rewards import clip_rewards, kl_per_token, make_steps, step_contributions, token_rewards

@@ -2,7 +2,7 @@
 plan it resolves to: the estimator, beta, and which rollout columns each pass needs and why.
 
 Bad combinations are rejected in `Config.__post_init__` with a message naming the key to change;
-`resolve` reads the KL-controller state (lib/kl_state.py, the one reader of kl_state.json) and
+`resolve` reads the KL-controller state (common/kl_state.py, the one reader of kl_state.json) and
 states, per column, what to do when it is missing.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from ..common.errors import ConfigError
-from ..common.tracking import TrackingConfig
-from ..lib.kl_state import read_kl_coef
+from ...errors import ConfigError
+from ...tracking import TrackingConfig
+from ..common.kl_state import read_kl_coef
 from .estimators import ESTIMATORS, Estimator
 from .rewards import KL_ESTIMATORS, STEP_REWARD_MODES
 

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from ..common import config as config_lib
 from ..common import io, parquet_io, schema
-from ..common.errors import DataError
+from ...errors import DataError
 from .batch import check_not_null, compute_batch, describe_row, finish_batch, flat_values
 from .config import Plan
 from .estimators import Moments, group_moments, merge_group_moments

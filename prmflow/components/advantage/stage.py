@@ -37,7 +37,7 @@ import time
 
 from ..common import config as config_lib
 from ..common import io, schema
-from ..common.tracking import start_stage_run
+from ...tracking import start_stage_run
 from .config import Config, resolve
 from .passes import check_columns_exist, group_pass, whitening_pass, write_pass
 

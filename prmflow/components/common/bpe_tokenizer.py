@@ -129,7 +129,7 @@ def _worded(steps: list[str], answer: str, rng: random.Random) -> list[str]:
 def corpus(n: int = CORPUS_PROBLEMS, seed: int = CORPUS_SEED) -> list[str]:
     """The fixed training text: per arithmetic problem its prompt and solution as the task writes them,
     the chat-templated conversation, and a worded solution (see `_worded`)."""
-    from .tasks import arithmetic
+    from ...tasks import arithmetic
 
     rng = random.Random(seed)
     texts = []

@@ -24,7 +24,7 @@ import yaml
 from .config_keys import (field_docs, flat_fields, flatten, hints, looks_boolean, renamed_keys, renamed_values,
                           upgrade_keys, upgrade_stored)
 from .config_values import coerce
-from .errors import ConfigError
+from ...errors import ConfigError
 
 __all__ = ["field_docs", "flat_fields", "flatten", "hints", "looks_boolean", "renamed_keys", "renamed_values",
            "upgrade_keys", "upgrade_stored", "build", "load", "to_dict", "flat_dict", "describe", "add_arguments",

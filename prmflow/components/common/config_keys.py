@@ -21,7 +21,7 @@ import typing
 import warnings
 from typing import Any
 
-from .errors import ConfigError
+from ...errors import ConfigError
 
 log = logging.getLogger("prmflow.components.common.config")  # the warnings read as the config loader's
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from ...errors import ConfigError
 
 
 def coerce(value: Any, typ: Any, key: str, where: str) -> Any:

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
-from .errors import ConfigError, PrmflowError
+from ...errors import ConfigError, PrmflowError
 
 if TYPE_CHECKING:
     import torch

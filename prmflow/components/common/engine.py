@@ -33,7 +33,7 @@ from typing import Literal
 import torch
 
 from . import distributed
-from .errors import ConfigError, ModelLoadError
+from ...errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
 

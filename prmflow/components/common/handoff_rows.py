@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import arrow_ops
-from .errors import DataError
+from ...errors import DataError
 
 #: Columns with one entry per response token; their lengths must equal len(response_ids).
 PER_TOKEN_COLUMNS = ("behavior_logprobs", "old_logprobs", "ref_logprobs", "values",

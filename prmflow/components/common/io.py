@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import config_keys, distributed
-from .errors import DataError, OutputExistsError
+from ...errors import DataError, OutputExistsError
 
 MANIFEST = "manifest.json"
 # The process umask, read once at import (os.umask can only be read by setting it): outputs made through

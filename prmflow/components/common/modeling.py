@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from . import hf_quiet
-from .errors import ConfigError, ModelLoadError
+from ...errors import ConfigError, ModelLoadError
 from .vision import attach, processor_of
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ def check_model_dir(path: str | Path, what: str = "model") -> Path:
 
 def _check_shard_names(p: Path, what: str) -> None:
     """Every weight shard a `*.index.json` names must lie inside the model directory."""
-    from .errors import DataError
+    from ...errors import DataError
     from .io import safe_child
 
     for index in p.glob("*.index.json"):

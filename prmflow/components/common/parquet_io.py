@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import DataError
+from ...errors import DataError
 
 
 def open_parquet(path: Path) -> pq.ParquetFile:

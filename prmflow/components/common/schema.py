@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import io, parquet_io
-from .errors import DataError
+from ...errors import DataError
 from .handoff_rows import PER_TOKEN_COLUMNS, REQUIRED, validate  # noqa: F401 - part of this module's interface
 
 log = logging.getLogger(__name__)

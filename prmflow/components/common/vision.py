@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .errors import ConfigError, DataError
+from ...errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 

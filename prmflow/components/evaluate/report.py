@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 
 from ..common import steps as steps_lib
-from ..common.tasks import arithmetic
+from ...tasks import arithmetic
 
 
 def score_colour(score: float) -> str:

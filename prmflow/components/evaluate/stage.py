@@ -19,12 +19,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..common import config as config_lib, io, modeling, tasks, tracking
-from ..common.errors import ConfigError
+from ..common import config as config_lib, io, modeling
+from ... import tasks, tracking
+from ...errors import ConfigError
 from ..common.sampling import SamplingConfig
-from ..common.tasks import arithmetic
-from ..lib import bestofn
-from ..lib.prm_scoring import PRMScorer
+from ...tasks import arithmetic
+from ..common import bestofn
+from ..common.prm_scoring import PRMScorer
 from . import report
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..common import distributed, modeling, schema, vision
-from ..common.errors import DataError
+from ...errors import DataError
 from .config import Config
 
 TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "returns", "values")

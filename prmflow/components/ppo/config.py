@@ -8,11 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from ..common import config as config_lib, tracking
+from ..common import config as config_lib
+from ... import tracking
 from ..common.engine import EngineConfig
-from ..common.errors import ConfigError
+from ...errors import ConfigError
 from ..common.optim import OptimConfig
-from ..common.tasks.arithmetic import ArithmeticConfig
+from ...tasks.arithmetic import ArithmeticConfig
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The coefficient is state that crosses iterations: the advantage stage of iteration k uses beta_k
 to build rewards, the ppo stage of iteration k measures the KL of that batch (`next_state`) and
 writes beta_{k+1} to `OUTPUT/kl_state.json` (the file's format and its one reader and writer:
-prmflow/components/lib/kl_state.py), which the next iteration's advantage and ppo stages read.
+prmflow/components/common/kl_state.py), which the next iteration's advantage and ppo stages read.
 
 Adaptive rule (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", 2.2):
     beta <- beta * (1 + clip(kl / target - 1, -0.2, 0.2) * n_samples / horizon)
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..common import schema
-from ..common.errors import DataError
-from ..lib import kl_state
+from ...errors import DataError
+from ..common import kl_state
 from .config import Config
 
 log = logging.getLogger(__name__)

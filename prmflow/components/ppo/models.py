@@ -8,7 +8,7 @@ import torch
 
 from ..common import modeling
 from ..common.engine import OptimSettings, TrainEngine
-from ..common.errors import ConfigError
+from ...errors import ConfigError
 from .batch import MicroBatch
 from .config import Config
 

@@ -8,7 +8,7 @@ import torch
 
 from ..common import vision
 from ..common.engine import TrainEngine
-from ..common.errors import DataError
+from ...errors import DataError
 from ..common.tensor_ops import entropy_from_logits, token_logprobs
 from . import losses
 from .batch import collate, micro_split

@@ -4,8 +4,9 @@ drawn per update as a fixed function of the update's index, so a resumed run rep
 
 from __future__ import annotations
 
-from ..common import config as config_lib, tasks
-from ..lib import supervised_data
+from ..common import config as config_lib
+from ... import tasks
+from ..common import supervised_data
 from .config import Config
 
 

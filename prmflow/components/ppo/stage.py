@@ -43,10 +43,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..common import checkpoint, config as config_lib, distributed, io, modeling, preemption, schema, tracking, vision
+from ..common import checkpoint, config as config_lib, distributed, io, modeling, preemption, schema, vision
+from ... import tracking
 from ..common.engine import init_distributed
-from ..common.errors import ConfigError, DataError, ModelLoadError, PrmflowError
-from ..lib import kl_state as kl_state_file
+from ...errors import ConfigError, DataError, ModelLoadError, PrmflowError
+from ..common import kl_state as kl_state_file
 from . import kl_control
 from .batch import collate, load_batch, micro_split, minibatch_plan, shard_ptx
 from .config import Config

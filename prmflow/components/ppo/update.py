@@ -25,7 +25,7 @@ import torch
 from ..common import distributed
 from ..common.engine import TrainEngine
 from ..common.tensor_ops import entropy_from_logits, masked_sum, token_logprobs
-from ..lib import supervised_data
+from ..common import supervised_data
 from . import losses
 from .batch import MicroBatch
 from .config import Config

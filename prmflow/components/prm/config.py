@@ -6,14 +6,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from ..common import checkpoint, config as config_lib, io, modeling, tasks, tracking
+from ..common import checkpoint, config as config_lib, io, modeling
+from ... import tasks, tracking
 from ..common.engine import EngineConfig
-from ..common.errors import ConfigError
+from ...errors import ConfigError
 from ..common.optim import OptimConfig
 from ..common.sampling import SamplingConfig
-from ..common.tasks.arithmetic import ArithmeticConfig
-from ..lib import bestofn
-from ..lib.prm_model import HeadConfig
+from ...tasks.arithmetic import ArithmeticConfig
+from ..common import bestofn
+from ..common.prm_model import HeadConfig
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Step-labelled examples: a prompt, its response cut into steps, and one label per step.
 
 The stepwise format (JSONL or Parquet, one row per solution; `prm-label` writes it; Math-Shepherd,
-PRM800K and TRL's stepwise rows are mapped onto it by common/tasks/public.py):
+PRM800K and TRL's stepwise rows are mapped onto it by tasks/public.py):
 
     {"prompt": "...", "steps": ["7+5=12", "12*3=36", "answer: 36"], "labels": [1, 1, 1],
      "answer": "36", "id": "...", "source": "arithmetic"}
@@ -27,13 +27,14 @@ from pathlib import Path
 
 import torch
 
-from ..common import config as config_lib, io, modeling, steps as steps_lib, tasks
-from ..common.errors import ConfigError, DataError
+from ..common import config as config_lib, io, modeling, steps as steps_lib
+from ... import tasks
+from ...errors import ConfigError, DataError
 from ..common.generation import generate_texts
 from ..common.sampling import SamplingConfig
-from ..common.tasks import arithmetic, public, sources, visual
+from ...tasks import arithmetic, public, sources, visual
 from ..common.vision import batch_pixels, read_image_list
-from ..lib.prm_model import encode, has_shared_readout
+from ..common.prm_model import encode, has_shared_readout
 from .config import Config
 
 

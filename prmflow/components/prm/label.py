@@ -24,14 +24,15 @@ from typing import ClassVar, Literal
 import torch
 from tqdm.auto import tqdm
 
-from ..common import checkpoint, config as config_lib, io, modeling, steps as steps_lib, tasks, tracking
-from ..common.errors import ConfigError, DataError
+from ..common import checkpoint, config as config_lib, io, modeling, steps as steps_lib
+from ... import tasks, tracking
+from ...errors import ConfigError, DataError
 from ..common.generation import generate_texts
 from ..common.sampling import SamplingConfig
-from ..common.tasks import arithmetic
-from ..common.tasks.arithmetic import ArithmeticConfig
+from ...tasks import arithmetic
+from ...tasks.arithmetic import ArithmeticConfig
 from .data import StepExample, write_jsonl
-from ..lib.prm_metrics import roc_auc
+from ..common.prm_metrics import roc_auc
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ Math-Shepherd's good/bad-token readout, `head.kind=lm_tokens`); binary cross-ent
 on step positions only, against hard (0/1) or soft ([0, 1]) labels, averaged over every step of
 the optimizer step (so gradient accumulation does not change the objective); AdamW, warm-up then
 cosine decay, gradient clipping, DeepSpeed or plain PyTorch, in the training loop sft uses too
-(lib/supervised.py; this module supplies the loss and the evaluation). Evaluated every
+(common/supervised.py; this module supplies the loss and the evaluation). Evaluated every
 eval_every steps on held-out solutions: step AUC, step accuracy and first-error recall. With
 bon.policy, the finished PRM reranks N sampled solutions per held-out prompt (best-of-N)
 against majority vote, a random pick and greedy pass@1. Resume: a checkpoint beside the output
@@ -31,11 +31,12 @@ from pathlib import Path
 
 import torch
 
-from ..common import checkpoint, config as config_lib, distributed, io, modeling, preemption, tasks, tracking, vision
+from ..common import checkpoint, config as config_lib, distributed, io, modeling, preemption, vision
+from ... import tasks, tracking
 from ..common.engine import OptimSettings, TrainEngine, init_distributed
-from ..lib import bestofn, supervised
-from ..lib.prm_metrics import step_metrics
-from ..lib.prm_model import PRM, append_identity_layers, freeze_below, saved_head
+from ..common import bestofn, supervised
+from ..common.prm_metrics import step_metrics
+from ..common.prm_model import PRM, append_identity_layers, freeze_below, saved_head
 from . import data
 from .config import Config, input_fingerprints, training_identity
 
@@ -63,14 +64,14 @@ def predict(prm: PRM, examples: list[data.Tokenized], batch_size: int, model=Non
 
 
 def evaluate(prm: PRM, examples: list[data.Tokenized], batch_size: int, model=None) -> dict:
-    """eval/* step metrics (lib/prm_metrics.py) of `predict` against the examples' labels."""
+    """eval/* step metrics (common/prm_metrics.py) of `predict` against the examples' labels."""
     scores = predict(prm, examples, batch_size, model)
     return step_metrics([e.labels for e in examples], scores)
 
 
 @dataclass
 class PRMObjective:
-    """The prm stage's objective for the shared loop (lib/supervised.py): BCE with logits on step
+    """The prm stage's objective for the shared loop (common/supervised.py): BCE with logits on step
     positions, a mean over every step of the optimizer step; evaluated by step AUC, step accuracy and
     first-error recall on held-out solutions (`evaluate`)."""
 

@@ -6,10 +6,11 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from ..common import modeling, tasks, tracking
-from ..common.errors import ConfigError
+from ..common import modeling
+from ... import tasks, tracking
+from ...errors import ConfigError
 from ..common.sampling import SamplingConfig
-from ..common.tasks.arithmetic import ArithmeticConfig
+from ...tasks.arithmetic import ArithmeticConfig
 from . import rewards as rewards_lib
 from .engines import VLLMSettings
 

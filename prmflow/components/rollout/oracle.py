@@ -10,8 +10,8 @@ step checker: they are refused naming the first one.
 from __future__ import annotations
 
 from ..common import steps as steps_lib
-from ..common.errors import ConfigError
-from ..common.tasks import arithmetic
+from ...errors import ConfigError
+from ...tasks import arithmetic
 
 ORACLE = "oracle"
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..common import checkpoint, config as config_lib, io, steps as steps_lib, tasks
-from ..common.errors import OutputExistsError
+from ..common import checkpoint, config as config_lib, io, steps as steps_lib
+from ... import tasks
+from ...errors import OutputExistsError
 from . import rewards as rewards_lib
 from .config import Config
 from .engines import Completion

@@ -15,8 +15,9 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..common import modeling, tasks, vision
-from ..common.errors import ConfigError
+from ..common import modeling, vision
+from ... import tasks
+from ...errors import ConfigError
 from . import oracle, scoring
 from .config import Config
 from .engines import Completion, HFEngine, SamplingParams, VLLMEngine

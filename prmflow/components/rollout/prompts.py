@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import random
 
-from ..common import config as config_lib, modeling, tasks
-from ..common.errors import ConfigError, DataError, ModelLoadError
+from ..common import config as config_lib, modeling
+from ... import tasks
+from ...errors import ConfigError, DataError, ModelLoadError
 from .config import Config
 
 log = logging.getLogger(__name__)

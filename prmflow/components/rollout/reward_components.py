@@ -26,8 +26,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Callable
 
-from ..common.errors import ConfigError, PrmflowError
-from ..common.tasks import arithmetic, grader
+from ...errors import ConfigError, PrmflowError
+from ...tasks import arithmetic, grader
 
 
 class RewardError(PrmflowError):

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..common.errors import ConfigError, PrmflowError
+from ...errors import ConfigError, PrmflowError
 from .reward_components import COMPONENTS, Component, RewardError, RewardInput
 
 

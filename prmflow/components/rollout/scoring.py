@@ -25,7 +25,7 @@ import torch
 from ..common import steps as steps_lib
 from ..common.tensor_ops import sequence_logprobs
 from ..common.vision import batch_pixels
-from ..lib.prm_scoring import PRMScorer, right_pad
+from ..common.prm_scoring import PRMScorer, right_pad
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for the first bytes of a character split across tokens
 

@@ -32,8 +32,9 @@ import time
 
 import torch
 
-from ..common import config as config_lib, modeling, schema, tracking, vision
-from ..common.errors import ConfigError, DataError
+from ..common import config as config_lib, modeling, schema, vision
+from ... import tracking
+from ...errors import ConfigError, DataError
 from . import passes, prompts
 from . import rewards as rewards_lib
 from . import scoring

@@ -1,6 +1,6 @@
 """What every KFP component does inside its container: build the stage's Config and call run().
 
-The components (prmflow/components/<stage>/component.py) are thin: they name their artifacts and
+The components (prmflow/pipelines/components.py) are thin: they name their artifacts and
 call `run_stage` with their stage module, which layers, lowest to highest: the stage section of the
 pipeline config (a dict pipeline parameter), the tracking settings of this pipeline run, and the
 artifact paths KFP chose. Nothing here imports KFP: the components pass plain paths and values.
@@ -15,8 +15,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from . import config as config_lib
-from . import shutdown, trainjob
+from ..components.common import config as config_lib
+from ..components.common import shutdown
+from . import trainjob
 
 
 def run_stage(name: str, stage: ModuleType, config: dict, paths: dict[str, Any], kfp_run_id: str = "",

@@ -34,9 +34,9 @@ from typing import Any
 
 import yaml
 
-from . import config as config_lib
-from . import io
-from .errors import PrmflowError
+from ..components.common import config as config_lib
+from ..components.common import io
+from ..errors import PrmflowError
 
 #: The pipeline sets this env var (JSON of TrainJobSpec) on a step that runs its stage as a TrainJob.
 ENV = "PRMFLOW_TRAINJOB"

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..common import chat, tasks, vision
-from ..common.errors import DataError
+from . import chat, vision
+from ... import tasks
+from ...errors import DataError
 
 log = logging.getLogger(__name__)
 IGNORE = -100

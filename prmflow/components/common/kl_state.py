@@ -20,8 +20,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..common import io
-from ..common.errors import ConfigError
+from . import io
+from ...errors import ConfigError
 
 KL_STATE_FILE = "kl_state.json"
 

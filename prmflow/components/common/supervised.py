@@ -36,9 +36,9 @@ from typing import Any, Protocol, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..common import checkpoint, distributed, preemption, vision
-from ..common.engine import TrainEngine
-from ..common.errors import ConfigError
+from . import checkpoint, distributed, preemption, vision
+from .engine import TrainEngine
+from ...errors import ConfigError
 
 log = logging.getLogger(__name__)
 

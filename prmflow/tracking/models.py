@@ -41,7 +41,7 @@ URI_TAG, ROLE_TAG, MODEL_KEY_TAG, DIGEST_TAG = "prmflow.uri", "prmflow.role", "p
 def output_models(stage: str, output: str | os.PathLike, iteration: int | None = None,
                   log_weights: bool = False) -> list[dict]:
     """The log_model records for the models in a finished output directory ([] if it holds none)."""
-    from ..io import fingerprint_files
+    from ..components.common.io import fingerprint_files
     from .datasets import DIGEST_CHARS, handoff_uri
 
     root = Path(output)

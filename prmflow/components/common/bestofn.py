@@ -20,11 +20,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
-from ..common import config as config_lib, modeling, steps as steps_lib, tasks
-from ..common.errors import ConfigError
-from ..common.generation import generate_texts
-from ..common.sampling import SamplingConfig
-from ..common.tasks import arithmetic, grader
+from . import config as config_lib, modeling, steps as steps_lib
+from ... import tasks
+from ...errors import ConfigError
+from .generation import generate_texts
+from .sampling import SamplingConfig
+from ...tasks import arithmetic, grader
 from .prm_metrics import roc_auc
 from .prm_scoring import PRMScorer
 

@@ -35,9 +35,19 @@ from dataclasses import dataclass, field
 
 from PIL import Image, ImageDraw, ImageFont
 
-from .arithmetic import (  # noqa: F401  (extract_answer, split_steps, verify: this task's API too)
-    ANSWER_PREFIX, ANSWER_RE, SPLITS, STEP_RE, STEP_SEPARATOR, apply_op, extract_answer, hash_unit, split_of,
-    split_steps, verify)
+from .arithmetic import (
+    ANSWER_PREFIX,
+    ANSWER_RE,
+    SPLITS,
+    STEP_RE,
+    STEP_SEPARATOR,
+    apply_op,
+    extract_answer,
+    hash_unit,
+    split_of,
+    split_steps,
+    verify,
+)  # noqa: F401  (extract_answer, split_steps, verify: this task's API too)
 
 _OP_CODES = {"+": "p", "-": "m", "*": "t"}
 _CODE_OPS = {c: op for op, c in _OP_CODES.items()}

@@ -29,9 +29,9 @@ from typing import Literal
 import torch
 from transformers import AutoModelForTokenClassification
 
-from ..common import modeling, steps
-from ..common.errors import ConfigError, DataError, ModelLoadError
-from ..common.vision import Vision, processor_of
+from . import modeling, steps
+from ...errors import ConfigError, DataError, ModelLoadError
+from .vision import Vision, processor_of
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..common.errors import DataError
-from ..common.tasks import PromptRecord, render_prompt
-from ..common.vision import batch_pixels, processor_of
+from ...errors import DataError
+from ...tasks import PromptRecord, render_prompt
+from .vision import batch_pixels, processor_of
 from .prm_model import PRM, HeadConfig, encode, has_shared_readout, saved_chat_template, saved_separator
 
 log = logging.getLogger(__name__)

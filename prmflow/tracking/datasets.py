@@ -88,7 +88,7 @@ class Handoff:
 def hash_tree(path: Path, by_size: bool = False) -> dict[str, str]:
     """{relative path: sha256} of every file under `path` (or {name: sha256} of the file `path`);
     with `by_size`, {relative path: "size:N"} (nothing is read)."""
-    from ..io import sha256_file
+    from ..components.common.io import sha256_file
 
     files = [path] if path.is_file() else [p for p in sorted(path.rglob("*")) if p.is_file()]
     name = (lambda p: p.name) if path.is_file() else (lambda p: p.relative_to(path).as_posix())
@@ -105,7 +105,7 @@ def manifest_root(path: Path) -> Path | None:
 
 def describe(key: str, path: str | os.PathLike, context: str, shard: str = "") -> Handoff:
     """The Handoff for `path` (an existing local file or directory) read or written through `key`."""
-    from ..io import fingerprint_files
+    from ..components.common.io import fingerprint_files
 
     local = Path(path).resolve()  # a gathered shard is a symlink: record where it really is
     root = manifest_root(local)

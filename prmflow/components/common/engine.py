@@ -34,6 +34,7 @@ import torch
 
 from . import distributed
 from ...errors import ConfigError, ModelLoadError
+from .optim import OptimConfig
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,17 @@ class OptimSettings:
     """Clip the global gradient norm to this (0 = off)."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon (added to sqrt(v))."""
     start_step: int = 0
     """Steps of the schedule already taken by earlier runs (ppo iteration k starts at k x its updates)."""
+
+    @classmethod
+    def of(cls, optim: OptimConfig, total_steps: int, start_step: int = 0, lr: float | None = None) -> "OptimSettings":
+        """The settings of a stage's `optim` section, for a schedule of `total_steps` (lr overrides optim.lr)."""
+        return cls(lr=optim.lr if lr is None else lr, total_steps=total_steps, warmup_steps=optim.warmup_steps,
+                   schedule=optim.lr_schedule, weight_decay=optim.weight_decay, max_grad_norm=optim.max_grad_norm,
+                   eps=optim.eps, start_step=start_step)
 
 
 def init_distributed(cfg: EngineConfig | None = None) -> None:
@@ -116,7 +126,7 @@ class TrainEngine:
         decay = [p for p in trainable if p.ndim >= 2]
         no_decay = [p for p in trainable if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas)
+        optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps)
         scheduler = get_scheduler(optim.schedule, optimizer, num_warmup_steps=optim.warmup_steps,
                                   num_training_steps=max(optim.total_steps, 1))
         self.max_grad_norm = optim.max_grad_norm

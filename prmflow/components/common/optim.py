@@ -25,9 +25,13 @@ class OptimConfig:
     """AdamW weight decay on matrices (not on norms and biases)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
+    eps: float = 1e-8
+    """AdamW's epsilon, added to sqrt(v): a larger one damps the steps of parameters whose gradients are near zero (rare tokens' embeddings), where Adam would otherwise take a full lr-sized step on float noise."""
 
     def __post_init__(self):
         if self.lr <= 0:
             raise ConfigError(f"optim.lr is {self.lr}; it must be positive.")
+        if self.eps <= 0:
+            raise ConfigError(f"optim.eps is {self.eps}; it must be positive (torch's default is 1e-8).")
         if self.warmup_steps < 0:
             raise ConfigError(f"optim.warmup_steps is {self.warmup_steps}; use 0 or more.")

@@ -69,9 +69,7 @@ def load_critic(cfg: Config, policy_vocab: int):
 def make_engine(model, cfg: Config, lr: float, total: int, offset: int, micro: int) -> TrainEngine:
     """A training engine for `model` (policy or critic): `total` updates over the whole RL run, of which
     `offset` were taken by earlier iterations, `micro` responses per forward/backward."""
-    engine = TrainEngine(model, cfg.engine, OptimSettings(
-        lr=lr, total_steps=max(total, 1), warmup_steps=cfg.optim.warmup_steps, schedule=cfg.optim.lr_schedule,
-        weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.max_grad_norm, start_step=offset),
-        micro, cfg.minibatch_size // micro)
+    engine = TrainEngine(model, cfg.engine, OptimSettings.of(cfg.optim, max(total, 1), start_step=offset, lr=lr),
+                         micro, cfg.minibatch_size // micro)
     engine.train()
     return engine

@@ -199,9 +199,8 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
     held_out, _ = data.tokenize(eval_examples, prm.tokenizer, cfg.step_separator, cfg.head.step_tag, cfg.max_seq_len, render)
     schedule = supervised.Schedule.of(cfg)
     schedule.check_fits(len(train))
-    engine = TrainEngine(prm.model, cfg.engine, OptimSettings(
-        lr=cfg.optim.lr, total_steps=cfg.max_steps, warmup_steps=cfg.optim.warmup_steps, schedule=cfg.optim.lr_schedule,
-        weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.max_grad_norm), cfg.micro_batch_size, cfg.grad_accum)
+    engine = TrainEngine(prm.model, cfg.engine, OptimSettings.of(cfg.optim, cfg.max_steps),
+                         cfg.micro_batch_size, cfg.grad_accum)
 
     work = checkpoint.work_dir_for(cfg.output)
     state = supervised.resume(engine, work, resume_identity, cfg.resume, "prm", Config)

@@ -225,9 +225,8 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
     modeling.freeze(model, cfg.freeze)
     if cfg.lora_r:
         model = _apply_lora(model, cfg)
-    engine = TrainEngine(model, cfg.engine, OptimSettings(
-        lr=cfg.optim.lr, total_steps=cfg.max_steps, warmup_steps=cfg.optim.warmup_steps, schedule=cfg.optim.lr_schedule,
-        weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.max_grad_norm), cfg.micro_batch_size, cfg.grad_accum)
+    engine = TrainEngine(model, cfg.engine, OptimSettings.of(cfg.optim, cfg.max_steps),
+                         cfg.micro_batch_size, cfg.grad_accum)
 
     work = checkpoint.work_dir_for(cfg.output)
     state = supervised.resume(engine, work, cfg_dict, cfg.resume, "sft", Config)

@@ -27,6 +27,12 @@ ARGS = {
     "ppo": {"minibatch_size": 8, "micro_batch_size": 4, "epochs": 1, "optim.lr": 1e-3, "save_every": 0},
 }
 
+#: Adam's epsilon of the equivalence runs (test_data_parallel.py's docstring: at torch's 1e-8, Adam
+#: amplifies float noise into weight differences as large as a real mistake's).
+EPS = 1e-3
+#: Max |w_2ranks - w_1process| allowed: ~8 float32 ulps of 1.0 (test_data_parallel.py's docstring).
+WEIGHT_TOL = 1e-6
+
 #: Where each stage's output keeps the trained weights.
 WEIGHTS = {"sft": "model.safetensors", "prm": "model.safetensors", "ppo": "policy/model.safetensors"}
 

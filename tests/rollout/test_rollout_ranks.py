@@ -9,7 +9,7 @@ import pytest
 
 from prmflow.components.common import config, schema
 from prmflow.components.common.errors import ConfigError
-from prmflow.components.rollout import stage
+from prmflow.components.rollout import engines, stage
 from prmflow.components.rollout.engines import VLLMSettings
 
 # 12 prompts x 2 samples in batches of 4 sequences: 6 generation batches, 3 per rank
@@ -90,6 +90,7 @@ def test_vllm_engine_gets_tensor_parallel_size_and_samples_only_its_ranks_prompt
     assert calls["init"]["tensor_parallel_size"] == 2 and calls["init"]["model"] == "/models/qwen-7b"
     done = engine.generate([[1], [2], [3], [4], [5]], Params(n=1, seed=5), rank=1, world=2)
     assert [r["prompt_token_ids"] for r in calls["requests"]] == [[2], [4]]
-    assert calls["seeds"] == [5 * 1_000_003 + 1, 5 * 1_000_003 + 3]  # the seeds one process gives these prompts
+    seeds = engines.request_seeds(5, 5, 1)
+    assert calls["seeds"] == [seeds[1], seeds[3]]  # the seeds one process gives these prompts
     assert [len(c) for c in done] == [0, 1, 0, 1, 0]
 

@@ -9,7 +9,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from prmflow.components.common import modeling, tasks
 from prmflow.components.rollout import engines
-from prmflow.components.rollout.engines import HFEngine, SamplingParams, VLLMEngine
+from prmflow.components.rollout.engines import HFEngine, SamplingParams
+from prmflow.components.rollout.vllm_engine import VLLMEngine, VLLMSettings
 
 
 
@@ -32,7 +33,7 @@ def engine(request, policy, sft_policy):
         yield HFEngine(model, tok, batch_size=8)
         return
     request.getfixturevalue("vllm_module")
-    eng = VLLMEngine(str(sft_policy), dtype="float32", settings=engines.VLLMSettings(gpu_memory_utilization=0.3, enforce_eager=True),
+    eng = VLLMEngine(str(sft_policy), dtype="float32", settings=VLLMSettings(gpu_memory_utilization=0.3, enforce_eager=True),
                      stop_ids=engines.eos_token_ids(model, tok))
     yield eng
     eng.close()

@@ -15,8 +15,9 @@ import torch
 
 from prmflow.components.common import config, modeling, schema, tasks
 from prmflow.components.common.errors import ConfigError
-from prmflow.components.rollout import engines, passes, stage
-from prmflow.components.rollout.engines import SamplingParams, VLLMEngine, VLLMSettings
+from prmflow.components.rollout import engines, passes, stage, vllm_engine
+from prmflow.components.rollout.engines import SamplingParams
+from prmflow.components.rollout.vllm_engine import VLLMEngine, VLLMSettings
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None and torch.cuda.is_available(),
                                 reason="these tests read what the CPU stand-in (fake_vllm.py) recorded; tests/rollout/"
@@ -69,9 +70,9 @@ def test_every_sample_of_every_shard_has_its_own_seed(vllm_module, tmp_path, sft
 
 
 def test_request_seeds_are_blocks_of_n_that_stay_in_int64():
-    big = engines.request_seeds(2**63 - 1, 1000, 64)
+    big = vllm_engine.request_seeds(2**63 - 1, 1000, 64)
     assert all(b - a == 64 for a, b in zip(big, big[1:])) and big[-1] + 63 < 2**63
-    assert engines.request_seeds(5, 3, 4) == engines.request_seeds(5, 3, 4) != engines.request_seeds(6, 3, 4)
+    assert vllm_engine.request_seeds(5, 3, 4) == vllm_engine.request_seeds(5, 3, 4) != vllm_engine.request_seeds(6, 3, 4)
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +142,12 @@ def test_local_rank_3_puts_the_engine_on_gpu_3(vllm_module, tmp_path, sft_policy
     assert llm.env == {"CUDA_VISIBLE_DEVICES": "3", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     assert llm.device == "3"
     assert [r["prompt_token_ids"] for r in llm.requests] and len(llm.requests) == 2  # prompts 3 and 7 of 8
-    assert engines.rank_gpu_index() == 0  # this process now sees its one GPU as cuda:0 (for the scoring models)
+    assert vllm_engine.rank_gpu_index() == 0  # this process now sees its one GPU as cuda:0 (for the scoring models)
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # a pod given 4 of the node's GPUs
-    assert engines.rank_gpus(1, 2, "4,5,6,7", 0) == "6,7"
+    assert vllm_engine.rank_gpus(1, 2, "4,5,6,7", 0) == "6,7"
     with pytest.raises(ConfigError, match=r"local rank 2 with vllm.tensor_parallel_size=2 needs GPUs 4..5"):
-        engines.rank_gpus(2, 2, "4,5,6,7", 0)
+        vllm_engine.rank_gpus(2, 2, "4,5,6,7", 0)
 
 
 def test_two_engines_on_one_gpu_do_not_fit(vllm_module, sft_policy):
@@ -216,9 +217,9 @@ def test_close_waits_for_the_engines_memory():
     says what holds the GPU when it does not come back."""
     free = iter([10, 40, 95])
     now = [0.0]
-    got = engines.wait_for_free_memory(0, 90, timeout_s=60, mem_get_info=lambda d: (next(free), 100),
+    got = vllm_engine.wait_for_free_memory(0, 90, timeout_s=60, mem_get_info=lambda d: (next(free), 100),
                                        clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
     assert got == 95 and now[0] == 1.0
     with pytest.raises(RuntimeError, match=r"GPU 2 has 0.0 GiB free .* 60 s after the vLLM engine shut down"):
-        engines.wait_for_free_memory(2, 90, timeout_s=60, mem_get_info=lambda d: (10, 100),
+        vllm_engine.wait_for_free_memory(2, 90, timeout_s=60, mem_get_info=lambda d: (10, 100),
                                      clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))

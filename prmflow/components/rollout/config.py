@@ -11,7 +11,7 @@ from ..common.errors import ConfigError
 from ..common.sampling import SamplingConfig
 from ..common.tasks.arithmetic import ArithmeticConfig
 from . import rewards as rewards_lib
-from .engines import VLLMSettings, check_vllm_sampling
+from .vllm_engine import VLLMSettings, check_vllm_sampling
 
 
 @dataclass

@@ -20,7 +20,8 @@ from ..common import modeling, tasks, vision
 from ..common.errors import ConfigError
 from . import oracle, scoring
 from .config import Config
-from .engines import Completion, HFEngine, SamplingParams, VLLMEngine, eos_token_ids, rank_gpu_index
+from .engines import Completion, HFEngine, SamplingParams, eos_token_ids
+from .vllm_engine import VLLMEngine, rank_gpu_index
 
 
 def device(cfg: Config) -> torch.device:

@@ -61,9 +61,10 @@ def request_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
     samples base + i*n ... base + i*n + n - 1: one seed per (prompt, sample), none shared. base is a
     62-bit hash of `seed`, so seeds of different shards or iterations (seed, seed + 1, ...) start far
     apart, and base + num_prompts*n stays below 2^63 (int64)."""
-    if num_prompts * n >= 2**62:
+    half = INT64_LIMIT // 2  # base < 2^62 and num_prompts*n <= 2^62 keep base + i*n + j below 2^63
+    if num_prompts * n > half:
         raise ValueError(f"{num_prompts} prompts x {n} samples need more than 2^62 seeds")
-    base = _mix("vllm-requests", int(seed)) % 2**62
+    base = _mix("vllm-requests", int(seed)) % half
     return [base + i * n for i in range(num_prompts)]
 
 

@@ -3,7 +3,7 @@
 bf16 has an 8-bit mantissa: a weight of 0.02 moves only in steps of ~1.5e-4, so AdamW applied to bf16
 weights rounds an lr-1e-6 update (Adam's first step is ~lr per weight) away for almost every weight.
 Reference: the same step in float32 on the torch backend. The torch backend in bf16 (autocast over
-fp32 parameters) and DeepSpeed ZeRO-1/2 in bf16 (fp32 master copy, fp32 gradient accumulation; both
+fp32 parameters) and DeepSpeed ZeRO-1/2/3 in bf16 (fp32 master copy, fp32 gradient accumulation; all
 run on CPU here) must move their master weights as the reference does.
 """
 
@@ -52,7 +52,7 @@ def fp32_update():
     return {n: after[n] - before[n] for n in before}
 
 
-@pytest.mark.parametrize("backend,zero", [("torch", 0), ("deepspeed", 1), ("deepspeed", 2)])
+@pytest.mark.parametrize("backend,zero", [("torch", 0), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3)])
 def test_a_bf16_step_at_lr_1e6_moves_the_master_weights_as_fp32_does(backend, zero, fp32_update):
     before, after, engine = _step(backend, zero, "bfloat16")
     update = {n: after[n] - before[n] for n in before}

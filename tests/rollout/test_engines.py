@@ -1,9 +1,7 @@
-"""Generation engines: one interface test suite that the HF engine passes on CPU and the vLLM engine
-passes where vLLM and a GPU exist (skipped with the reason elsewhere)."""
+"""Generation engines: one interface test suite that the HF engine and the vLLM adapter pass; the adapter
+runs the real vLLM where it and a GPU exist, else the CPU stand-in tests/rollout/fake_vllm.py."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 import torch
@@ -12,10 +10,9 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from prmflow.components.common import modeling
 from prmflow import tasks
 from prmflow.components.rollout import engines
-from prmflow.components.rollout.engines import HFEngine, SamplingParams, VLLMEngine
+from prmflow.components.rollout.engines import HFEngine, SamplingParams
+from prmflow.components.rollout.vllm_engine import VLLMEngine, VLLMSettings
 
-HAS_VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
-VLLM_SKIP = "vLLM engine needs the gpu extra (pip install 'prmflow[gpu]') and a CUDA GPU"
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +27,15 @@ def prompts(policy):
     return [tok(r.prompt)["input_ids"] for r in tasks.load("arithmetic", "eval", 6, seed=3)]
 
 
-@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_VLLM, reason=VLLM_SKIP)])])
+@pytest.fixture(scope="module", params=["hf", "vllm"])
 def engine(request, policy, sft_policy):
     model, tok = policy
     if request.param == "hf":
         yield HFEngine(model, tok, batch_size=8)
         return
-    eng = VLLMEngine(str(sft_policy), dtype="float32", settings=engines.VLLMSettings(gpu_memory_utilization=0.3, enforce_eager=True))
+    request.getfixturevalue("vllm_module")
+    eng = VLLMEngine(str(sft_policy), dtype="float32", settings=VLLMSettings(gpu_memory_utilization=0.3, enforce_eager=True),
+                     stop_ids=engines.eos_token_ids(model, tok))
     yield eng
     eng.close()
 

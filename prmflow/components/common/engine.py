@@ -48,7 +48,7 @@ class EngineConfig:
     offload_optimizer: bool = False
     """DeepSpeed: keep optimizer state in CPU memory (ZeRO >= 1); saves GPU memory, costs speed."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter/compute dtype. bfloat16 halves memory on GPUs; float32 is exact and fine on CPU."""
+    """Compute dtype. bfloat16 runs the forward and backward passes in bf16 while the optimizer updates fp32 master weights (torch: autocast over fp32 parameters; DeepSpeed ZeRO >= 1: bf16 parameters, fp32 master copy and fp32 gradient accumulation), so small updates (lr 1e-6) are not lost to bf16's 8-bit mantissa. float32 is exact and fine on CPU."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about 30% more compute."""
     nproc_per_node: int = 0
@@ -68,6 +68,12 @@ class EngineConfig:
             raise ConfigError(f"engine.zero_stage is {self.zero_stage}; DeepSpeed ZeRO stages are 0, 1, 2 or 3.")
         if self.offload_optimizer and (self.backend != "deepspeed" or self.zero_stage == 0):
             raise ConfigError("engine.offload_optimizer needs engine.backend=deepspeed and engine.zero_stage >= 1.")
+        if self.backend == "deepspeed" and self.dtype == "bfloat16" and self.zero_stage == 0:
+            # DeepSpeed without ZeRO refuses bf16 parameters with fp32 gradient accumulation (NotImplementedError
+            # "unsupported mix"), and bf16 accumulation over grad_accum micro-batches loses the small gradients
+            raise ConfigError("engine.dtype=bfloat16 with engine.backend=deepspeed needs engine.zero_stage >= 1 (fp32 master "
+                              "weights and fp32 gradient accumulation); or use engine.backend=torch (autocast over fp32 "
+                              "weights, one process).")
 
 
 @dataclass
@@ -122,6 +128,11 @@ class TrainEngine:
         if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
         model.to(self.device)
+        # torch backend, bfloat16: the parameters stay (or become) fp32 master weights that AdamW updates; the
+        # passes run under autocast in bf16. AdamW on bf16 weights would round an lr-1e-6 update away.
+        self.autocast = cfg.backend == "torch" and cfg.dtype == "bfloat16"
+        if self.autocast:
+            model.float()
         trainable = params if params is not None else [p for p in model.parameters() if p.requires_grad]
         decay = [p for p in trainable if p.ndim >= 2]
         no_decay = [p for p in trainable if p.ndim < 2]
@@ -144,6 +155,9 @@ class TrainEngine:
                 "gradient_clipping": optim.max_grad_norm if optim.max_grad_norm > 0 else 0.0,
                 "zero_optimization": {"stage": cfg.zero_stage},
                 "bf16": {"enabled": cfg.dtype == "bfloat16"},
+                # bf16 gradients summed over grad_accum micro-batches lose the small ones: accumulate in fp32
+                # (ZeRO 1-3 keep fp32 master weights for the update either way)
+                **({"data_types": {"grad_accum_dtype": "fp32"}} if cfg.dtype == "bfloat16" else {}),
                 "steps_per_print": 10**9,
                 "wall_clock_breakdown": False,
             }
@@ -158,8 +172,6 @@ class TrainEngine:
             if distributed.world_size() > 1:
                 raise ConfigError(f"{distributed.world_size()} ranks need engine.backend=deepspeed; the torch backend "
                                   f"is one process.")
-            if cfg.dtype == "bfloat16":
-                model.to(torch.bfloat16)
             self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         with warnings.catch_warnings():  # stepping a scheduler before its optimizer is what we mean here
             warnings.simplefilter("ignore")
@@ -172,6 +184,9 @@ class TrainEngine:
         return getattr(self.model, "module", self.model)
 
     def __call__(self, *args, **kwargs):
+        if self.autocast:  # bf16 compute over the fp32 master weights; backward follows the same casts
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                return self.model(*args, **kwargs)
         return self.model(*args, **kwargs)
 
     def train(self, mode: bool = True) -> None:

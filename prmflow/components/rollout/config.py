@@ -12,7 +12,7 @@ from ...errors import ConfigError
 from ..common.sampling import SamplingConfig
 from ...tasks.arithmetic import ArithmeticConfig
 from . import rewards as rewards_lib
-from .engines import VLLMSettings
+from .vllm_engine import VLLMSettings, check_vllm_sampling
 
 
 @dataclass
@@ -51,8 +51,8 @@ class Config:
     """Sampling engine: hf (CPU or GPU, transformers) or vllm (GPU node pools, the gpu extra)."""
     device: str = ""
     """Torch device for the HF sampler and the scoring models; empty = cuda when available, else cpu."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Model dtype for sampling and scoring; bfloat16 halves GPU memory, float32 is exact on CPU."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Model dtype for sampling and scoring; auto = bfloat16 with vLLM or on a GPU (half the memory of float32; a float32 vLLM engine is slow and large), float32 on CPU (exact)."""
     chat_template: bool = True
     """Wrap prompts in the tokenizer's chat template when it has one (as SFT did)."""
     max_prompt_len: int = 0
@@ -111,6 +111,12 @@ class Config:
                               f"Write it with `prmflow make-tiny-model DIR` or use sampler=hf.")
         if not self.policy:
             raise ConfigError("policy is empty; point it at the policy's model directory.")
+        if self.sampler == "vllm":  # what vLLM's SamplingParams would refuse after the engine had loaded
+            check_vllm_sampling(self.n_samples, self.sampling.temperature)
+            if self.vllm.max_model_len < 0 or self.vllm.tensor_parallel_size < 1:
+                raise ConfigError(f"vllm.max_model_len={self.vllm.max_model_len}, vllm.tensor_parallel_size="
+                                  f"{self.vllm.tensor_parallel_size}: use max_model_len >= 0 (0 = the model's) and "
+                                  f"tensor_parallel_size >= 1.")
         self.rewards = rewards_lib.parse_table(self.rewards)  # YAML text from the command line -> entries
         # a malformed recipe fails here; user functions are imported when the stage runs (the machine
         # that compiles a pipeline may not have them)

@@ -1,6 +1,6 @@
 """Generation engines behind one interface: Hugging Face (CPU or GPU) and vLLM (GPU node pools).
 
-    engine = HFEngine(model, tokenizer, batch_size=64)          # or VLLMEngine("outputs/sft")
+    engine = HFEngine(model, tokenizer, batch_size=64)          # or vllm_engine.VLLMEngine("outputs/sft")
     out = engine.generate(prompt_ids, SamplingParams(n=4, temperature=1.0, max_new_tokens=256))
     out[i][j].token_ids, out[i][j].logprobs, out[i][j].finish_reason   # prompt i, sample j
 
@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
 
 from ..common.chat import stop_token_ids
 from ..common.modeling import own_positions
-from ..common.vision import Vision, batch_pixels, decode_image
+from ..common.vision import Vision, batch_pixels
 
 log = logging.getLogger(__name__)
 
@@ -268,86 +268,3 @@ class HFEngine:
             next_pos = next_pos + 1
         tokens, logps = tokens.cpu(), logps.cpu()
         return [Completion(tokens[i, :lengths[i]].tolist(), logps[i, :lengths[i]].tolist(), finish[i]) for i in range(B)]
-
-
-# --- the vLLM engine ---------------------------------------------------------------------------
-
-@dataclass
-class VLLMSettings:
-    gpu_memory_utilization: float = 0.85
-    """Fraction of GPU memory vLLM may take for weights and KV cache."""
-    tensor_parallel_size: int = 1
-    """GPUs one model is split across."""
-    max_model_len: int = 0
-    """Context window vLLM reserves cache for; 0 = the model's own."""
-    enforce_eager: bool = False
-    """Skip CUDA graph capture: slower decoding, faster start (small runs, debugging)."""
-    extra: dict = field(default_factory=dict)
-    """Further keyword arguments for vllm.LLM (e.g. {quantization: fp8})."""
-
-
-class VLLMEngine:
-    """A thin adapter over vllm.LLM: the same generate() contract as HFEngine.
-
-    Needs the `gpu` extra (pip install 'prmflow[gpu]') and a CUDA GPU. Stop strings are kept in
-    the output (include_stop_str_in_output) so the text is exactly the decoded token ids; logprobs
-    of the sampled tokens only (logprobs=0), in vLLM's raw_logprobs mode.
-    """
-
-    def __init__(self, model_path: str, dtype: str = "bfloat16", seed: int = 0, settings: VLLMSettings | None = None):
-        from vllm import LLM  # the gpu extra
-
-        s = settings or VLLMSettings()
-        kwargs = dict(model=str(model_path), dtype=dtype, seed=seed, gpu_memory_utilization=s.gpu_memory_utilization,
-                      tensor_parallel_size=s.tensor_parallel_size, enforce_eager=s.enforce_eager, **s.extra)
-        if s.max_model_len:
-            kwargs["max_model_len"] = s.max_model_len
-        kwargs.setdefault("logprobs_mode", "raw_logprobs")
-        try:
-            self.llm = LLM(**kwargs)
-        except TypeError as e:  # an older vLLM without logprobs_mode: raw logprobs were its only mode
-            if "logprobs_mode" not in str(e):
-                raise
-            kwargs.pop("logprobs_mode")
-            self.llm = LLM(**kwargs)
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 progress: Callable[[int], None] | None = None,
-                 images: Sequence[Sequence[bytes]] | None = None, rank: int = 0, world: int = 1) -> list[list[Completion]]:
-        """Completions per prompt; rank `rank` of `world` samples the prompts with index % world ==
-        rank (seeded by the prompt's index in the whole list) and leaves the others empty."""
-        from vllm import SamplingParams as VSamplingParams
-
-        mine = [i for i in range(len(prompts)) if i % world == rank]
-        requests = [{"prompt_token_ids": list(map(int, prompts[i]))} for i in mine]
-        for i, req in zip(mine, requests):  # placeholders already expanded in the ids; vLLM matches them
-            if images is not None and images[i]:
-                req["multi_modal_data"] = {"image": [decode_image(b, f"prompt {i}") for b in images[i]]}
-        sampling = [VSamplingParams(
-            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
-            max_tokens=params.max_new_tokens, stop=list(params.stop) or None, include_stop_str_in_output=True,
-            ignore_eos=params.ignore_eos, logprobs=0, seed=params.seed * 1_000_003 + i, detokenize=bool(params.stop),
-        ) for i in mine]
-        results = self.llm.generate(requests, sampling, use_tqdm=False)
-        out: list[list[Completion]] = [[] for _ in prompts]
-        for i, res in zip(mine, results):
-            samples = []
-            for c in sorted(res.outputs, key=lambda c: c.index):
-                if c.finish_reason not in (STOP, LENGTH):
-                    raise RuntimeError(f"vLLM finished a sample with reason {c.finish_reason!r}")
-                ids = list(c.token_ids)
-                lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs)]
-                samples.append(Completion(ids, lps, c.finish_reason))
-            out[i] = samples
-        if progress is not None:
-            progress(len(prompts))
-        return out
-
-    def close(self) -> None:
-        """Free the GPU memory (the scoring models need it next)."""
-        import gc
-
-        del self.llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 from tqdm.auto import tqdm
@@ -20,14 +21,45 @@ from ... import tasks
 from ...errors import ConfigError
 from . import oracle, scoring
 from .config import Config
-from .engines import Completion, HFEngine, SamplingParams, VLLMEngine
+from .engines import Completion, HFEngine, SamplingParams, eos_token_ids
+from .vllm_engine import VLLMEngine, rank_gpu_index
 
 
 def device(cfg: Config) -> torch.device:
-    """The configured device; empty = cuda when available (a rank's own GPU, $LOCAL_RANK), else cpu."""
+    """The configured device; empty = cuda when available (a rank's own GPU: $LOCAL_RANK, or the first
+    of the GPUs its vLLM engine was given), else cpu."""
     if cfg.device:
         return torch.device(cfg.device)
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device("cuda", rank_gpu_index()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def model_dtype(cfg: Config) -> str:
+    """cfg.dtype, with `auto` resolved: bfloat16 for vLLM and on a GPU, float32 on CPU (exact there).
+    The vLLM case asks no question of CUDA, so its engine's GPUs can still be chosen afterwards."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return "bfloat16" if cfg.sampler == "vllm" or device(cfg).type == "cuda" else "float32"
+
+
+def local_rank(cfg: Config) -> int | None:
+    """This process's index on its node when several processes sample ($LOCAL_RANK from torchrun;
+    the rank itself when the keys rank/world_size start them by hand on one node); None for one process."""
+    if os.environ.get("LOCAL_RANK"):
+        return int(os.environ["LOCAL_RANK"])
+    rank, world = cfg.ranks()
+    return rank if world > 1 else None
+
+
+def stop_ids(path: str, tokenizer) -> list[int]:
+    """The ids the HF engine stops at for the model at `path` (generation config, eos, the chat
+    template's end of turn), read without loading its weights: what vLLM is told to stop at."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: transformers derives it from the model config
+        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+    return eos_token_ids(SimpleNamespace(generation_config=generation), tokenizer)
 
 
 def sampling_seed(cfg: Config) -> int:
@@ -52,8 +84,8 @@ def check_shared_tokenizer(policy_tok, cfg: Config) -> None:
 
 def load_scorer_model(path: str, cfg: Config, scalar: bool):
     """The ref (a causal LM) or the critic (scalar=True: a scalar-head model), on the device, in eval mode."""
-    model, _ = (modeling.load_scalar_model(path, cfg.dtype) if scalar
-                else modeling.load_causal_lm(path, cfg.dtype, seed=cfg.seed))
+    model, _ = (modeling.load_scalar_model(path, model_dtype(cfg)) if scalar
+                else modeling.load_causal_lm(path, model_dtype(cfg), seed=cfg.seed))
     return model.to(device(cfg)).eval()
 
 
@@ -62,11 +94,13 @@ def generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: Sampli
     scoring, timings); with vLLM the engine is shut down first, then the HF policy is loaded. On
     several ranks the prompts other ranks sample have no completions here."""
     t0 = time.perf_counter()
+    dtype = model_dtype(cfg)
     if cfg.sampler == "hf":
-        policy, _ = modeling.load_causal_lm(cfg.policy, cfg.dtype, seed=cfg.seed)
+        policy, _ = modeling.load_causal_lm(cfg.policy, dtype, seed=cfg.seed)
         engine = HFEngine(policy, tokenizer, cfg.batch_sequences, device(cfg))
-    else:
-        engine = VLLMEngine(cfg.policy, cfg.dtype, seed=sampling_seed(cfg), settings=cfg.vllm)
+    else:  # the engine's GPUs are chosen before anything here asks CUDA a question
+        engine = VLLMEngine(cfg.policy, dtype, seed=sampling_seed(cfg), settings=cfg.vllm,
+                            stop_ids=stop_ids(cfg.policy, tokenizer), local_rank=local_rank(cfg))
     load_s = time.perf_counter() - t0
     bar = progress(len(prompt_ids), f"rollout iter {cfg.iteration}: generate", "prompt")
     t0 = time.perf_counter()
@@ -75,8 +109,8 @@ def generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: Sampli
     generate_s = time.perf_counter() - t0
     bar.close()
     if cfg.sampler == "vllm":
-        engine.close()  # free the GPU for the scoring models
-        policy, _ = modeling.load_causal_lm(cfg.policy, cfg.dtype, seed=cfg.seed)
+        engine.close()  # shut down, and wait for the GPU memory to come back, before the scoring models load
+        policy, _ = modeling.load_causal_lm(cfg.policy, dtype, seed=cfg.seed)
         policy.to(device(cfg))
     return completions, policy, {"perf/load_s": load_s, "perf/generate_s": generate_s}
 

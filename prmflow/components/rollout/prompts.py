@@ -54,20 +54,31 @@ def model_window(path: str) -> int | None:
     return getattr(cfg, "max_position_embeddings", None)
 
 
-def tokenize_prompts(cfg: Config, tokenizer, records: list[tasks.PromptRecord], window: int | None
-                     ) -> tuple[list[str], list[list[int]], int]:
-    """Rendered prompt texts, their token ids (as SFT tokenized them), and how many were truncated."""
+def context_window(cfg: Config) -> tuple[int | None, str]:
+    """Positions a prompt and its response share, and what sets them: the policy's window, or with
+    sampler=vllm the smaller of it and vllm.max_model_len (vLLM refuses a whole generate call when
+    one prompt does not fit in max_model_len). None when the model does not say and vLLM is not capped."""
+    window = model_window(cfg.policy)
+    if cfg.sampler == "vllm" and cfg.vllm.max_model_len and (window is None or cfg.vllm.max_model_len < window):
+        return cfg.vllm.max_model_len, f"vllm.max_model_len={cfg.vllm.max_model_len}"
+    return window, f"the policy's {window}-token window"
+
+
+def tokenize_prompts(cfg: Config, tokenizer, records: list[tasks.PromptRecord], window: int | None,
+                     window_name: str = "the policy's window") -> tuple[list[str], list[list[int]], int]:
+    """Rendered prompt texts, their token ids (as SFT tokenized them), and how many were truncated.
+    `window` (named `window_name` in errors): positions for prompt + response (`context_window`)."""
     limit = cfg.max_prompt_len
     if window is not None:
         room = window - cfg.sampling.max_new_tokens
         if room < 1:
-            raise ConfigError(f"sampling.max_new_tokens={cfg.sampling.max_new_tokens} leaves no room for a prompt in the policy's "
-                              f"{window}-token window; lower sampling.max_new_tokens.")
+            raise ConfigError(f"sampling.max_new_tokens={cfg.sampling.max_new_tokens} leaves no room for a prompt in "
+                              f"{window_name}; lower sampling.max_new_tokens.")
         if limit == 0:
             limit = room
         elif limit > room:
-            raise ConfigError(f"max_prompt_len={limit} + sampling.max_new_tokens={cfg.sampling.max_new_tokens} exceeds the policy's "
-                              f"{window}-token window; lower one of them.")
+            raise ConfigError(f"max_prompt_len={limit} + sampling.max_new_tokens={cfg.sampling.max_new_tokens} exceeds "
+                              f"{window_name}; lower one of them.")
     texts, ids, truncated = [], [], 0
     for r in records:
         text, p_ids, _ = tasks.encode_prompt(tokenizer, r, cfg.chat_template, cfg.task)

@@ -1,0 +1,248 @@
+"""The vLLM engine: a thin adapter over vllm.LLM with the same generate() contract as HFEngine
+(engines.py), for the GPU node pools (the `gpu` extra).
+
+    engine = VLLMEngine("outputs/sft", "bfloat16", seed=7, stop_ids=eos_token_ids(model, tokenizer), local_rank=3)
+    out = engine.generate(prompt_ids, SamplingParams(n=8, temperature=1.0, max_new_tokens=1024))
+    engine.close()   # shut down, wait for the GPU memory, then load the scoring models
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ...errors import ConfigError
+from ..common.vision import decode_image
+from .engines import LENGTH, STOP, Completion, SamplingParams
+
+# What the adapter must respect, read from vLLM's own source (0.10 ... 0.33):
+# - the engine seed goes to `np.random.seed` (vllm/utils/torch_utils.py `set_random_seed`), which takes
+#   only [0, 2^32): `engine_seed` maps any seed into that range;
+# - sample j of a request with seed s draws from seed s + j (v1/engine/parallel_sampling.py), and
+#   seeds are int64 on the sampler's side: `request_seeds` gives prompt i the block base + i*n, so every
+#   (prompt, sample) has its own seed below 2^63;
+# - vLLM stops at the tokenizer's eos and the generation config's eos ids, not at a chat template's
+#   end of turn (Qwen's `<|im_end|>` under a base model): the HF engine's stop ids go in
+#   `stop_token_ids`, unless ignore_eos;
+# - temperature 0 with n > 1 and temperature > 2 are refused (SamplingParams._verify_greedy_sampling,
+#   _verify_args): `check_vllm_sampling` says so before any model loads;
+# - the uniproc executor puts its worker on cuda:<device index>, 0 unless told: under torchrun every
+#   rank's engine would share GPU 0. `rank_gpus` gives local rank r the GPUs r*tp ... r*tp + tp - 1
+#   through CUDA_VISIBLE_DEVICES, set before the engine starts.
+
+NUMPY_SEED_LIMIT = 2**32  # np.random.seed accepts [0, 2^32)
+INT64_LIMIT = 2**63  # vLLM keeps request seeds as int64
+
+
+def _mix(*parts) -> int:
+    """64 well-mixed bits of `parts` (blake2b): nearby inputs (shard 3 and shard 4) give unrelated outputs."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def engine_seed(seed: int) -> int:
+    """The seed handed to `vllm.LLM(seed=...)`: in [0, 2^32), fixed by `seed`.
+
+    vLLM's worker passes it to random.seed, np.random.seed and torch.manual_seed; numpy refuses
+    values of 2^32 and more, so a seed mixed from (seed, iteration, shard) cannot go there as it is.
+    With a seed on every request (request_seeds) it fixes no sample; it must only be valid."""
+    return _mix("vllm-engine", int(seed)) % NUMPY_SEED_LIMIT
+
+
+def request_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
+    """The vLLM request seed of each prompt (index in the whole list), n samples per prompt.
+
+    vLLM draws sample j of a request from seed `request_seed + j`, so prompt i gets base + i*n and its
+    samples base + i*n ... base + i*n + n - 1: one seed per (prompt, sample), none shared. base is a
+    62-bit hash of `seed`, so seeds of different shards or iterations (seed, seed + 1, ...) start far
+    apart, and base + num_prompts*n stays below 2^63 (int64)."""
+    half = INT64_LIMIT // 2  # base < 2^62 and num_prompts*n <= 2^62 keep base + i*n + j below 2^63
+    if num_prompts * n > half:
+        raise ValueError(f"{num_prompts} prompts x {n} samples need more than 2^62 seeds")
+    base = _mix("vllm-requests", int(seed)) % half
+    return [base + i * n for i in range(num_prompts)]
+
+
+def check_vllm_sampling(n: int, temperature: float, where: str = "sampling") -> None:
+    """Refuse what vLLM's SamplingParams refuses, naming our keys (vLLM would fail mid-run)."""
+    if temperature > 2.0:
+        raise ConfigError(f"{where}.temperature={temperature}: vLLM accepts temperatures in [0, 2]; lower it, "
+                          f"or use sampler=hf.")
+    if temperature < 1e-5 and n > 1:  # vLLM treats temperatures below 1e-5 as greedy
+        raise ConfigError(f"{where}.temperature={temperature} (greedy) with n_samples={n}: vLLM refuses greedy "
+                          f"decoding with n > 1, and n copies of one response are not a group to compare; set "
+                          f"n_samples=1 or a temperature > 0.")
+
+
+def rank_gpus(local_rank: int, tensor_parallel_size: int, visible: str | None, count: int) -> str:
+    """The CUDA_VISIBLE_DEVICES of local rank `local_rank`, whose engine takes `tensor_parallel_size`
+    GPUs: entries r*tp ... r*tp + tp - 1 of the GPUs this process sees (`visible`, else 0..count-1)."""
+    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(count)]
+    lo, hi = local_rank * tensor_parallel_size, (local_rank + 1) * tensor_parallel_size
+    if hi > len(ids):
+        raise ConfigError(f"local rank {local_rank} with vllm.tensor_parallel_size={tensor_parallel_size} needs GPUs "
+                          f"{lo}..{hi - 1}, but this process sees {len(ids)} ({visible or 'all'}); start at most "
+                          f"{len(ids) // tensor_parallel_size} processes per node (torchrun --nproc-per-node) or lower "
+                          f"vllm.tensor_parallel_size.")
+    return ",".join(ids[lo:hi])
+
+
+def pin_rank_gpus(local_rank: int, tensor_parallel_size: int) -> str:
+    """Point CUDA_VISIBLE_DEVICES at this rank's GPUs before its engine starts; returns the value.
+
+    vLLM's engine process (spawned) and its workers read it when they start, so each rank's engine
+    lands on its own GPUs. This process sees the same GPUs from then on, unless CUDA was already
+    initialized in it (it then keeps seeing all of them): $PRMFLOW_RANK_GPU records which index is
+    the rank's first GPU here, for the scoring models (`rank_gpu_index`)."""
+    initialized = torch.cuda.is_initialized()
+    mine = rank_gpus(local_rank, tensor_parallel_size, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                     torch.cuda.device_count())  # before CUDA starts, the count comes from NVML
+    os.environ["CUDA_VISIBLE_DEVICES"] = mine
+    os.environ["PRMFLOW_RANK_GPU"] = str(local_rank * tensor_parallel_size if initialized else 0)
+    return mine
+
+
+def rank_gpu_index() -> int:
+    """Index (as this process sees the GPUs) of this rank's GPU: $PRMFLOW_RANK_GPU after
+    `pin_rank_gpus`, else $LOCAL_RANK (torchrun), else 0."""
+    return int(os.environ.get("PRMFLOW_RANK_GPU") or os.environ.get("LOCAL_RANK") or 0)
+
+
+def wait_for_free_memory(device: int, want_bytes: int, timeout_s: float = 120.0, poll_s: float = 0.5,
+                         mem_get_info: Callable[[int], tuple[int, int]] | None = None,
+                         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> int:
+    """Wait until GPU `device` has `want_bytes` free (the engine's processes are gone and the driver
+    has taken their memory back); returns the free bytes. Raises after timeout_s with what is left."""
+    mem_get_info = mem_get_info or torch.cuda.mem_get_info
+    deadline = clock() + timeout_s
+    while True:
+        free, total = mem_get_info(device)
+        if free >= want_bytes:
+            return free
+        if clock() >= deadline:
+            raise RuntimeError(f"GPU {device} has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB {timeout_s:.0f} s "
+                               f"after the vLLM engine shut down; the scoring models need the {want_bytes / 2**30:.1f} "
+                               f"GiB that were free before it started. Another process holds the GPU (nvidia-smi).")
+        sleep(poll_s)
+
+
+@dataclass
+class VLLMSettings:
+    gpu_memory_utilization: float = 0.85
+    """Fraction of GPU memory vLLM may take for weights and KV cache."""
+    tensor_parallel_size: int = 1
+    """GPUs one model is split across."""
+    max_model_len: int = 0
+    """Context window vLLM reserves cache for; 0 = the model's own. Prompts are cut (or refused, on_long_prompt) to fit it with sampling.max_new_tokens."""
+    enforce_eager: bool = False
+    """Skip CUDA graph capture: slower decoding, faster start (small runs, debugging)."""
+    shutdown_timeout_s: float = 120.0
+    """Seconds to wait, after the engine shuts down, for its GPU memory to come back before the scoring models load."""
+    extra: dict = field(default_factory=dict)
+    """Further keyword arguments for vllm.LLM (e.g. {quantization: fp8})."""
+
+
+class VLLMEngine:
+    """A thin adapter over vllm.LLM: the same generate() contract as HFEngine.
+
+    Needs the `gpu` extra (pip install 'prmflow[gpu]') and a CUDA GPU. Stop strings are kept in
+    the output (include_stop_str_in_output) so the text is exactly the decoded token ids; logprobs
+    of the sampled tokens only (logprobs=0), in vLLM's raw_logprobs mode. `stop_ids`: the ids the HF
+    engine stops at (`eos_token_ids`), chat template's end of turn included. `local_rank`: under
+    torchrun, this rank's index on its node; its engine then takes its own GPUs (`pin_rank_gpus`).
+    vLLM's worker processes are spawned, not forked (a fork would copy MLflow's threads and any
+    CUDA state of this process).
+    """
+
+    def __init__(self, model_path: str, dtype: str = "bfloat16", seed: int = 0, settings: VLLMSettings | None = None,
+                 stop_ids: Sequence[int] = (), local_rank: int | None = None):
+        s = settings or VLLMSettings()
+        self.settings = s
+        self.stop_ids = [int(i) for i in stop_ids]
+        if local_rank is not None:
+            pin_rank_gpus(local_rank, s.tensor_parallel_size)
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        self.gpu = rank_gpu_index()
+        self.free_before = torch.cuda.mem_get_info(self.gpu)[0] if torch.cuda.is_available() else None
+        from vllm import LLM  # the gpu extra
+
+        kwargs = dict(model=str(model_path), dtype=dtype, seed=engine_seed(seed), gpu_memory_utilization=s.gpu_memory_utilization,
+                      tensor_parallel_size=s.tensor_parallel_size, enforce_eager=s.enforce_eager, **s.extra)
+        if s.max_model_len:
+            kwargs["max_model_len"] = s.max_model_len
+        kwargs.setdefault("logprobs_mode", "raw_logprobs")
+        try:
+            self.llm = LLM(**kwargs)
+        except TypeError as e:  # an older vLLM without logprobs_mode: raw logprobs were its only mode
+            if "logprobs_mode" not in str(e):
+                raise
+            kwargs.pop("logprobs_mode")
+            self.llm = LLM(**kwargs)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 progress: Callable[[int], None] | None = None,
+                 images: Sequence[Sequence[bytes]] | None = None, rank: int = 0, world: int = 1) -> list[list[Completion]]:
+        """Completions per prompt; rank `rank` of `world` samples the prompts with index % world ==
+        rank (seeded by the prompt's index in the whole list) and leaves the others empty."""
+        from vllm import SamplingParams as VSamplingParams
+
+        check_vllm_sampling(params.n, params.temperature)
+        seeds = request_seeds(params.seed, len(prompts), params.n)
+        mine = [i for i in range(len(prompts)) if i % world == rank]
+        requests = [{"prompt_token_ids": list(map(int, prompts[i]))} for i in mine]
+        for i, req in zip(mine, requests):  # placeholders already expanded in the ids; vLLM matches them
+            if images is not None and images[i]:
+                req["multi_modal_data"] = {"image": [decode_image(b, f"prompt {i}") for b in images[i]]}
+        sampling = [VSamplingParams(
+            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
+            max_tokens=params.max_new_tokens, stop=list(params.stop) or None, include_stop_str_in_output=True,
+            stop_token_ids=[] if params.ignore_eos else list(self.stop_ids),
+            ignore_eos=params.ignore_eos, logprobs=0, seed=seeds[i], detokenize=bool(params.stop),
+        ) for i in mine]
+        results = self.llm.generate(requests, sampling, use_tqdm=False)
+        if len(results) != len(requests):
+            raise RuntimeError(f"vLLM returned {len(results)} results for {len(requests)} requests")
+        out: list[list[Completion]] = [[] for _ in prompts]
+        for i, res in zip(mine, results):
+            if len(res.outputs) != params.n:
+                raise RuntimeError(f"vLLM returned {len(res.outputs)} samples for prompt {i}; asked for {params.n}")
+            samples = []
+            for c in sorted(res.outputs, key=lambda c: c.index):
+                if c.finish_reason not in (STOP, LENGTH):
+                    raise RuntimeError(f"vLLM finished a sample with reason {c.finish_reason!r}")
+                ids = list(c.token_ids)
+                if c.logprobs is None or len(c.logprobs) != len(ids):
+                    raise RuntimeError(f"vLLM returned {len(c.logprobs or [])} logprobs for the {len(ids)} tokens of "
+                                       f"prompt {i}, sample {c.index}")
+                lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs)]
+                samples.append(Completion(ids, lps, c.finish_reason))
+            out[i] = samples
+        if progress is not None:
+            progress(len(prompts))
+        return out
+
+    def close(self) -> None:
+        """Shut the engine down and wait until its GPU memory is free again (the scoring models need it next).
+
+        The engine core runs in its own process: it is stopped explicitly (garbage collection may
+        keep it alive), then the free memory of the rank's first GPU is polled until it is back to
+        what it was before the engine started."""
+        import gc
+
+        engine = getattr(self.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if hasattr(self.llm, "shutdown"):
+            self.llm.shutdown()
+        elif core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del self.llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            if self.free_before is not None:
+                wait_for_free_memory(self.gpu, int(self.free_before * 0.95), self.settings.shutdown_timeout_s)

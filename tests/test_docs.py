@@ -105,13 +105,16 @@ from prmflow.pipelines import settings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+#: Every hand-written page: the README, docs/, each stage's README, the benchmarks' README.
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "prmflow" / "components").glob("*/README.md")),
+         ROOT / "benchmarks" / "README.md"]
 README_LIMIT = 10 * 1024  # bytes: a front door, not a lab notebook; the rest belongs in docs/
 
 FENCE = re.compile(r"^[ \t]*```([\w-]*)[ \t]*\n(.*?)^[ \t]*```[ \t]*$", re.M | re.S)
 SPAN = re.compile(r"`([^`\n]+)`")
 LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)\)")
 SHELL = {"", "bash", "sh", "shell", "console"}
+UNLABELLED_COMMANDS = {"prmflow", "python", "python3", "torchrun", "docker", "podman", "pytest", "pip"}
 #: Where a quoted path may live: the repository's top folders, or (for `advantage/rewards.py`-style
 #: paths, as design.md writes them) the package and its components. A relative path with a source
 #: suffix is always checked; a folder (`advantage/`) when it starts with one of the package's folders.
@@ -179,7 +182,9 @@ def shell_lines(text: str) -> list[str]:
     lines = []
     for lang, body in fenced(text):
         if lang in SHELL:
-            lines += [ln for ln in body.replace("\\\n", " ").splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+            found = [ln for ln in body.replace("\\\n", " ").splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+            # a block with no language is shell only where a line starts with a command (not a file tree)
+            lines += found if lang else [ln for ln in found if ln.split()[0] in UNLABELLED_COMMANDS]
     lines += [s for s in spans(text) if re.match(r"(prmflow|python -m prmflow\.cli|torchrun) ", s)]
     return lines
 

@@ -1,15 +1,31 @@
-"""The stage READMEs' config tables are generated from the Config docstrings and kept up to date."""
+"""The docs say what the code does.
+
+The stage READMEs' config tables are generated from the Config docstrings and kept up to date; the
+README and every hand-written page (docs/, the stage READMEs, benchmarks/README.md) quote only
+`prmflow` commands, options, config keys and repository paths that exist, and links that resolve;
+the README stays a front door (<= 10 KB) that runs CI's own test command; docs/layout.md's tree
+names every folder of the package.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
+import shlex
 import shutil
+import textwrap
+import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import pytest
+import yaml
 
-from prmflow import docs, stages
+from prmflow import cli, docs, stages
 from prmflow.components.common import config
+from prmflow.pipelines import settings
 
 STAGES = stages.available()
 
@@ -92,17 +108,6 @@ def test_check_names_the_stale_readme_and_the_write_fixes_it(tmp_path, monkeypat
 # The README and docs/: every command, config key, repository path and link they quote exists.
 # ---------------------------------------------------------------------------------------------------
 
-import contextlib  # noqa: E402
-import io  # noqa: E402
-import re  # noqa: E402
-import shlex  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import yaml  # noqa: E402
-
-from prmflow import cli  # noqa: E402
-from prmflow.pipelines import settings  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 #: Every hand-written page: the README, docs/, each stage's README, the benchmarks' README.
@@ -137,8 +142,6 @@ def prose(text: str) -> str:
 
 def fenced(text: str) -> list[tuple[str, str]]:
     """(language, dedented body) of every fenced code block, indented ones (inside a list) included."""
-    import textwrap
-
     return [(lang, textwrap.dedent(body)) for lang, body in FENCE.findall(text)]
 
 
@@ -214,13 +217,17 @@ def config_classes() -> dict[str, type]:
     return {**{name: module.Config for name, module in STAGES.items()}, "pipeline": settings.PipelineConfig}
 
 
+def is_mapping(typ: typing.Any) -> bool:
+    """A dict-typed key (`node_selector`, `tags`): any sub-key inside it is the user's own."""
+    return typ is dict or typing.get_origin(typ) is dict or any(is_mapping(a) for a in typing.get_args(typ))
+
+
 def key_problem(cls: type, key: str) -> str | None:
-    """None when `key` is a key of `cls` (or a section of it, or inside a mapping-typed key), else why not."""
+    """None when `key` is a key of `cls`, a section of it (`optim`), or inside a mapping-typed key; else why not."""
     fields = config.flat_fields(cls)
     if key in fields or any(k.startswith(key + ".") for k in fields):
         return None
-    if any(key.startswith(k + ".") and typ is dict or getattr(typ, "__origin__", None) is dict
-           for k, (typ, _, _) in fields.items() if key.startswith(k + ".")):
+    if any(key.startswith(k + ".") and is_mapping(typ) for k, (typ, _, _) in fields.items()):
         return None
     return f"`{key}` is not a key of {cls.__name__}"
 

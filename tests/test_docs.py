@@ -386,6 +386,15 @@ def test_readme_stays_a_front_door():
                                   f"under docs/ and link it")
 
 
+@pytest.mark.parametrize("page", [README, *sorted((ROOT / "docs").glob("*.md"))], ids=page_id)
+def test_pages_describe_today_not_history(page):
+    """History lives in git: the README and docs/ name no commit and no issue."""
+    text = page.read_text(encoding="utf-8")
+    hashes = [w for w in re.findall(r"\b[0-9a-f]{7,40}\b", text) if re.search(r"\d", w) and re.search(r"[a-f]", w)]
+    issues = re.findall(r"\bissues? #?\d+|(?<![\w/])#\d+\b", text, re.I)
+    assert not hashes and not issues, f"{page_id(page)}: say what the code does today, not when: {hashes + issues}"
+
+
 def test_readme_test_command_is_what_ci_runs():
     """.ci/run installs and tests exactly as the README says (less its `time`)."""
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")

@@ -5,7 +5,7 @@
 Greedy decoding of the arithmetic task's test split, in batches of --batch prompts: the prompts of the
 evaluation in --config (its `evaluate` section's `arithmetic` keys and seed; default the quickstart's).
 For each policy directory: pass@1, the share of bare answers, pass@1 among the bare ones and among
-the worked ones (at least one step before the answer line). The README's "What sets the gain" table
+the worked ones (at least one step before the answer line). The "What sets the gain" table of docs/results.md
 comes from this script run on the quickstart's SFT policy (`outputs/kfp-local/<run>/sft/policy`) and its
 last PPO update (`.../ppo-3/updated/policy`).
 """

@@ -1,4 +1,4 @@
-"""Do step rewards beat outcome-only GRPO at equal rollout budget? (issue 20; README "Does it learn?")
+"""Do step rewards beat outcome-only GRPO at equal rollout budget? (docs/results.md, "Long chains with a risky shortcut")
 
     python benchmarks/prm_vs_outcome.py --config configs/prm-vs-outcome.yaml
     python benchmarks/prm_vs_outcome.py --config configs/prm-vs-outcome.yaml --set seeds=[0] --set iterations=2

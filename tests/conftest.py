@@ -83,8 +83,8 @@ def sft_policy():
     return cached_sft("sft-policy", POLICY_OVERRIDES)
 
 
-#: The quickstart's warm-up until 2026-11-25 (lr 3e-3 for 2000 steps; it now runs 2e-3 for 1500, README "Does
-#: it learn?"; the heavy tests' thresholds were set on this one): mixed demonstrations, half of them the bare
+#: The quickstart's warm-up until 2026-11-25 (lr 3e-3 for 2000 steps; it now runs 2e-3 for 1500, docs/results.md;
+#: the heavy tests' thresholds were set on this one): mixed demonstrations, half of them the bare
 #: answer with no working. The policy answers directly about half the time; its bare answers are right ~13%
 #: of the time, its worked solutions ~80% (sampled), so RL has something to find. 1000 steps are not enough: the worked
 #: solutions are then right only ~20% of the time and the reward barely moves; continuing `sft_policy`

@@ -36,7 +36,7 @@ Modules, each with one job:
     datasets.py  lineage: a stage's input and output hand-offs as MLflow datasets
     models.py    lineage: the models a stage writes as MLflow LoggedModels (weights stay in the artifact store)
 
-What the MLflow UI shows (README, "The MLflow UI"): run names unique within a pipeline run
+What the MLflow UI shows (docs/mlflow.md): run names unique within a pipeline run
 (`rollout-iter1 shard 0/2`), source/user/description tags, system/* metrics, experiments tagged as
 model training; `eval/` is the evaluate stage's namespace (a training stage's held-out `eval/x` is
 logged as `<stage>/eval_x`), and a stage's copies onto the parent are `final/*` (evaluate) and

@@ -86,10 +86,10 @@ def test_recipe_runs_the_real_model_on_public_data_with_process_rewards(tmp_path
 
 
 def readme_block() -> dict:
-    """The README's 'Real models and data' block: the keys that take the quickstart to Qwen2.5 on GSM8K."""
-    text = (ROOT / "README.md").read_text()
+    """docs/cluster.md's 'A real model on the cluster' block: the keys that take the quickstart to Qwen2.5 on GSM8K."""
+    text = (ROOT / "docs" / "cluster.md").read_text()
     m = re.search(r"```yaml\n# quickstart -> Qwen2.5[^\n]*\n(.*?)```", text, re.S)
-    assert m, "README: the 'Real models and data' YAML block is missing"
+    assert m, "docs/cluster.md: the 'A real model on the cluster' YAML block is missing"
     return yaml.safe_load(m.group(1))
 
 
@@ -101,7 +101,7 @@ def merged(base: dict, change: dict) -> dict:
 
 
 def test_readme_keys_take_the_quickstart_to_qwen_on_gsm8k(tmp_path):
-    """Every key the README names exists, really changes the quickstart's value, and the result compiles."""
+    """Every key docs/cluster.md names exists, really changes the quickstart's value, and the result compiles."""
     from prmflow import stages
 
     quick = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
@@ -113,8 +113,8 @@ def test_readme_keys_take_the_quickstart_to_qwen_on_gsm8k(tmp_path):
         for key, value in config.flatten(section).items():
             if isinstance(value, dict):  # flatten also keeps the nested section itself
                 continue
-            assert key in after, f"README names {stage}.{key}, which is not a key"
-            assert before[key] != after[key], f"README says {stage}.{key} changes, but the quickstart already has {value!r}"
+            assert key in after, f"docs/cluster.md names {stage}.{key}, which is not a key"
+            assert before[key] != after[key], f"docs/cluster.md says {stage}.{key} changes, but the quickstart already has {value!r}"
     assert block["sft"]["task"].endswith(".parquet") and block["prm"]["task"].endswith("math-shepherd.parquet")
     path = tmp_path / "qwen-gsm8k.yaml"
     path.write_text(yaml.safe_dump(merged(quick, block)))

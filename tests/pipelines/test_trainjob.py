@@ -22,13 +22,14 @@ from prmflow.components.ppo import stage as ppo_stage
 from prmflow.pipelines.settings import load_spec
 
 from .fake_k8s import FakeK8s
-from .test_compile_submit import all_tasks
+from .test_compile_submit import IMAGES, all_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_YAML = """
 pipeline:
   iterations: 2
   rollout_shards: 1
+  images: {{cpu: registry.example.com/ml/prmflow-cpu:1.0, gpu: registry.example.com/ml/prmflow-gpu:1.0}}
   cluster:
     mlflow_secret: mlflow-creds
     object_store_secret: s3-creds
@@ -47,11 +48,11 @@ pipeline:
 """
 
 
-def compile_yaml(tmp_path, text):
+def compile_yaml(tmp_path, text, *args):
     cfg = tmp_path / "pipeline.yaml"
     cfg.write_text(text)
     out = tmp_path / "compiled.yaml"
-    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(out)]) == 0
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(out), *args]) == 0
     docs = list(yaml.safe_load_all(out.read_text()))
     return docs[0], docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
 
@@ -70,7 +71,7 @@ def test_compiled_pipeline_has_the_submit_and_wait_step_for_ppo(tmp_path):
     container = spec["deploymentSpec"]["executors"][ex]["container"]
     submitted = json.loads(trainjob_env(spec, ex))
     assert submitted["num_nodes"] == 2 and submitted["resources_per_node"]["nvidia.com/gpu"] == 8
-    assert submitted["image"].startswith("ghcr.io/prmflow/prmflow-gpu")  # the nodes run the GPU image
+    assert submitted["image"] == "registry.example.com/ml/prmflow-gpu:1.0"  # the nodes run the GPU image
     assert "prmflow-cpu" in container["image"] and "accelerator" not in container.get("resources", {})
     assert platform[ex]["nodeSelector"]["labels"] == {"cloud.google.com/gke-nodepool": "cpu-pool"}
     assert platform[ex]["pvcMount"][0]["constant"] == "prmflow-rwx"  # stages the inputs on the shared volume
@@ -142,7 +143,7 @@ def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(
     assert spec["runtimeRef"] == {"name": "torch-distributed", "kind": "ClusterTrainingRuntime", "apiGroup": "trainer.kubeflow.org"} \
         or spec["runtimeRef"]["name"] == "torch-distributed"
     trainer = spec["trainer"]
-    assert trainer["image"].startswith("ghcr.io/prmflow/prmflow-gpu") and trainer["numNodes"] == 2
+    assert trainer["image"] == "registry.example.com/ml/prmflow-gpu:1.0" and trainer["numNodes"] == 2
     assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8, "cpu": "96", "memory": "1500G"}
     config_path = workspace / "trainjobs" / "run-7f3a" / "ppo-it0" / "config.yaml"
     assert trainer["command"] == ["torchrun", "--no-python", "prmflow", "ppo", "--config", str(config_path)]
@@ -211,23 +212,28 @@ def test_a_retried_step_waits_for_the_job_its_first_attempt_submitted(tmp_path, 
 
 
 
-def test_a_step_retried_after_its_trainjob_failed_submits_a_new_one(tmp_path, monkeypatch, compiled_ppo_step):
+def test_a_failed_trainjob_is_deleted_and_the_retried_step_submits_a_new_one(tmp_path, monkeypatch, compiled_ppo_step):
+    """The failed job is deleted (its pods already stopped; its reason is in the step's error), so the retry
+    submits afresh under the same name, and the MLflow run names the job that ran."""
     outcomes = [("FailedJobs", "node-0: preempted"), None]
     with FakeK8s(work=lambda body: outcomes.pop(0) or fake_ppo_output(body)) as fake:
-        with pytest.raises(trainjob.TrainJobError, match="preempted"):
+        with pytest.raises(trainjob.TrainJobError, match="preempted") as err:
             run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-resubmit")
+        first = fake.posted()[0]["metadata"]["name"]
+        assert fake.deleted == [first] and "deleted it" in str(err.value)
         shutil.rmtree(tmp_path / "minio")
         shutil.rmtree(tmp_path / "outputs")
         out, workspace = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-resubmit")
-    first, second = (job["metadata"]["name"] for job in fake.posted())
-    assert second == f"{first}-r1"
+    assert [job["metadata"]["name"] for job in fake.posted()] == [first, first]
+    assert fake.deleted == [first]  # the completed one stays
     staged = yaml.safe_load((workspace / "trainjobs" / "run-resubmit" / "ppo-it0" / "config.yaml").read_text())["ppo"]
-    assert staged["tracking"]["tags"] == {"prmflow.trainjob": second}  # the MLflow run names the job that ran
+    assert staged["tracking"]["tags"] == {"prmflow.trainjob": first}
     assert (out / "policy" / "model.safetensors").read_bytes() == b"weights"
+
 
 def test_the_7b_two_node_recipe_compiles_with_sft_and_ppo_as_trainjobs(tmp_path):
     text = (ROOT / "configs" / "cluster" / "ppo-7b-2x8.yaml").read_text()
-    spec, _ = compile_yaml(tmp_path, text)
+    spec, _ = compile_yaml(tmp_path, text, *IMAGES)
     by_name = {t["taskInfo"]["name"]: t for t in all_tasks(spec).values()}
     assert "sft (trainjob)" in by_name and "prm" in by_name
     assert {f"ppo-{k} (trainjob)" for k in range(10)} <= set(by_name)

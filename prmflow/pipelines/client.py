@@ -246,7 +246,7 @@ def pod_log_tail(pod: str, namespace: str, lines: int) -> str | None:
         if in_cluster() and not os.environ.get("KUBECONFIG"):
             kube_config.load_incluster_config()
         else:
-            kube_config.load_kube_config()
+            kube_config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
         api = kube_client.CoreV1Api()
         return api.read_namespaced_pod_log(pod, namespace, container="main", tail_lines=lines, _request_timeout=30)
     except Exception as e:  # noqa: BLE001 - no kubeconfig, no RBAC for pods/log, pod gone: say how to get it

@@ -210,14 +210,16 @@ def test_submit_uploads_the_package_and_parameters(tmp_path):
     cfg.write_text(CLUSTER_YAML)
     with FakeKfp() as kfp_server:
         code = cli.main(["pipeline", "submit", "--host", kfp_server.url, "--config", str(cfg), "--experiment", "prm-rl",
-                         "--run-name", "try-1", "--param", 'ppo_config={"optim": {"lr": 2e-6}}', "--param", "tracking_uri=http://mlflow:5000"])
+                         "--run-name", "try-1", "--param", 'ppo_config={"epochs": 2}', "--param", "tracking_uri=http://mlflow:5000"])
     assert code == 0
     posts = [r for r in kfp_server.requests if r["method"] == "POST"]
     assert [r["path"] for r in posts] == ["/apis/v2beta1/experiments", "/apis/v2beta1/runs"]
     assert posts[0]["body"]["display_name"] == "prm-rl"
     run = posts[1]["body"]
     assert run["display_name"] == "try-1" and run["experiment_id"] == "exp-1"
-    assert run["runtime_config"]["parameters"] == {"ppo_config": {"optim": {"lr": 2e-6}}, "tracking_uri": "http://mlflow:5000"}
+    # merged into the compiled ppo section (optim.lr 1e-6 stays; KFP alone would have replaced the whole dict)
+    assert run["runtime_config"]["parameters"] == {"ppo_config": {"optim": {"lr": 1e-6}, "epochs": 2},
+                                                   "tracking_uri": "http://mlflow:5000"}
     uploaded = run["pipeline_spec"]["pipeline_spec"]  # KFP sends {pipeline_spec, platform_spec}
     assert uploaded["pipelineInfo"]["name"] == "prmflow"
     platform = run["pipeline_spec"]["platform_spec"]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]

@@ -29,7 +29,8 @@ CLUSTER_YAML = """
 pipeline:
   iterations: 2
   rollout_shards: 1
-  images: {{cpu: registry.example.com/ml/prmflow-cpu:1.0, gpu: registry.example.com/ml/prmflow-gpu:1.0}}
+  images: {{cpu: registry.example.com/ml/prmflow-cpu:1.0, gpu: registry.example.com/ml/prmflow-gpu:1.0,
+           pull_secrets: [regcred]}}
   cluster:
     mlflow_secret: mlflow-creds
     object_store_secret: s3-creds
@@ -115,6 +116,11 @@ def run_ppo_step(tmp_path, monkeypatch, fake, compiled, run_id):
     env, workspace = compiled
     monkeypatch.setenv(trainjob.ENV, env)
     monkeypatch.setenv("KUBECONFIG", str(fake.kubeconfig(tmp_path / "kubeconfig")))
+    return ppo_step(tmp_path, run_id), workspace
+
+
+def ppo_step(tmp_path: Path, run_id: str) -> Path:
+    """KFP's part of a ppo step: its input artifacts downloaded, then the component function called."""
     inputs = tmp_path / "minio"  # where KFP's launcher put the input artifacts
     for name in ("policy", "advantages"):
         (inputs / name).mkdir(parents=True)
@@ -127,7 +133,7 @@ def run_ppo_step(tmp_path, monkeypatch, fake, compiled, run_id):
     ppo_component.ppo(config={"optim": {"lr": 1e-6}}, kfp_run_id=run_id, tracking_uri="http://mlflow:5000",
                       experiment="prm-rl", iteration=0, policy=policy, policy_subdir="", advantages=advantages,
                       previous=previous, resume_previous=False, updated=updated)
-    return Path(updated.path), workspace
+    return Path(updated.path)
 
 
 def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(tmp_path, monkeypatch, capsys,
@@ -147,10 +153,14 @@ def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(
     assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8, "cpu": "96", "memory": "1500G"}
     config_path = workspace / "trainjobs" / "run-7f3a" / "ppo-it0" / "config.yaml"
     assert trainer["command"] == ["torchrun", "--no-python", "prmflow", "ppo", "--config", str(config_path)]
+    assert spec["activeDeadlineSeconds"] == 259200  # trainer.timeout_s: the job ends even if nobody waits for it
     (patch,) = spec["runtimePatches"]
     (rjob,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
     pod = rjob["template"]["spec"]["template"]["spec"]
     assert rjob["name"] == "node"
+    # no Istio sidecar in the node pods (profile namespaces inject one; it breaks the rendezvous)
+    assert rjob["template"]["spec"]["template"]["metadata"] == {"labels": {"sidecar.istio.io/inject": "false"}}
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert pod["nodeSelector"] == {"cloud.google.com/gke-nodepool": "h100-pool"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["volumes"] == [{"name": "workspace", "persistentVolumeClaim": {"claimName": "prmflow-rwx"}}]
@@ -229,6 +239,111 @@ def test_a_failed_trainjob_is_deleted_and_the_retried_step_submits_a_new_one(tmp
     staged = yaml.safe_load((workspace / "trainjobs" / "run-resubmit" / "ppo-it0" / "config.yaml").read_text())["ppo"]
     assert staged["tracking"]["tags"] == {"prmflow.trainjob": first}
     assert (out / "policy" / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_an_old_trainer_is_refused_before_anything_is_submitted(tmp_path, monkeypatch, compiled_ppo_step):
+    """Trainer < v2.2.0 has no runtimePatches: it would drop the node selector and tolerations, and the pods
+    would wait for GPU nodes they cannot tolerate until the step's timeout."""
+    with FakeK8s(work=fake_ppo_output, trainer_version=None) as fake, \
+            pytest.raises(trainjob.TrainJobError, match=r"older than v2\.2\.0 \(no ConfigMap kubeflow-system/kubeflow-tr"):
+        run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-old-trainer")
+    assert fake.posted() == []
+    shutil.rmtree(tmp_path / "minio")
+    shutil.rmtree(tmp_path / "outputs")
+    with FakeK8s(work=fake_ppo_output, trainer_version="v2.1.0") as fake, \
+            pytest.raises(trainjob.TrainJobError, match=r"Trainer v2\.1\.0 found .* need v2\.2\.0 or newer"):
+        run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-old-trainer")
+    assert fake.posted() == []
+
+
+def test_mpi_runtimes_are_refused_naming_the_torch_runtime(tmp_path, monkeypatch, compiled_ppo_step):
+    data = yaml.safe_load(CLUSTER_YAML.format(workspace="/w"))
+    data["pipeline"]["cluster"]["trainer"]["runtime"] = "deepspeed-distributed"
+    with pytest.raises(ConfigError, match="an MPI runtime.*Use runtime: torch-distributed"):
+        load_spec(None, data=data)  # at compile time, for Trainer's own MPI runtimes
+    env, workspace = compiled_ppo_step
+    renamed = json.dumps({**json.loads(env), "runtime": "team-mpi"})  # a cluster's own runtime: known when read
+    with FakeK8s(work=fake_ppo_output, runtimes={"team-mpi": "deepspeed"}) as fake, \
+            pytest.raises(trainjob.TrainJobError, match="'deepspeed' runtime.*runtime to torch-distributed"):
+        run_ppo_step(tmp_path, monkeypatch, fake, (renamed, workspace), "run-mpi")
+    assert fake.posted() == []
+
+
+def start_ppo_step(tmp_path: Path, fake, env: str, run_id: str):
+    """The ppo step in its own process (as in its pod), once its TrainJob's pods run; (process, job name)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from pathlib import Path; "
+            f"from pipelines.test_trainjob import ppo_step; ppo_step(Path({str(tmp_path)!r}), {run_id!r})")
+    child_env = {**os.environ, trainjob.ENV: env, "KUBECONFIG": str(fake.kubeconfig(tmp_path / "kubeconfig")),
+                 "PYTHONPATH": str(ROOT)}
+    step = subprocess.Popen([sys.executable, "-c", code], env=child_env, stderr=subprocess.PIPE, text=True)
+    name = trainjob.job_name(run_id, "ppo", 0)
+    for _ in range(1200):  # until the fake controller has the job's pods Running (or the step died)
+        seen = fake.pods_seen.get(name)
+        if (seen is not None and seen.wait(0.1)) or step.poll() is not None:
+            break
+        if seen is None:
+            time.sleep(0.1)
+    assert step.poll() is None, step.stderr.read()
+    assert fake.phase[name] == "Running"
+    return step, name
+
+
+def test_a_stopped_step_deletes_its_trainjob(tmp_path, compiled_ppo_step):
+    """Terminating the KFP run stops the step's pod (SIGTERM): the TrainJob and its GPUs go with it."""
+    import signal
+    import threading
+
+    release = threading.Event()
+    with FakeK8s(work=lambda body: release.wait(60) and fake_ppo_output(body)) as fake:
+        step, name = start_ppo_step(tmp_path, fake, compiled_ppo_step[0], "run-stopped")
+        step.send_signal(signal.SIGTERM)
+        _, err = step.communicate(timeout=120)
+        release.set()
+    assert step.returncode != 0
+    assert fake.deleted == [name] and name not in fake.jobs
+    assert f"deleted TrainJob {name} (the step was stopped)" in err and "SIGTERM" in err
+    assert not (tmp_path / "outputs" / "updated").exists()
+
+
+def test_a_step_retried_after_its_pod_died_reattaches_to_the_running_trainjob(tmp_path, monkeypatch, compiled_ppo_step):
+    """A lost node kills the step without a signal it can act on (SIGKILL): the job keeps running, and the
+    retried step waits for that job rather than submitting a second one."""
+    import signal
+    import threading
+
+    release = threading.Event()
+    with FakeK8s(work=lambda body: release.wait(60) and fake_ppo_output(body)) as fake:
+        step, name = start_ppo_step(tmp_path, fake, compiled_ppo_step[0], "run-node-lost")
+        step.send_signal(signal.SIGKILL)
+        step.communicate(timeout=120)
+        shutil.rmtree(tmp_path / "minio")
+        shutil.rmtree(tmp_path / "outputs")
+        threading.Timer(1.0, release.set).start()  # the job finishes while the retry waits for it
+        out, _ = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-node-lost")
+    assert [job["metadata"]["name"] for job in fake.posted()] == [name] and fake.deleted == []
+    assert (out / "policy" / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_a_trainjob_that_outlives_the_timeout_is_deleted(tmp_path, monkeypatch, compiled_ppo_step):
+    import threading
+
+    env, workspace = compiled_ppo_step
+    short = json.dumps({**json.loads(env), "timeout_s": 3, "poll_s": 1})
+    release = threading.Event()
+    with FakeK8s(work=lambda body: release.wait(60) and fake_ppo_output(body)) as fake, \
+            pytest.raises(trainjob.TrainJobError, match="did not finish within pipeline.cluster.trainer.timeout_s = 3 s"):
+        try:
+            run_ppo_step(tmp_path, monkeypatch, fake, (short, workspace), "run-timeout")
+        finally:
+            release.set()
+    (job,) = fake.posted()
+    assert job["spec"]["activeDeadlineSeconds"] == 3
+    assert fake.deleted == [job["metadata"]["name"]]
 
 
 def test_the_7b_two_node_recipe_compiles_with_sft_and_ppo_as_trainjobs(tmp_path):

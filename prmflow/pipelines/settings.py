@@ -82,7 +82,7 @@ class TrainerConfig:
     namespace: str = ""
     """Namespace of the TrainJobs. Empty: the pipeline step's own namespace."""
     timeout_s: int = 259200
-    """Longest wait for a TrainJob to finish (default 3 days); the step fails after it."""
+    """Longest wait for a TrainJob to finish (default 3 days), also its activeDeadlineSeconds; after it the step deletes the job and fails."""
     poll_s: int = 30
     """Seconds between two status reads of a running TrainJob."""
     disable_istio_sidecar: bool = True

@@ -286,3 +286,17 @@ def test_placeholder_images_fail_compile_with_what_to_do(tmp_path, capsys):
     spec = yaml.safe_load_all((tmp_path / "x.yaml").read_text())
     images = {e["container"]["image"] for e in next(spec)["deploymentSpec"]["executors"].values() if "container" in e}
     assert images == {arg.split("=", 2)[2] for arg in IMAGES}
+
+
+# --- docs ----------------------------------------------------------------------------------------
+
+def test_the_submitting_page_tables_match_the_config():
+    """docs/submitting.md's key tables are generated from the config docstrings, like the stage READMEs."""
+    from prmflow import docs
+    from prmflow.pipelines.settings import ImagesConfig, TrainerConfig
+
+    path = ROOT / "docs" / "submitting.md"
+    text = path.read_text()
+    for name, cls in (("pipeline.images", ImagesConfig), ("pipeline.cluster.trainer", TrainerConfig)):
+        assert text == docs.with_table(text, name, docs.config_table(cls), where=str(path)), \
+            f"{path}: the {name} table is out of date; regenerate it with prmflow.docs.with_table"

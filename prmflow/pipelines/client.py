@@ -177,11 +177,16 @@ def connect(conn: Connection):
     with warnings.catch_warnings(), api_errors(conn, "the health check"):
         warnings.filterwarnings("ignore", message="This client only works with Kubeflow Pipeline")
         try:
-            return kfp.Client(host=conn.host or None, namespace=namespace, existing_token=conn.token or None,
-                              cookies=conn.cookie or None, credentials=credentials, ui_host=conn.ui_host or None)
+            client = kfp.Client(host=conn.host or None, namespace=namespace, existing_token=conn.token or None,
+                                cookies=conn.cookie or None, credentials=credentials, ui_host=conn.ui_host or None)
+            # kfp found no namespace (none given, not a pod): a multi-user KFP would refuse every call for want of one
+            if not conn.namespace and not client.get_user_namespace() and client.get_kfp_healthz().multi_user:
+                raise ConfigError(f"KFP at {conn.where()} is a multi-user install: pass --namespace "
+                                  "YOUR_PROFILE_NAMESPACE (where your runs and experiments live).")
         except TimeoutError as e:  # kfp's healthz probe gave up (5 tries)
             raise KfpError(f"KFP at {conn.where()} did not answer its health check ({e}); sent {conn.how()}.\n"
                            + hint(conn, 401)) from None
+    return client
 
 
 def _kubeconfig_exists() -> bool:

@@ -132,6 +132,13 @@ def test_inside_a_pod_no_host_is_needed(package, tmp_path, monkeypatch):
     assert exp["body"]["namespace"] == "team-a"  # ... and files the run in the pod's namespace
 
 
+def test_a_multi_user_kfp_asks_for_the_namespace(package, capsys):
+    with FakeKfp(cookies={"authservice_session=s3ss10n": "alice"}) as fake:
+        assert submit("--package", str(package), "--host", fake.url, "--cookie", "authservice_session=s3ss10n") == 2
+    assert "is a multi-user install: pass --namespace YOUR_PROFILE_NAMESPACE" in capsys.readouterr().err
+    assert [r["path"] for r in fake.requests] == [f"{API}/healthz"] * 2  # kfp's probe, then ours; no run
+
+
 def test_a_401_says_which_credentials_to_use(package, capsys):
     with FakeKfp(tokens={"tok-alice": "alice"}) as fake:
         assert submit("--package", str(package), "--host", fake.url, "--namespace", "team-a") == 2

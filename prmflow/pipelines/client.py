@@ -152,6 +152,16 @@ def api_errors(conn: Connection, doing: str) -> Iterator[None]:
                        "(and, inside the cluster, --kfp-namespace).") from None
 
 
+def require_id(conn: Connection, value: str | None, what: str) -> str:
+    """`value` (an id the API returned); KfpError when it is missing: the answer was not the KFP API's (a
+    Dex / oauth2-proxy login page that an unauthenticated request was redirected to, or a wrong --host)."""
+    if not value:
+        raise KfpAuthError(f"KFP at {conn.where()} answered {what} without an id: that was not the KFP API "
+                           f"(a multi-user Kubeflow redirects a request without a session to its login page), "
+                           f"or --host is wrong; sent {conn.how()}.\n{hint(conn, 401)}")
+    return value
+
+
 def connect(conn: Connection):
     """A kfp.Client for `conn`: its credential, and the user's namespace on every call that takes one."""
     import kfp

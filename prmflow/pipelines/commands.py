@@ -158,7 +158,7 @@ def _package(args, tmp: str) -> tuple[str, PipelineSpec | None, list[str]]:
         if pipeline:
             raise ConfigError(f"--set {', '.join(pipeline)}: pipeline: keys are compiled into --package "
                               f"{args.package}; recompile with them (stage keys, STAGE.KEY=VALUE, still apply).")
-        return args.package, None, [s for s in args.set if s.split("=", 1)[0] not in pipeline]
+        return args.package, None, list(args.set)  # all stage keys: they merge into the run's arguments
     spec = _load(args.config, args.set)
     return compile_for_cluster(spec, os.path.join(tmp, "pipeline.yaml")), spec, []
 
@@ -216,6 +216,7 @@ def _submit(args) -> int:
                 package, arguments=arguments, run_name=args.run_name or None, experiment_name=args.experiment,
                 namespace=conn.namespace or None, pipeline_root=args.pipeline_root or None,
                 service_account=service_account or None)
+        client.require_id(conn, result.run_id, "the new run")
     print(f"submitted run {result.run_id} (experiment {args.experiment}): {client.run_url(conn, result.run_id)}")
     if not args.wait:
         return 0
@@ -247,6 +248,7 @@ def _upload(args) -> int:
             with client.api_errors(conn, f"uploading pipeline {name}"):
                 made = kfp_client.upload_pipeline(package, pipeline_name=name, description=args.description or None,
                                                   namespace=conn.namespace or None)
+            client.require_id(conn, made.pipeline_id, f"the upload of pipeline {name}")
             print(f"created pipeline {name} ({made.pipeline_id}) with its first version; start runs from it in the "
                   f"KFP UI, or upload again for a new version")
             return 0
@@ -254,6 +256,7 @@ def _upload(args) -> int:
             made = kfp_client.upload_pipeline_version(package, pipeline_version_name=version,
                                                       pipeline_id=found[0].pipeline_id,
                                                       description=args.description or None)
+            client.require_id(conn, made.pipeline_version_id, f"the upload of version {version}")
     print(f"uploaded version {version} ({made.pipeline_version_id}) of pipeline {name} ({found[0].pipeline_id})")
     return 0
 

@@ -6,6 +6,8 @@ Authentication as a multi-user Kubeflow answers it: with `tokens` / `cookies` / 
 request without an accepted bearer token or session cookie gets 401 (the API server's "no user identity"
 answer behind the Istio gateway), and one for a namespace the identity may not use gets 403 (KFP's
 SubjectAccessReview refusal). Error bodies have grpc-gateway's shape: {error, code, message, details}.
+With `login_page`, a request without identity is redirected (302) to an HTML login page instead, as Dex
+or oauth2-proxy in front of a multi-user Kubeflow answer a client without a session.
 
 A created run plays the backend's part: each GET of it advances through `run_states` (default PENDING,
 RUNNING, SUCCEEDED); `run_details` (task details, as the backend reports them) is returned with it.
@@ -27,7 +29,7 @@ API = "/apis/v2beta1"
 
 class FakeKfp:
     def __init__(self, tokens: dict[str, str] | None = None, cookies: dict[str, str] | None = None,
-                 run_states: list[str] | None = None, run_details: dict | None = None):
+                 run_states: list[str] | None = None, run_details: dict | None = None, login_page: bool = False):
         """tokens/cookies: {credential: identity}; None for both: no authentication (single-user KFP).
         An identity may use the namespaces in `namespaces` (identity -> set), default: all."""
         self.requests: list[dict] = []
@@ -39,6 +41,7 @@ class FakeKfp:
         self.namespaces: dict[str, set[str]] = {}
         self.run_states = run_states or ["PENDING", "RUNNING", "SUCCEEDED"]
         self.run_details = run_details or {}
+        self.login_page = login_page  # Dex / oauth2-proxy in front: no identity -> 302 to an HTML login page
         self.lock = threading.Lock()
         fake = self
 
@@ -74,6 +77,12 @@ class FakeKfp:
                 who = (fake.tokens or {}).get(auth.removeprefix("Bearer ")) if auth.startswith("Bearer ") else None
                 for part in filter(None, (c.strip() for c in self.headers.get("Cookie", "").split(";"))):
                     who = who or (fake.cookies or {}).get(part)
+                if who is None and fake.login_page:
+                    self.send_response(302)
+                    self.send_header("Location", "/dex/auth?client_id=kubeflow-oidc-authservice&response_type=code")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return True
                 if who is None:
                     return self._error(401, "Request header error: there is no user identity header.", 16)
                 allowed = fake.namespaces.get(who)
@@ -83,8 +92,18 @@ class FakeKfp:
                                             f"{namespace},Verb:list,Group:pipelines.kubeflow.org,Resource:experiments}})", 7)
                 return None
 
+            def _login_html(self):
+                data = b"<!DOCTYPE html><html><head><title>Log in to Kubeflow</title></head><body>...</body></html>"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
             def do_GET(self):
                 path, query, _ = self._record()
+                if path == "/dex/auth":
+                    return self._login_html()
                 namespace = (query.get("namespace") or [None])[0]
                 if self._identity(namespace) is not None:
                     return
@@ -105,6 +124,8 @@ class FakeKfp:
 
             def do_POST(self):
                 path, query, body = self._record()
+                if path == "/dex/auth":  # urllib3 follows a 302 with the same method
+                    return self._login_html()
                 body = body or {}
                 namespace = body.get("namespace") if isinstance(body, dict) else None
                 if self._identity(namespace) is not None:

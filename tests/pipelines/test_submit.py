@@ -149,6 +149,17 @@ def test_a_401_says_which_credentials_to_use(package, capsys):
         assert way in err, way
 
 
+def test_a_login_page_instead_of_the_api_is_not_taken_for_a_run(package, capsys):
+    """Without a session, Dex answers with a redirect to its login page; kfp.Client reads that HTML as an empty
+    answer. The submission must fail saying so, not report a run that does not exist."""
+    with FakeKfp(cookies={"authservice_session=s3ss10n": "alice"}, login_page=True) as fake:
+        assert submit("--package", str(package), "--host", fake.url, "--namespace", "team-a") == 2
+        assert any(r["path"] == "/dex/auth" for r in fake.requests) and fake.runs == {}
+    captured = capsys.readouterr()
+    assert "answered the new run without an id: that was not the KFP API" in captured.err
+    assert "--cookie NAME=VALUE" in captured.err and "submitted run" not in captured.out
+
+
 def test_a_403_says_to_use_the_profile_namespace(package, capsys):
     with FakeKfp(tokens={"tok-alice": "alice"}) as fake:
         fake.namespaces["alice"] = {"team-a"}

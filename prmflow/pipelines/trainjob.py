@@ -14,7 +14,8 @@ volume and lets Kubeflow Trainer run it, the pattern Kubeflow's own components u
        label, and activeDeadlineSeconds = trainer.timeout_s
     5. poll its status (printed to the step's log) until Complete or Failed; Failed fails the step
        with the TrainJob's reason and message
-    6. check the output's manifest and checksums, copy it to the step's output artifact
+    6. check the output's manifest and checksums. An output path on the volume (the workspace layout) is
+       where the job wrote it: read there, not copied; any other output path gets a copy
 
 The TrainJob is deleted when the step stops waiting for it without a result: the step's pod is
 stopped (SIGTERM: the run was terminated, or the pod evicted), the wait times out, or the job failed.
@@ -231,13 +232,18 @@ def _reporter(name: str):
     return report
 
 
-def _commit_output(src: Path, dst: Path) -> None:
-    """Copy the TrainJob's output to the step's output path, whole or not at all."""
+def _check_output(src: Path) -> None:
+    """The TrainJob's output is committed whole: its manifest and every file's checksum."""
     try:
-        manifest = io.read_manifest(src)
-        io.verify_files(src, manifest)
+        io.verify_files(src, io.read_manifest(src))
     except PrmflowError as e:
         raise TrainJobError(f"The TrainJob finished but its output at '{src}' is not complete: {e}") from None
+
+
+def _commit_output(src: Path, dst: Path) -> None:
+    """Copy the TrainJob's output to the step's output path, whole or not at all (only when that path is
+    not on the shared volume, where the job could have written it itself)."""
+    _check_output(src)
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp)
@@ -302,7 +308,11 @@ def run(stage: str, config_cls: type, values: dict[str, Any], paths: dict[str, A
     inputs = [k for k, v in paths.items() if k != "output" and isinstance(v, str) and v and os.path.exists(v)
               and not Path(v).resolve().is_relative_to(Path(spec.workspace_path).resolve())]
     staged = _staged_paths(values, inputs, work / "in")
-    original, values = values, {**values, **staged, "output": str(work / "output")}
+    # an output path on the shared volume (the pipeline's workspace layout) is written by the job where it is
+    # read from; any other (a KFP artifact in the step's pod) is written on the volume, then copied there
+    in_place = Path(paths["output"]).resolve().is_relative_to(Path(spec.workspace_path).resolve())
+    output = Path(paths["output"]) if in_place else work / "output"
+    original, values = values, {**values, **staged, "output": str(output)}
     client = client_for(spec)
     name, status = base, _existing_status(client, base)
     for attempt in range(1, 100):  # a failed job that could not be deleted keeps its name; resubmit as -r<k>
@@ -356,5 +366,8 @@ def run(stage: str, config_cls: type, values: dict[str, Any], paths: dict[str, A
         raise TrainJobError(f"TrainJob '{name}' ({stage}) failed: {reason}"
                             + (f"\nlast lines of node-0:\n{tail}" if tail else "")
                             + f"\n{_delete(client, name, 'failed')}.")
-    _commit_output(work / "output", Path(paths["output"]))
+    if in_place:
+        _check_output(output)
+    else:
+        _commit_output(output, Path(paths["output"]))
     return {"trainjob": name}

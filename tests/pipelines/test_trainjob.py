@@ -111,16 +111,17 @@ def compiled_ppo_step(tmp_path_factory):
     return trainjob_env(spec, "exec-ppo"), workspace
 
 
-def run_ppo_step(tmp_path, monkeypatch, fake, compiled, run_id):
+def run_ppo_step(tmp_path, monkeypatch, fake, compiled, run_id, output=None):
     """The ppo component function as the compiled step's container runs it (its env, KFP's paths)."""
     env, workspace = compiled
     monkeypatch.setenv(trainjob.ENV, env)
     monkeypatch.setenv("KUBECONFIG", str(fake.kubeconfig(tmp_path / "kubeconfig")))
-    return ppo_step(tmp_path, run_id), workspace
+    return ppo_step(tmp_path, run_id, output), workspace
 
 
-def ppo_step(tmp_path: Path, run_id: str) -> Path:
-    """KFP's part of a ppo step: its input artifacts downloaded, then the component function called."""
+def ppo_step(tmp_path: Path, run_id: str, output: Path | None = None) -> Path:
+    """KFP's part of a ppo step: its input artifacts downloaded, then the component function called
+    (`output`: where the step's output goes, default a KFP output artifact in the step's pod)."""
     inputs = tmp_path / "minio"  # where KFP's launcher put the input artifacts
     for name in ("policy", "advantages"):
         (inputs / name).mkdir(parents=True)
@@ -128,7 +129,7 @@ def ppo_step(tmp_path: Path, run_id: str) -> Path:
     policy, advantages, previous = dsl.Model(uri="s3://b/policy"), dsl.Dataset(uri="s3://b/adv"), dsl.Model(uri="s3://b/p")
     updated = dsl.Model(uri="s3://b/updated")
     policy.path, advantages.path, previous.path = str(inputs / "policy"), str(inputs / "advantages"), str(inputs / "policy")
-    updated.path = str(tmp_path / "outputs" / "updated")
+    updated.path = str(output or tmp_path / "outputs" / "updated")
     (tmp_path / "outputs").mkdir()
     ppo_component.ppo(config={"optim": {"lr": 1e-6}}, kfp_run_id=run_id, tracking_uri="http://mlflow:5000",
                       experiment="prm-rl", iteration=0, policy=policy, policy_subdir="", advantages=advantages,
@@ -192,6 +193,19 @@ def test_a_failed_trainjob_fails_the_step_with_its_reason_and_hands_on_nothing(t
     assert "failed: FailedJobs: jobset failed: node-1 OOMKilled (exit code 137)" in str(err.value)
     assert fake.posted()[0]["metadata"]["name"] in str(err.value)
     assert not (tmp_path / "outputs" / "updated").exists()
+
+
+def test_an_output_on_the_volume_is_written_there_by_the_job_and_not_copied(tmp_path, monkeypatch, compiled_ppo_step):
+    """Where the step's output path is on the shared volume (the workspace layout), the TrainJob writes it
+    there and the step only checks it: no second copy of the checkpoint."""
+    out = compiled_ppo_step[1] / "ppo-0-3f9a"  # a workspace path, as the pipeline's layout names it
+    with FakeK8s(work=fake_ppo_output) as fake:
+        got, workspace = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-in-place", output=out)
+    command = fake.posted()[0]["spec"]["trainer"]["command"]
+    staged = yaml.safe_load(Path(command[command.index("--config") + 1]).read_text())["ppo"]
+    assert staged["output"] == str(out) and got == out
+    io.verify_files(out, io.read_manifest(out))
+    assert not (workspace / "trainjobs" / "run-in-place" / "ppo-it0" / "output").exists()
 
 
 def test_a_trainjob_that_completes_without_a_complete_output_fails_the_step(tmp_path, monkeypatch, compiled_ppo_step):

@@ -48,6 +48,7 @@ def trainjob_spec(cluster: ClusterConfig, images: ImagesConfig) -> trainjob.Trai
                                  secret_env=cluster.secret_env(), workspace_pvc=cluster.workspace_pvc,
                                  workspace_path=cluster.workspace_path, runtime=t.runtime, namespace=t.namespace,
                                  timeout_s=t.timeout_s, poll_s=t.poll_s, image_pull_secrets=list(images.pull_secrets),
+                                 service_account=cluster.service_account,
                                  disable_istio_sidecar=t.disable_istio_sidecar, system_namespace=t.system_namespace)
 
 

@@ -151,7 +151,7 @@ class ClusterConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Multi-node training: which of sft/prm/ppo run as Kubeflow Trainer TrainJobs, on how many nodes."""
     service_account: str = ""
-    """Kubernetes service account of the run's pods (submit --service-account overrides). Empty: KFP's default (pipeline-runner; default-editor in a profile namespace)."""
+    """Kubernetes service account of the run's pods (submit --service-account overrides) and of TrainJob nodes (compiled in). Empty: KFP's default (pipeline-runner; default-editor in a profile namespace)."""
 
     def secret_env(self) -> dict[str, list[str]]:
         """{secret name: env var keys} of the configured secrets."""

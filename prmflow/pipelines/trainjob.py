@@ -83,6 +83,8 @@ class TrainJobSpec:
     timeout_s: int = 259200
     poll_s: int = 30
     image_pull_secrets: list = field(default_factory=list)
+    service_account: str = ""
+    """Service account of the node pods (pipeline.cluster.service_account); empty: the namespace's default."""
     disable_istio_sidecar: bool = True
     system_namespace: str = "kubeflow-system"
 
@@ -147,7 +149,8 @@ def _runtime_patch(spec: TrainJobSpec):
                        containers=[ContainerPatch(name="node", env=env or None, volume_mounts=mounts)],
                        node_selector={k: str(v) for k, v in spec.node_selector.items()} or None,
                        tolerations=spec.tolerations or None,
-                       image_pull_secrets=[{"name": s} for s in spec.image_pull_secrets] or None)
+                       image_pull_secrets=[{"name": s} for s in spec.image_pull_secrets] or None,
+                       service_account_name=spec.service_account or None)
     # an Istio sidecar (injected in Kubeflow profile namespaces) breaks the torch rendezvous (kubeflow/trainer#2794)
     metadata = {"labels": {ISTIO_LABEL: "false"}} if spec.disable_istio_sidecar else None
     return RuntimePatch(training_runtime_spec=TrainingRuntimeSpecPatch(template=JobSetTemplatePatch(

@@ -45,6 +45,7 @@ pipeline:
       memory: 1500G
     cpu_pool:
       node_selector: {{cloud.google.com/gke-nodepool: cpu-pool}}
+    service_account: prmflow-runner
     trainer: {{ppo: trainjob, num_nodes: 2, poll_s: 1}}
 """
 
@@ -162,6 +163,7 @@ def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(
     # no Istio sidecar in the node pods (profile namespaces inject one; it breaks the rendezvous)
     assert rjob["template"]["spec"]["template"]["metadata"] == {"labels": {"sidecar.istio.io/inject": "false"}}
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["serviceAccountName"] == "prmflow-runner"  # the nodes read the object store as the run does
     assert pod["nodeSelector"] == {"cloud.google.com/gke-nodepool": "h100-pool"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["volumes"] == [{"name": "workspace", "persistentVolumeClaim": {"claimName": "prmflow-rwx"}}]

@@ -298,7 +298,9 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     with warnings.catch_warnings(), console.root_logger_restored(detach=not verbose), shown, console.parallel_task_records_kept():
         # kfp.local's notes that it ignores the cluster settings (images, GPUs, node pools) here, per task
         warnings.filterwarnings("ignore", message=".*(non-Python base image|have no effect in the current local runner).*")
-        build(spec, shard_threads=local_shard_threads(spec.pipeline.rollout_shards))(**params)
+        pipeline_fn = build(spec, shard_threads=local_shard_threads(spec.pipeline.rollout_shards))
+        defaults = {name: inp.default for name, inp in pipeline_fn.component_spec.inputs.items()}
+        pipeline_fn(**run_arguments(defaults, params))  # a stage's --param merges into its section, as on a cluster
     print(f"pipeline finished in {time.monotonic() - t0:.0f} s; artifacts under {root}; runs in {params['tracking_uri']}"
           + ("" if verbose else f"; full log: {log_path}"))
     parent = latest_pipeline_run(MlflowClient(params["tracking_uri"]), experiment)

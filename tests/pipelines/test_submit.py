@@ -318,3 +318,12 @@ def test_the_submitting_page_tables_match_the_config():
     for name, cls in (("pipeline.images", ImagesConfig), ("pipeline.cluster.trainer", TrainerConfig)):
         assert text == docs.with_table(text, name, docs.config_table(cls), where=str(path)), \
             f"{path}: the {name} table is out of date; regenerate it with prmflow.docs.with_table"
+
+
+def test_run_local_merges_stage_params_too(tmp_path, capsys):
+    """run-local takes --param as submit does: merged and checked before any task runs."""
+    code = cli.main(["pipeline", "run-local", "--config", str(ROOT / "configs/pipeline-local.yaml"), "--root",
+                     str(tmp_path / "root"), "--param", 'ppo_config={"optim": {"lrr": 1e-6}}'])
+    assert code == 2
+    assert "--param ppo_config [ppo]: 'optim.lrr' is not a config key" in capsys.readouterr().err
+    assert not list((tmp_path / "root").rglob("executor_output.json"))  # no task ran

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shlex
 import sys
@@ -69,7 +68,8 @@ def add_parsers(sub) -> None:
 
     r = psub.add_parser("run-local", help="run the whole DAG on this machine through kfp.local (no docker)")
     r.add_argument("--config", default=None, help="pipeline YAML (default: configs/pipeline-local.yaml settings)")
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a pipeline: key")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a pipeline: key (iterations=1) or a stage key (ppo.optim.lr=1e-4)")
     r.add_argument("--root", default="outputs/kfp-local", help="pipeline root: where artifacts are written")
     r.add_argument("--param", action="append", default=[], metavar="NAME=JSON", help="pipeline parameter")
     r.add_argument("--verbose", action="store_true",

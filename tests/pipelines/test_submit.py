@@ -6,7 +6,6 @@ the failed task and its log tail), and a pipeline is uploaded with versions."""
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build a prmflow image with docker, podman or buildah, on the digest-pinned base from images/bases.env.
-#   images/build.sh cpu|gpu IMAGE:TAG [--tool docker|podman|buildah] [--base IMAGE]
+#   images/build.sh cpu|gpu IMAGE:TAG [--push] [--tool docker|podman|buildah] [--base IMAGE]
 #                   [--wheels DIR] [--ca-bundle FILE] [--constraints FILE] [-- EXTRA BUILD ARGS]
+#   --push       push IMAGE:TAG to its registry after the build (log in first: docker/podman login) and
+#                print the digest-pinned name to set as pipeline.images.cpu|gpu
 #   --tool       default: docker when its daemon answers, else podman, else buildah
 #   --base       base image instead of bases.env's (e.g. one made by images/bootstrap-base.sh)
 #   --wheels     a local wheel directory (cpu image): pip looks there first, and installs torch's
@@ -18,14 +20,15 @@
 # and no user namespaces.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 2 ] || usage
 kind="$1" tag="$2"
 shift 2
-tool="" base="" wheels="" ca="" constraints=""
+tool="" base="" wheels="" ca="" constraints="" push=""
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
+    --push) push=1; shift ;;
     --tool) tool="${2:?--tool needs docker, podman or buildah}"; shift 2 ;;
     --base) base="${2:?--base needs an image}"; shift 2 ;;
     --wheels) wheels="${2:?--wheels needs a directory}"; shift 2 ;;
@@ -81,5 +84,30 @@ case "$tool" in
   podman) cmd=(podman build --layers --force-rm --format docker) ;;  # docker format: OCI drops SHELL
   buildah) cmd=(buildah bud --layers --force-rm --format docker --isolation "${BUILDAH_ISOLATION:-chroot}") ;;
 esac
+if [ -n "$push" ] && [[ "$tag" != */* ]]; then
+  echo "build.sh: --push needs a registry in the image name (REGISTRY/prmflow-$kind:TAG), not '$tag'" >&2
+  exit 2
+fi
 echo "+ ${cmd[*]} ${args[*]} ${extra[*]} $here/.." >&2
-exec "${cmd[@]}" "${args[@]}" "${extra[@]}" "$here/.."
+"${cmd[@]}" "${args[@]}" "${extra[@]}" "$here/.."
+[ -n "$push" ] || exit 0
+# Push, then name the image by the digest the registry stored: what the pipeline should pull (a tag can move).
+name_part="${tag##*/}"
+repo="$tag"
+[[ "$name_part" != *:* ]] || repo="${tag%:*}"  # without the tag (a registry port stays)
+digestfile="$(mktemp)"
+trap 'rm -f "$digestfile"' EXIT
+case "$tool" in
+  docker)
+    echo "+ docker push $tag" >&2
+    docker push "$tag" >&2
+    pinned="$(docker image inspect --format '{{range .RepoDigests}}{{println .}}{{end}}' "$tag" | grep -m1 "^$repo@")" ;;
+  podman|buildah)
+    echo "+ $tool push --digestfile $digestfile $tag" >&2
+    "$tool" push --digestfile "$digestfile" "$tag" >&2
+    pinned="$repo@$(cat "$digestfile")" ;;
+esac
+[[ "$pinned" =~ @sha256:[0-9a-f]{64}$ ]] || { echo "build.sh: pushed $tag but could not read its digest (got '$pinned')" >&2; exit 1; }
+echo "pushed $tag; set it in the pipeline config:" >&2
+echo "  pipeline: {images: {$kind: $pinned}}    (or --set images.$kind=$pinned)" >&2
+echo "$pinned"

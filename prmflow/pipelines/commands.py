@@ -1,8 +1,10 @@
-"""`prmflow pipeline compile|submit|run-local` and `prmflow stage-command`.
+"""`prmflow pipeline compile|submit|upload|run-local` and `prmflow stage-command`.
 
-    prmflow pipeline compile --config configs/pipeline-cluster.yaml -o pipeline.yaml
-    prmflow pipeline submit --host https://kfp.example.com --config configs/pipeline-cluster.yaml \\
-        --experiment prm-rl --param 'ppo_config={"optim": {"lr": 1e-6}}'
+    prmflow pipeline compile --config configs/cluster/ppo-7b-2x8.yaml -o pipeline.yaml
+    prmflow pipeline submit --host https://kubeflow.example.com/pipeline --cookie authservice_session=... \\
+        --namespace my-profile --config configs/cluster/ppo-7b-2x8.yaml --set ppo.optim.lr=1e-6 --wait
+    prmflow pipeline upload --config configs/cluster/ppo-7b-2x8.yaml --host ... --version v3   # a named pipeline, versioned
+    (connection, parameters and operating a run: docs/submitting.md)
     prmflow pipeline run-local --config configs/pipeline-local.yaml      # kfp.local, no docker, CPU
     prmflow pipeline compare --config configs/compare.yaml               # one local run per RL variant + table
     prmflow stage-command ppo --run-id <MLflow run id of that stage>    # fetch its inputs, print the docker run line
@@ -10,8 +12,8 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
-import json
 import os
 import shlex
 import sys
@@ -19,7 +21,9 @@ from pathlib import Path
 
 from .. import stages
 from ..errors import ConfigError, PrmflowError
-from .settings import load_spec
+from . import client
+from .params import effective_configs, merge_section, parse_params, run_arguments, split_sets
+from .settings import PipelineSpec, load_spec
 
 
 def add_parsers(sub) -> None:
@@ -28,24 +32,44 @@ def add_parsers(sub) -> None:
 
     c = psub.add_parser("compile", help="write the compiled pipeline spec (YAML)")
     c.add_argument("--config", help="pipeline YAML (pipeline: + stage sections)")
-    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a pipeline: key")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a pipeline: key (iterations=3, images.gpu=...) or a stage key (ppo.optim.lr=1e-6)")
     c.add_argument("-o", "--output", default="pipeline.yaml", help="where to write the spec")
     c.set_defaults(handler=_compile)
 
-    s = psub.add_parser("submit", help="compile and start a run on a KFP cluster")
-    s.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kfp.example.com")
-    s.add_argument("--config", help="pipeline YAML")
-    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a pipeline: key")
+    s = psub.add_parser("submit", help="compile and start a run on a KFP cluster (docs/submitting.md)")
+    _source_arguments(s)
+    s.add_argument("--param", action="append", default=[], metavar="NAME=JSON",
+                   help="pipeline parameter; a stage's is merged into its compiled config, e.g. "
+                        "'ppo_config={\"optim\": {\"lr\": 1e-6}}' or tracking_uri=http://mlflow:5000")
     s.add_argument("--experiment", default="prmflow", help="KFP experiment to file the run under")
     s.add_argument("--run-name", default="", help="name of the KFP run")
-    s.add_argument("--param", action="append", default=[], metavar="NAME=JSON",
-                   help="pipeline parameter, e.g. 'ppo_config={\"optim\": {\"lr\": 1e-6}}' or tracking_uri=http://mlflow:5000")
-    s.add_argument("--namespace", default=None, help="Kubeflow namespace (multi-user clusters)")
+    s.add_argument("--pipeline-root", default="", help="where the run's artifacts go, e.g. s3://bucket/prmflow "
+                   "(default: the KFP deployment's)")
+    s.add_argument("--service-account", default="", help="service account of the run's pods "
+                   "(default: pipeline.cluster.service_account, else KFP's)")
+    s.add_argument("--caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="turn KFP's result cache on or off for every step of this run (default: as compiled)")
+    s.add_argument("--dry-run", action="store_true", help="print every stage's effective config and the arguments; send nothing")
+    s.add_argument("--wait", action="store_true", help="wait for the run: status lines, then the failed task and its log tail")
+    s.add_argument("--timeout", type=float, default=7 * 24 * 3600, help="with --wait: seconds to wait at most")
+    s.add_argument("--poll", type=float, default=30, help="with --wait: seconds between status reads")
+    s.add_argument("--log-lines", type=int, default=40, help="with --wait: log lines of a failed task to print")
+    client.add_arguments(s)
     s.set_defaults(handler=_submit)
+
+    u = psub.add_parser("upload", help="upload the pipeline to KFP as a named pipeline (a new version if it exists)")
+    _source_arguments(u)
+    u.add_argument("--name", default="", help="pipeline name in KFP (default: pipeline.name)")
+    u.add_argument("--version", default="", help="version name (default: sha256 of the compiled spec, 12 digits)")
+    u.add_argument("--description", default="", help="shown in the KFP UI")
+    client.add_arguments(u)
+    u.set_defaults(handler=_upload)
 
     r = psub.add_parser("run-local", help="run the whole DAG on this machine through kfp.local (no docker)")
     r.add_argument("--config", default=None, help="pipeline YAML (default: configs/pipeline-local.yaml settings)")
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a pipeline: key")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a pipeline: key (iterations=1) or a stage key (ppo.optim.lr=1e-4)")
     r.add_argument("--root", default="outputs/kfp-local", help="pipeline root: where artifacts are written")
     r.add_argument("--param", action="append", default=[], metavar="NAME=JSON", help="pipeline parameter")
     r.add_argument("--verbose", action="store_true",
@@ -84,61 +108,164 @@ def add_parsers(sub) -> None:
     sc.set_defaults(handler=_stage_command)
 
 
-def _overrides(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE.")
-        k, v = item.split("=", 1)
-        out[k] = v
-    return out
+def _source_arguments(p) -> None:
+    """What `submit` and `upload` send: a config compiled now, or a spec compiled before."""
+    p.add_argument("--config", help="pipeline YAML, compiled now")
+    p.add_argument("--package", default="", metavar="FILE", help="a compiled spec (pipeline compile -o FILE) instead of --config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a pipeline: key (images.gpu=...) or a stage key (ppo.optim.lr=1e-6)")
 
 
-def _params(items: list[str]) -> dict:
-    params = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"--param {item!r}: expected NAME=VALUE (VALUE may be JSON).")
-        name, value = item.split("=", 1)
-        try:
-            params[name] = json.loads(value)
-        except json.JSONDecodeError:
-            params[name] = value
-    return params
+def _load(config: str | None, sets: list[str]) -> PipelineSpec:
+    """The pipeline spec with --set applied: pipeline: keys, and stage keys merged into their sections."""
+    pipeline, per_stage = split_sets(sets)
+    spec = load_spec(config, pipeline)
+    for stage, change in per_stage.items():
+        spec.stages[stage] = merge_section(stage, spec.stages.get(stage) or {}, change, "--set")
+    return spec
+
+
+def compile_for_cluster(spec: PipelineSpec, path: str) -> str:
+    """Compile `spec` for a cluster: refused while an image is still a placeholder (a pod that cannot pull
+    its image waits in ImagePullBackOff; better to fail here)."""
+    from .pipeline import compile_to
+
+    unset = spec.pipeline.images.placeholders()
+    if unset:
+        keys = ", ".join(f"pipeline.images.{k}" for k in unset)
+        raise ConfigError(f"{keys} {'is' if len(unset) == 1 else 'are'} still the placeholder ({getattr(spec.pipeline.images, unset[0])}): build and push "
+                          f"the image (images/build.sh {unset[0]} REGISTRY/prmflow-{unset[0]}:TAG --push prints its "
+                          f"digest), then set it in the config's pipeline.images section or with "
+                          f"--set images.{unset[0]}=REGISTRY/prmflow-{unset[0]}@sha256:...")
+    return compile_to(spec, path)
 
 
 def _compile(args) -> int:
-    from .pipeline import compile_to
-
-    spec = load_spec(args.config, _overrides(args.set))
-    compile_to(spec, args.output)
+    spec = _load(args.config, args.set)
+    compile_for_cluster(spec, args.output)
     print(f"wrote {args.output}: {spec.pipeline.iterations} RL iterations, {spec.pipeline.rollout_shards} rollout shards")
     return 0
+
+
+def _package(args, tmp: str) -> tuple[str, PipelineSpec | None, list[str]]:
+    """(package path, the spec when compiled now, the --set items left for the run's arguments)."""
+    if args.package:
+        if args.config:
+            raise ConfigError("Give --config (compiled now) or --package (compiled before), not both.")
+        if not os.path.isfile(args.package):
+            raise ConfigError(f"--package {args.package}: no such file (write one with `prmflow pipeline compile -o FILE`).")
+        pipeline, _ = split_sets(args.set)
+        if pipeline:
+            raise ConfigError(f"--set {', '.join(pipeline)}: pipeline: keys are compiled into --package "
+                              f"{args.package}; recompile with them (stage keys, STAGE.KEY=VALUE, still apply).")
+        return args.package, None, list(args.set)  # all stage keys: they merge into the run's arguments
+    spec = _load(args.config, args.set)
+    return compile_for_cluster(spec, os.path.join(tmp, "pipeline.yaml")), spec, []
+
+
+def _package_doc(path: str) -> list[dict]:
+    import yaml
+
+    return [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+
+
+def package_defaults(path: str) -> dict:
+    """{parameter: default value} of a compiled pipeline spec."""
+    params = _package_doc(path)[0].get("root", {}).get("inputDefinitions", {}).get("parameters", {})
+    return {name: p.get("defaultValue") for name, p in params.items()}
+
+
+def with_caching(path: str, enabled: bool, out: str) -> str:
+    """A copy of the package with every task's cache switched on or off. (kfp.Client's enable_caching
+    reaches only the root DAG's tasks; ours sit inside the exit handler and the rollout loops.)"""
+    import yaml
+
+    docs = _package_doc(path)
+    dags = [docs[0]["root"].get("dag", {})] + [c.get("dag", {}) for c in docs[0].get("components", {}).values()]
+    for dag in dags:
+        for task in dag.get("tasks", {}).values():
+            task.setdefault("cachingOptions", {})["enableCache"] = enabled
+    Path(out).write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    return out
 
 
 def _submit(args) -> int:
     import tempfile
 
-    import kfp
+    import yaml
 
-    from .pipeline import compile_to
-
-    spec = load_spec(args.config, _overrides(args.set))
     with tempfile.TemporaryDirectory() as tmp:
-        package = compile_to(spec, os.path.join(tmp, "pipeline.yaml"))
-        client = kfp.Client(host=args.host, namespace=args.namespace)
-        result = client.create_run_from_pipeline_package(
-            package, arguments=_params(args.param), run_name=args.run_name or None,
-            experiment_name=args.experiment, namespace=args.namespace)
-    print(f"submitted run {result.run_id} to {args.host} (experiment {args.experiment})")
+        package, spec, stage_sets = _package(args, tmp)
+        defaults = package_defaults(package)
+        _, per_stage = split_sets(stage_sets)
+        arguments = run_arguments(defaults, parse_params(args.param), per_stage)
+        if args.dry_run:
+            sections = {stage: arguments.get(f"{stage}_config", defaults.get(f"{stage}_config")) or {}
+                        for stage in stages.PIPELINE_STAGES if f"{stage}_config" in defaults}
+            print(yaml.safe_dump({"effective stage configs": effective_configs(sections),
+                                  "arguments sent": arguments}, sort_keys=False), end="")
+            print("dry run: nothing submitted")
+            return 0
+        if args.caching is not None:
+            package = with_caching(package, args.caching, os.path.join(tmp, "pipeline-caching.yaml"))
+        service_account = args.service_account or (spec.pipeline.cluster.service_account if spec else "")
+        conn = client.Connection.from_args(args)
+        kfp_client = client.connect(conn)
+        with client.api_errors(conn, "creating the run"):
+            result = kfp_client.create_run_from_pipeline_package(
+                package, arguments=arguments, run_name=args.run_name or None, experiment_name=args.experiment,
+                namespace=conn.namespace or None, pipeline_root=args.pipeline_root or None,
+                service_account=service_account or None)
+        client.require_id(conn, result.run_id, "the new run")
+    print(f"submitted run {result.run_id} (experiment {args.experiment}): {client.run_url(conn, result.run_id)}")
+    if not args.wait:
+        return 0
+    run = client.wait(kfp_client, conn, result.run_id, args.timeout, args.poll)
+    if str(run.state).upper() == "SUCCEEDED":
+        print(f"run {result.run_id} SUCCEEDED")
+        return 0
+    print(client.failure_report(run, conn, args.log_lines), file=sys.stderr)
+    return 1
+
+
+def _upload(args) -> int:
+    import hashlib
+    import json as json_lib
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        package, spec, stage_sets = _package(args, tmp)
+        if stage_sets:  # a compiled package's stage defaults are what the UI offers: recompile to change them
+            raise ConfigError("--set STAGE.KEY with --package: upload compiles stage keys in; use --config.")
+        name = args.name or (spec.pipeline.name if spec else _package_doc(package)[0]["pipelineInfo"]["name"])
+        version = args.version or "sha256-" + hashlib.sha256(Path(package).read_bytes()).hexdigest()[:12]
+        conn = client.Connection.from_args(args)
+        kfp_client = client.connect(conn)
+        query = json_lib.dumps({"predicates": [{"operation": "EQUALS", "key": "display_name", "stringValue": name}]})
+        with client.api_errors(conn, f"looking up pipeline {name}"):
+            found = kfp_client.list_pipelines(filter=query, namespace=conn.namespace or None).pipelines or []
+        if not found:
+            with client.api_errors(conn, f"uploading pipeline {name}"):
+                made = kfp_client.upload_pipeline(package, pipeline_name=name, description=args.description or None,
+                                                  namespace=conn.namespace or None)
+            client.require_id(conn, made.pipeline_id, f"the upload of pipeline {name}")
+            print(f"created pipeline {name} ({made.pipeline_id}) with its first version; start runs from it in the "
+                  f"KFP UI, or upload again for a new version")
+            return 0
+        with client.api_errors(conn, f"uploading version {version} of pipeline {name}"):
+            made = kfp_client.upload_pipeline_version(package, pipeline_version_name=version,
+                                                      pipeline_id=found[0].pipeline_id,
+                                                      description=args.description or None)
+            client.require_id(conn, made.pipeline_version_id, f"the upload of version {version}")
+    print(f"uploaded version {version} ({made.pipeline_version_id}) of pipeline {name} ({found[0].pipeline_id})")
     return 0
 
 
 def _run_local(args) -> int:
     from .summary import ui_hint
 
-    spec = load_spec(args.config, _overrides(args.set))
-    params = _params(args.param)
+    spec = _load(args.config, args.set)
+    params = parse_params(args.param)
     uri, experiment, parent = run_local(spec, params, Path(args.root), verbose=args.verbose)
     _print_summary(uri, experiment, parent)
     print(ui_hint(uri, experiment))  # the page opens on the runs table, not MLflow's GenAI view
@@ -171,7 +298,9 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     with warnings.catch_warnings(), console.root_logger_restored(detach=not verbose), shown, console.parallel_task_records_kept():
         # kfp.local's notes that it ignores the cluster settings (images, GPUs, node pools) here, per task
         warnings.filterwarnings("ignore", message=".*(non-Python base image|have no effect in the current local runner).*")
-        build(spec, shard_threads=local_shard_threads(spec.pipeline.rollout_shards))(**params)
+        pipeline_fn = build(spec, shard_threads=local_shard_threads(spec.pipeline.rollout_shards))
+        defaults = {name: inp.default for name, inp in pipeline_fn.component_spec.inputs.items()}
+        pipeline_fn(**run_arguments(defaults, params))  # a stage's --param merges into its section, as on a cluster
     print(f"pipeline finished in {time.monotonic() - t0:.0f} s; artifacts under {root}; runs in {params['tracking_uri']}"
           + ("" if verbose else f"; full log: {log_path}"))
     parent = latest_pipeline_run(MlflowClient(params["tracking_uri"]), experiment)
@@ -209,7 +338,7 @@ def _compare(args) -> int:
     from .compare import comparison_rows, format_rows, load_variants, shared_inputs
 
     _, variants = load_variants(args.config)
-    params = _params(args.param)
+    params = parse_params(args.param)
     root = Path(args.root)
     runs: dict[str, str] = {}
     shared: dict[str, str] = {}

@@ -22,7 +22,7 @@ from kfp import dsl, kubernetes
 from .. import stages
 from . import components, trainjob
 from .lineage import finish_tracking, init_tracking
-from .settings import ClusterConfig, NodePool, PipelineSpec
+from .settings import ClusterConfig, ImagesConfig, NodePool, PipelineSpec
 
 
 def _component(fn: Callable, image: str):
@@ -37,20 +37,22 @@ def _stage_fn(stage: str) -> Callable | None:
     return getattr(components, stage) if stages.load(stage) is not None else None
 
 
-def trainjob_spec(cluster: ClusterConfig) -> trainjob.TrainJobSpec:
+def trainjob_spec(cluster: ClusterConfig, images: ImagesConfig) -> trainjob.TrainJobSpec:
     """What a `trainjob` step submits: the GPU pool's shape and placement on num_nodes pods."""
     pool = cluster.gpu_pool
     resources = {pool.accelerator_type: pool.accelerator_count} if pool.accelerator_type and pool.accelerator_count else {}
     resources.update({k: v for k, v in (("cpu", pool.cpu), ("memory", pool.memory)) if v})
     t = cluster.trainer
-    return trainjob.TrainJobSpec(image=cluster.gpu_image, num_nodes=t.num_nodes, resources_per_node=resources,
+    return trainjob.TrainJobSpec(image=images.gpu, num_nodes=t.num_nodes, resources_per_node=resources,
                                  node_selector=dict(pool.node_selector), tolerations=list(pool.tolerations),
                                  secret_env=cluster.secret_env(), workspace_pvc=cluster.workspace_pvc,
                                  workspace_path=cluster.workspace_path, runtime=t.runtime, namespace=t.namespace,
-                                 timeout_s=t.timeout_s, poll_s=t.poll_s)
+                                 timeout_s=t.timeout_s, poll_s=t.poll_s, image_pull_secrets=list(images.pull_secrets),
+                                 service_account=cluster.service_account,
+                                 disable_istio_sidecar=t.disable_istio_sidecar, system_namespace=t.system_namespace)
 
 
-def _place(task, pool: NodePool, cluster: ClusterConfig, gpu: bool, cache: bool):
+def _place(task, pool: NodePool, cluster: ClusterConfig, gpu: bool, cache: bool, pull_secrets=()):
     """Node pool, resources, retries, caching, secrets and workspace of one task: the plumbing
     every stage shares, kept here so the pipeline function below reads as the DAG."""
     for key, value in pool.node_selector.items():
@@ -71,6 +73,8 @@ def _place(task, pool: NodePool, cluster: ClusterConfig, gpu: bool, cache: bool)
         kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env={k: k for k in keys}, optional=True)
     if cluster.workspace_pvc:
         kubernetes.mount_pvc(task, pvc_name=cluster.workspace_pvc, mount_path=cluster.workspace_path)
+    if pull_secrets:
+        kubernetes.set_image_pull_secrets(task, list(pull_secrets))
     return task
 
 
@@ -81,7 +85,7 @@ def build(spec: PipelineSpec, shard_threads: int | None = None) -> Any:
     iterations side by side (two at a time in kfp 2.17), so shards that each took every core would
     oversubscribe them. None on a cluster: a shard has its pod's cores to itself."""
     pipe, cluster = spec.pipeline, spec.pipeline.cluster
-    gpu, cpu = cluster.gpu_image, cluster.cpu_image
+    gpu, cpu, pulls = pipe.images.gpu, pipe.images.cpu, pipe.images.pull_secrets
     on_trainjob = set(cluster.trainer.stages())  # these steps submit a TrainJob from the CPU pool
 
     def trainer_image(stage):
@@ -98,17 +102,18 @@ def build(spec: PipelineSpec, shard_threads: int | None = None) -> Any:
     det, sampled = cluster.cache, cluster.cache and cluster.cache_sampling
 
     def on_gpu(task, cache=det):
-        return _place(task, cluster.gpu_pool, cluster, gpu=True, cache=cache)
+        return _place(task, cluster.gpu_pool, cluster, gpu=True, cache=cache, pull_secrets=pulls)
 
     def on_cpu(task, cache=det):
-        return _place(task, cluster.cpu_pool, cluster, gpu=False, cache=cache)
+        return _place(task, cluster.cpu_pool, cluster, gpu=False, cache=cache, pull_secrets=pulls)
 
     def train(stage, task, name):
         """A training step: the stage in its own GPU pod, or a TrainJob submitted and awaited from the CPU pool."""
         if stage not in on_trainjob:
             return on_gpu(task).set_display_name(name)
-        task.set_env_variable(trainjob.ENV, trainjob_spec(cluster).to_json())
-        return _place(task, cluster.cpu_pool, cluster, gpu=True, cache=det).set_display_name(f"{name} (trainjob)")
+        task.set_env_variable(trainjob.ENV, trainjob_spec(cluster, pipe.images).to_json())
+        return _place(task, cluster.cpu_pool, cluster, gpu=True, cache=det,
+                      pull_secrets=pulls).set_display_name(f"{name} (trainjob)")
 
     @dsl.pipeline(name=pipe.name, description="RL fine-tuning with step-level process rewards (prmflow)")
     def prmflow_pipeline(

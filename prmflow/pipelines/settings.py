@@ -4,12 +4,12 @@ A pipeline YAML (configs/pipeline-*.yaml) has a `pipeline:` section for `Pipelin
 the DAG, node pools, images, secrets) and one section per stage whose keys are that stage's Config
 keys (`prmflow <stage> --help`). The stage sections become the pipeline's parameters, one dict per
 stage (`sft_config`, `prm_config`, ...), so a run can override any stage key at submission:
-`prmflow pipeline submit --param 'ppo_config={"optim": {"lr": 1e-5}}'`.
+`prmflow pipeline submit --param 'ppo_config={"optim": {"lr": 1e-5}}'`, merged into the compiled section
+(pipelines/params.py).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,10 +20,11 @@ from .. import stages
 from ..components.common import config as config_lib
 from ..errors import ConfigError
 
-#: The project's own images. The tags are what images/build.sh pushes; pin them by digest in the
-#: pipeline YAML (cluster.cpu_image / cluster.gpu_image) or $PRMFLOW_CPU_IMAGE / $PRMFLOW_GPU_IMAGE.
-DEFAULT_CPU_IMAGE = os.environ.get("PRMFLOW_CPU_IMAGE", "ghcr.io/prmflow/prmflow-cpu:0.1.0")
-DEFAULT_GPU_IMAGE = os.environ.get("PRMFLOW_GPU_IMAGE", "ghcr.io/prmflow/prmflow-gpu:0.1.0")
+#: Image names that cannot be pulled (the reserved .invalid domain): the defaults until you build and
+#: push the images (images/build.sh cpu|gpu REGISTRY/prmflow-cpu:TAG --push) and set pipeline.images.
+PLACEHOLDER_REGISTRY = "registry.invalid"
+DEFAULT_CPU_IMAGE = f"{PLACEHOLDER_REGISTRY}/prmflow-cpu:set-pipeline.images.cpu"
+DEFAULT_GPU_IMAGE = f"{PLACEHOLDER_REGISTRY}/prmflow-gpu:set-pipeline.images.gpu"
 
 
 @dataclass
@@ -58,6 +59,9 @@ OBJECT_STORE_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLO
 #: Training stages that can run as a Kubeflow Trainer TrainJob instead of in the step's own pod.
 TRAINJOB_STAGES = ("sft", "prm", "ppo")
 PLACEMENTS = ("pod", "trainjob")
+#: Kubeflow Trainer's MPI-based runtimes (manifests/base/runtimes): Trainer sets the image and command on
+#: their launcher only, so the workers would run the runtime's image without prmflow.
+MPI_RUNTIMES = ("deepspeed-distributed", "mlx-distributed")
 
 
 @dataclass
@@ -74,13 +78,17 @@ class TrainerConfig:
     num_nodes: int = 2
     """Pods (nodes) of a TrainJob; each gets the GPU pool's accelerators, node selector and tolerations."""
     runtime: str = "torch-distributed"
-    """Kubeflow Trainer runtime: torch-distributed (torchrun on every node, DeepSpeed inside each rank) or a deepspeed (MPI) runtime."""
+    """Kubeflow Trainer runtime of torch framework: torch-distributed (torchrun on every node, DeepSpeed inside each rank). MPI runtimes are refused."""
     namespace: str = ""
     """Namespace of the TrainJobs. Empty: the pipeline step's own namespace."""
     timeout_s: int = 259200
-    """Longest wait for a TrainJob to finish (default 3 days); the step fails after it."""
+    """Longest wait for a TrainJob to finish (default 3 days), also its activeDeadlineSeconds; after it the step deletes the job and fails."""
     poll_s: int = 30
     """Seconds between two status reads of a running TrainJob."""
+    disable_istio_sidecar: bool = True
+    """Label the TrainJob's pods sidecar.istio.io/inject=false: an Istio sidecar (Kubeflow profile namespaces) breaks the torch rendezvous (kubeflow/trainer#2794)."""
+    system_namespace: str = "kubeflow-system"
+    """Namespace of the Trainer control plane, whose ConfigMap kubeflow-trainer-public states its version (checked: >= 2.2.0)."""
 
     def __post_init__(self):
         for stage in TRAINJOB_STAGES:
@@ -89,6 +97,10 @@ class TrainerConfig:
                                   f"use one of {', '.join(PLACEMENTS)}.")
         if self.num_nodes < 1:
             raise ConfigError(f"pipeline.cluster.trainer.num_nodes is {self.num_nodes}; it must be at least 1.")
+        if self.runtime in MPI_RUNTIMES:
+            raise ConfigError(f"pipeline.cluster.trainer.runtime is {self.runtime!r}, an MPI runtime: Kubeflow Trainer "
+                              "sets the image and command on its launcher only, so the workers would run without "
+                              "prmflow. Use runtime: torch-distributed (DeepSpeed runs inside each torchrun rank).")
         if not 0 < self.poll_s < self.timeout_s:
             raise ConfigError(f"pipeline.cluster.trainer.poll_s ({self.poll_s}) must be positive and below timeout_s "
                               f"({self.timeout_s}).")
@@ -99,11 +111,23 @@ class TrainerConfig:
 
 
 @dataclass
+class ImagesConfig:
+    """The images every step (and TrainJob node) runs; compiled into the pipeline spec."""
+
+    cpu: str = DEFAULT_CPU_IMAGE
+    """Image of CPU steps (advantage, tracking, TrainJob submitters): REGISTRY/prmflow-cpu@sha256:... as images/build.sh cpu ... --push prints it."""
+    gpu: str = DEFAULT_GPU_IMAGE
+    """Image of GPU steps and TrainJob nodes (sft, prm, rollout, ppo, evaluate): REGISTRY/prmflow-gpu@sha256:..."""
+    pull_secrets: list[str] = field(default_factory=list)
+    """Kubernetes secrets (type dockerconfigjson, in the run's namespace) to pull the images from a private registry."""
+
+    def placeholders(self) -> list[str]:
+        """The `pipeline.images` keys still at their unpullable defaults."""
+        return [k for k in ("cpu", "gpu") if getattr(self, k).startswith(PLACEHOLDER_REGISTRY + "/")]
+
+
+@dataclass
 class ClusterConfig:
-    cpu_image: str = DEFAULT_CPU_IMAGE
-    """Image of CPU stages (advantage, tracking steps)."""
-    gpu_image: str = DEFAULT_GPU_IMAGE
-    """Image of GPU stages (sft, prm, rollout, ppo, evaluate)."""
     gpu_pool: NodePool = field(default_factory=_gpu_pool)
     """Where sft, prm, rollout, ppo and evaluate run."""
     cpu_pool: NodePool = field(default_factory=_cpu_pool)
@@ -126,6 +150,8 @@ class ClusterConfig:
     """Kubernetes secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / MLFLOW_S3_ENDPOINT_URL keys."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Multi-node training: which of sft/prm/ppo run as Kubeflow Trainer TrainJobs, on how many nodes."""
+    service_account: str = ""
+    """Kubernetes service account of the run's pods (submit --service-account overrides) and of TrainJob nodes (compiled in). Empty: KFP's default (pipeline-runner; default-editor in a profile namespace)."""
 
     def secret_env(self) -> dict[str, list[str]]:
         """{secret name: env var keys} of the configured secrets."""
@@ -161,8 +187,10 @@ class PipelineConfig:
     """Start from this SFT policy instead of running the sft stage: an HF model directory or object-store URI (imported with dsl.importer). Reuses one warm-up across runs that compare RL settings."""
     prm_model: str = ""
     """Use this trained PRM instead of running the prm stage (directory or URI, imported like sft_model)."""
+    images: ImagesConfig = field(default_factory=ImagesConfig)
+    """The CPU and GPU images and their pull secrets (placeholders until set: compile refuses them)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    """Node pools, images, retries, caching, secrets."""
+    """Node pools, retries, caching, secrets, TrainJobs."""
 
     def __post_init__(self):
         if self.iterations < 1:

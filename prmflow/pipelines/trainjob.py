@@ -6,16 +6,23 @@ volume and lets Kubeflow Trainer run it, the pattern Kubeflow's own components u
 
     1. copy the step's input artifacts to <workspace>/trainjobs/<kfp run>/<stage>[-it<k>]/in/
     2. write the stage's full config there (paths on the volume, the TrainJob name as an MLflow tag)
-    3. submit a TrainJob through the `kubeflow` SDK (TrainerClient): the GPU image, `torchrun ...
-       prmflow <stage> --config ...` (mpirun for an MPI runtime), num_nodes pods with the GPU pool's
-       accelerators, node selector, tolerations, the workspace volume and the secrets as env
-    4. poll its status (printed to the step's log) until Complete or Failed; Failed fails the step
+    3. check the Trainer is v2.2.0 or newer (its public ConfigMap; runtimePatches and activeDeadlineSeconds
+       exist from v2.2.0: an older API server drops them and the pods never reach the tainted GPU nodes)
+    4. submit a TrainJob through the `kubeflow` SDK (TrainerClient): the GPU image, `torchrun ...
+       prmflow <stage> --config ...`, num_nodes pods with the GPU pool's accelerators, node selector,
+       tolerations, image pull secrets, the workspace volume, the secrets as env, the Istio opt-out
+       label, and activeDeadlineSeconds = trainer.timeout_s
+    5. poll its status (printed to the step's log) until Complete or Failed; Failed fails the step
        with the TrainJob's reason and message
-    5. check the output's manifest and checksums, copy it to the step's output artifact
+    6. check the output's manifest and checksums. An output path on the volume (the workspace layout) is
+       where the job wrote it: read there, not copied; any other output path gets a copy
 
-The TrainJob's name is derived from the KFP run, stage and iteration, so a retried step finds the job
-its previous attempt submitted and waits for it instead of starting a second one; the stage resumes
-from its checkpoint on the volume when a job is resubmitted after a failure.
+The TrainJob is deleted when the step stops waiting for it without a result: the step's pod is
+stopped (SIGTERM: the run was terminated, or the pod evicted), the wait times out, or the job failed.
+Its name is derived from the KFP run, stage and iteration, so a retried step whose previous attempt
+died without that chance (a lost node, SIGKILL) finds the job still running and waits for it instead
+of starting a second one; a resubmitted job resumes from its checkpoint on the volume.
+Only torch runtimes: on Trainer's MPI runtimes the image and command reach the launcher only.
 This module is called by `kfp_shim.run_stage` when the pipeline set $PRMFLOW_TRAINJOB on the step.
 """
 
@@ -24,8 +31,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import contextlib
 import re
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -41,9 +50,14 @@ from ..errors import PrmflowError
 #: The pipeline sets this env var (JSON of TrainJobSpec) on a step that runs its stage as a TrainJob.
 ENV = "PRMFLOW_TRAINJOB"
 COMPLETE, FAILED = "Complete", "Failed"
-#: How each Kubeflow Trainer framework starts the ranks of one node (torchrun reads the PET_* env
-#: the Trainer's torch plugin sets: nnodes, nproc per node, node rank, master address and port).
-LAUNCHERS = {"torch": ["torchrun", "--no-python"], "deepspeed": ["mpirun", "--hostfile", "/etc/mpi/hostfile"]}
+#: How a node of a torch runtime starts its ranks (torchrun reads the PET_* env the Trainer's torch
+#: plugin sets: nnodes, nproc per node, node rank, master address and port).
+LAUNCHER = ["torchrun", "--no-python"]
+#: The oldest Kubeflow Trainer with what the TrainJob uses (spec.runtimePatches, spec.activeDeadlineSeconds).
+MIN_TRAINER = (2, 2, 0)
+#: Trainer's public ConfigMap (from v2.2.0, readable by every authenticated user) and its version key.
+VERSION_CONFIGMAP, VERSION_KEY = "kubeflow-trainer-public", "kubeflow_trainer_version"
+ISTIO_LABEL = "sidecar.istio.io/inject"
 
 
 class TrainJobError(PrmflowError):
@@ -68,6 +82,11 @@ class TrainJobSpec:
     namespace: str = ""
     timeout_s: int = 259200
     poll_s: int = 30
+    image_pull_secrets: list = field(default_factory=list)
+    service_account: str = ""
+    """Service account of the node pods (pipeline.cluster.service_account); empty: the namespace's default."""
+    disable_istio_sidecar: bool = True
+    system_namespace: str = "kubeflow-system"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -115,8 +134,9 @@ def _set_name(name: str):
     return _option(lambda job_spec: job_spec.setdefault("metadata", {}).__setitem__("name", name))
 
 
-def _runtime_patch(spec: TrainJobSpec, framework: str):
-    """Node selector, tolerations, the workspace volume and secret env on every node pod."""
+def _runtime_patch(spec: TrainJobSpec):
+    """Node selector, tolerations, pull secrets, the workspace volume, secret env and the Istio opt-out on
+    every node pod (spec.runtimePatches, Trainer >= v2.2.0)."""
     from kubeflow.trainer.options.kubernetes import (ContainerPatch, JobSetSpecPatch, JobSetTemplatePatch,
                                                      JobSpecPatch, JobTemplatePatch, PodSpecPatch,
                                                      PodTemplatePatch, ReplicatedJobPatch, RuntimePatch,
@@ -128,11 +148,40 @@ def _runtime_patch(spec: TrainJobSpec, framework: str):
     pod = PodSpecPatch(volumes=[{"name": "workspace", "persistentVolumeClaim": {"claimName": spec.workspace_pvc}}],
                        containers=[ContainerPatch(name="node", env=env or None, volume_mounts=mounts)],
                        node_selector={k: str(v) for k, v in spec.node_selector.items()} or None,
-                       tolerations=spec.tolerations or None)
-    jobs = ["launcher", "node"] if framework == "deepspeed" else ["node"]  # MPI runtimes add a launcher pod
+                       tolerations=spec.tolerations or None,
+                       image_pull_secrets=[{"name": s} for s in spec.image_pull_secrets] or None,
+                       service_account_name=spec.service_account or None)
+    # an Istio sidecar (injected in Kubeflow profile namespaces) breaks the torch rendezvous (kubeflow/trainer#2794)
+    metadata = {"labels": {ISTIO_LABEL: "false"}} if spec.disable_istio_sidecar else None
     return RuntimePatch(training_runtime_spec=TrainingRuntimeSpecPatch(template=JobSetTemplatePatch(
-        spec=JobSetSpecPatch(replicated_jobs=[ReplicatedJobPatch(name=j, template=JobTemplatePatch(
-            spec=JobSpecPatch(template=PodTemplatePatch(spec=pod)))) for j in jobs]))))
+        spec=JobSetSpecPatch(replicated_jobs=[ReplicatedJobPatch(name="node", template=JobTemplatePatch(
+            spec=JobSpecPatch(template=PodTemplatePatch(metadata=metadata, spec=pod))))]))))
+
+
+def check_trainer_version(client, spec: TrainJobSpec) -> str:
+    """The Trainer's version from its public ConfigMap; TrainJobError when it is older than MIN_TRAINER
+    (a Trainer before v2.2.0 has no such ConfigMap, and would drop runtimePatches: the pods would wait
+    for nodes they cannot tolerate until the step's timeout)."""
+    from kubernetes.client import ApiException
+
+    need = "v" + ".".join(map(str, MIN_TRAINER))
+    try:
+        cm = client.backend.core_api.read_namespaced_config_map(VERSION_CONFIGMAP, spec.system_namespace)
+        version = (cm.data or {}).get(VERSION_KEY, "")
+    except ApiException as e:
+        if e.status == 404:
+            raise TrainJobError(f"Kubeflow Trainer is older than {need} (no ConfigMap {spec.system_namespace}/"
+                                f"{VERSION_CONFIGMAP}): prmflow's TrainJobs need {need} or newer (spec.runtimePatches, "
+                                f"activeDeadlineSeconds). Upgrade Trainer, or set pipeline.cluster.trainer."
+                                f"system_namespace if it is installed elsewhere.") from None
+        raise TrainJobError(f"Cannot read the Trainer version from ConfigMap {spec.system_namespace}/"
+                            f"{VERSION_CONFIGMAP}: {e.status} {e.reason}.") from None
+    m = re.match(r"v?(\d+)\.(\d+)\.(\d+)", version)
+    if m is None or tuple(map(int, m.groups())) < MIN_TRAINER:
+        raise TrainJobError(f"Kubeflow Trainer {version or '(no version)'} found ({spec.system_namespace}/"
+                            f"{VERSION_CONFIGMAP}); prmflow's TrainJobs need {need} or newer "
+                            f"(spec.runtimePatches, activeDeadlineSeconds). Upgrade Trainer.")
+    return version
 
 
 def client_for(spec: TrainJobSpec):
@@ -186,13 +235,18 @@ def _reporter(name: str):
     return report
 
 
-def _commit_output(src: Path, dst: Path) -> None:
-    """Copy the TrainJob's output to the step's output path, whole or not at all."""
+def _check_output(src: Path) -> None:
+    """The TrainJob's output is committed whole: its manifest and every file's checksum."""
     try:
-        manifest = io.read_manifest(src)
-        io.verify_files(src, manifest)
+        io.verify_files(src, io.read_manifest(src))
     except PrmflowError as e:
         raise TrainJobError(f"The TrainJob finished but its output at '{src}' is not complete: {e}") from None
+
+
+def _commit_output(src: Path, dst: Path) -> None:
+    """Copy the TrainJob's output to the step's output path, whole or not at all (only when that path is
+    not on the shared volume, where the job could have written it itself)."""
+    _check_output(src)
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp)
@@ -201,22 +255,70 @@ def _commit_output(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
+class StepStopped(BaseException):
+    """The step's pod was told to stop (SIGTERM/SIGINT). A BaseException: the SDK's `except Exception`
+    around its API calls must not swallow it."""
+
+
+@contextlib.contextmanager
+def _stop_on_signal() -> Any:
+    """SIGTERM/SIGINT raise StepStopped in the waiting step (main thread only: elsewhere a no-op)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise StepStopped(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _delete(client, name: str, why: str) -> str:
+    """Delete TrainJob `name` (its JobSet and pods go with it); a sentence saying so, or why it could not."""
+    try:
+        client.delete_job(name)
+    except (RuntimeError, TimeoutError) as e:
+        return f"could not delete it ({e}: {e.__cause__}); delete it with: kubectl delete trainjob {name}"
+    print(f"deleted TrainJob {name} ({why})", file=sys.stderr, flush=True)
+    return "deleted it"
+
+
+def _log_tail(client, name: str, lines: int = 40) -> str:
+    """The last lines of node-0's log, while its pod still exists ('' when it does not)."""
+    try:
+        return "".join(list(client.get_job_logs(name))[-lines:]).rstrip()
+    except Exception:  # noqa: BLE001 - the log is a courtesy; the failure reason is already in hand
+        return ""
+
+
 def run(stage: str, config_cls: type, values: dict[str, Any], paths: dict[str, Any], spec: TrainJobSpec,
         kfp_run_id: str, iteration: int | None) -> dict:
     """Run `stage` as a TrainJob; `values` is the stage's flat config with the step's `paths` in it.
-    Returns {"trainjob": name}; raises TrainJobError when the job fails or its output is incomplete."""
+    Returns {"trainjob": name}; raises TrainJobError when the job fails, times out, the step is stopped
+    (the job is deleted in these three cases), or its output is incomplete."""
     from kubeflow.trainer import CustomTrainerContainer
-    from kubeflow.trainer.options.kubernetes import Labels, TrainerCommand
+    from kubeflow.trainer.options.kubernetes import ActiveDeadlineSeconds, Labels, TrainerCommand
 
     work = workdir_of(spec, kfp_run_id, stage, iteration)
     base = job_name(kfp_run_id, stage, iteration)
     inputs = [k for k, v in paths.items() if k != "output" and isinstance(v, str) and v and os.path.exists(v)
               and not Path(v).resolve().is_relative_to(Path(spec.workspace_path).resolve())]
     staged = _staged_paths(values, inputs, work / "in")
-    original, values = values, {**values, **staged, "output": str(work / "output")}
+    # an output path on the shared volume (the pipeline's workspace layout) is written by the job where it is
+    # read from; any other (a KFP artifact in the step's pod) is written on the volume, then copied there
+    in_place = Path(paths["output"]).resolve().is_relative_to(Path(spec.workspace_path).resolve())
+    output = Path(paths["output"]) if in_place else work / "output"
+    original, values = values, {**values, **staged, "output": str(output)}
     client = client_for(spec)
     name, status = base, _existing_status(client, base)
-    for attempt in range(1, 100):  # a failed job of an earlier attempt keeps its name; resubmit as -r<k>
+    for attempt in range(1, 100):  # a failed job that could not be deleted keeps its name; resubmit as -r<k>
         if status != FAILED:
             break
         name = f"{base}-r{attempt}"
@@ -225,6 +327,7 @@ def run(stage: str, config_cls: type, values: dict[str, Any], paths: dict[str, A
     cfg = config_lib.build(config_cls, {**values, "tracking.tags": tags}, where=f"pipeline step '{stage}'")
     config_path = work / "config.yaml"
     if status is None:  # a new job: its inputs and config on the volume (a running one keeps what it reads)
+        version = check_trainer_version(client, spec)
         _stage_inputs(original, staged)
         config_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = config_path.with_name(f".config.yaml.tmp-{os.getpid()}")
@@ -232,31 +335,42 @@ def run(stage: str, config_cls: type, values: dict[str, Any], paths: dict[str, A
         os.replace(tmp, config_path)
         runtime = client.get_runtime(spec.runtime)
         framework = runtime.trainer.framework
-        launcher = LAUNCHERS.get(framework)
-        if launcher is None:
-            raise TrainJobError(f"Runtime '{spec.runtime}' is a '{framework}' runtime; prmflow runs on "
-                                f"{' or '.join(LAUNCHERS)} runtimes (pipeline.cluster.trainer.runtime).")
+        if framework != "torch":
+            raise TrainJobError(f"Runtime '{spec.runtime}' is a '{framework}' runtime; prmflow runs on torch runtimes: "
+                                f"set pipeline.cluster.trainer.runtime to torch-distributed (DeepSpeed runs inside "
+                                f"each torchrun rank). On MPI runtimes Trainer sets the image and command on the "
+                                f"launcher only.")
         trainer = CustomTrainerContainer(image=spec.image, num_nodes=spec.num_nodes,
                                          resources_per_node=dict(spec.resources_per_node) or None)
-        command = [*launcher, "prmflow", stage, "--config", str(config_path)]
+        command = [*LAUNCHER, "prmflow", stage, "--config", str(config_path)]
         labels = {"prmflow.io/stage": stage, "prmflow.io/kfp-run": re.sub(r"[^A-Za-z0-9_.-]", "-", kfp_run_id)[:63]}
         try:
             client.train(runtime=runtime, trainer=trainer, options=[
-                _set_name(name), Labels(labels), TrainerCommand(command), _runtime_patch(spec, framework)])
+                _set_name(name), Labels(labels), TrainerCommand(command), _runtime_patch(spec),
+                ActiveDeadlineSeconds(int(spec.timeout_s))])
         except (RuntimeError, TimeoutError, ValueError) as e:
             raise TrainJobError(f"Could not submit TrainJob '{name}' for stage {stage}: {e} ({e.__cause__})") from e
-        print(f"submitted TrainJob {name} ({spec.num_nodes} nodes x {spec.resources_per_node}, runtime "
-              f"{spec.runtime}): {' '.join(command)}", file=sys.stderr, flush=True)
+        print(f"submitted TrainJob {name} (Trainer {version}; {spec.num_nodes} nodes x {spec.resources_per_node}, "
+              f"runtime {spec.runtime}, deadline {spec.timeout_s} s): {' '.join(command)}", file=sys.stderr, flush=True)
     else:
         print(f"TrainJob {name} exists ({status}): waiting for it", file=sys.stderr, flush=True)
     try:
-        job = client.wait_for_job_status(name, status={COMPLETE, FAILED}, timeout=spec.timeout_s,
-                                         polling_interval=spec.poll_s, callbacks=[_reporter(name)])
+        with _stop_on_signal():
+            job = client.wait_for_job_status(name, status={COMPLETE, FAILED}, timeout=spec.timeout_s,
+                                             polling_interval=spec.poll_s, callbacks=[_reporter(name)])
+    except StepStopped as e:
+        raise TrainJobError(f"The step was stopped ({e}) while TrainJob '{name}' ({stage}) ran: "
+                            f"{_delete(client, name, 'the step was stopped')}.") from None
     except TimeoutError as e:
         raise TrainJobError(f"TrainJob '{name}' ({stage}) did not finish within pipeline.cluster.trainer."
-                            f"timeout_s = {spec.timeout_s} s; it is left running: {e}") from None
+                            f"timeout_s = {spec.timeout_s} s ({e}): {_delete(client, name, 'timed out')}.") from None
     if job.status == FAILED:
-        raise TrainJobError(f"TrainJob '{name}' ({stage}) failed: {_failure_reason(client, name)}. "
-                            f"Logs: kubectl logs -l jobset.sigs.k8s.io/jobset-name={name}")
-    _commit_output(work / "output", Path(paths["output"]))
+        reason, tail = _failure_reason(client, name), _log_tail(client, name)
+        raise TrainJobError(f"TrainJob '{name}' ({stage}) failed: {reason}"
+                            + (f"\nlast lines of node-0:\n{tail}" if tail else "")
+                            + f"\n{_delete(client, name, 'failed')}.")
+    if in_place:
+        _check_output(output)
+    else:
+        _commit_output(output, Path(paths["output"]))
     return {"trainjob": name}

@@ -66,3 +66,42 @@ def test_an_empty_or_missing_constraints_file_is_refused(tmp_path):
     assert result.returncode == 2 and argv is None and "holds no 'name==version' pin" in result.stderr
     result, argv = build(tmp_path, "--constraints", str(tmp_path / "absent.txt"))
     assert result.returncode == 2 and argv is None and "not a readable file" in result.stderr
+
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+def push(tmp_path: Path, tool: str, tag: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    """build.sh --push with a recording `tool` that answers like a registry client: each call's argv."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    fake = bin_dir / tool
+    fake.write_text(f"""#!/usr/bin/env bash
+printf "%s\\0" "$@" >> {log}; printf "\\n" >> {log}
+if [ "$1" = image ] && [ "$2" = inspect ]; then printf "other.example/x@sha256:{'0' * 64}\\n{tag.rsplit(':', 1)[0]}@{DIGEST}\\n"; fi
+if [ "$1" = push ]; then
+  while [ $# -gt 0 ]; do [ "$1" = --digestfile ] && printf "{DIGEST}" > "$2"; shift; done
+fi
+""")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    result = subprocess.run([str(BUILD), "cpu", tag, "--push", "--tool", tool], env=env, capture_output=True, text=True)
+    calls = [c.split("\0")[:-1] for c in log.read_text().split("\n") if c] if log.exists() else []
+    return result, calls
+
+
+def test_push_builds_pushes_and_prints_the_digest_pinned_name(tmp_path):
+    tag = "registry.example.com:5000/ml/prmflow-cpu:0.2.0"
+    pinned = f"registry.example.com:5000/ml/prmflow-cpu@{DIGEST}"
+    for tool in ("docker", "podman"):
+        result, calls = push(tmp_path / tool, tool, tag)
+        assert result.returncode == 0, result.stderr
+        assert calls[0][0] == "build" and calls[1][:1] == ["push"] and calls[1][-1] == tag
+        assert result.stdout.strip() == pinned  # what pipeline.images.cpu should say
+        assert f"--set images.cpu={pinned}" in result.stderr
+
+
+def test_push_needs_a_registry_in_the_name(tmp_path):
+    result, calls = push(tmp_path, "docker", "prmflow-cpu:test")
+    assert result.returncode == 2 and calls == []
+    assert "--push needs a registry in the image name" in result.stderr

@@ -5,7 +5,10 @@ It answers the calls the `kubeflow` SDK (0.5.0, TrainerClient on the Kubernetes 
 TrainJob reads Created on the first status read, Running (its node pods Running) while its `work`
 runs, then Complete, or Failed with the condition reason and message the work returns. `work` is the
 test's stand-in for the node pods: a function of the TrainJob body returning None (success) or
-(reason, message); it runs in a thread once the job is Running.
+(reason, message); it runs in a thread once the job is Running. A DELETE of a TrainJob removes it (as
+Kubernetes does, with its JobSet and pods); `trainer_version` is what the Trainer's public ConfigMap
+(kubeflow-system/kubeflow-trainer-public, from Trainer v2.2.0) states, None for an older Trainer that has
+none; `pod_logs` ({pod: text}) answers the pod log reads of `kubectl logs` / CoreV1Api.
 """
 
 from __future__ import annotations
@@ -42,13 +45,17 @@ def runtime_cr(name: str, framework: str = "torch") -> dict:
 
 class FakeK8s:
     def __init__(self, work: Callable[[dict], tuple[str, str] | None] | None = None,
-                 runtimes: dict[str, str] | None = None):
+                 runtimes: dict[str, str] | None = None, trainer_version: str | None = "v2.3.0",
+                 pod_logs: dict[str, str] | None = None):
         self.requests: list[dict] = []
         self.jobs: dict[str, dict] = {}       # name -> TrainJob as created (with metadata filled in)
         self.phase: dict[str, str] = {}       # name -> Created / Running / Complete / Failed
         self.failure: dict[str, tuple[str, str]] = {}
         self.work = work or (lambda body: None)
         self.runtimes = runtimes or {"torch-distributed": "torch"}
+        self.trainer_version = trainer_version
+        self.pod_logs = pod_logs or {}
+        self.deleted: list[str] = []
         self.lock = threading.Lock()
         # set once a pod listing has shown a job's node pods Running: like a real controller, the fake does not
         # finish a job between the status read that says Running and the listing of its pods
@@ -71,9 +78,22 @@ class FakeK8s:
                 self._record()
                 path = self.path.split("?")[0]
                 if path == "/api/v1/namespaces/kubeflow-system/configmaps/kubeflow-trainer-public":
+                    if fake.trainer_version is None:
+                        return self._not_found('configmaps "kubeflow-trainer-public"')
                     return self._reply(200, {"kind": "ConfigMap", "apiVersion": "v1",
                                              "metadata": {"name": "kubeflow-trainer-public"},
-                                             "data": {"kubeflow_trainer_version": "v2.1.0"}})
+                                             "data": {"kubeflow_trainer_version": fake.trainer_version}})
+                if m := re.fullmatch("/api/v1/namespaces/([^/]+)/pods/([^/]+)/log", path):
+                    if m[2] not in fake.pod_logs:
+                        return self._not_found(f'pods "{m[2]}"')
+                    tail = re.search(r"tailLines=(\d+)", self.path)
+                    lines = fake.pod_logs[m[2]].splitlines(keepends=True)
+                    data = "".join(lines[-int(tail[1]):] if tail else lines).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    return self.wfile.write(data)
                 if m := re.fullmatch(f"{API}/clustertrainingruntimes/([^/]+)", path):
                     framework = fake.runtimes.get(m[1])
                     return self._reply(200, runtime_cr(m[1], framework)) if framework else self._not_found(m[1])
@@ -97,6 +117,19 @@ class FakeK8s:
                         fake.jobs[name], fake.phase[name] = body, "Submitted"
                     return self._reply(201, body)
                 return self._not_found(f"fake k8s: POST {path}")
+
+            def do_DELETE(self):
+                self._record()
+                path = self.path.split("?")[0]
+                if m := re.fullmatch(f"{API}/namespaces/([^/]+)/trainjobs/([^/]+)", path):
+                    with fake.lock:
+                        if m[2] not in fake.jobs:
+                            return self._not_found(m[2])
+                        fake.jobs.pop(m[2])
+                        fake.phase[m[2]] = "Deleted"
+                        fake.deleted.append(m[2])
+                    return self._reply(200, {"kind": "Status", "apiVersion": "v1", "status": "Success"})
+                return self._not_found(f"fake k8s: DELETE {path}")
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -133,6 +166,8 @@ class FakeK8s:
             failed = ("Error", repr(e))
         self.pods_seen[name].wait(timeout=10)
         with self.lock:
+            if self.phase.get(name) == "Deleted":  # deleted while it ran: its pods are gone, nothing finishes
+                return
             if failed:
                 self.failure[name] = failed
             self.phase[name] = "Failed" if failed else "Complete"

@@ -13,6 +13,8 @@ from prmflow import cli
 from prmflow.components.advantage import stage as advantage
 from prmflow.components.common import config
 
+from .test_compile_submit import IMAGES
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ["qwen2.5-math-1.5b-gsm8k-math.yaml", "qwen2.5-7b-gsm8k-math.yaml"]
 
@@ -25,7 +27,7 @@ def compile_recipe(tmp_path, name):
     if name in _compiled:
         return _compiled[name]
     out = tmp_path / "compiled.yaml"
-    assert cli.main(["pipeline", "compile", "--config", str(ROOT / "configs/cluster" / name), "-o", str(out)]) == 0
+    assert cli.main(["pipeline", "compile", "--config", str(ROOT / "configs/cluster" / name), "-o", str(out), *IMAGES]) == 0
     docs = list(yaml.safe_load_all(out.read_text()))
     _compiled[name] = docs[0], docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     return _compiled[name]
@@ -118,4 +120,4 @@ def test_readme_keys_take_the_quickstart_to_qwen_on_gsm8k(tmp_path):
     assert block["sft"]["task"].endswith(".parquet") and block["prm"]["task"].endswith("math-shepherd.parquet")
     path = tmp_path / "qwen-gsm8k.yaml"
     path.write_text(yaml.safe_dump(merged(quick, block)))
-    assert cli.main(["pipeline", "compile", "--config", str(path), "-o", str(tmp_path / "compiled.yaml")]) == 0
+    assert cli.main(["pipeline", "compile", "--config", str(path), "-o", str(tmp_path / "compiled.yaml"), *IMAGES]) == 0

@@ -7,6 +7,8 @@ from prmflow import cli
 from prmflow.errors import ConfigError
 from prmflow.pipelines.compare import load_variants
 
+from .test_compile_submit import IMAGES
+
 
 def write(tmp_path, data) -> str:
     path = tmp_path / "compare.yaml"
@@ -62,7 +64,8 @@ def test_the_vl_quickstart_compiles_with_images_in_every_stage(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2] / "configs"
-    assert cli.main(["pipeline", "compile", "--config", str(root / "quickstart-vl.yaml"), "-o", str(tmp_path / "p.yaml")]) == 0
+    assert cli.main(["pipeline", "compile", "--config", str(root / "quickstart-vl.yaml"), "-o", str(tmp_path / "p.yaml"),
+                     *IMAGES]) == 0
     cfg = yaml.safe_load((root / "quickstart-vl.yaml").read_text())
     assert cfg["sft"]["policy"] == "tiny-llava"
     assert all(cfg[stage]["task"] == "visual" for stage in ("sft", "prm", "rollout", "evaluate"))

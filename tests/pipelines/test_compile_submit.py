@@ -19,10 +19,14 @@ from prmflow.pipelines.settings import load_spec
 from .fake_kfp import FakeKfp
 
 ROOT = Path(__file__).resolve().parents[2]
-CLUSTER_YAML = """
+CPU_IMAGE = "registry.example.com/ml/prmflow-cpu@sha256:" + "c" * 64
+GPU_IMAGE = "registry.example.com/ml/prmflow-gpu@sha256:" + "9" * 64
+IMAGES = f"--set=images.cpu={CPU_IMAGE} --set=images.gpu={GPU_IMAGE}".split()  # for the configs/cluster recipes
+CLUSTER_YAML = f"""
 pipeline:
   iterations: 3
   rollout_shards: 4
+  images: {{cpu: "{CPU_IMAGE}", gpu: "{GPU_IMAGE}", pull_secrets: [regcred]}}
   cluster:
     retries: 3
     backoff: 90s
@@ -30,13 +34,13 @@ pipeline:
     object_store_secret: s3-creds
     workspace_pvc: prmflow-workspace
     gpu_pool:
-      node_selector: {cloud.google.com/gke-nodepool: a100-pool}
-      tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]
+      node_selector: {{cloud.google.com/gke-nodepool: a100-pool}}
+      tolerations: [{{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}}]
       accelerator_type: nvidia.com/gpu
       accelerator_count: 2
       memory: 80G
     cpu_pool:
-      node_selector: {cloud.google.com/gke-nodepool: cpu-pool}
+      node_selector: {{cloud.google.com/gke-nodepool: cpu-pool}}
 ppo:
   optim:
     lr: 1.0e-6
@@ -94,8 +98,11 @@ def test_gpu_stages_get_accelerators_node_pool_and_tolerations_advantage_does_no
         assert "accelerator" not in spec["deploymentSpec"]["executors"][ex]["container"].get("resources", {})
         assert platform[ex]["nodeSelector"]["labels"] == {"cloud.google.com/gke-nodepool": "cpu-pool"}
         assert "tolerations" not in platform[ex]
-    assert "ghcr.io/prmflow/prmflow-cpu" in spec["deploymentSpec"]["executors"]["exec-advantage"]["container"]["image"]
-    assert "ghcr.io/prmflow/prmflow-gpu" in spec["deploymentSpec"]["executors"]["exec-ppo"]["container"]["image"]
+    assert spec["deploymentSpec"]["executors"]["exec-advantage"]["container"]["image"] == CPU_IMAGE
+    assert spec["deploymentSpec"]["executors"]["exec-ppo"]["container"]["image"] == GPU_IMAGE
+    for ex, body in spec["deploymentSpec"]["executors"].items():  # every pod pulls with the configured secret
+        if "container" in body:
+            assert [s["secretName"] for s in platform[ex]["imagePullSecret"]] == ["regcred"], ex
 
 
 def test_steps_start_the_stage_without_installing_kfp(tmp_path):
@@ -189,7 +196,7 @@ def test_a_prompt_prefix_that_differs_between_stages_fails_at_compile_time(tmp_p
     assert not (tmp_path / "x.yaml").exists()
     same = "\n".join(f"{s}:\n  arithmetic: {{prompt_prefix: ''}}" for s in ("sft", "prm", "rollout", "evaluate"))
     cfg.write_text(same + "\n")
-    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(tmp_path / "x.yaml")]) == 0
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(tmp_path / "x.yaml"), *IMAGES]) == 0
     spec = next(yaml.safe_load_all((tmp_path / "x.yaml").read_text()))
     sections = spec["root"]["inputDefinitions"]["parameters"]
     assert sections["rollout_config"]["defaultValue"]["arithmetic"] == {"prompt_prefix": ""}
@@ -203,14 +210,16 @@ def test_submit_uploads_the_package_and_parameters(tmp_path):
     cfg.write_text(CLUSTER_YAML)
     with FakeKfp() as kfp_server:
         code = cli.main(["pipeline", "submit", "--host", kfp_server.url, "--config", str(cfg), "--experiment", "prm-rl",
-                         "--run-name", "try-1", "--param", 'ppo_config={"optim": {"lr": 2e-6}}', "--param", "tracking_uri=http://mlflow:5000"])
+                         "--run-name", "try-1", "--param", 'ppo_config={"epochs": 2}', "--param", "tracking_uri=http://mlflow:5000"])
     assert code == 0
     posts = [r for r in kfp_server.requests if r["method"] == "POST"]
     assert [r["path"] for r in posts] == ["/apis/v2beta1/experiments", "/apis/v2beta1/runs"]
     assert posts[0]["body"]["display_name"] == "prm-rl"
     run = posts[1]["body"]
     assert run["display_name"] == "try-1" and run["experiment_id"] == "exp-1"
-    assert run["runtime_config"]["parameters"] == {"ppo_config": {"optim": {"lr": 2e-6}}, "tracking_uri": "http://mlflow:5000"}
+    # merged into the compiled ppo section (optim.lr 1e-6 stays; KFP alone would have replaced the whole dict)
+    assert run["runtime_config"]["parameters"] == {"ppo_config": {"optim": {"lr": 1e-6}, "epochs": 2},
+                                                   "tracking_uri": "http://mlflow:5000"}
     uploaded = run["pipeline_spec"]["pipeline_spec"]  # KFP sends {pipeline_spec, platform_spec}
     assert uploaded["pipelineInfo"]["name"] == "prmflow"
     platform = run["pipeline_spec"]["platform_spec"]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]

@@ -22,13 +22,15 @@ from prmflow.components.ppo import stage as ppo_stage
 from prmflow.pipelines.settings import load_spec
 
 from .fake_k8s import FakeK8s
-from .test_compile_submit import all_tasks
+from .test_compile_submit import IMAGES, all_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_YAML = """
 pipeline:
   iterations: 2
   rollout_shards: 1
+  images: {{cpu: registry.example.com/ml/prmflow-cpu:1.0, gpu: registry.example.com/ml/prmflow-gpu:1.0,
+           pull_secrets: [regcred]}}
   cluster:
     mlflow_secret: mlflow-creds
     object_store_secret: s3-creds
@@ -43,15 +45,16 @@ pipeline:
       memory: 1500G
     cpu_pool:
       node_selector: {{cloud.google.com/gke-nodepool: cpu-pool}}
+    service_account: prmflow-runner
     trainer: {{ppo: trainjob, num_nodes: 2, poll_s: 1}}
 """
 
 
-def compile_yaml(tmp_path, text):
+def compile_yaml(tmp_path, text, *args):
     cfg = tmp_path / "pipeline.yaml"
     cfg.write_text(text)
     out = tmp_path / "compiled.yaml"
-    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(out)]) == 0
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(out), *args]) == 0
     docs = list(yaml.safe_load_all(out.read_text()))
     return docs[0], docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
 
@@ -70,7 +73,7 @@ def test_compiled_pipeline_has_the_submit_and_wait_step_for_ppo(tmp_path):
     container = spec["deploymentSpec"]["executors"][ex]["container"]
     submitted = json.loads(trainjob_env(spec, ex))
     assert submitted["num_nodes"] == 2 and submitted["resources_per_node"]["nvidia.com/gpu"] == 8
-    assert submitted["image"].startswith("ghcr.io/prmflow/prmflow-gpu")  # the nodes run the GPU image
+    assert submitted["image"] == "registry.example.com/ml/prmflow-gpu:1.0"  # the nodes run the GPU image
     assert "prmflow-cpu" in container["image"] and "accelerator" not in container.get("resources", {})
     assert platform[ex]["nodeSelector"]["labels"] == {"cloud.google.com/gke-nodepool": "cpu-pool"}
     assert platform[ex]["pvcMount"][0]["constant"] == "prmflow-rwx"  # stages the inputs on the shared volume
@@ -109,11 +112,17 @@ def compiled_ppo_step(tmp_path_factory):
     return trainjob_env(spec, "exec-ppo"), workspace
 
 
-def run_ppo_step(tmp_path, monkeypatch, fake, compiled, run_id):
+def run_ppo_step(tmp_path, monkeypatch, fake, compiled, run_id, output=None):
     """The ppo component function as the compiled step's container runs it (its env, KFP's paths)."""
     env, workspace = compiled
     monkeypatch.setenv(trainjob.ENV, env)
     monkeypatch.setenv("KUBECONFIG", str(fake.kubeconfig(tmp_path / "kubeconfig")))
+    return ppo_step(tmp_path, run_id, output), workspace
+
+
+def ppo_step(tmp_path: Path, run_id: str, output: Path | None = None) -> Path:
+    """KFP's part of a ppo step: its input artifacts downloaded, then the component function called
+    (`output`: where the step's output goes, default a KFP output artifact in the step's pod)."""
     inputs = tmp_path / "minio"  # where KFP's launcher put the input artifacts
     for name in ("policy", "advantages"):
         (inputs / name).mkdir(parents=True)
@@ -121,12 +130,12 @@ def run_ppo_step(tmp_path, monkeypatch, fake, compiled, run_id):
     policy, advantages, previous = dsl.Model(uri="s3://b/policy"), dsl.Dataset(uri="s3://b/adv"), dsl.Model(uri="s3://b/p")
     updated = dsl.Model(uri="s3://b/updated")
     policy.path, advantages.path, previous.path = str(inputs / "policy"), str(inputs / "advantages"), str(inputs / "policy")
-    updated.path = str(tmp_path / "outputs" / "updated")
+    updated.path = str(output or tmp_path / "outputs" / "updated")
     (tmp_path / "outputs").mkdir()
     ppo_component.ppo(config={"optim": {"lr": 1e-6}}, kfp_run_id=run_id, tracking_uri="http://mlflow:5000",
                       experiment="prm-rl", iteration=0, policy=policy, policy_subdir="", advantages=advantages,
                       previous=previous, resume_previous=False, updated=updated)
-    return Path(updated.path), workspace
+    return Path(updated.path)
 
 
 def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(tmp_path, monkeypatch, capsys,
@@ -142,14 +151,19 @@ def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(
     assert spec["runtimeRef"] == {"name": "torch-distributed", "kind": "ClusterTrainingRuntime", "apiGroup": "trainer.kubeflow.org"} \
         or spec["runtimeRef"]["name"] == "torch-distributed"
     trainer = spec["trainer"]
-    assert trainer["image"].startswith("ghcr.io/prmflow/prmflow-gpu") and trainer["numNodes"] == 2
+    assert trainer["image"] == "registry.example.com/ml/prmflow-gpu:1.0" and trainer["numNodes"] == 2
     assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8, "cpu": "96", "memory": "1500G"}
     config_path = workspace / "trainjobs" / "run-7f3a" / "ppo-it0" / "config.yaml"
     assert trainer["command"] == ["torchrun", "--no-python", "prmflow", "ppo", "--config", str(config_path)]
+    assert spec["activeDeadlineSeconds"] == 259200  # trainer.timeout_s: the job ends even if nobody waits for it
     (patch,) = spec["runtimePatches"]
     (rjob,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
     pod = rjob["template"]["spec"]["template"]["spec"]
     assert rjob["name"] == "node"
+    # no Istio sidecar in the node pods (profile namespaces inject one; it breaks the rendezvous)
+    assert rjob["template"]["spec"]["template"]["metadata"] == {"labels": {"sidecar.istio.io/inject": "false"}}
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["serviceAccountName"] == "prmflow-runner"  # the nodes read the object store as the run does
     assert pod["nodeSelector"] == {"cloud.google.com/gke-nodepool": "h100-pool"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["volumes"] == [{"name": "workspace", "persistentVolumeClaim": {"claimName": "prmflow-rwx"}}]
@@ -183,6 +197,19 @@ def test_a_failed_trainjob_fails_the_step_with_its_reason_and_hands_on_nothing(t
     assert not (tmp_path / "outputs" / "updated").exists()
 
 
+def test_an_output_on_the_volume_is_written_there_by_the_job_and_not_copied(tmp_path, monkeypatch, compiled_ppo_step):
+    """Where the step's output path is on the shared volume (the workspace layout), the TrainJob writes it
+    there and the step only checks it: no second copy of the checkpoint."""
+    out = compiled_ppo_step[1] / "ppo-0-3f9a"  # a workspace path, as the pipeline's layout names it
+    with FakeK8s(work=fake_ppo_output) as fake:
+        got, workspace = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-in-place", output=out)
+    command = fake.posted()[0]["spec"]["trainer"]["command"]
+    staged = yaml.safe_load(Path(command[command.index("--config") + 1]).read_text())["ppo"]
+    assert staged["output"] == str(out) and got == out
+    io.verify_files(out, io.read_manifest(out))
+    assert not (workspace / "trainjobs" / "run-in-place" / "ppo-it0" / "output").exists()
+
+
 def test_a_trainjob_that_completes_without_a_complete_output_fails_the_step(tmp_path, monkeypatch, compiled_ppo_step):
     def no_manifest(body):
         command = body["spec"]["trainer"]["command"]
@@ -211,23 +238,133 @@ def test_a_retried_step_waits_for_the_job_its_first_attempt_submitted(tmp_path, 
 
 
 
-def test_a_step_retried_after_its_trainjob_failed_submits_a_new_one(tmp_path, monkeypatch, compiled_ppo_step):
+def test_a_failed_trainjob_is_deleted_and_the_retried_step_submits_a_new_one(tmp_path, monkeypatch, compiled_ppo_step):
+    """The failed job is deleted (its pods already stopped; its reason is in the step's error), so the retry
+    submits afresh under the same name, and the MLflow run names the job that ran."""
     outcomes = [("FailedJobs", "node-0: preempted"), None]
     with FakeK8s(work=lambda body: outcomes.pop(0) or fake_ppo_output(body)) as fake:
-        with pytest.raises(trainjob.TrainJobError, match="preempted"):
+        with pytest.raises(trainjob.TrainJobError, match="preempted") as err:
             run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-resubmit")
+        first = fake.posted()[0]["metadata"]["name"]
+        assert fake.deleted == [first] and "deleted it" in str(err.value)
         shutil.rmtree(tmp_path / "minio")
         shutil.rmtree(tmp_path / "outputs")
         out, workspace = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-resubmit")
-    first, second = (job["metadata"]["name"] for job in fake.posted())
-    assert second == f"{first}-r1"
+    assert [job["metadata"]["name"] for job in fake.posted()] == [first, first]
+    assert fake.deleted == [first]  # the completed one stays
     staged = yaml.safe_load((workspace / "trainjobs" / "run-resubmit" / "ppo-it0" / "config.yaml").read_text())["ppo"]
-    assert staged["tracking"]["tags"] == {"prmflow.trainjob": second}  # the MLflow run names the job that ran
+    assert staged["tracking"]["tags"] == {"prmflow.trainjob": first}
     assert (out / "policy" / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_an_old_trainer_is_refused_before_anything_is_submitted(tmp_path, monkeypatch, compiled_ppo_step):
+    """Trainer < v2.2.0 has no runtimePatches: it would drop the node selector and tolerations, and the pods
+    would wait for GPU nodes they cannot tolerate until the step's timeout."""
+    with FakeK8s(work=fake_ppo_output, trainer_version=None) as fake, \
+            pytest.raises(trainjob.TrainJobError, match=r"older than v2\.2\.0 \(no ConfigMap kubeflow-system/kubeflow-tr"):
+        run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-old-trainer")
+    assert fake.posted() == []
+    shutil.rmtree(tmp_path / "minio")
+    shutil.rmtree(tmp_path / "outputs")
+    with FakeK8s(work=fake_ppo_output, trainer_version="v2.1.0") as fake, \
+            pytest.raises(trainjob.TrainJobError, match=r"Trainer v2\.1\.0 found .* need v2\.2\.0 or newer"):
+        run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-old-trainer")
+    assert fake.posted() == []
+
+
+def test_mpi_runtimes_are_refused_naming_the_torch_runtime(tmp_path, monkeypatch, compiled_ppo_step):
+    data = yaml.safe_load(CLUSTER_YAML.format(workspace="/w"))
+    data["pipeline"]["cluster"]["trainer"]["runtime"] = "deepspeed-distributed"
+    with pytest.raises(ConfigError, match="an MPI runtime.*Use runtime: torch-distributed"):
+        load_spec(None, data=data)  # at compile time, for Trainer's own MPI runtimes
+    env, workspace = compiled_ppo_step
+    renamed = json.dumps({**json.loads(env), "runtime": "team-mpi"})  # a cluster's own runtime: known when read
+    with FakeK8s(work=fake_ppo_output, runtimes={"team-mpi": "deepspeed"}) as fake, \
+            pytest.raises(trainjob.TrainJobError, match="'deepspeed' runtime.*runtime to torch-distributed"):
+        run_ppo_step(tmp_path, monkeypatch, fake, (renamed, workspace), "run-mpi")
+    assert fake.posted() == []
+
+
+def start_ppo_step(tmp_path: Path, fake, env: str, run_id: str):
+    """The ppo step in its own process (as in its pod), once its TrainJob's pods run; (process, job name)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from pathlib import Path; "
+            f"from pipelines.test_trainjob import ppo_step; ppo_step(Path({str(tmp_path)!r}), {run_id!r})")
+    child_env = {**os.environ, trainjob.ENV: env, "KUBECONFIG": str(fake.kubeconfig(tmp_path / "kubeconfig")),
+                 "PYTHONPATH": str(ROOT)}
+    step = subprocess.Popen([sys.executable, "-c", code], env=child_env, stderr=subprocess.PIPE, text=True)
+    name = trainjob.job_name(run_id, "ppo", 0)
+    for _ in range(1200):  # until the fake controller has the job's pods Running (or the step died)
+        seen = fake.pods_seen.get(name)
+        if (seen is not None and seen.wait(0.1)) or step.poll() is not None:
+            break
+        if seen is None:
+            time.sleep(0.1)
+    assert step.poll() is None, step.stderr.read()
+    assert fake.phase[name] == "Running"
+    return step, name
+
+
+def test_a_stopped_step_deletes_its_trainjob(tmp_path, compiled_ppo_step):
+    """Terminating the KFP run stops the step's pod (SIGTERM): the TrainJob and its GPUs go with it."""
+    import signal
+    import threading
+
+    release = threading.Event()
+    with FakeK8s(work=lambda body: release.wait(60) and fake_ppo_output(body)) as fake:
+        step, name = start_ppo_step(tmp_path, fake, compiled_ppo_step[0], "run-stopped")
+        step.send_signal(signal.SIGTERM)
+        _, err = step.communicate(timeout=120)
+        release.set()
+    assert step.returncode != 0
+    assert fake.deleted == [name] and name not in fake.jobs
+    assert f"deleted TrainJob {name} (the step was stopped)" in err and "SIGTERM" in err
+    assert not (tmp_path / "outputs" / "updated").exists()
+
+
+def test_a_step_retried_after_its_pod_died_reattaches_to_the_running_trainjob(tmp_path, monkeypatch, compiled_ppo_step):
+    """A lost node kills the step without a signal it can act on (SIGKILL): the job keeps running, and the
+    retried step waits for that job rather than submitting a second one."""
+    import signal
+    import threading
+
+    release = threading.Event()
+    with FakeK8s(work=lambda body: release.wait(60) and fake_ppo_output(body)) as fake:
+        step, name = start_ppo_step(tmp_path, fake, compiled_ppo_step[0], "run-node-lost")
+        step.send_signal(signal.SIGKILL)
+        step.communicate(timeout=120)
+        shutil.rmtree(tmp_path / "minio")
+        shutil.rmtree(tmp_path / "outputs")
+        threading.Timer(1.0, release.set).start()  # the job finishes while the retry waits for it
+        out, _ = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-node-lost")
+    assert [job["metadata"]["name"] for job in fake.posted()] == [name] and fake.deleted == []
+    assert (out / "policy" / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_a_trainjob_that_outlives_the_timeout_is_deleted(tmp_path, monkeypatch, compiled_ppo_step):
+    import threading
+
+    env, workspace = compiled_ppo_step
+    short = json.dumps({**json.loads(env), "timeout_s": 3, "poll_s": 1})
+    release = threading.Event()
+    with FakeK8s(work=lambda body: release.wait(60) and fake_ppo_output(body)) as fake, \
+            pytest.raises(trainjob.TrainJobError, match="did not finish within pipeline.cluster.trainer.timeout_s = 3 s"):
+        try:
+            run_ppo_step(tmp_path, monkeypatch, fake, (short, workspace), "run-timeout")
+        finally:
+            release.set()
+    (job,) = fake.posted()
+    assert job["spec"]["activeDeadlineSeconds"] == 3
+    assert fake.deleted == [job["metadata"]["name"]]
+
 
 def test_the_7b_two_node_recipe_compiles_with_sft_and_ppo_as_trainjobs(tmp_path):
     text = (ROOT / "configs" / "cluster" / "ppo-7b-2x8.yaml").read_text()
-    spec, _ = compile_yaml(tmp_path, text)
+    spec, _ = compile_yaml(tmp_path, text, *IMAGES)
     by_name = {t["taskInfo"]["name"]: t for t in all_tasks(spec).values()}
     assert "sft (trainjob)" in by_name and "prm" in by_name
     assert {f"ppo-{k} (trainjob)" for k in range(10)} <= set(by_name)

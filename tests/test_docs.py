@@ -171,8 +171,9 @@ def commands(line: str) -> list[list[str]]:
                 start = image + 1  # the image's entrypoint is prmflow: the words after the image are its arguments
             else:
                 start = None
-            if start is not None:
-                out.append([t for t in segment[start:] if t != "..." and not t.startswith("[")])
+            args = segment[start:] if start is not None else []
+            if start is not None and not (args and args[0].endswith(":")):  # `prmflow pipeline: error: ...` is a message
+                out.append([t for t in args if t != "..." and not t.startswith("[")])
             segment = [] if tok != ">" else ["REDIRECT"]
         elif segment[:1] != ["REDIRECT"]:
             segment.append(tok)
@@ -269,7 +270,11 @@ def test_every_quoted_command_parses(page):
                 cls = settings.PipelineConfig  # pipeline compile/submit/run-local --set: the pipeline: section
             for item in getattr(args, "set_", None) or getattr(args, "set", None) or []:
                 key = item.split("=", 1)[0]
-                why = key_problem(cls, key) if cls else None
+                stage, _, rest = key.partition(".")
+                if cls is settings.PipelineConfig and stage in STAGES:  # pipeline --set STAGE.KEY=VALUE
+                    why = key_problem(STAGES[stage].Config, rest)
+                else:
+                    why = key_problem(cls, key) if cls else None
                 if why:
                     problems.append(f"`prmflow {' '.join(argv)}`: {why}")
             for word in argv:

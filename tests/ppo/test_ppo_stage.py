@@ -169,7 +169,7 @@ def test_top_entropy_mask_selects_highest_entropy_tokens_and_only_they_train(sft
                    micro_batch_size=4, top_entropy_frac=0.25)
     model, tok = modeling.load_causal_lm(sft_policy)
     actor = models.make_engine(model, cfg, cfg.optim.lr, 1, 0, 4)
-    samples = [dict(r) for r in rows]
+    samples = [batch.Sample.of({**r, "advantages": [0.0] * len(r["response_ids"])}) for r in rows]
     prepass.precompute(cfg, samples, batch.minibatch_plan(8, cfg), actor, None, tok.pad_token_id)
     # independent entropies: one row at a time, full logits, -(p log p).sum()
     ent = []
@@ -180,7 +180,7 @@ def test_top_entropy_mask_selects_highest_entropy_tokens_and_only_they_train(sft
             ent += (-(p * p.log()).sum(-1)).tolist()
     k = math.ceil(0.25 * len(ent))
     threshold = sorted(ent, reverse=True)[k - 1]
-    kept = [x for s in samples for x in s["pg_mask"]]
+    kept = [x for s in samples for x in s.pg_mask]
     assert sum(kept) == k
     assert [bool(x) for x in kept] == [e >= threshold - 1e-6 for e in ent]
     # advantages only on tokens outside the mask: no policy gradient at all, the policy is unchanged

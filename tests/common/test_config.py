@@ -151,6 +151,18 @@ def test_a_section_shows_the_default_its_owner_gives_it():
     assert "`5`" in config.describe(OwnDefaults).splitlines()[2]
 
 
+def test_a_near_miss_of_a_key_inside_a_section_suggests_the_dotted_key():
+    @dataclass
+    class Sectioned:
+        optim: Inner = field(default_factory=Inner)
+        """A section."""
+
+    with pytest.raises(ConfigError, match="'dpeth' is not a config key. Did you mean 'optim.depth'?"):
+        config.build(Sectioned, {"dpeth": 3})
+    with pytest.raises(ConfigError, match="'optim.dpeth' is not a config key. Did you mean 'optim.depth'?"):
+        config.build(Sectioned, {"optim.dpeth": 3})
+
+
 # --- one vocabulary across the stages ---------------------------------------------------------------
 
 def test_flat_fields_show_each_stage_its_own_section_defaults():

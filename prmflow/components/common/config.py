@@ -192,9 +192,13 @@ def coerce(value: Any, typ: Any, key: str, where: str) -> Any:
 # --- building and loading -----------------------------------------------------------------------
 
 def _unknown_key(key: str, valid: typing.Iterable[str], where: str) -> ConfigError:
-    """The error for a key that is not in `valid`, suggesting the closest valid key."""
-    close = difflib.get_close_matches(key, list(valid), n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
+    """The error for a key that is not in `valid`, suggesting the closest valid key; a near miss of a
+    key inside a section given without it ('lrr' for 'lr') suggests the dotted key ('optim.lr')."""
+    names = {k: k for k in valid}
+    for k in list(names):
+        names.setdefault(k.rsplit(".", 1)[-1], k)
+    close = difflib.get_close_matches(key, list(names), n=1)
+    hint = f" Did you mean '{names[close[0]]}'?" if close else ""
     return ConfigError(f"{where}: '{key}' is not a config key.{hint} `--help` lists the keys.")
 
 

@@ -87,9 +87,9 @@ def test_reward_and_accuracy_agree_with_the_truth(source, response, answer, trut
 def test_an_intractable_answer_is_graded_wrong_without_reaching_sympy(monkeypatch):
     """sympy's comparison of these would not return: the grader must refuse them before it (no time limit
     needed: the comparison is replaced by a recorder, and must never be called)."""
-    parse, verify = grader._math_verify()
+    parse, verify = grader.verifier()
     compared = []
-    monkeypatch.setattr(grader, "_math_verify", lambda: (parse, lambda *a, **k: compared.append(a) or True))
+    monkeypatch.setattr(grader, "verifier", lambda: (parse, lambda *a, **k: compared.append(a) or True))
     assert grader.grade("math", r"\boxed{9^{9^{9^{9}}}}", "1") == 0.0
     assert grader.grade("math", r"\boxed{9^{99999999}}", "1") == 0.0
     assert grader.grade("math", r"\boxed{" + "1+" * 400 + "1}", "401") == 0.0  # over MAX_ANSWER_CHARS

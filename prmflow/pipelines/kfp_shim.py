@@ -26,8 +26,7 @@ def run_stage(name: str, stage: ModuleType, config: dict, paths: dict[str, Any],
     Config keys) plus artifact `paths`; returns its metrics."""
     where = f"pipeline step '{name}'"
     shutdown.freeze_objects_at_exit()  # this task's process ends when the stage does
-    # old key names in the section are renamed first, so the paths below win over them too
-    values = config_lib.upgrade_keys(stage.Config, config_lib.flatten(dict(config or {})), where)
+    values = config_lib.flatten(dict(config or {}))
     values.update({"tracking.pipeline_run_id": kfp_run_id, "tracking.experiment": experiment})
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
     if uri:

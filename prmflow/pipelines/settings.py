@@ -237,8 +237,6 @@ def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None,
             if hasattr(built, "arithmetic") and (getattr(built, "task", None) == "arithmetic" or (
                     getattr(built, "ptx_coef", 0) > 0 and built.ptx_task == "arithmetic")):  # ppo's SFT (ptx) loss
                 prefixes[name] = built.arithmetic.prompt_prefix
-            # old key names (warned about just now) become the new ones in the pipeline's parameters
-            section = config_lib.upgrade_stored(available[name].Config, section, fill=False)
         stage_configs[name] = section
     if len(set(prefixes.values())) > 1:  # the policy would be trained on one prompt and tested on another
         seen = ", ".join(f"[{k}] {v!r}" for k, v in prefixes.items())

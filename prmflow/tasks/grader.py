@@ -91,7 +91,7 @@ def answer_key(source: str, response: str) -> str | None:
     if value is not None:
         return str(value)
     if len(got) <= MAX_ANSWER_CHARS:
-        parse, _ = _math_verify()
+        parse, _ = verifier()
         parsed = parse(f"\\boxed{{{got}}}", parsing_timeout=None)
         if parsed and _tractable(parsed[0]) and not isinstance(parsed[0], str):
             return str(parsed[0])
@@ -167,7 +167,7 @@ def answers_match(given: str, reference: str) -> bool:
         return x == y
     if max(len(given), len(reference)) > MAX_ANSWER_CHARS:
         return False
-    parse, verify = _math_verify()
+    parse, verify = verifier()
     gold = parse(f"\\boxed{{{reference}}}", parsing_timeout=None)
     pred = parse(f"\\boxed{{{given}}}", parsing_timeout=None)
     if not (gold and pred) or not all(map(_tractable, gold + pred)):
@@ -195,7 +195,7 @@ class _DropTimeoutWarning(logging.Filter):
 
 
 @functools.cache
-def _math_verify():
+def verifier():
     """math-verify's (parse, verify), imported on first use (it brings sympy: about a second)."""
     from math_verify import parse, verify
 

@@ -36,10 +36,7 @@ log = logging.getLogger(__name__)
 
 #: Config keys whose values are paths of a stage's inputs (mounted read-only when it is re-run).
 INPUT_KEYS = ("backbone", "task", "eval_task", "ptx_task", "bon.task", "policy", "prm", "ref", "critic",
-              "critic_init", "input", "kl_state", "baseline", "optimizer_state", "bon.policy",
-              # the names these had before this release, as runs logged then hold them
-              "model_path", "policy_path", "advantages", "critic_path", "prm_path", "policy_samples_path",
-              "bon.policy_path")
+              "critic_init", "input", "kl_state", "baseline", "optimizer_state", "bon.policy")
 OUTPUT_KEY = "output"
 #: Where the KFP launcher puts its local copy of an artifact, by URI scheme (kfp.dsl.types.artifact_types).
 KFP_MOUNTS = {"/gcs/": "gs://", "/minio/": "minio://", "/s3/": "s3://"}

@@ -1,8 +1,11 @@
+import dataclasses
+import typing
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Literal
 
 import pytest
 
+from prmflow import stages
 from prmflow.components.common import config
 from prmflow.errors import ConfigError
 
@@ -119,125 +122,6 @@ def test_nested_section_mappings_are_the_same_as_dotted_keys():
         config.build(stage.Config, {"head": {"knd": "lm_tokens"}})
 
 
-# --- renamed keys -----------------------------------------------------------------------------------
-
-@dataclass
-class Sampling:
-    n: int = 1
-    """Samples per prompt."""
-    temperature: float = 1.0
-    """Softmax temperature."""
-    renamed: ClassVar[dict[str, str]] = {"temp": "temperature"}  # a section's own renames, relative to it
-
-
-@dataclass
-class Renamed:
-    policy: str = ""
-    """The policy directory."""
-    sampling: Sampling = field(default_factory=Sampling)
-    """How to sample."""
-    renamed: ClassVar[dict[str, str]] = {"policy_path": "policy", "n_samples": "sampling.n", "gen": "sampling"}
-
-
-def _cli(argv: list[str], path=None) -> Renamed:
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    config.add_arguments(parser, Renamed)
-    return config.from_args(Renamed, parser.parse_args((["--config", str(path)] if path else []) + argv))
-
-
-def _yaml(tmp_path, text: str):
-    p = tmp_path / "c.yaml"
-    p.write_text(text)
-    return p
-
-
-@pytest.mark.parametrize("make,old,new", [
-    (lambda tmp: config.build(Renamed, {"policy_path": "/p", "n_samples": 4, "sampling.temp": 0.5}), "policy_path", "policy"),
-    (lambda tmp: config.build(Renamed, {"policy_path": "/p", "gen": {"n": 4}, "sampling": {"temp": 0.5}}), "gen", "sampling"),
-    (lambda tmp: config.load(Renamed, _yaml(tmp, "policy_path: /p\nn_samples: 4\nsampling:\n  temp: 0.5\n")), "n_samples", "sampling.n"),
-    (lambda tmp: config.load(Renamed, _yaml(tmp, "policy: /p\ngen:\n  n: 4\n  temp: 0.5\n")), "gen", "sampling"),
-    (lambda tmp: config.load(Renamed, overrides={"policy_path": "/p", "gen.n": 4, "sampling.temp": "0.5"}), "gen", "sampling"),
-    (lambda tmp: _cli(["--set", "policy_path=/p", "--n_samples", "4", "--sampling.temp", "0.5"]), "sampling.temp", "sampling.temperature"),
-    (lambda tmp: _cli(["--policy_path", "/p", "--gen.n", "4", "--gen.temp", "0.5"]), "policy_path", "policy"),
-])
-def test_old_keys_load_as_the_new_ones_with_a_deprecation_warning(tmp_path, caplog, make, old, new):
-    with pytest.warns(FutureWarning) as warned:
-        cfg = make(tmp_path)
-    assert (cfg.policy, cfg.sampling.n, cfg.sampling.temperature) == ("/p", 4, 0.5)
-    messages = [str(w.message) for w in warned]
-    assert [m for m in messages if f"'{old}' is deprecated, use '{new}' instead" in m and "next release" in m], messages
-    logged = [r.getMessage() for r in caplog.records if r.name.startswith("prmflow") and r.levelname == "WARNING"]
-    assert [m for m in logged if f"'{old}' is deprecated, use '{new}'" in m], logged
-
-
-def test_new_keys_load_without_a_warning(recwarn):
-    cfg = config.build(Renamed, {"policy": "/p", "sampling": {"n": 4}})
-    assert (cfg.policy, cfg.sampling.n) == ("/p", 4)
-    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
-
-
-@pytest.mark.parametrize("values,old,new", [
-    ({"policy_path": "/a", "policy": "/b"}, "policy_path", "policy"),
-    ({"n_samples": 2, "sampling": {"n": 3}}, "n_samples", "sampling.n"),
-    ({"n_samples": 2, "sampling.n": 3}, "n_samples", "sampling.n"),
-    ({"gen": {"n": 2}, "sampling": {"n": 3}}, "gen.n", "sampling.n"),
-    ({"sampling": {"temp": 0.5, "temperature": 0.7}}, "sampling.temp", "sampling.temperature"),
-])
-def test_an_old_key_with_its_new_one_is_an_error_naming_both(values, old, new):
-    with pytest.raises(ConfigError) as e:
-        config.build(Renamed, values, where="my.yaml")
-    assert f"both '{old}' and '{new}' are set" in str(e.value) and str(e.value).startswith("my.yaml")
-
-
-def test_an_old_and_a_new_key_for_different_settings_combine(tmp_path):
-    with pytest.warns(FutureWarning):
-        cfg = config.build(Renamed, {"gen": {"n": 2}, "sampling": {"temperature": 0.5}})
-    assert (cfg.sampling.n, cfg.sampling.temperature) == (2, 0.5)
-    with pytest.warns(FutureWarning):  # the command line still overrides the file, whichever name each uses
-        assert _cli(["--policy_path", "/cli"], _yaml(tmp_path, "policy: /file\n")).policy == "/cli"
-    with pytest.raises(ConfigError, match="both 'policy_path' and 'policy' are set"):
-        _cli(["--policy_path", "/a", "--policy", "/b"])
-
-
-def test_old_flags_are_hidden_from_help():
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    config.add_arguments(parser, Renamed)
-    text = parser.format_help()
-    assert "--policy " in text and "--sampling.temperature" in text
-    assert not any(f"--{old}" in text for old in ("policy_path", "n_samples", "gen.n", "sampling.temp "))
-
-
-def test_a_mapping_to_a_key_that_does_not_exist_fails_where_it_is_declared():
-    @dataclass
-    class Typo:
-        policy: str = ""
-        """The policy."""
-        renamed: ClassVar[dict[str, str]] = {"policy_path": "polcy"}
-
-    @dataclass
-    class Stale:
-        policy: str = ""
-        """The policy."""
-        renamed: ClassVar[dict[str, str]] = {"policy": "policy"}
-
-    with pytest.raises(TypeError, match="maps 'policy_path' to 'polcy', which is not a key of Typo"):
-        config.build(Typo, {})
-    with pytest.raises(TypeError, match="maps 'policy', which is still a key of Stale"):
-        config.build(Stale, {})
-
-
-def test_every_stage_renames_only_to_keys_it_has():
-    from prmflow import stages
-
-    for name, module in stages.available().items():
-        for old, new in config.renamed_keys(module.Config).items():
-            assert old not in config.flat_fields(module.Config), (name, old)
-
-
 @dataclass
 class Deep:
     inner: Inner = field(default_factory=lambda: Inner(depth=9))
@@ -267,12 +151,48 @@ def test_a_section_shows_the_default_its_owner_gives_it():
     assert "`5`" in config.describe(OwnDefaults).splitlines()[2]
 
 
-def test_a_near_miss_of_an_old_key_suggests_its_new_name():
+def test_a_near_miss_of_a_key_inside_a_section_suggests_the_dotted_key():
     @dataclass
-    class Moved:
+    class Sectioned:
         optim: Inner = field(default_factory=Inner)
-        """The section the old key moved into."""
-        renamed: ClassVar[dict[str, str]] = {"depth": "optim.depth"}
+        """A section."""
 
     with pytest.raises(ConfigError, match="'dpeth' is not a config key. Did you mean 'optim.depth'?"):
-        config.build(Moved, {"dpeth": 3})
+        config.build(Sectioned, {"dpeth": 3})
+    with pytest.raises(ConfigError, match="'optim.dpeth' is not a config key. Did you mean 'optim.depth'?"):
+        config.build(Sectioned, {"optim.dpeth": 3})
+
+
+# --- one vocabulary across the stages ---------------------------------------------------------------
+
+def test_flat_fields_show_each_stage_its_own_section_defaults():
+    """One OptimConfig / SamplingConfig class, each stage's defaults (what build makes, --help and the READMEs show)."""
+    from prmflow.components.common.optim import OptimConfig
+
+    lrs = {}
+    for name, module in stages.available().items():
+        fields = config.flat_fields(module.Config)
+        if "optim.lr" in fields:
+            kw = {"rollout": {"policy": "/p"}, "evaluate": {"policy": "/p"}}.get(name, {})
+            assert fields["optim.lr"][2] == config.build(module.Config, kw).optim.lr, name
+            lrs[name] = fields["optim.lr"][2]
+    assert lrs == {"sft": 3e-3, "prm": 1e-3, "ppo": 1e-4}
+    assert OptimConfig().lr not in (3e-3, 1e-3)  # the class default is not what the stages show
+    assert config.flat_fields(stages.available()["sft"].Config)["optim.lr_schedule"][2] == "cosine"
+
+
+def test_constant_lr_schedule_everywhere():
+    for name, module in stages.available().items():
+        fields = config.flat_fields(module.Config)
+        schedules = [k for k in fields if k.endswith("lr_schedule")]
+        for key in schedules:
+            assert "constant" in typing.get_args(fields[key][0]), (name, key)
+
+
+def test_engine_is_always_the_training_backend():
+    from prmflow.components.common.engine import EngineConfig
+
+    for name, module in stages.available().items():
+        for f in dataclasses.fields(module.Config):
+            if f.name == "engine":
+                assert typing.get_type_hints(module.Config)["engine"] is EngineConfig, name

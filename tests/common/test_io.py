@@ -65,3 +65,31 @@ def test_stale_temporaries_are_cleaned(tmp_path):
         (tmp / "x").write_text("1")
     assert not stale.exists()
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["kind"] == "thing"
+
+
+def test_finished_output_decides_what_a_stage_does_with_an_existing_output(tmp_path, capsys):
+    """The one "already complete?" check every stage makes (io.finished_output)."""
+    out, data = tmp_path / "out", tmp_path / "data.jsonl"
+    data.write_text('{"x": 1}\n')
+    config = {"lr": 0.1, "output": str(out), "tracking": {"uri": "a"}}
+    inputs = io.input_fingerprints([str(data), "", "tiny-llama"])  # a file counts; an empty path and a name do not
+    assert inputs == {str(data): io.fingerprint_files({"data.jsonl": io.sha256_file(data)})}
+    assert io.finished_output("sft", out, config, overwrite=False, inputs=inputs) is None  # nothing there: start
+    with io.atomic_output_dir(out, "thing", manifest={"config": config, "inputs": inputs, "metrics": {"m": 1.0}}):
+        pass
+    work = io.work_dir_for(out)
+    work.mkdir()  # a resume checkpoint left by a kill between the commit and its cleanup
+    capsys.readouterr()
+    same = {**config, "tracking": {"uri": "b"}}  # tracking settings do not change the result
+    done = io.finished_output("sft", out, same, overwrite=False, inputs=inputs)
+    assert done["metrics"] == {"m": 1.0} and not work.exists()
+    assert capsys.readouterr().out == f"sft: '{out}' is already complete for this config and these inputs; nothing to do.\n"
+    with pytest.raises(OutputExistsError, match=r"sft: output '.*' already exists, but it does not match this run "
+                                                r"\(different config\)\. Pass --overwrite true"):
+        io.finished_output("sft", out, {**config, "lr": 0.2}, overwrite=False, inputs=inputs)
+    data.write_text('{"x": 2}\n')
+    with pytest.raises(OutputExistsError, match=r"\(different inputs\)"):
+        io.finished_output("sft", out, config, overwrite=False, inputs=io.input_fingerprints([str(data)]))
+    assert io.finished_output("sft", out, {**config, "lr": 0.2}, overwrite=True, inputs=inputs) is None  # replace it
+    with pytest.raises(OutputExistsError, match=r"\(different kl_coef_used\)"):  # what else the stage records
+        io.finished_output("advantage", out, config, overwrite=False, inputs=inputs, kl_coef_used=0.5)

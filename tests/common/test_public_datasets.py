@@ -234,7 +234,7 @@ def test_a_directory_mixing_gsm8k_and_math_files_reads_each_in_its_format(tmp_pa
 def test_hub_id_offline_fails_with_what_to_do(tmp_path):
     """No hub here: the hub path runs datasets.load_dataset and, offline, says how to get the data in."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hfd")}
-    code = ("from prmflow.components.common import tasks\n"
+    code = ("from prmflow import tasks\n"
             "from prmflow.errors import DataError\n"
             "try:\n    tasks.load('hub:openai/gsm8k?config=main&split=test')\n"
             "except DataError as e:\n    print('DataError:', e); raise SystemExit(2)\n")

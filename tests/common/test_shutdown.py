@@ -27,7 +27,7 @@ ENTRY_POINTS = {
     # a KFP stage component: the shim around stage.run
     "kfp-shim": textwrap.dedent("""
         import dataclasses, types
-        from prmflow.components.common import kfp_shim
+        from prmflow.pipelines import kfp_shim
         from prmflow.tracking import TrackingConfig
         @dataclasses.dataclass
         class Config:

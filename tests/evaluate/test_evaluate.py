@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -34,7 +35,12 @@ def test_metrics_against_independent_recomputation(sft_policy, flat_prm, tmp_pat
     for agg in ("min", "last", "mean"):  # every step scores 0.5: these tie, so best-of-k = a random pick
         assert m[f"eval/bon_{agg}"] == pytest.approx(m["eval/mean_at_4"])
     assert 0 <= m["eval/bon_product"] <= m["eval/pass_at_4"]  # product = 0.5^steps prefers short answers
-    assert 0 <= m["eval/format_errors"] <= 1 and m["eval/response_length"] > 5
+    # format errors: greedy responses with no `answer: N` line; length: their mean token count
+    answered = [any(re.fullmatch(r"\s*answer\s*:\s*-?\d+\s*", line, re.IGNORECASE) for line in g.split("\n"))
+                for g in greedy]
+    assert m["eval/format_errors"] == pytest.approx(answered.count(False) / 24)
+    assert m["eval/response_length"] == pytest.approx(
+        sum(len(tok(g, add_special_tokens=False)["input_ids"]) for g in greedy) / 24)
     out = tmp_path / "eval"
     assert json.loads((out / "metrics.json").read_text()) == pytest.approx(m)
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]

@@ -58,7 +58,7 @@ def _samples(rows, bad_rows=()):
         s = dict(r, advantages=[(-1.0) ** i] * len(r["response_ids"]), returns=None, values=None)
         if i in bad_rows:  # exp(logp - old) overflows; with A < 0 the loss is inf
             s.update(old_logprobs=[-1e30] * len(r["response_ids"]), advantages=[-1.0] * len(r["response_ids"]))
-        out.append(s)
+        out.append(batch.Sample.of(s))
     return out
 
 

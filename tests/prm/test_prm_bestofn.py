@@ -11,6 +11,7 @@ import pytest
 from prmflow import tasks
 from prmflow.tasks import arithmetic
 from prmflow.components.common import bestofn
+from prmflow.errors import ConfigError
 
 
 def _record(expr="7+5*3", answer="36"):
@@ -72,7 +73,7 @@ def test_perfect_prm_reaches_pass_at_n_and_constant_prm_equals_random():
 
 
 def test_unknown_aggregation_is_a_config_error():
-    with pytest.raises(Exception, match="bon.aggregations"):
+    with pytest.raises(ConfigError, match=r"bon.aggregations has \['median'\]; known:"):
         bestofn.BestOfNConfig(aggregations=["median"])
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import kill_harness  # noqa: E402
 from kill_harness import free_port  # noqa: E402
-from stage_cases import CASES  # noqa: E402
+from stage_cases import ALL_CASES  # noqa: E402
 
 
 class Report:
@@ -78,7 +78,7 @@ def stage_runs(tmp_path_factory):
 
     def get(name: str):
         if name not in done:
-            case = CASES[name]
+            case = ALL_CASES[name]
             inputs = root / "inputs"
             inputs.mkdir(exist_ok=True)
             if case.prepare:

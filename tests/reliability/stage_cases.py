@@ -255,3 +255,37 @@ CASES = {
         ci_seeds=1,
     ),
 }
+
+
+def read_manifest_files(out: Path) -> None:
+    """Any committed output: its manifest, and every file it lists with its sha256."""
+    io.verify_files(out, io.read_manifest(out))
+
+
+#: Stages with no training loop to kill or resume (their tests: tests/prm, tests/evaluate), here for the
+#: re-run test only (test_kill_resume.py), so that it covers every stage.
+RERUN_ONLY = {
+    "prm-label": StageCase(
+        name="prm-label",
+        argv=lambda run, inputs: ["prm-label", "--output", str(run / "out"), "--policy", str(inputs / "policy"),
+                                  "--num_prompts", "4", "--n_samples", "2", "--completions", "2",
+                                  "--sampling.max_new_tokens", "24", "--tracking.enabled", "false"],
+        prepare=make_policy,
+        read=read_manifest_files,
+        compare=same_files,
+        changed_argv=("--seed", "1"),
+    ),
+    "evaluate": StageCase(
+        name="evaluate",
+        argv=lambda run, inputs: ["evaluate", "--output", str(run / "out"), "--policy", str(inputs / "policy"),
+                                  "--num_prompts", "8", "--n_samples", "2", "--sampling.max_new_tokens", "24",
+                                  "--tracking.enabled", "false"],
+        prepare=make_policy,
+        read=read_manifest_files,
+        compare=same_files,
+        changed_argv=("--seed", "1"),
+    ),
+}
+
+#: Every stage: the re-run test's cases.
+ALL_CASES = {**CASES, **RERUN_ONLY}

@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from kill_harness import dump, kill_and_resume, seeds_for, summary
-from stage_cases import CASES, make_rollouts
+from stage_cases import ALL_CASES, CASES, make_rollouts
 from prmflow import cli
 from prmflow.components.advantage import stage as advantage
 from prmflow.errors import OutputExistsError
@@ -48,9 +48,11 @@ def _snapshot(out):
             for p in sorted(out.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(ALL_CASES))
 def test_rerun_of_a_complete_output_does_nothing_and_a_different_one_is_refused(name, stage_runs, capsys, reliability):
-    case = CASES[name]
+    """Every stage, one helper (io.finished_output): the same run again leaves the output untouched and
+    says so; another config is refused with exit 2 and replaces the output only when asked to."""
+    case = ALL_CASES[name]
     _, inputs, ref_dir, _ = stage_runs(name)
     out = ref_dir / case.output
     before = _snapshot(out)
@@ -63,7 +65,22 @@ def test_rerun_of_a_complete_output_does_nothing_and_a_different_one_is_refused(
     err = capsys.readouterr().err
     assert "already exists" in err and "Traceback" not in err, err
     assert _snapshot(out) == before
-    reliability.add("idempotence", reruns_that_did_nothing=1, mismatches_refused=1)
+    # asked for, another config replaces it (the reference is put back after: the kill test compares with it)
+    kept = ref_dir / "kept"
+    shutil.rmtree(kept, ignore_errors=True)
+    shutil.copytree(out, kept)
+    try:
+        assert cli.main([*case.argv(ref_dir, inputs), *case.changed_argv, "--overwrite", "true"]) == 0
+        replaced = _snapshot(out)
+        assert replaced != before
+        capsys.readouterr()
+        assert cli.main([*case.argv(ref_dir, inputs), *case.changed_argv]) == 0  # now that one is the finished output
+        assert "nothing to do" in capsys.readouterr().out and _snapshot(out) == replaced
+    finally:
+        shutil.rmtree(out)
+        kept.rename(out)
+    assert _snapshot(out) == before
+    reliability.add("idempotence", reruns_that_did_nothing=2, mismatches_refused=1)
 
 
 def test_advantage_refuses_an_output_made_from_other_rollouts(tmp_path, reliability):

@@ -119,10 +119,13 @@ def test_a_failing_user_function_names_the_row(tmp_path, monkeypatch, module, bo
 # --- a real HTTP reward server on 127.0.0.1 -------------------------------------------------------
 
 class RewardServer:
-    """Scores a response by its length; can fail the first requests or answer slowly."""
+    """Scores a response by its length; can fail the first requests, answer slowly, or (`hold`) answer
+    only once the test releases it (`release`) or after 20 s."""
 
-    def __init__(self, fail_first=0, delay_s=0.0, status=503, reply=None):
+    def __init__(self, fail_first=0, delay_s=0.0, status=503, reply=None, hold=False):
         self.requests, self.fail_first, self.delay_s, self.status, self.reply = [], fail_first, delay_s, status, reply
+        self.release = threading.Event()
+        self.hold = hold
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -135,6 +138,8 @@ class RewardServer:
                     self.wfile.write(b"busy")
                     return
                 time.sleep(server.delay_s)
+                if server.hold:
+                    server.release.wait(20)
                 payload = server.reply if server.reply is not None else {"rewards": [len(r) / 10 for r in body["responses"]]}
                 data = json.dumps(payload).encode()
                 self.send_response(200)
@@ -155,6 +160,7 @@ class RewardServer:
         return self
 
     def __exit__(self, *exc):
+        self.release.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -174,12 +180,12 @@ def test_http_reward_model_batches_and_retries():
 
 
 def test_http_reward_model_times_out_with_a_clear_error():
-    with RewardServer(delay_s=1.0) as srv:
-        t0 = time.perf_counter()
-        with pytest.raises(RewardError, match="failed 2 time"):
+    """The server holds every request until the test releases it: only the client's own timeout can end
+    the call (one that ignored timeout_s would get an answer after 20 s, and no error)."""
+    with RewardServer(hold=True) as srv:
+        with pytest.raises(RewardError, match=r"failed 2 time\(s\) \(timeout 0.2s\); last error: .*timed out"):
             rewards.score_items(http_recipe(srv.url, timeout_s=0.2, retries=1, backoff_s=0.01), [item("x")])
-        assert time.perf_counter() - t0 < 1.5
-    assert len(srv.requests) == 2
+        assert not srv.release.is_set() and len(srv.requests) == 2  # both attempts gave up while held
 
 
 def test_http_client_errors_are_not_retried():

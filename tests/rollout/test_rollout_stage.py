@@ -135,17 +135,6 @@ def test_outcome_rewards_agree_with_the_verifier(scored_run):
     assert 0 < sum(correct) < len(correct)  # the SFT policy is right sometimes, wrong sometimes
 
 
-def test_same_config_again_is_a_no_op_and_another_config_is_refused(scored_run):
-    cfg, metrics, _ = scored_run
-    manifest = stage.output_dir(cfg) / io.MANIFEST
-    before = manifest.stat().st_mtime_ns
-    assert stage.run(cfg) == metrics
-    assert manifest.stat().st_mtime_ns == before
-    other = config.load(stage.Config, overrides={**config.flat_dict(cfg), "seed": 1})
-    with pytest.raises(OutputExistsError, match="overwrite"):
-        stage.run(other)
-
-
 def test_shards_read_back_as_one_dataset(tmp_path, sft_policy):
     """Two pods each write their shard's directory; the parent reads as one dataset."""
     out = tmp_path / "iter0"

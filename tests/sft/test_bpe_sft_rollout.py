@@ -10,7 +10,7 @@ import torch
 from prmflow.components.common import config, modeling, schema
 from prmflow.components.common.bpe_tokenizer import DEFAULT_SYSTEM
 from prmflow.components.common.generation import generate_texts
-from prmflow.components.ppo.batch import collate
+from prmflow.components.ppo.batch import Sample, collate
 from prmflow.components.rollout import scoring, stage as rollout
 from sft_cache import cached_sft
 
@@ -57,7 +57,8 @@ def test_ppo_trains_on_im_end_and_never_on_pad(bpe_run):
     """The PPO micro-batch's mask selects exactly each row's response_ids, <|im_end|> included."""
     policy, rows = bpe_run
     tok = modeling.load_tokenizer(policy)
-    mb = collate(rows, list(range(len(rows))), tok.pad_token_id, fields=())
+    samples = [Sample.of({**r, "advantages": [0.0] * len(r["response_ids"])}) for r in rows]
+    mb = collate(samples, list(range(len(rows))), tok.pad_token_id, fields=())
     for b, r in enumerate(rows):
         assert mb.response_ids[b][mb.mask[b]].tolist() == r["response_ids"]
         assert (mb.response_ids[b][~mb.mask[b]] == tok.pad_token_id).all()

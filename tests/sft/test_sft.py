@@ -136,17 +136,6 @@ def test_resume_continues_steps_schedule_and_data_order(tmp_path, monkeypatch):
     assert all(torch.equal(a[n], b[n]) for n in a)  # bit-for-bit the uninterrupted result
 
 
-def test_rerun_of_a_finished_output_does_nothing(tmp_path, capsys):
-    cfg = make_cfg(tmp_path, max_steps=3)
-    first = stage.run(cfg)
-    before = (tmp_path / "out" / "manifest.json").read_text()
-    assert stage.run(cfg) == first
-    assert "already complete" in capsys.readouterr().out
-    assert (tmp_path / "out" / "manifest.json").read_text() == before
-    with pytest.raises(Exception, match=r"already exists, but it does not match this run \(different config\)"):
-        stage.run(make_cfg(tmp_path, max_steps=4))
-
-
 def test_lora_trains_adapters_and_saves_a_plain_model(tmp_path):
     cfg = make_cfg(tmp_path, max_steps=5, lora_r=4, **{"optim.lr": 1e-2})
     stage.run(cfg)
@@ -213,4 +202,7 @@ def test_user_dataset_with_chat_messages_trains(tmp_path):
              "answer": p.answer} for p in tasks.load("arithmetic", "train", 80, 0)]
     f = _write(tmp_path / "d.jsonl", "\n".join(json.dumps(r) for r in rows))
     metrics = stage.run(make_cfg(tmp_path, task=str(f), eval_size=8, max_steps=3, micro_batch_size=8))
-    assert 0.0 <= metrics["eval/accuracy"] <= 1.0 and metrics["eval/loss"] > 0
+    assert metrics["eval/loss"] > 0  # the held-out rows have assistant tokens to score
+    start, _ = modeling.build_tiny_model("tiny-llama", seed=0)
+    s, out = start.state_dict(), weights(tmp_path / "out")
+    assert any(not torch.equal(out[k], s[k]) for k in out)  # and it trained on them

@@ -9,7 +9,7 @@ states, per column, what to do when it is missing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Literal
 
 from ...errors import ConfigError
 from ...tracking import TrackingConfig
@@ -62,9 +62,6 @@ class Config:
     """Replace an existing output made from another config or input; off: that is an error. One made from this config and input is kept (nothing to do)."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """MLflow run settings (common/tracking.py)."""
-
-    #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
-    renamed: ClassVar[dict[str, str]] = {"adv_clip": "advantage_clip", "batch_size": "batch_rows"}
 
     def __post_init__(self) -> None:
         _check_choice("estimator", self.estimator, ESTIMATORS)

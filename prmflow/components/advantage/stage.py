@@ -50,11 +50,9 @@ def run(cfg: Config) -> dict:
     plan = resolve(cfg)
     ds = schema.open_dataset(cfg.input, "rollouts")
     # a re-run (retried pipeline step, restarted pod) whose result is already committed does nothing
-    done = io.completed_output(cfg.output, {"config": io.config_identity(config_lib.to_dict(cfg)),
-                                            "inputs": io.fingerprint(ds.dirs), "kl_coef_used": plan.beta},
-                               cfg.overwrite, "advantage", config_cls=Config)
+    done = io.finished_output("advantage", cfg.output, config_lib.to_dict(cfg), cfg.overwrite,
+                              inputs=io.input_fingerprints(ds.dirs), kl_coef_used=plan.beta)
     if done is not None:
-        print(f"advantage: '{cfg.output}' is already complete for this config and input; nothing to do.")
         return {"train/rows_out": done["rows"]}
     check_columns_exist(ds, plan)
     with start_stage_run(cfg.tracking, stage="advantage", params=config_lib.flat_dict(cfg),

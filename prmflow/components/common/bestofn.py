@@ -18,7 +18,7 @@ import collections
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import Callable
 
 from . import config as config_lib, modeling, steps as steps_lib
 from ... import tasks
@@ -63,11 +63,6 @@ class BestOfNConfig:
     """Sequences (a prompt and one response) per generation batch and per PRM scoring batch."""
     seed: int = 0
     """Sampling seed."""
-
-    #: Keys renamed in this release (old -> new, relative to the bon section); the old ones still load, with a warning.
-    renamed: ClassVar[dict[str, str]] = {
-        "policy_path": "policy", "n": "n_samples", "prompts": "num_prompts", "batch_size": "batch_sequences",
-        "temperature": "sampling.temperature", "top_p": "sampling.top_p", "max_new_tokens": "sampling.max_new_tokens"}
 
     def __post_init__(self):
         if self.n_samples < 1 or self.num_prompts < 1:

@@ -15,9 +15,7 @@ from . import distributed, io, modeling
 from .engine import TrainEngine
 
 
-def work_dir_for(output: str | Path) -> Path:
-    output = Path(output)
-    return output.parent / f".{output.name}.work"
+work_dir_for = io.work_dir_for
 
 
 #: Keys that may change between a run and its resume without changing what is computed.
@@ -37,20 +35,19 @@ def save(engine: TrainEngine, tokenizer, work_dir: Path, trainer_state: dict, co
     return target
 
 
-def find(work_dir: Path, config: dict, config_cls: type | None = None) -> Path | None:
-    """The committed resume checkpoint in `work_dir` written by the same config, else None. With
-    `config_cls`, a checkpoint written before a config key was renamed still counts (`io.stored_identity`).
+def find(work_dir: Path, config: dict) -> Path | None:
+    """The committed resume checkpoint in `work_dir` written by the same config, else None.
     With N ranks, rank 0 looks (and repairs an interrupted replace) and tells the others."""
-    return distributed.on_main(lambda: _find(work_dir, config, config_cls))
+    return distributed.on_main(lambda: _find(work_dir, config))
 
 
-def _find(work_dir: Path, config: dict, config_cls: type | None) -> Path | None:
+def _find(work_dir: Path, config: dict) -> Path | None:
     target = Path(work_dir) / "latest"
     io.recover_interrupted_replace(target)  # killed between the two renames of the last save
     if not (target / io.MANIFEST).is_file():
         return None
     manifest = io.read_manifest(target)
-    if io.stored_identity(manifest.get("config") or {}, config_cls) != identity(config):
+    if io.config_identity(manifest.get("config") or {}) != identity(config):
         return None
     return target
 

@@ -5,50 +5,205 @@ are the documentation: `--help` shows them, and `describe(cls)` renders them for
 comes from (lowest to highest precedence) the dataclass defaults, a YAML file (`--config`), and
 `--set key=value` / `--key value` overrides. Nested dataclasses take dotted keys
 (`--set engine.zero_stage=2`). Unknown keys and values of the wrong type fail with a `ConfigError`
-naming the key, the file and the closest valid key. A key that was renamed keeps working for one
-release under its old name, with a warning (`renamed_keys`).
+naming the key, the file and the closest valid key.
+
+The module reads top to bottom: the keys of a config dataclass (`flat_fields`: types, docs,
+defaults), what a value may be (`coerce`: a YAML or command-line value converted to a field's
+type), building and loading a config, and the command line.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import copy
 import dataclasses
 import difflib
+import functools
+import inspect
 import logging
+import math
+import textwrap
+import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
-from .config_keys import (field_docs, flat_fields, flatten, hints, looks_boolean, renamed_keys, renamed_values,
-                          upgrade_keys, upgrade_stored)
-from .config_values import coerce
 from ...errors import ConfigError
-
-__all__ = ["field_docs", "flat_fields", "flatten", "hints", "looks_boolean", "renamed_keys", "renamed_values",
-           "upgrade_keys", "upgrade_stored", "build", "load", "to_dict", "flat_dict", "describe", "add_arguments",
-           "from_args"]
 
 log = logging.getLogger(__name__)
 
 C = TypeVar("C")
 
 
-def _unknown_key(key: str, valid: typing.Iterable[str], where: str, renames: dict[str, str] | None = None) -> ConfigError:
-    """The error for a key that is not in `valid`; a near miss of a key's old name (`renames`: old
-    -> new, e.g. 'lrr' for the old 'lr') suggests the new name ('optim.lr')."""
+# --- the keys of a config dataclass ----------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass `cls` (and its bases), read from the source."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(getattr(nxt, "value", None), ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def hints(cls: type) -> dict[str, Any]:
+    """The resolved type of every field of dataclass `cls`."""
+    return typing.get_type_hints(cls)
+
+
+def flat_fields(cls: type, prefix: str = "", defaults: Any = None) -> dict[str, tuple[Any, str, Any]]:
+    """{dotted key: (type, doc, default)} for every leaf field of a (nested) config dataclass: the
+    keys a user can set (`engine.zero_stage`), as `--help`, `describe` and `build` know them.
+
+    A section's defaults are those of the enclosing field's default_factory (a stage's
+    `optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3))` shows lr 3e-3), as
+    `build` makes them; `defaults` is that instance, for the recursion."""
+    out: dict[str, tuple[Any, str, Any]] = {}
+    types = hints(cls)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        typ = types[f.name]
+        key = prefix + f.name
+        if defaults is not None and hasattr(defaults, f.name):
+            default = getattr(defaults, f.name)
+        elif f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = None
+        if dataclasses.is_dataclass(typ):
+            out.update(flat_fields(typ, key + ".", default if dataclasses.is_dataclass(default) else None))
+        else:
+            out[key] = (typ, docs.get(f.name, ""), copy.deepcopy(default) if defaults is not None else default)
+    return out
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping (a YAML section, a pipeline parameter) as {dotted key: value}, the form
+    `build` takes. A nested mapping is also kept whole under its own key, because it may be the
+    value of a dict-typed field rather than a section."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+            out.setdefault(key, v)  # dict-typed leaf fields keep the whole mapping
+        else:
+            out[key] = v
+    return out
+
+
+# --- config values --------------------------------------------------------------------------
+
+def coerce(value: Any, typ: Any, key: str, where: str) -> Any:
+    """Convert `value` (from YAML or a command-line string) to `typ`, or raise a ConfigError."""
+    origin = typing.get_origin(typ)
+    args = typing.get_args(typ)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return coerce(value, a, key, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: key '{key}' cannot be None.")
+    if origin is typing.Literal:
+        for a in args:
+            if value == a or (isinstance(value, str) and str(a) == value):
+                return a
+        raise ConfigError(
+            f"{where}: key '{key}' is {value!r}, which is not one of {list(args)}. "
+            f"Set it to one of those."
+        )
+    if origin in (list, tuple):
+        inner = args[0] if args else str
+        if isinstance(value, str) and value.strip().startswith("["):  # YAML flow list: [a, b]
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{where}: key '{key}' is not a valid list ({e}); write a, b or [a, b].") from None
+        elif isinstance(value, str):
+            value = [v for v in (s.strip() for s in value.split(",")) if v] if value else []
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: key '{key}' must be a list, got {value!r}.")
+        return [coerce(v, inner, f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if origin is dict or typ is dict:
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value) if value else {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{where}: key '{key}' must be a mapping; {value!r} is not valid YAML ({e}).") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: key '{key}' must be a mapping, got {value!r}.")
+        return dict(value)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
+            return False
+        raise ConfigError(f"{where}: key '{key}' must be true or false, got {value!r}.")
+    if typ in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: key '{key}' must be a number, got {value!r}.")
+        try:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            raise ConfigError(f"{where}: key '{key}' must be {typ.__name__}, got {value!r}.") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{where}: key '{key}' must be a finite number, got {value!r}.")
+        if typ is int:
+            if number != int(number):
+                raise ConfigError(f"{where}: key '{key}' must be an integer, got {value!r}.")
+            return int(number)
+        return number
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}: key '{key}' must be a string, got {value!r}.")
+        return "" if value is None else str(value)
+    return value
+
+
+# --- building and loading -----------------------------------------------------------------------
+
+def _unknown_key(key: str, valid: typing.Iterable[str], where: str) -> ConfigError:
+    """The error for a key that is not in `valid`, suggesting the closest valid key; a near miss of a
+    key inside a section given without it ('lrr' for 'lr') suggests the dotted key ('optim.lr')."""
     names = {k: k for k in valid}
-    names.update({old: new for old, new in (renames or {}).items() if old not in names})
+    for k in list(names):
+        names.setdefault(k.rsplit(".", 1)[-1], k)
     close = difflib.get_close_matches(key, list(names), n=1)
     hint = f" Did you mean '{names[close[0]]}'?" if close else ""
     return ConfigError(f"{where}: '{key}' is not a config key.{hint} `--help` lists the keys.")
 
 
 def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
-    """Make a `cls` from a flat {dotted key: value} mapping, coercing and checking every value.
-    Renamed keys (`renamed_keys`) are read as their new names, with a deprecation warning."""
-    values = upgrade_keys(cls, values, where)
+    """Make a `cls` from a flat {dotted key: value} mapping, coercing and checking every value."""
     leaves = flat_fields(cls)
     prefixes = {".".join(k.split(".")[:i]) for k in leaves for i in range(1, k.count(".") + 1)}  # every section
     mappings = [k for k, (t, _, _) in leaves.items() if t is dict or typing.get_origin(t) is dict]
@@ -63,7 +218,7 @@ def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
     for key in values:
         inside_mapping = any(key.startswith(m + ".") for m in mappings)  # a dict field's own keys
         if key not in leaves and key not in prefixes and not inside_mapping:
-            raise _unknown_key(key, leaves, where, renamed_keys(cls))
+            raise _unknown_key(key, leaves, where)
         if key in prefixes and key not in leaves and not isinstance(values[key], dict):
             raise ConfigError(f"{where}: key '{key}' is a section; give it a mapping of its keys (e.g. "
                               f"{key}.<name>: value), not {values[key]!r}.")
@@ -123,7 +278,7 @@ def load(cls: type[C], path: str | Path | None = None, overrides: dict[str, Any]
         where = str(p)
     cfg = build(cls, values, where)
     if overrides:
-        merged = {**flatten(to_dict(cfg)), **upgrade_keys(cls, overrides, "command line")}
+        merged = {**flatten(to_dict(cfg)), **overrides}
         cfg = build(cls, merged, "command line")
     return cfg
 
@@ -161,11 +316,6 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = f"{doc} (default: {default!r})" if doc else f"(default: {default!r})"
         group.add_argument(f"--{key}", dest=f"cfg:{key}", metavar="V", default=argparse.SUPPRESS,
                            help=help_text.replace("%", "%%"))
-    for old, new in renamed_keys(cls).items():  # old flags still work for a release, hidden from --help
-        for key in fields:
-            if key == new or key.startswith(new + "."):
-                flag = old + key[len(new):]
-                group.add_argument(f"--{flag}", dest=f"cfg:{flag}", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def from_args(cls: type[C], args: argparse.Namespace, section: str | None = None) -> C:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import config_keys, distributed
+from . import distributed
 from ...errors import DataError, OutputExistsError
 
 MANIFEST = "manifest.json"
@@ -35,14 +35,6 @@ NOT_IDENTITY = ("tracking", "resume", "overwrite")
 def config_identity(config: dict) -> dict:
     """The part of a config that decides the result, normalized through JSON (tuples -> lists)."""
     return json.loads(json.dumps({k: v for k, v in config.items() if k not in NOT_IDENTITY}, default=str, sort_keys=True))
-
-
-def stored_identity(stored: dict, config_cls: type | None = None) -> dict:
-    """`config_identity` of a config read back from a manifest; with `config_cls`, its keys renamed
-    since it was written are under their new names (`config.upgrade_stored`)."""
-    if config_cls is not None:
-        stored = config_keys.upgrade_stored(config_cls, stored)
-    return config_identity(stored)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -189,18 +181,61 @@ def fingerprint(directories) -> dict[str, str]:
     return out
 
 
-def completed_output(path: str | Path, expected: dict[str, Any], overwrite: bool, stage: str,
-                     config_cls: type | None = None) -> dict | None:
+def input_fingerprints(paths) -> dict[str, str]:
+    """{path: digest} of a stage's inputs, the part of a result's identity that is not its config: a
+    prmflow output by its manifest's file digests, plain Parquet or another data file by its bytes
+    (`fingerprint`). An empty path, a name (a tiny preset, a built-in task, `hub:...`) or a model
+    directory with no manifest (a base model from elsewhere) has no entry."""
+    out: dict[str, str] = {}
+    for p in paths:
+        path = Path(p) if p else None
+        if path is not None and (path.is_file() or (path / MANIFEST).is_file()
+                                 or (path.is_dir() and any(path.glob("*.parquet")))):
+            out.update(fingerprint([path]))
+    return out
+
+
+def work_dir_for(output: str | Path) -> Path:
+    """The hidden sibling `.NAME.work` where a training stage keeps its resume checkpoint until it commits `output`."""
+    output = Path(output)
+    return output.parent / f".{output.name}.work"
+
+
+def finished_output(stage: str, output: str | Path, config: dict, overwrite: bool, inputs: dict | None = None,
+                    per_rank: bool = False, announce: bool = True, **recorded: Any) -> dict | None:
+    """Is `output` already complete for this run? Every stage asks this before it starts work.
+
+    Returns the manifest when `output` is a finished, intact output whose manifest records the same
+    `config` (its `config_identity`), the same `inputs` ({path: digest}, `input_fingerprints`) and the
+    same `recorded` entries: the stage has nothing to do, says so (unless not `announce`), and a
+    resume work directory left by a kill between commit and cleanup is removed. None: there is
+    nothing there, or (with `overwrite`) a different result to replace. Anything else is an
+    OutputExistsError (`completed_output`). With N ranks, rank 0 looks and tells the others, unless
+    each rank writes its own `output` (`per_rank`)."""
+    expected = {"config": config_identity(config), **({} if inputs is None else {"inputs": inputs}), **recorded}
+    look = lambda: completed_output(output, expected, overwrite, stage)  # noqa: E731
+    done = look() if per_rank else distributed.on_main(look)
+    if done is None:
+        return None
+    if announce:
+        print(f"{stage}: '{output}' is already complete for this config{'' if inputs is None else ' and these inputs'}; "
+              f"nothing to do.")
+    work = work_dir_for(output)
+    if per_rank or distributed.is_main():
+        shutil.rmtree(work, ignore_errors=True)
+    if not per_rank:
+        distributed.barrier()
+    return done
+
+
+def completed_output(path: str | Path, expected: dict[str, Any], overwrite: bool, stage: str) -> dict | None:
     """Decide what to do about an existing output before a stage starts work.
 
     Returns the manifest when `path` is a finished, intact output whose manifest agrees with
     `expected` on every key (the caller has nothing to do); None when there is nothing at `path`, or
     when it differs and `overwrite` is set (the caller replaces it). Anything else is an
     OutputExistsError: an existing result is never silently replaced. `expected["config"]`, if
-    given, is compared with `config_identity` of the stored config, so tracking settings do not count;
-    with `config_cls` (the stage's Config), a config stored under keys renamed since is read under
-    their new names first (`config.upgrade_stored`), so an output written before a rename is still
-    recognised.
+    given, is compared with `config_identity` of the stored config, so tracking settings do not count.
     """
     path = Path(path)
     recover_interrupted_replace(path)
@@ -214,7 +249,7 @@ def completed_output(path: str | Path, expected: dict[str, Any], overwrite: bool
         manifest, why = None, f"it is not an intact finished output ({e})"
     if manifest is not None:
         differs = [k for k, v in expected.items()
-                   if (stored_identity(manifest.get(k) or {}, config_cls) if k == "config" else manifest.get(k)) != v]
+                   if (config_identity(manifest.get(k) or {}) if k == "config" else manifest.get(k)) != v]
         if not differs:
             return manifest
         why = f"it does not match this run (different {' and '.join(differs)})"

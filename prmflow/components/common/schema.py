@@ -7,8 +7,8 @@ names the file, the column and the offending prompt_id.
 
 Several directories (rollout shards written by separate pods) read as one dataset. What does not
 depend on the hand-off kinds lives below this module: opening and streaming Parquet files and the
-read-ahead / write-behind threads in parquet_io.py, the per-row invariants (`validate`) in handoff_rows.py
-and their vectorized row scans in arrow_ops.py.
+read-ahead / write-behind threads in parquet_io.py. The per-row invariants (`validate`) and their
+vectorized row scans (no Python loop over rows) sit at the end of this module.
 """
 
 from __future__ import annotations
@@ -26,11 +26,16 @@ import pyarrow.parquet as pq
 
 from . import io, parquet_io
 from ...errors import DataError
-from .handoff_rows import PER_TOKEN_COLUMNS, REQUIRED, validate  # noqa: F401 - part of this module's interface
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+
+#: Columns with one entry per response token; their lengths must equal len(response_ids).
+PER_TOKEN_COLUMNS = ("behavior_logprobs", "old_logprobs", "ref_logprobs", "values",
+                     "token_rewards", "advantages", "returns", "kl")
+#: Columns that must be present (non-null) in every row of a rollouts hand-off.
+REQUIRED = ("prompt_id", "sample_idx", "iteration", "response_ids")
 
 _f32_list = pa.list_(pa.float32())
 _i32_list = pa.list_(pa.int32())
@@ -379,3 +384,109 @@ def _check_row_count(d: Path, manifest: dict) -> None:
 def read_dataset(dirs: str | Path | Sequence[str | Path], kind: str, columns: Iterable[str] | None = None) -> pa.Table:
     """Open and read everything (small data; stream with `open_dataset(...).iter_batches`)."""
     return open_dataset(dirs, kind).read(columns)
+
+
+# --- per-row invariants ------------------------------------------------------------------------
+
+def first_bad(table: pa.Table, mask: pa.Array | np.ndarray) -> str:
+    idx = int(np.flatnonzero(np.asarray(mask))[0])
+    pid = table.column("prompt_id")[idx].as_py()
+    sid = table.column("sample_idx")[idx].as_py()
+    return f"row {idx} (prompt_id={pid!r}, sample_idx={sid})"
+
+
+def validate(table: pa.Table, kind: str, where: str = "table") -> None:
+    """Check the per-row invariants of a rollouts/advantages table (vectorized, no Python row loop).
+
+    - required columns have no nulls;
+    - every per-token column that is present has len == len(response_ids);
+    - step_rewards has the length of step_ends and 0 <= step_end < len(response_ids);
+    - no NaN or inf in any float column.
+    """
+    for name in REQUIRED:
+        col = table.column(name)
+        if col.null_count:
+            mask = pc.is_null(col).to_numpy(zero_copy_only=False)
+            raise DataError(f"{where}: column '{name}' is null in {first_bad(table, mask)}.")
+    n_resp = pc.list_value_length(table.column("response_ids")).to_numpy(zero_copy_only=False)
+    for name in PER_TOKEN_COLUMNS:
+        if name not in table.column_names:
+            continue
+        col = table.column(name)
+        if col.null_count == len(col):
+            continue
+        lens = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+        present = ~pc.is_null(col).to_numpy(zero_copy_only=False)
+        bad = present & (lens != n_resp)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise DataError(
+                f"{where}: column '{name}' has {int(lens[i])} entries but response_ids has {int(n_resp[i])} "
+                f"in {first_bad(table, bad)}; every per-token column needs one value per response token."
+            )
+    ends, rewards = table.column("step_ends"), table.column("step_rewards")
+    if ends.null_count < len(ends):
+        n_ends = pc.list_value_length(ends).fill_null(0).to_numpy(zero_copy_only=False)
+        if rewards.null_count < len(rewards):
+            n_rew = pc.list_value_length(rewards).fill_null(0).to_numpy(zero_copy_only=False)
+            has_rew = ~pc.is_null(rewards).to_numpy(zero_copy_only=False)
+            bad = has_rew & (n_rew != n_ends)
+            if bad.any():
+                raise DataError(f"{where}: column 'step_rewards' and 'step_ends' differ in length in {first_bad(table, bad)}.")
+        flat = pc.list_flatten(ends).to_numpy(zero_copy_only=False)
+        if len(flat):
+            row_of = np.repeat(np.arange(len(n_ends)), n_ends)
+            bad_flat = (flat < 0) | (flat >= n_resp[row_of])
+            if bad_flat.any():
+                mask = np.zeros(len(n_ends), bool)
+                mask[row_of[bad_flat]] = True
+                raise DataError(
+                    f"{where}: column 'step_ends' points outside the response (0..len(response_ids)-1) in {first_bad(table, mask)}."
+                )
+    for f in table.schema:
+        bad = null_entry_rows(table.column(f.name))
+        if bad is not None and bad.any():
+            raise DataError(f"{where}: column '{f.name}' has a null entry inside its list in {first_bad(table, bad)}; "
+                            f"a list may be null as a whole, but not hold nulls.")
+        bad = nonfinite_rows(table.column(f.name))
+        if bad is not None and bad.any():
+            raise DataError(f"{where}: column '{f.name}' holds NaN or inf in {first_bad(table, bad)}.")
+
+
+def null_entry_rows(col: pa.ChunkedArray) -> np.ndarray | None:
+    """(B,) bool: rows whose numeric list (token ids, per-token floats) holds a null element.
+
+    Equivalent to `[row is not None and None in row for row in col.to_pylist()]`.
+    """
+    t = col.type
+    if not (pa.types.is_list(t) and (pa.types.is_floating(t.value_type) or pa.types.is_integer(t.value_type))):
+        return None
+    flat = pc.list_flatten(col)
+    if not flat.null_count:
+        return None
+    parents = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
+    out = np.zeros(len(col), bool)
+    out[parents[pc.is_null(flat).to_numpy(zero_copy_only=False)]] = True
+    return out
+
+
+def nonfinite_rows(col: pa.ChunkedArray) -> np.ndarray | None:
+    """(B,) bool: rows holding a NaN/inf anywhere in a float, list<float> or map<_, float> column.
+
+    Equivalent to testing `math.isfinite` on every non-null number of every row's Python value.
+    """
+    t = col.type
+    if pa.types.is_floating(t):
+        return ~pc.fill_null(pc.is_finite(col), True).to_numpy(zero_copy_only=False)
+    if pa.types.is_map(t) and pa.types.is_floating(t.item_type):
+        col = pa.chunked_array([pa.ListArray.from_arrays(c.offsets, c.items) for c in col.chunks],
+                               type=pa.list_(t.item_type))
+    elif not (pa.types.is_list(t) and pa.types.is_floating(t.value_type)):
+        return None
+    flat = pc.list_flatten(col)
+    finite = pc.fill_null(pc.is_finite(flat), True).to_numpy(zero_copy_only=False)
+    out = np.zeros(len(col), bool)
+    if not finite.all():
+        parents = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
+        out[parents[~finite]] = True
+    return out

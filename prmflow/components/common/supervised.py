@@ -97,12 +97,10 @@ class Objective(Protocol):
         """One line for the progress bar after an eval."""
 
 
-def resume(engine: TrainEngine, work: Path, identity: dict, enabled: bool, stage: str,
-           config_cls: type | None = None) -> dict:
+def resume(engine: TrainEngine, work: Path, identity: dict, enabled: bool, stage: str) -> dict:
     """The trainer state to start from: {"step": 0, "consumed": 0}, or that of the resume checkpoint in
-    `work` written by the same `identity` (its engine state is loaded into `engine`); with the stage's
-    `config_cls`, also one written before a config key was renamed."""
-    found = checkpoint.find(work, identity, config_cls) if enabled else None
+    `work` written by the same `identity` (its engine state is loaded into `engine`)."""
+    found = checkpoint.find(work, identity) if enabled else None
     if found is None:
         return {"step": 0, "consumed": 0}
     state = engine.load_state(found / "state")

@@ -17,7 +17,6 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from ..common import config as config_lib, io, modeling
 from ... import tasks, tracking
@@ -70,11 +69,6 @@ class Config:
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
     """MLflow tracking."""
 
-    #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
-    renamed: ClassVar[dict[str, str]] = {
-        "batch_size": "batch_sequences", "html_samples": "log_samples",
-        "temperature": "sampling.temperature", "top_p": "sampling.top_p", "max_new_tokens": "sampling.max_new_tokens"}
-
     def __post_init__(self):
         if self.num_prompts < 1 or self.n_samples < 1:
             raise ConfigError(f"num_prompts ({self.num_prompts}) and n_samples ({self.n_samples}) must be at least 1.")
@@ -91,6 +85,10 @@ def run(cfg: Config) -> dict:
     modeling.check_model_dir(cfg.policy, "policy")
     if cfg.prm:
         modeling.check_model_dir(cfg.prm, "prm")
+    inputs = io.input_fingerprints([cfg.policy, cfg.prm, cfg.baseline, cfg.task if cfg.task not in tasks.TASKS else ""])
+    done = io.finished_output("evaluate", cfg.output, config_lib.to_dict(cfg), cfg.overwrite, inputs=inputs)
+    if done is not None:
+        return done.get("metrics", {})
     records = bestofn.load_prompts(bon_cfg, cfg.arithmetic, cfg.seed)
     tracker = tracking.start_stage_run(cfg.tracking, "evaluate", params=config_lib.flat_dict(cfg),
                                        iteration=cfg.iteration if cfg.iteration >= 0 else None)
@@ -122,7 +120,7 @@ def run(cfg: Config) -> dict:
                  "step_scores": s, "source": r.source} for r, g, s in zip(records, greedy, greedy_scores)]
         page = report.per_step_html(rows[:cfg.log_samples])
         with io.atomic_output_dir(cfg.output, "evaluation", overwrite=cfg.overwrite,
-                                  manifest={"config": config_lib.to_dict(cfg), "metrics": metrics}) as tmp:
+                                  manifest={"config": config_lib.to_dict(cfg), "inputs": inputs, "metrics": metrics}) as tmp:
             (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
             (tmp / "per_step.html").write_text(page)
             with open(tmp / "samples.jsonl", "w") as f:

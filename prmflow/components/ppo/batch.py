@@ -7,6 +7,7 @@ positions are one slice of the sequence (the LM head never runs on prompt positi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,33 @@ from .config import Config
 TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "returns", "values")
 
 
+@dataclass
+class Sample:
+    """One response of the advantages hand-off; per-token lists have one entry per response token.
+
+    `load_batch` fills the hand-off's columns; the passes before the first update (prepass.py) fill
+    what the hand-off lacks or the config recomputes (old_logprobs, values, pg_mask) and the prompt's
+    images (pixels, image_mismatch). Nothing changes a sample once training starts."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    advantages: list[float]
+    old_logprobs: list[float] | None = None   # the ratio's denominator (hand-off, or recomputed)
+    ref_logprobs: list[float] | None = None   # reference policy, for the KL loss
+    returns: list[float] | None = None        # GAE returns, the critic's target
+    values: list[float] | None = None         # V_old (hand-off, or the new critic's first pass)
+    kl: list[float] | None = None             # the hand-off's per-token KL, for the KL controller
+    images: list[bytes] | None = None         # encoded images of a vision-language prompt
+    pg_mask: list[float] | None = None        # 1 for the top-entropy tokens the policy loss keeps
+    pixels: dict | None = None                # the images as the policy's processor gives them
+    image_mismatch: str | None = None         # why the image tokens do not match the images, if they do not
+
+    @classmethod
+    def of(cls, row: dict) -> "Sample":
+        """The sample of a row that has (at least) the hand-off's columns; other keys are ignored."""
+        return cls(**{f.name: row[f.name] for f in dataclasses.fields(cls) if f.name in row})
+
+
 def _needed_columns(cfg: Config) -> list[str]:
     """The columns this config reads, which must not be null in any row."""
     need = ["prompt_ids", "response_ids", "advantages"]
@@ -27,8 +55,8 @@ def _needed_columns(cfg: Config) -> list[str]:
     return need
 
 
-def load_batch(cfg: Config) -> list[dict]:
-    """The advantages hand-off as one dict per response: prompt_ids, response_ids and per-token lists."""
+def load_batch(cfg: Config) -> list[Sample]:
+    """The advantages hand-off as one Sample per response."""
     table = schema.open_dataset(cfg.input, "advantages").read()
     if table.num_rows == 0:
         raise DataError(f"'{cfg.input}' holds no rows; the ppo stage needs at least "
@@ -42,9 +70,9 @@ def load_batch(cfg: Config) -> list[dict]:
             raise DataError(f"'{cfg.input}': column '{name}' is null in row {first} (prompt_id="
                             f"{table.column('prompt_id')[first].as_py()!r}){why}.")
     cols = {name: table.column(name).to_pylist() for name in ("prompt_ids", "response_ids", *TOKEN_FIELDS, "kl", "images")}
-    rows = [{name: cols[name][i] for name in cols} for i in range(table.num_rows)]
+    rows = [Sample(**{name: cols[name][i] for name in cols}) for i in range(table.num_rows)]
     for i, r in enumerate(rows):
-        if not r["prompt_ids"]:
+        if not r.prompt_ids:
             raise DataError(f"'{cfg.input}': row {i} has empty prompt_ids; the first response token needs a prompt.")
     return rows
 
@@ -79,27 +107,27 @@ class MicroBatch:
         return {**pos, **self.pixels}
 
 
-def collate(samples: list[dict], rows: list[int], pad_id: int, fields=TOKEN_FIELDS + ("pg_mask",)) -> MicroBatch:
+def collate(samples: list[Sample], rows: list[int], pad_id: int, fields=TOKEN_FIELDS + ("pg_mask",)) -> MicroBatch:
     """The `rows` of `samples` as one micro-batch; a per-token field is included when every row has it."""
-    P = max(len(samples[i]["prompt_ids"]) for i in rows)
-    R = max(max(len(samples[i]["response_ids"]) for i in rows), 1)
+    P = max(len(samples[i].prompt_ids) for i in rows)
+    R = max(max(len(samples[i].response_ids) for i in rows), 1)
     B = len(rows)
     ids = torch.full((B, P + R), pad_id, dtype=torch.long)
     attn = torch.zeros((B, P + R), dtype=torch.long)
     mask = torch.zeros((B, R), dtype=torch.bool)
     out = {k: torch.zeros((B, R), dtype=torch.float32) for k in fields
-           if all(samples[i].get(k) is not None for i in rows)}
+           if all(getattr(samples[i], k) is not None for i in rows)}
     for b, i in enumerate(rows):
         s = samples[i]
-        p, r = len(s["prompt_ids"]), len(s["response_ids"])
-        ids[b, P - p:P] = torch.tensor(s["prompt_ids"])
-        ids[b, P:P + r] = torch.tensor(s["response_ids"], dtype=torch.long)
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        ids[b, P - p:P] = torch.tensor(s.prompt_ids)
+        ids[b, P:P + r] = torch.tensor(s.response_ids, dtype=torch.long)
         attn[b, P - p:P + r] = 1
         mask[b, :r] = True
         for k in out:
-            out[k][b, :r] = torch.as_tensor(s[k], dtype=torch.float32)
+            out[k][b, :r] = torch.as_tensor(getattr(s, k), dtype=torch.float32)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    pixels = vision.batch_pixels([samples[i].get("pixels") or {} for i in rows])
+    pixels = vision.batch_pixels([samples[i].pixels or {} for i in rows])
     return MicroBatch(ids, attn, position_ids, ids[:, P:], mask, out, list(rows), pixels)
 
 

@@ -6,9 +6,8 @@ The CLI (`prmflow ppo --help`), the YAML configs and the KFP component are gener
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Literal
 
-from ..common import config as config_lib
 from ... import tracking
 from ..common.engine import EngineConfig
 from ...errors import ConfigError
@@ -120,17 +119,6 @@ class Config:
     """Parameter-name prefixes of the policy kept frozen (e.g. model.vision_tower, as the SFT warm-up froze them)."""
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
     """MLflow tracking."""
-
-    #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
-    renamed: ClassVar[dict[str, str]] = {
-        "policy_path": "policy", "advantages": "input", "warmup_updates": "optim.warmup_steps",
-        "critic_warmup_updates": "critic_warmup_steps", "critic_path": "critic", "prm_path": "prm",
-        "ptx_size": "ptx_num_prompts",
-        "lr": "optim.lr", "warmup_steps": "optim.warmup_steps", "lr_schedule": "optim.lr_schedule",
-        "weight_decay": "optim.weight_decay", "max_grad_norm": "optim.max_grad_norm"}
-    #: `critic` was the switch that is now `train_critic` and is now the critic's path (old `critic_path`):
-    #: a true/false value is the old switch.
-    renamed_when: ClassVar[dict] = {"critic": ("train_critic", config_lib.looks_boolean)}
 
     def __post_init__(self):
         for key in ("epochs", "minibatch_size", "micro_batch_size", "rl_iterations", "kl_horizon", "ptx_batch_size",

@@ -19,6 +19,7 @@ from typing import Any
 from ..common import schema
 from ...errors import DataError
 from ..common import kl_state
+from .batch import Sample
 from .config import Config
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def beta_used(cfg: Config) -> float:
     return kl_state.read_kl_coef(cfg.kl_state) if cfg.kl_state else cfg.kl_coef
 
 
-def next_state(cfg: Config, samples: list[dict]) -> dict[str, Any]:
+def next_state(cfg: Config, samples: list[Sample]) -> dict[str, Any]:
     """Update beta with this batch's KL per response and return the state for the next iteration."""
     beta = beta_used(cfg)
     if cfg.kl_control == "adaptive" and beta == 0:
@@ -97,10 +98,10 @@ def next_state(cfg: Config, samples: list[dict]) -> dict[str, Any]:
     controller = make_controller(cfg.kl_control, beta, cfg.kl_target, cfg.kl_horizon)
     per_token = []
     for s in samples:  # the hand-off's kl column when present, else k1 of old vs reference
-        if s["kl"] is not None:
-            per_token.append(s["kl"])
-        elif s["ref_logprobs"] is not None and s["old_logprobs"] is not None:
-            per_token.append([a - b for a, b in zip(s["old_logprobs"], s["ref_logprobs"])])
+        if s.kl is not None:
+            per_token.append(s.kl)
+        elif s.ref_logprobs is not None and s.old_logprobs is not None:
+            per_token.append([a - b for a, b in zip(s.old_logprobs, s.ref_logprobs)])
     measured = kl_per_response(per_token)
     if per_token:
         controller.update(measured, len(per_token))

@@ -11,13 +11,13 @@ from ..common.engine import TrainEngine
 from ...errors import DataError
 from ..common.tensor_ops import entropy_from_logits, token_logprobs
 from . import losses
-from .batch import collate, micro_split
+from .batch import Sample, collate, micro_split
 from .config import Config
 from .models import accepts_logits_to_keep, response_logits, response_values
 
 
 @torch.no_grad()
-def precompute(cfg: Config, samples: list[dict], plan: list[list[int]], actor: TrainEngine,
+def precompute(cfg: Config, samples: list[Sample], plan: list[list[int]], actor: TrainEngine,
                critic: TrainEngine | None, pad_id: int) -> None:
     """Fill what the hand-off lacks or what the config asks to recompute, with the starting weights.
 
@@ -26,7 +26,7 @@ def precompute(cfg: Config, samples: list[dict], plan: list[list[int]], actor: T
     """
     need_logp = cfg.recompute_old_logprobs
     need_entropy = cfg.top_entropy_frac < 1
-    need_values = critic is not None and any(s["values"] is None for s in samples)
+    need_values = critic is not None and any(s.values is None for s in samples)
     if not (need_logp or need_entropy or need_values):
         return
     per_epoch = len(samples) // cfg.minibatch_size
@@ -37,7 +37,7 @@ def precompute(cfg: Config, samples: list[dict], plan: list[list[int]], actor: T
     keep = accepts_logits_to_keep(actor.module)
     entropies: dict[int, torch.Tensor] = {}
     for rows in chunks:
-        rows = [i for i in rows if not samples[i].get("image_mismatch")]  # their batches are skipped
+        rows = [i for i in rows if not samples[i].image_mismatch]  # their batches are skipped
         if not rows:
             continue
         mb = collate(samples, rows, pad_id, fields=()).to(actor.device)
@@ -47,38 +47,38 @@ def precompute(cfg: Config, samples: list[dict], plan: list[list[int]], actor: T
         if need_values:
             values = response_values(critic, mb).cpu()
         for b, i in enumerate(rows):
-            r = len(samples[i]["response_ids"])
+            r = len(samples[i].response_ids)
             if need_logp:
-                samples[i]["old_logprobs"] = logp[b, :r].tolist()
+                samples[i].old_logprobs = logp[b, :r].tolist()
             if need_entropy:
                 entropies[i] = ent[b, :r]
             if need_values:
-                samples[i]["values"] = values[b, :r].tolist()
+                samples[i].values = values[b, :r].tolist()
     if need_entropy:  # threshold over every token of the batch, not per micro-batch
         order = sorted(entropies)
         keep_mask = losses.top_fraction(torch.cat([entropies[i] for i in order]), cfg.top_entropy_frac)
         start = 0
         for i in order:
             r = entropies[i].numel()
-            samples[i]["pg_mask"] = keep_mask[start:start + r].float().tolist()
+            samples[i].pg_mask = keep_mask[start:start + r].float().tolist()
             start += r
 
 
-def attach_pixels(cfg: Config, samples: list[dict], vis: "vision.Vision | None") -> None:
+def attach_pixels(cfg: Config, samples: list[Sample], vis: "vision.Vision | None") -> None:
     """Re-feed the prompts' images: each sample gets the pixel inputs of its `images` (decoded and
     processed again with the policy's image processor) and, when its image tokens do not match
     them, the reason (`image_mismatch`): the update of any minibatch holding it is skipped."""
-    if not any(s.get("images") for s in samples):
+    if not any(s.images for s in samples):
         return
     if vis is None:
         raise DataError(f"'{cfg.input}' has rows with images, but the policy '{cfg.policy}' is text-only; "
                         f"train a vision-language policy on them.")
     cache: dict[tuple, dict] = {}
     for i, s in enumerate(samples):
-        images = s.get("images") or []
+        images = s.images or []
         key = tuple(images)
         if key not in cache:
             cache[key] = vis.pixels(images, f"'{cfg.input}', row {i}")
-        s["pixels"] = cache[key]
-        s["image_mismatch"] = vis.mismatch(s["prompt_ids"] + s["response_ids"], s["pixels"])  # what the model sees
+        s.pixels = cache[key]
+        s.image_mismatch = vis.mismatch(s.prompt_ids + s.response_ids, s.pixels)  # what the model sees
 

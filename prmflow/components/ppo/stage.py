@@ -38,7 +38,9 @@ import json
 import logging
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -49,7 +51,7 @@ from ..common.engine import init_distributed
 from ...errors import ConfigError, DataError, ModelLoadError, PrmflowError
 from ..common import kl_state as kl_state_file
 from . import kl_control
-from .batch import collate, load_batch, micro_split, minibatch_plan, shard_ptx
+from .batch import Sample, collate, load_batch, micro_split, minibatch_plan, shard_ptx
 from .config import Config
 from .models import disable_dropout, load_critic, make_engine
 from .prepass import attach_pixels, precompute
@@ -65,12 +67,55 @@ class TrainingDivergedError(PrmflowError):
     """Every update of the run had a NaN/inf loss or gradient."""
 
 
+@dataclass
+class TrainerState:
+    """How far the update loop is: what a resume checkpoint stores (actor/trainer_state.json)."""
+
+    update: int = 0
+    """Updates done (applied or skipped); the next one is plan[update]."""
+    skipped: int = 0
+    """Updates skipped: a NaN/inf loss or gradient, or image tokens that do not match the images."""
+    image_skipped: int = 0
+    """Of those, the updates skipped for image tokens that do not match the images."""
+    history: list[dict] = field(default_factory=list)
+    """One record per update: its statistics (or skipped and why), update, epoch, actor (OUTPUT/updates.jsonl)."""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainerState":
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Training:
+    """What the update loop works on, set up once before it starts."""
+
+    cfg: Config
+    identity: dict
+    """The config and input fingerprints: the identity of this run's result (resume checkpoints carry it)."""
+    samples: list[Sample]
+    plan: list[list[int]]
+    """Row indices of every update (`minibatch_plan`)."""
+    updater: Updater
+    tokenizer: Any
+    ptx_examples: list | None
+    """The supervised (ptx) examples, when ptx_coef > 0."""
+    ema: dict[str, torch.Tensor] | None
+    """The policy's exponential moving average, when ema_decay > 0."""
+    work: Path
+    """Where the resume checkpoint goes (`.OUTPUT.work`)."""
+    base: int
+    """The updates of the earlier RL iterations (as the lr schedule counts): metrics of update u are logged
+    at step base + u, so iterations chart one after another."""
+
+
 def _inputs(cfg: Config) -> dict[str, str]:
     """Fingerprints of the committed inputs (the advantages shards, and the policy/critic when they
     are prmflow outputs): a re-run or a resume with the same config but other data starts afresh."""
     dirs = [str(d) for d in schema.open_dataset(cfg.input, "advantages", verify_checksums=False).dirs]
-    dirs += [d for d in (cfg.policy, cfg.critic) if d and (Path(d) / io.MANIFEST).is_file()]
-    return io.fingerprint(dirs)
+    return io.input_fingerprints(dirs + [cfg.policy, cfg.critic])
 
 
 def run(cfg: Config) -> dict:
@@ -82,11 +127,8 @@ def run(cfg: Config) -> dict:
         init_distributed(cfg.engine)  # the ranks decide together from here on
         distributed.check_divides(cfg.micro_batch_size)
     cfg_dict = {**config_lib.to_dict(cfg), "inputs": _inputs(cfg)}  # the identity of this run's result
-    done = distributed.on_main(lambda: io.completed_output(
-        cfg.output, {"config": io.config_identity(cfg_dict)}, cfg.overwrite, "ppo", config_cls=Config))
+    done = io.finished_output("ppo", cfg.output, cfg_dict, cfg.overwrite)  # (the inputs are in cfg_dict)
     if done is not None:
-        print(f"ppo: '{cfg.output}' is already complete for this config and these inputs; nothing to do.")
-        checkpoint.clear(checkpoint.work_dir_for(cfg.output))  # left if killed between commit and cleanup
         return done.get("metrics", {})
     with preemption.Preemption() as stop:
         return _run(cfg, cfg_dict, stop)
@@ -122,12 +164,12 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
             ema = {n: p.detach().float().cpu().clone() for n, p in actor.module.named_parameters()}
 
     work = checkpoint.work_dir_for(cfg.output)
-    state = {"update": 0, "skipped": 0, "history": []}
-    resume_from = checkpoint.find(work, cfg_dict, Config) if cfg.resume else None
+    state = TrainerState()
+    resume_from = checkpoint.find(work, cfg_dict) if cfg.resume else None
     if resume_from is None and cfg.optimizer_state:
         _load_moments(Path(cfg.optimizer_state), actor, critic if cfg.critic else None)
     if resume_from is not None:
-        state = actor.load_state(resume_from / "actor")
+        state = TrainerState.from_dict(actor.load_state(resume_from / "actor"))
         if critic is not None:
             critic.load_state(resume_from / "critic")
         if ema is not None:
@@ -135,23 +177,23 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
 
             ema = load_file(str(resume_from / "ema.safetensors"))
         if distributed.is_main():
-            print(f"ppo: resuming from update {state['update']} ({resume_from})")
+            print(f"ppo: resuming from update {state.update} ({resume_from})")
 
     tracker = tracking.start_stage_run(cfg.tracking, "ppo", params=config_lib.flat_dict(cfg), iteration=cfg.iteration,
                                        tags={"prmflow.output": str(Path(cfg.output).resolve())}) \
         if distributed.is_main() else tracking.NullTracker()  # one MLflow run, from rank 0
     with tracker:
         base = cfg.iteration * n_updates  # global update count (as the lr schedule counts): iterations chart one after another
-        tracker.log_metrics({"data/responses": len(samples), "data/updates": n_updates}, step=base + state["update"])
-        updater = Updater(cfg, actor, critic, max_len=cfg.drgrpo_max_len or max(len(s["response_ids"]) for s in samples))
-        tokens, seconds = _train(cfg, cfg_dict, updater, samples, plan, ptx_examples, tokenizer, ema, state, work,
-                                 tracker, stop, base)
-        applied = [h for h in state["history"] if not h.get("skipped")]
+        tracker.log_metrics({"data/responses": len(samples), "data/updates": n_updates}, step=base + state.update)
+        updater = Updater(cfg, actor, critic, max_len=cfg.drgrpo_max_len or max(len(s.response_ids) for s in samples))
+        training = Training(cfg, cfg_dict, samples, plan, updater, tokenizer, ptx_examples, ema, work, base)
+        tokens, seconds = _train(training, state, tracker, stop)
+        applied = [h for h in state.history if not h.get("skipped")]
         if not any(h["actor"] for h in applied):
-            if state.get("image_skipped"):
-                raise DataError(f"ppo: every policy update of this run was skipped, {state['image_skipped']} of them "
+            if state.image_skipped:
+                raise DataError(f"ppo: every policy update of this run was skipped, {state.image_skipped} of them "
                                 f"because image tokens did not match the images (first: "
-                                f"{next(h['reason'] for h in state['history'] if h.get('reason'))}). Nothing was written "
+                                f"{next(h['reason'] for h in state.history if h.get('reason'))}). Nothing was written "
                                 f"to '{cfg.output}'. Write the rollouts with the policy's own processor.")
             raise TrainingDivergedError(
                 f"ppo: every policy update of this run ({actor_updates}) was skipped because a loss or gradient "
@@ -170,73 +212,78 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
     if not distributed.is_main():
         return metrics
     nan = float("nan")
-    print(f"ppo: {n_updates - state['skipped']}/{n_updates} updates, policy loss "
+    print(f"ppo: {n_updates - state.skipped}/{n_updates} updates, policy loss "
           f"{metrics.get('train/policy_loss', nan):.4f}, clip frac {metrics.get('train/clip_frac', nan):.3f}, "
           f"kl_coef {kl_state['kl_coef']:.4g} -> {cfg.output}")
     return metrics
 
 
-def _train(cfg, cfg_dict, updater: Updater, samples, plan, ptx_examples, tokenizer, ema, state, work, tracker,
-           stop: preemption.Preemption, base: int = 0) -> tuple[int, float]:
-    """The update loop from `state["update"]` to the end; returns (tokens trained on, seconds).
+def _train(t: Training, state: TrainerState, tracker, stop: preemption.Preemption) -> tuple[int, float]:
+    """The update loop from `state.update` to the end; returns (tokens trained on, seconds).
 
-    Metrics are logged at step base + update (base: the updates of the earlier RL iterations)."""
-    actor, n_updates = updater.actor, len(plan)
+    Metrics are logged at step t.base + update (t.base: the updates of the earlier RL iterations)."""
+    cfg, samples, plan, actor, pad_id = t.cfg, t.samples, t.plan, t.updater.actor, t.tokenizer.pad_token_id
+    n_updates = len(plan)
     n_micro = cfg.minibatch_size // cfg.micro_batch_size
-    bar = tqdm(total=n_updates, initial=state["update"], desc="ppo", unit="update", dynamic_ncols=True,
+    bar = tqdm(total=n_updates, initial=state.update, desc="ppo", unit="update", dynamic_ncols=True,
                mininterval=0.2 if sys.stderr.isatty() else 10.0, disable=not distributed.is_main())
     t0, tokens = time.perf_counter(), 0
-    while state["update"] < n_updates:
-        u = state["update"]
+    while state.update < n_updates:
+        u = state.update
         train_actor = u >= cfg.critic_warmup_steps
-        bad = next((i for i in plan[u] if samples[i].get("image_mismatch")), None)
+        bad = next((i for i in plan[u] if samples[i].image_mismatch), None)
         if bad is not None:  # the image tokens of a prompt do not match its images: skip, with the reason
-            why = f"row {bad}: {samples[bad]['image_mismatch']}"
+            why = f"row {bad}: {samples[bad].image_mismatch}"
             log.warning("ppo: update %d skipped: %s", u + 1, why)
             bar.write(f"update {u + 1}: skipped ({why})")
-            state["update"] += 1
-            state["skipped"] += 1
-            state["image_skipped"] = state.get("image_skipped", 0) + 1
-            state["history"].append({"skipped": True, "reason": why, "update": u + 1,
-                                     "epoch": u // (n_updates // cfg.epochs), "actor": train_actor})
-            tracker.log_metrics({"train/skipped_updates": state["skipped"],
-                                 "train/skipped_image_mismatch": state["image_skipped"]}, step=base + u + 1)
+            state.update += 1
+            state.skipped += 1
+            state.image_skipped += 1
+            state.history.append({"skipped": True, "reason": why, "update": u + 1,
+                                  "epoch": u // (n_updates // cfg.epochs), "actor": train_actor})
+            tracker.log_metrics({"train/skipped_updates": state.skipped,
+                                 "train/skipped_image_mismatch": state.image_skipped}, step=t.base + u + 1)
             bar.update(1)
             continue
-        whole = [collate(samples, rows, tokenizer.pad_token_id) for rows in micro_split(plan[u], cfg.micro_batch_size)]
-        micro = whole if distributed.world_size() == 1 else [  # this rank's share of every micro-batch
-            collate(samples, distributed.shard(rows), tokenizer.pad_token_id)
-            for rows in micro_split(plan[u], cfg.micro_batch_size)]
-        ptx = (ptx_batch(cfg, ptx_examples, u, n_micro, tokenizer.pad_token_id)
-               if ptx_examples is not None and train_actor else None)
-        stats = updater.update(micro, train_actor, shard_ptx(ptx), whole=whole)
-        state["update"] += 1
+
+        # one update: this rank's share of every micro-batch of the minibatch (and of the ptx batch)
+        whole = [collate(samples, rows, pad_id) for rows in micro_split(plan[u], cfg.micro_batch_size)]
+        micro = whole if distributed.world_size() == 1 else [
+            collate(samples, distributed.shard(rows), pad_id) for rows in micro_split(plan[u], cfg.micro_batch_size)]
+        ptx = (ptx_batch(cfg, t.ptx_examples, u, n_micro, pad_id)
+               if t.ptx_examples is not None and train_actor else None)
+        stats = t.updater.update(micro, train_actor, shard_ptx(ptx), whole=whole)
+        state.update += 1
         if stats is None:
-            state["skipped"] += 1
+            state.skipped += 1
             log.warning("ppo: update %d skipped: a loss or gradient was NaN/inf", u + 1)
             bar.write(f"update {u + 1}: skipped (NaN/inf loss or gradient)")
             stats = {"skipped": True}
         else:
             tokens += stats.pop("tokens")
-            if ema is not None and train_actor:
+            if t.ema is not None and train_actor:
                 with torch.no_grad(), actor.gathered():
                     for name, p in actor.module.named_parameters():
-                        ema[name].mul_(cfg.ema_decay).add_(p.detach().float().cpu(), alpha=1 - cfg.ema_decay)
+                        t.ema[name].mul_(cfg.ema_decay).add_(p.detach().float().cpu(), alpha=1 - cfg.ema_decay)
+
+        # its record and metrics
         stats.update(update=u + 1, epoch=u // (n_updates // cfg.epochs), actor=train_actor)
-        state["history"].append(stats)
+        state.history.append(stats)
         tracker.log_metrics({**{f"train/{k}": v for k, v in stats.items()
                                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("update", "epoch")},
-                             "train/skipped_updates": state["skipped"],
-                             "perf/tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9)}, step=base + u + 1)
+                             "train/skipped_updates": state.skipped,
+                             "perf/tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9)}, step=t.base + u + 1)
         bar.update(1)
-        bar.set_postfix(loss=f"{stats.get('policy_loss', float('nan')):.4f}", skipped=state["skipped"], refresh=False)
-        more = state["update"] < n_updates
+        bar.set_postfix(loss=f"{stats.get('policy_loss', float('nan')):.4f}", skipped=state.skipped, refresh=False)
+
+        # resume checkpoint every save_every updates, and on SIGTERM (then exit 143)
+        more = state.update < n_updates
         stopping = distributed.any_rank(stop.requested)  # the ranks stop at the same update, or none does
-        if more and (stopping or (cfg.save_every and state["update"] % cfg.save_every == 0)):
-            _save_resume(work, cfg_dict, actor, updater.critic, ema, state)
-        if more and stopping:  # preempted (SIGTERM): the checkpoint is saved, exit 143
+        if more and (stopping or (cfg.save_every and state.update % cfg.save_every == 0)):
+            _save_resume(t.work, t.identity, actor, t.updater.critic, t.ema, state)
+        if more and stopping:
             bar.close()
-            stopped = preemption.Preempted("ppo", state["update"], str(work / "latest"))
+            stopped = preemption.Preempted("ppo", state.update, str(t.work / "latest"))
             log.warning("%s", stopped)
             print(stopped, file=sys.stderr)
             raise stopped
@@ -244,15 +291,15 @@ def _train(cfg, cfg_dict, updater: Updater, samples, plan, ptx_examples, tokeniz
     return tokens, time.perf_counter() - t0
 
 
-def _summary(state: dict, n_updates: int, tokens: int, seconds: float) -> dict:
+def _summary(state: TrainerState, n_updates: int, tokens: int, seconds: float) -> dict:
     """Means over the applied updates of the last epoch that trained the actor, plus counts."""
-    applied = [h for h in state["history"] if not h.get("skipped")]
+    applied = [h for h in state.history if not h.get("skipped")]
     last_epoch = max(h["epoch"] for h in applied)
     recent = [h for h in applied if h["epoch"] == last_epoch]
     keys = sorted({k for h in recent for k, v in h.items() if isinstance(v, float)})
     metrics = {f"train/{k}": sum(h[k] for h in recent if k in h) / sum(1 for h in recent if k in h) for k in keys}
-    metrics.update({"train/updates": n_updates, "train/skipped_updates": state["skipped"],
-                    "train/skipped_image_mismatch": state.get("image_skipped", 0),
+    metrics.update({"train/updates": n_updates, "train/skipped_updates": state.skipped,
+                    "train/skipped_image_mismatch": state.image_skipped,
                     "perf/tokens_per_s": tokens / max(seconds, 1e-9)})
     return metrics
 
@@ -267,14 +314,14 @@ def _load_moments(root: Path, actor, critic) -> None:
         critic.load_optimizer(root / "critic")
 
 
-def _save_resume(work: Path, cfg_dict: dict, actor, critic, ema, state: dict) -> None:
+def _save_resume(work: Path, cfg_dict: dict, actor, critic, ema, state: TrainerState) -> None:
     """`work/latest` (atomically): both engines' state (weights, optimizer, schedule), EMA, trainer state."""
     with io.shared_output_dir(Path(work) / "latest", "resume-checkpoint", overwrite=True,
-                              manifest={"trainer_state": {"update": state["update"]},
+                              manifest={"trainer_state": {"update": state.update},
                                         "config": io.config_identity(cfg_dict)}) as tmp:
-        actor.save_state(tmp / "actor", state)  # collective: every rank's partition
+        actor.save_state(tmp / "actor", state.to_dict())  # collective: every rank's partition
         if critic is not None:
-            critic.save_state(tmp / "critic", {"update": state["update"]})
+            critic.save_state(tmp / "critic", {"update": state.update})
         if ema is not None and distributed.is_main():
             from safetensors.torch import save_file
 
@@ -313,4 +360,4 @@ def _write_output(cfg, cfg_dict, tokenizer, actor, critic, ema, kl_state, state,
         if not main:
             return
         kl_state_file.write(tmp / kl_state_file.KL_STATE_FILE, kl_state)
-        (tmp / "updates.jsonl").write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in state["history"]))
+        (tmp / "updates.jsonl").write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in state.history))

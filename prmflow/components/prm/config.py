@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import ClassVar
 
 from ..common import checkpoint, config as config_lib, io, modeling
 from ... import tasks, tracking
@@ -86,13 +84,6 @@ class Config:
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
     """MLflow tracking."""
 
-    #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
-    renamed: ClassVar[dict[str, str]] = {
-        "model_path": "backbone", "train_size": "num_prompts", "policy_samples_path": "policy",
-        "policy_samples_from_backbone": "policy_from_backbone", "policy_samples": "n_samples",
-        "lr": "optim.lr", "warmup_steps": "optim.warmup_steps", "lr_schedule": "optim.lr_schedule",
-        "weight_decay": "optim.weight_decay", "max_grad_norm": "optim.max_grad_norm"}
-
     def __post_init__(self):
         for key in ("num_prompts", "eval_size", "micro_batch_size", "grad_accum", "max_steps", "max_seq_len",
                     "log_every", "batch_sequences"):
@@ -137,13 +128,5 @@ def input_fingerprints(cfg: Config) -> dict[str, str]:
     policy-samples model when they are prmflow outputs (their manifests' file digests) and of the
     step data files (their bytes). The same config on a retrained SFT policy or edited labels is a
     different result: a re-run is refused, a resume checkpoint is not picked up."""
-    out: dict[str, str] = {}
-    for p in (cfg.backbone, cfg.samples_policy, *(t for t in (cfg.task, cfg.eval_task) if t not in tasks.TASKS)):
-        path = Path(p) if p else None
-        if path is None:
-            continue
-        if (path / io.MANIFEST).is_file():
-            out.update(io.fingerprint([path]))
-        elif path.is_file():
-            out[str(path)] = io.sha256_file(path)
-    return out
+    return io.input_fingerprints([cfg.backbone, cfg.samples_policy,
+                                  *(t for t in (cfg.task, cfg.eval_task) if t not in tasks.TASKS)])

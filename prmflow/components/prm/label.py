@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -71,12 +71,6 @@ class Config:
     """Difficulty of the built-in arithmetic task."""
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
     """MLflow tracking."""
-
-    #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
-    renamed: ClassVar[dict[str, str]] = {"policy_path": "policy", "prompts": "num_prompts",
-                                         "samples_per_prompt": "n_samples", "batch_size": "batch_sequences",
-                                         "temperature": "sampling.temperature", "top_p": "sampling.top_p",
-                                         "max_new_tokens": "sampling.max_new_tokens"}
 
     def __post_init__(self):
         for key in ("num_prompts", "n_samples", "completions", "batch_sequences"):
@@ -131,19 +125,11 @@ def agreement(examples: list[StepExample], hard: list[list[float]], soft: list[l
     }
 
 
-def _existing_output(cfg: Config) -> dict | None:
-    """Metrics of a finished, intact output written by the same config, else None (or an error)."""
-    manifest = io.completed_output(cfg.output, {"config": checkpoint.identity(config_lib.to_dict(cfg))},
-                                   cfg.overwrite, "prm-label", config_cls=Config)
-    return None if manifest is None else manifest.get("metrics", {})
-
-
 def run(cfg: Config) -> dict:
     """Sample, complete, label, write `output/labels.jsonl`. Returns the metrics."""
-    done = _existing_output(cfg)
+    done = io.finished_output("prm-label", cfg.output, config_lib.to_dict(cfg), cfg.overwrite)
     if done is not None:
-        print(f"prm-label: '{cfg.output}' is already complete for this config; nothing to do.")
-        return done
+        return done.get("metrics", {})
     modeling.check_model_dir(cfg.policy, "policy")
     records = tasks.load(cfg.task, "train", cfg.num_prompts, cfg.seed, **config_lib.to_dict(cfg.arithmetic))
     for r in records:

@@ -111,13 +111,6 @@ class PRMObjective:
 
 # --- the stage -------------------------------------------------------------------------------
 
-def _existing_output(cfg: Config) -> dict | None:
-    """The manifest of a finished, intact output trained by the same config from the same inputs, else
-    None (or an error)."""
-    return io.completed_output(cfg.output, {"config": training_identity(cfg), "inputs": input_fingerprints(cfg)},
-                               cfg.overwrite, "prm", config_cls=Config)
-
-
 def _bon_identity(cfg: Config) -> dict:
     return {"bon": config_lib.to_dict(cfg.bon), "arithmetic": config_lib.to_dict(cfg.arithmetic),
             "chat_template": cfg.chat_template}
@@ -161,13 +154,13 @@ def run(cfg: Config) -> dict:
         return io.read_manifest(cfg.output).get("metrics", {})
     if distributed.under_launcher():
         init_distributed(cfg.engine)  # the ranks decide together from here on
-    done = distributed.on_main(lambda: _existing_output(cfg))
+    done = io.finished_output("prm", cfg.output, training_identity(cfg), cfg.overwrite, inputs=input_fingerprints(cfg),
+                              announce=False)
     if done is not None:
-        if cfg.bon.policy and config_lib.upgrade_stored(Config, done.get("bon") or {}) != _bon_identity(cfg):
+        if cfg.bon.policy and (done.get("bon") or {}) != _bon_identity(cfg):  # the trained PRM is; best-of-N is not
             modeling.check_model_dir(cfg.bon.policy, "bon.policy")
             return distributed.on_main(lambda: _add_best_of_n(cfg, done))  # no training: rank 0 alone
         print(f"prm: '{cfg.output}' is already complete for this config and these inputs; nothing to do.")
-        checkpoint.clear(checkpoint.work_dir_for(cfg.output))  # left if killed between commit and cleanup
         return done.get("metrics", {})
     with preemption.Preemption() as stop:
         return _run(cfg, stop)
@@ -203,7 +196,7 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
                          cfg.micro_batch_size, cfg.grad_accum)
 
     work = checkpoint.work_dir_for(cfg.output)
-    state = supervised.resume(engine, work, resume_identity, cfg.resume, "prm", Config)
+    state = supervised.resume(engine, work, resume_identity, cfg.resume, "prm")
 
     tracker = tracking.start_stage_run(cfg.tracking, "prm", params=config_lib.flat_dict(cfg),
                                        tags={"prmflow.output": str(Path(cfg.output).resolve())}) \

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Literal
 
 from ..common import modeling
 from ... import tasks, tracking
@@ -81,13 +81,6 @@ class Config:
     """vLLM engine settings (sampler=vllm only)."""
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
     """MLflow tracking."""
-
-    #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
-    #: `engine` is the training backend's section in sft, prm and ppo; here it was the sampler.
-    renamed: ClassVar[dict[str, str]] = {
-        "engine": "sampler", "batch_size": "batch_sequences", "score_batch_size": "score_batch_sequences",
-        "temperature": "sampling.temperature", "top_p": "sampling.top_p", "top_k": "sampling.top_k",
-        "max_new_tokens": "sampling.max_new_tokens"}
 
     def __post_init__(self):
         for key in ("n_samples", "batch_sequences", "score_batch_sequences", "num_shards"):

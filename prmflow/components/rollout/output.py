@@ -34,25 +34,17 @@ def identity(cfg: Config) -> dict:
 
 
 def input_digests(cfg: Config) -> dict[str, str]:
-    """{path: digest} of the models and the dataset the rollouts come from: prmflow outputs by their
-    manifests' file digests, data files by their bytes (a tiny preset or a plain HF directory has no
-    entry). The same config on a newer policy in the same place is a different result."""
-    out: dict[str, str] = {}
-    for p in (cfg.policy, cfg.prm, cfg.ref, cfg.critic, cfg.task):
-        path = Path(p) if p else None
-        if path is not None and (path / io.MANIFEST).is_file():
-            out.update(io.fingerprint([path]))
-        elif path is not None and path.is_file():
-            out[str(path)] = io.sha256_file(path)
-    return out
+    """{path: digest} of the models and the dataset the rollouts come from (`io.input_fingerprints`).
+    The same config on a newer policy in the same place is a different result."""
+    return io.input_fingerprints([cfg.policy, cfg.prm, cfg.ref, cfg.critic, cfg.task])
 
 
 def existing_output(cfg: Config, out: Path, inputs: dict[str, str]) -> dict | None:
     """Metrics of a finished, intact output written by the same config from the same inputs (nothing
-    to do), else None; any other existing output is an error unless overwrite."""
+    to do), else None; any other existing output is an error unless overwrite. Each rank (each shard)
+    has its own output directory."""
     try:
-        done = io.completed_output(out, {"config": identity(cfg), "inputs": inputs}, cfg.overwrite, "rollout",
-                                   config_cls=Config)
+        done = io.finished_output("rollout", out, identity(cfg), cfg.overwrite, inputs=inputs, per_rank=True)
     except OutputExistsError as e:
         if cfg.num_shards > 1:
             raise OutputExistsError(f"{e} Each shard needs its own output directory (e.g. ITER/shard-3).") from None

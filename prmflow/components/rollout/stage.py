@@ -52,7 +52,6 @@ def run(cfg: Config) -> dict:
     inputs = input_digests(cfg)
     done = existing_output(cfg, out, inputs)
     if done is not None:
-        print(f"rollout: '{out}' is already complete for this config and these inputs; nothing to do.")
         return done
     recipes = rewards_lib.build_recipes(cfg.rewards)
     records = prompts.shard_prompts(cfg)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -94,12 +94,6 @@ class Config:
     """Training backend."""
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
     """MLflow tracking."""
-
-    #: Keys renamed in this release (old -> new); the old ones still load, with a deprecation warning.
-    renamed: ClassVar[dict[str, str]] = {
-        "model_path": "policy", "train_size": "num_prompts",
-        "lr": "optim.lr", "warmup_steps": "optim.warmup_steps", "lr_schedule": "optim.lr_schedule",
-        "weight_decay": "optim.weight_decay", "max_grad_norm": "optim.max_grad_norm"}
 
     def __post_init__(self):
         for key in ("num_prompts", "eval_size", "micro_batch_size", "grad_accum", "max_steps", "max_seq_len", "log_every"):
@@ -199,12 +193,8 @@ def run(cfg: Config) -> dict:
         return io.read_manifest(cfg.output).get("metrics", {})
     if distributed.under_launcher():
         init_distributed(cfg.engine)  # the ranks decide together from here on
-    done = distributed.on_main(lambda: io.completed_output(
-        cfg.output, {"config": checkpoint.identity(config_lib.to_dict(cfg))}, cfg.overwrite, "sft", config_cls=Config))
+    done = io.finished_output("sft", cfg.output, config_lib.to_dict(cfg), cfg.overwrite)
     if done is not None:
-        log.info("%s already holds a finished SFT policy from this config; nothing to do.", cfg.output)
-        print(f"sft: '{cfg.output}' is already complete for this config; nothing to do.")
-        checkpoint.clear(checkpoint.work_dir_for(cfg.output))  # left if killed between commit and cleanup
         return done.get("metrics", {})
     with preemption.Preemption() as stop:
         return _run(cfg, stop)
@@ -229,7 +219,7 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
                          cfg.micro_batch_size, cfg.grad_accum)
 
     work = checkpoint.work_dir_for(cfg.output)
-    state = supervised.resume(engine, work, cfg_dict, cfg.resume, "sft", Config)
+    state = supervised.resume(engine, work, cfg_dict, cfg.resume, "sft")
 
     tracker = tracking.start_stage_run(cfg.tracking, "sft", params=config_lib.flat_dict(cfg),
                                        tags={"prmflow.output": str(Path(cfg.output).resolve())}) \

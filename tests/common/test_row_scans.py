@@ -1,4 +1,4 @@
-"""arrow_ops' vectorized row scans against the obvious Python loop over rows."""
+"""schema's vectorized row scans against the obvious Python loop over rows."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from prmflow.components.common import arrow_ops
+from prmflow.components.common import schema
 
 
 def slow_null_entry_rows(col: pa.ChunkedArray) -> list[bool]:
@@ -39,19 +39,19 @@ def random_rows(rng, n=200):
 def test_list_scans_match_the_python_loop(seed):
     rows = random_rows(np.random.default_rng(seed))
     col = pa.chunked_array([pa.array(rows[:90], pa.list_(pa.float32())), pa.array(rows[90:], pa.list_(pa.float32()))])
-    assert arrow_ops.null_entry_rows(col).tolist() == slow_null_entry_rows(col)
-    assert arrow_ops.nonfinite_rows(col).tolist() == slow_nonfinite_rows(col)
+    assert schema.null_entry_rows(col).tolist() == slow_null_entry_rows(col)
+    assert schema.nonfinite_rows(col).tolist() == slow_nonfinite_rows(col)
 
 
 def test_float_and_map_columns():
     floats = pa.chunked_array([pa.array([1.0, None, float("nan"), -float("inf")], pa.float32())])
-    assert arrow_ops.nonfinite_rows(floats).tolist() == slow_nonfinite_rows(floats) == [False, False, True, True]
+    assert schema.nonfinite_rows(floats).tolist() == slow_nonfinite_rows(floats) == [False, False, True, True]
     maps = pa.chunked_array([pa.array([[("a", 1.0)], None, [("a", 0.0), ("b", float("nan"))]],
                                       pa.map_(pa.string(), pa.float32()))])
-    assert arrow_ops.nonfinite_rows(maps).tolist() == slow_nonfinite_rows(maps) == [False, False, True]
+    assert schema.nonfinite_rows(maps).tolist() == slow_nonfinite_rows(maps) == [False, False, True]
 
 
 def test_columns_that_cannot_hold_such_values_are_skipped():
-    assert arrow_ops.nonfinite_rows(pa.chunked_array([pa.array(["x"])])) is None
-    assert arrow_ops.null_entry_rows(pa.chunked_array([pa.array([["x", None]])])) is None
-    assert arrow_ops.null_entry_rows(pa.chunked_array([pa.array([[1, 2]], pa.list_(pa.int32()))])) is None  # no nulls
+    assert schema.nonfinite_rows(pa.chunked_array([pa.array(["x"])])) is None
+    assert schema.null_entry_rows(pa.chunked_array([pa.array([["x", None]])])) is None
+    assert schema.null_entry_rows(pa.chunked_array([pa.array([[1, 2]], pa.list_(pa.int32()))])) is None  # no nulls

@@ -11,7 +11,7 @@ function (prmflow's one grader, `tasks.verify`, GSM8K's convention: the number a
 `answer:` line, else the last number; outcome only); normalize within the group ((R - mean) / (std + eps));
 and take `epochs` passes over the completions in minibatches of `minibatch`, one AdamW step each (lr
 constant, no warm-up, grad-norm clip 1.0, clipped ratio 0.2, no KL term, loss = token mean over the
-minibatch: TRL's "dapo"). prmflow runs its stages in one process (rollout -> advantage grpo -> ppo, the
+minibatch: TRL's "dapo"; AdamW betas 0.9/0.95, prmflow's). prmflow runs its stages in one process (rollout -> advantage grpo -> ppo, the
 optimizer moments carried from one iteration to the next as the pipeline does); TRL runs `GRPOTrainer.train`.
 The differences that remain are written out in benchmarks/README.md (eps 1e-6 vs 1e-4 in the normalization;
 prmflow re-scores old log-probs in its rollout, TRL in its generation step).
@@ -161,11 +161,13 @@ def run_trl(spec: dict, work: Path) -> dict:
     rows = [{"prompt": [{"role": "user", "content": records[pid].prompt}], "answer": records[pid].answer,
              "prompt_id": pid} for pid in order]
 
-    tokens = []
+    tokens, rewards = [], []
 
-    def reward(prompts, completions, answer, completion_ids, **_):
+    def reward(prompts, completions, answer, completion_ids, **_):  # called once per generation batch (= iteration)
         tokens.append(sum(len(c) for c in completion_ids))
-        return [grade("gsm8k", c[0]["content"], a) for c, a in zip(completions, answer)]
+        scores = [grade("gsm8k", c[0]["content"], a) for c, a in zip(completions, answer)]
+        rewards.append(sum(scores) / len(scores))
+        return scores
 
     n = spec["prompts"] * spec["group"]
     updates_per_iter = spec["epochs"] * n // spec["minibatch"]
@@ -174,6 +176,7 @@ def run_trl(spec: dict, work: Path) -> dict:
         gradient_accumulation_steps=spec["minibatch"] // spec["micro"], steps_per_generation=n // spec["micro"],
         num_generations=spec["group"], max_completion_length=spec["max_new"], temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,  # prmflow's AdamW (engine.OptimSettings)
         num_iterations=spec["epochs"], beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
         max_steps=spec["iterations"] * updates_per_iter, shuffle_dataset=False, use_cpu=True, bf16=False,
         report_to=[], logging_steps=1, save_strategy="no", seed=spec["seed"], disable_dropout=True)
@@ -208,7 +211,8 @@ def run_trl(spec: dict, work: Path) -> dict:
             wall = now - mark["t"]
             gen, gs = timing["generate"] - mark["gen"], timing["gen_and_score"] - mark["gs"]
             iters.append({"rollout_s": gs, "generate_s": gen, "advantage_s": 0.0, "train_s": wall - gs,
-                          "iteration_s": wall, "tokens": tokens[-1] if tokens else 0})
+                          "iteration_s": wall, "tokens": tokens[-1] if tokens else 0,
+                          "reward": rewards[-1] if rewards else float("nan")})
             evals.append(held_out_pass1(model, tok, spec))
             model.train()
             mark.update(t=time.perf_counter(), gen=timing["generate"], gs=timing["gen_and_score"])
@@ -216,8 +220,6 @@ def run_trl(spec: dict, work: Path) -> dict:
     trainer = Timed(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
                     processing_class=tok, callbacks=[PerIteration()])
     trainer.train()
-    for it, m in zip(iters, [h for h in trainer.state.log_history if "reward" in h][::updates_per_iter]):
-        it["reward"] = m["reward"]
     return {"startup_s": startup, "iterations": iters, "pass1": evals}
 
 
@@ -227,7 +229,9 @@ def arm_main(arm: str, spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     work = Path(tempfile.mkdtemp(prefix=f"bench-{arm}-", dir=spec["work"]))
     result = run_trl(spec, work) if arm == "trl" else run_prmflow(spec, work, with_prm=arm == "prmflow-prm")
-    result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result["peak_rss_gb"] = usage.ru_maxrss / 2**20
+    result["cpu_s"] = usage.ru_utime + usage.ru_stime  # on a shared machine the fairer cost than wall time
     Path(out_path).write_text(json.dumps(result, indent=1))
 
 
@@ -293,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--result", str(out / f"{arm}.json")], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         results[arm] = json.loads((out / f"{arm}.json").read_text())
         results[arm]["process_s"] = time.time() - t
-        print(f"{arm}: {results[arm]['process_s']:.0f} s", flush=True)
+        print(f"{arm}: {results[arm]['process_s']:.0f} s wall, {results[arm]['cpu_s']:.0f} s CPU", flush=True)
     text = table(results, spec)
     (out / "table.md").write_text(text + "\n")
     print(text)

@@ -17,7 +17,7 @@ from prmflow.components.common import modeling, steps
 from prmflow import tasks
 from prmflow.tasks import arithmetic
 from prmflow.components.common import supervised_data
-from prmflow.components.ppo.batch import collate as ppo_collate
+from prmflow.components.ppo.batch import Sample, collate as ppo_collate
 from prmflow.components.rollout import scoring
 from prmflow.components.common.tensor_ops import sequence_logprobs
 
@@ -154,7 +154,9 @@ def test_rollout_scores_the_response_eos_and_never_padding(smollm2_lm):
 def test_ppo_batch_trains_on_the_response_eos_and_never_on_padding(smollm2_lm):
     model, tok = smollm2_lm
     rows = [{"prompt_ids": p, "response_ids": r} for p, r in rows_of_different_lengths(tok)]
-    mb = ppo_collate(rows, list(range(len(rows))), tok.pad_token_id, fields=())
+    samples = [Sample(prompt_ids=r["prompt_ids"], response_ids=r["response_ids"], advantages=[0.0] * len(r["response_ids"]))
+               for r in rows]
+    mb = ppo_collate(samples, list(range(len(rows))), tok.pad_token_id, fields=())
     assert (~mb.mask).any() and (mb.response_ids[~mb.mask] == tok.pad_token_id).all()  # right padding with the eos id
     for b, r in enumerate(rows):
         assert mb.response_ids[b][mb.mask[b]].tolist() == r["response_ids"]  # eos included, padding not

@@ -172,6 +172,10 @@ class EstimatorInput:
     """(B,) group std (ddof=1) of the group signal; 0 for equal-reward groups."""
     group_sum: np.ndarray | None = None
     """(B,) group sum of the group signal."""
+    process_scale: np.ndarray | None = None
+    """(B,) std of the response-centered step progress over the responses of the row's group with its outcome (grpo_progress)."""
+    process_weight: float = 0.0
+    """Weight of the process advantage after the evidence gate (grpo_progress)."""
 
 
 EstimatorFn = Callable[[EstimatorInput], "tuple[np.ndarray, np.ndarray]"]
@@ -193,6 +197,8 @@ class Estimator:
     """Which rewards it is defined on: 'outcome', 'steps' or 'any' (whatever the switches add)."""
     whiten: bool = False
     """Whiten the advantages unless the config says otherwise (REINFORCE++ does)."""
+    process: bool = False
+    """Adds a process advantage from step_reward_mode=progress step rewards to an outcome advantage."""
 
 
 ESTIMATORS: dict[str, Estimator] = {}
@@ -285,6 +291,64 @@ def grpo_process(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
     # undiscounted, and the token rewards are the step rewards alone: the returns are their suffix sums too
     advantages, returns = step_suffix_sums(st.token, st.row, inp.layout, normalized, st.value)
     return advantages, returns
+
+
+def centered_progress(steps: Steps, n_rows: int) -> np.ndarray:
+    """(S,) each step's progress minus the mean progress of its row's steps: c_k = d_k - (R - Phi_prompt)/K.
+
+    A row's c sum to 0 exactly (up to rounding) however it is cut into steps, so a process advantage built
+    from c moves credit between the steps of a response and never changes the response's total.
+    """
+    counts = np.bincount(steps.row, minlength=n_rows).astype(np.float64)
+    sums = np.bincount(steps.row, weights=steps.value, minlength=n_rows)
+    mean = np.divide(sums, counts, out=np.zeros(n_rows), where=counts > 0)
+    return steps.value - mean[steps.row]
+
+
+def per_step_token_values(steps: Steps, layout: Ragged, per_step: np.ndarray) -> np.ndarray:
+    """(N,) every token carries the value of the step it belongs to: tokens after step k-1's end up to
+    and including step k's end get per_step[k]; steps that end in the same token add up there; tokens
+    after a row's last step end get 0. Slow equivalent, per row: walk the tokens, advancing to the next
+    step end at or after each token."""
+    at_end = np.bincount(steps.token, weights=per_step, minlength=layout.n_tokens)
+    ends = np.unique(steps.token)  # (S',) sorted flat end tokens
+    out = np.zeros(layout.n_tokens, dtype=np.float64)
+    if not len(ends):
+        return out
+    tok = np.arange(layout.n_tokens)
+    j = np.searchsorted(ends, tok, side="left")  # (N,) the first step end at or after each token
+    inside = j < len(ends)
+    row_of_token = np.repeat(np.arange(layout.n_rows), layout.lengths)
+    row_of_end = row_of_token[ends]
+    ok = inside.copy()
+    ok[inside] = row_of_end[j[inside]] == row_of_token[inside]
+    out[ok] = at_end[ends[j[ok]]]
+    return out
+
+
+@register("grpo_progress", min_group_size=2, uses_token_rewards=False, signal="outcome", process=True)
+def grpo_progress(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+    """Outcome GRPO plus a gated, outcome-anchored process advantage from the PRM's step progress.
+
+    A^out_i = (R_i - mean_group) / (std_group + eps). The steps' values are the progress rewards d_k
+    (step_reward_mode=progress). c_k = d_k - mean of d over the row's steps (zero-sum per response);
+    z_k = c_k / (std of c over the steps of the responses of the same group with the same outcome + eps)
+    (the process term ranks steps among responses that ended alike: PAPO-style outcome anchoring);
+    A_t = A^out_i + w * z_{k(t)}, w = process_weight after the evidence gate, for the tokens of step k;
+    then clipped so A_t never has the sign opposite to A^out_i (a response the outcome rewards never has
+    a token pushed down, nor one it punishes a token pushed up; where A^out_i = 0, in a group whose
+    responses all ended alike, the process term alone moves credit between steps).
+    Slow equivalent: tests/advantage/advantage_reference.py `grpo_progress`.
+    """
+    out = (inp.outcome - inp.group_mean) / (inp.group_std + inp.eps)  # (B,)
+    adv = inp.layout.broadcast(out)
+    st = inp.steps
+    if st is not None and len(st.value) and inp.process_weight != 0.0:
+        z = centered_progress(st, inp.layout.n_rows) / (inp.process_scale[st.row] + inp.eps)
+        adv = adv + inp.process_weight * per_step_token_values(st, inp.layout, z)
+        sign = inp.layout.broadcast(np.sign(out))
+        adv = np.where(sign > 0, np.maximum(adv, 0.0), np.where(sign < 0, np.minimum(adv, 0.0), adv))
+    return adv, returns_to_go(inp)
 
 
 # --- statistics ---------------------------------------------------------------------------------

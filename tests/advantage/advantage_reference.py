@@ -121,8 +121,16 @@ def stdev(xs: list[float]) -> float:
 def reference(rows: list[dict], *, estimator: str, gamma: float = 1.0, lam: float = 0.95, beta: float = 0.0,
               kl_est: str = "k1", outcome: bool = True, steps: bool = True, mode: str = "raw", c: float = 0.0,
               eps: float = 1e-6, whiten: bool = False, adv_clip: float = 0.0, zero_variance: str = "keep",
-              zv_weight: float = 0.1) -> dict[tuple, dict]:
-    """{(iteration, prompt_id, sample_idx): {token_rewards, advantages, returns, kl}} for the kept rows."""
+              zv_weight: float = 0.1, process: tuple[float, float, float] = (0.5, 0.6, 0.8)) -> dict[tuple, dict]:
+    """{(iteration, prompt_id, sample_idx): {token_rewards, advantages, returns, kl}} for the kept rows.
+    process: grpo_progress's (process_weight, process_auc_min, process_auc_full)."""
+    if estimator == "grpo_progress":
+        out, _, _ = grpo_progress(rows, *process, eps=eps)
+        for row in rows:
+            o = out[(row["iteration"], row["prompt_id"], row["sample_idx"])]
+            o["returns"] = returns_to_go(o["token_rewards"], gamma)
+            o["kl"] = [kl(a, b, kl_est) for a, b in zip(row["old_logprobs"], row["ref_logprobs"])]
+        return out
     groups = defaultdict(list)
     for row in rows:
         groups[group_of(row)].append(row)

@@ -113,3 +113,32 @@ def test_config_errors_and_the_cli(tmp_path, base_prm, capsys):
     assert cli.main(["prm-update", "--prm", str(base_prm), "--input", str(tmp_path / "rollouts"), "--output",
                      str(tmp_path / "cli"), "--max_steps", "2", "--micro_batch_size", "4", "--tracking.enabled", "false"]) == 0
     assert "prm-update: iteration 0: held-out step AUC" in capsys.readouterr().out
+
+
+def test_a_killed_update_resumes_to_the_uninterrupted_result(tmp_path, base_prm, monkeypatch):
+    from safetensors.torch import load_file
+
+    from prmflow.components.common import checkpoint
+
+    write_rollouts(tmp_path / "rollouts", 8)
+    update.run(make_cfg(tmp_path, base_prm, "full", max_steps=6, save_every=3))
+    real_save = checkpoint.save
+
+    def preempted(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt("preempted")  # the pod dies right after its first checkpoint
+
+    monkeypatch.setattr(update.checkpoint, "save", preempted)
+    with pytest.raises(KeyboardInterrupt):
+        update.run(make_cfg(tmp_path, base_prm, "cut", max_steps=6, save_every=3))
+    assert not (tmp_path / "cut").exists()  # no partial output
+    monkeypatch.setattr(update.checkpoint, "save", real_save)
+    steps = []
+    monkeypatch.setattr(update.TrainEngine, "step", lambda self, _orig=update.TrainEngine.step: (steps.append(1), _orig(self))[1])
+    resumed = update.run(make_cfg(tmp_path, base_prm, "cut", max_steps=6, save_every=3))
+    assert len(steps) == 3  # steps 4..6 only
+    a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "cut" / "model.safetensors"))
+    assert a.keys() == b.keys() and all((a[n] == b[n]).all() for n in a)
+    # the "before" AUC is the incoming PRM's, not the resumed checkpoint's
+    full = json.loads((tmp_path / "full" / "manifest.json").read_text())["metrics"]
+    assert resumed["eval/before_step_auc"] == full["eval/before_step_auc"]

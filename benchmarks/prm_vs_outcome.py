@@ -90,6 +90,8 @@ class BenchConfig:
     """Seed that picks the held-out prompts."""
     eval_max_new_tokens: int = 96
     """Token budget of a greedy held-out answer."""
+    run_missing: bool = True
+    """Run every variant x seed not finished yet; false: only write the table, figure and MLflow runs of the finished ones (e.g. while other processes still run the rest)."""
     experiment: str = "prm-vs-outcome"
     """MLflow experiment of the parent (variant) and child (seed) runs in OUTPUT/mlflow.db."""
 
@@ -215,6 +217,12 @@ def run_digest(cfg: BenchConfig, name: str | None) -> str:
     if name is not None:
         picked["variant"] = c["variants"][name]
     return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def finished(cfg: BenchConfig, out: Path, name: str, seed: int) -> bool:
+    """A result of this variant x seed made by this config is on disk."""
+    done = out / "runs" / name / f"seed-{seed}" / "result.json"
+    return done.exists() and json.loads(done.read_text()).get("config_digest") == run_digest(cfg, name)
 
 
 def run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict, records) -> dict:
@@ -380,7 +388,8 @@ def run(cfg: BenchConfig, console=None) -> dict:
         say(f"shared SFT policy and PRM ready ({time.perf_counter() - t0:.0f} s): SFT held-out pass@1 {sft_point['pass1']:.3f}"
             + (f", PRM held-out step AUC {prm_metrics['eval/step_auc']:.3f}" if "eval/step_auc" in prm_metrics else ""))
         results: dict = {name: {} for name in cfg.variants}
-        jobs = [(name, seed) for seed in cfg.seeds for name in cfg.variants]
+        jobs = [(name, seed) for seed in cfg.seeds for name in cfg.variants
+                if cfg.run_missing or finished(cfg, out, name, int(seed))]
         for i, (name, seed) in enumerate(jobs):
             with contextlib.redirect_stdout(logfile), contextlib.redirect_stderr(logfile):
                 r = run_one(cfg, out, name, int(seed), sft_point, records)
@@ -389,6 +398,7 @@ def run(cfg: BenchConfig, console=None) -> dict:
             say(f"[{i + 1}/{len(jobs)}] {name} seed {seed}: held-out pass@1 {pts[0]['pass1']:.3f} -> {pts[-1]['pass1']:.3f}, "
                 f"train reward {pts[0]['train_reward']:.3f} -> {pts[-2]['train_reward']:.3f}, "
                 f"shortcut steps {pts[0]['eval/shortcut_share']:.3f} -> {pts[-1]['eval/shortcut_share']:.3f} ({r['seconds']:.0f} s)")
+        results = {name: runs for name, runs in results.items() if runs}
         rows = bench_stats.summarize(results, cfg.reference)
         table = bench_stats.format_table(rows, cfg.reference)
         aucs = process_table(results, prm_metrics)

@@ -58,7 +58,9 @@ def test_summary_table_against_a_hand_computed_example():
     table = bs.format_table(list(rows.values()), "ref")
     assert (new["half_rollouts"], rows["ref"]["half_rollouts"]) == (100, 100)
     assert (new["half_pass1_mean"], rows["ref"]["half_pass1_mean"]) == (pytest.approx(0.575), pytest.approx(0.5))
-    assert "| new | 0.650 (0.600-0.700) | 0.575 (100) | 100 of 200 | s0: 2/0, p=0.500; s1: 1/0, p=1.000 | 0.126 |" in table
+    # at half the rollouts: differences 0.05 and 0.1, t = 0.075 / (0.0354 / sqrt 2) = 3 on 1 df
+    assert new["half_seed_p"] == pytest.approx(1 - 2 * math.atan(3) / math.pi)
+    assert "| new | 0.650 (0.600-0.700) | 0.575 (100; p=0.205) | 100 of 200 | s0: 2/0, p=0.500; s1: 1/0, p=1.000 | 0.126 |" in table
     assert "| ref | 0.525 (0.500-0.550) | 0.500 (100) | 200 of 200 | (reference) | - |" in table
     # 3 iterations (0, 100, 200, 300 rollouts): the half point is the one at or before 150
     odd = bs.summarize({"ref": {0: _run([0.4, 0.5, 0.6, 0.7], [1])}}, "ref")[0]

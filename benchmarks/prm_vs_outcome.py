@@ -9,11 +9,17 @@ then for every variant x seed an RL loop run in-process through the stages' `run
 rollout -> advantage -> ppo, `iterations` times, with the same prompts, samples, PPO settings and
 seeds for every variant (seed s picks the prompts and the samples; variants differ only in the
 advantage estimator and where step rewards come from: `prm: ""` none, `oracle` the exact checker's
-step labels, `trained` OUTPUT/prm). After every PPO update the policy answers the same held-out
+step labels, `trained` OUTPUT/prm, `adversarial` 1 for every shortcut line and 0 for every single step,
+`random` uniform scores; a variant with an `update` section keeps its trained PRM on-policy: after
+every rollout `prmflow prm-update` trains it further on those rollouts' own outcomes (replaying the
+older iterations' rollouts) and the next rollout is scored by the updated PRM). After every PPO update the policy answers the same held-out
 test-split prompts greedily (pass@1, graded by the task's verifier). Per point it records the train
 reward and the reward-hacking watch (steps per response, response length, share without the step
 separator, format errors, share of shortcut steps) of the training batch and of the greedy answers,
-and for variants scored by the trained PRM its step AUC on the policy's own samples (checker labels).
+and for every variant with step rewards the PRM's step AUC on the policy's own samples (checker labels),
+its mean score of right and wrong steps per kind (shortcut line, single step, answer line), the
+advantage stage's gate (its AUC against the outcomes and the process weight it allowed) and the
+update's held-out AUC before and after.
 
 Writes OUTPUT/results.json, OUTPUT/table.md (final pass@1 over seeds, McNemar over prompts per
 seed and a paired t-test over seeds against `reference`), OUTPUT/curves.png, OUTPUT/benchmark.log
@@ -47,11 +53,13 @@ from prmflow.components.common.generation import generate_texts  # noqa: E402
 from prmflow.tasks import arithmetic  # noqa: E402
 from prmflow.components.common.prm_metrics import roc_auc  # noqa: E402
 from prmflow.components.ppo import stage as ppo  # noqa: E402
-from prmflow.components.prm import stage as prm_stage  # noqa: E402
+from prmflow.components.prm import stage as prm_stage, update as prm_update  # noqa: E402
 from prmflow.components.rollout import prompts as rollout_prompts, stage as rollout  # noqa: E402
 from prmflow.components.sft import stage as sft  # noqa: E402
 
 OFF = {"enabled": False}
+#: where a variant's step rewards come from ('' = none)
+PRM_KINDS = ("", "oracle", "trained", "adversarial", "random")
 log = logging.getLogger("prm_vs_outcome")
 
 
@@ -70,7 +78,7 @@ class BenchConfig:
     ppo: dict = field(default_factory=dict)
     """ppo stage keys shared by every variant (epochs, batch sizes, optim); seed and rl_iterations are set per run."""
     variants: dict = field(default_factory=lambda: {"outcome-only": {"prm": "", "advantage": {"estimator": "grpo"}}})
-    """name -> {prm: '' | oracle | trained, advantage: {advantage stage keys}}: what differs between variants."""
+    """name -> {prm: '' | oracle | trained | adversarial | random, advantage: {advantage stage keys}, update: {prm-update keys}}: what differs between variants (update: keep the trained PRM on-policy)."""
     reference: str = "outcome-only"
     """The variant every other one is tested against (paired over prompts and over seeds)."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
@@ -83,6 +91,8 @@ class BenchConfig:
     """Seed that picks the held-out prompts."""
     eval_max_new_tokens: int = 96
     """Token budget of a greedy held-out answer."""
+    run_missing: bool = True
+    """Run every variant x seed not finished yet; false: only write the table, figure and MLflow runs of the finished ones (e.g. while other processes still run the rest)."""
     experiment: str = "prm-vs-outcome"
     """MLflow experiment of the parent (variant) and child (seed) runs in OUTPUT/mlflow.db."""
 
@@ -90,10 +100,13 @@ class BenchConfig:
         if self.reference not in self.variants:
             raise ConfigError(f"reference={self.reference!r} is not one of the variants {sorted(self.variants)}.")
         for name, v in self.variants.items():
-            if not isinstance(v, dict) or set(v) - {"prm", "advantage"}:
-                raise ConfigError(f"variants.{name} must be a mapping with keys prm and advantage, got {v!r}.")
-            if v.get("prm", "") not in ("", "oracle", "trained"):
-                raise ConfigError(f"variants.{name}.prm={v['prm']!r}: use '' (no step rewards), oracle or trained.")
+            if not isinstance(v, dict) or set(v) - {"prm", "advantage", "update"}:
+                raise ConfigError(f"variants.{name} must be a mapping with keys prm, advantage and update, got {v!r}.")
+            if v.get("prm", "") not in PRM_KINDS:
+                raise ConfigError(f"variants.{name}.prm={v['prm']!r}: use '' (no step rewards), "
+                                  f"{', '.join(PRM_KINDS[1:])}.")
+            if "update" in v and v.get("prm") != "trained":
+                raise ConfigError(f"variants.{name}.update keeps a trained PRM on-policy; set prm: trained or drop update.")
         if not self.seeds or self.iterations < 1 or self.eval_prompts < 1:
             raise ConfigError("seeds must be non-empty and iterations, eval_prompts at least 1.")
 
@@ -140,15 +153,23 @@ def evaluate(policy: Path, records: list[tasks.PromptRecord], max_new_tokens: in
 
 # --- one variant x seed -----------------------------------------------------------------------
 
+def step_kind(step: str) -> str:
+    """shortcut (two operations in one line), answer (the `answer: N` line) or single (one operation)."""
+    if arithmetic.is_shortcut(step):
+        return "shortcut"
+    return "answer" if step.strip().startswith(arithmetic.ANSWER_PREFIX.strip()) else "single"
+
+
 def train_batch_stats(rollout_cfg, out: Path, with_prm: bool) -> dict:
-    """The training batch's watch stats and, when a trained PRM scored it, its step AUC against the checker."""
+    """The training batch's watch stats and, when a PRM scored it, its step AUC against the checker and its
+    mean score of right and wrong steps of each kind (prm/score_<kind>_<right|wrong>)."""
     table = schema.read_dataset(out, "rollouts")
     responses = table.column("response").to_pylist()
     lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
     point = {f"train/{k}": v for k, v in bench_stats.response_stats(responses, lengths).items()}
     if with_prm:
         raw = {r.prompt_id: r.prompt for r in rollout_prompts.select_prompts(rollout_cfg)}
-        scores, labels = [], []
+        scores, labels, by_kind = [], [], {}
         for row, (pid, resp, sr) in enumerate(zip(table.column("prompt_id").to_pylist(), responses,
                                                    table.column("step_rewards").to_pylist())):
             steps = steps_lib.steps(resp, rollout_cfg.step_separator)
@@ -159,9 +180,32 @@ def train_batch_stats(rollout_cfg, out: Path, with_prm: bool) -> dict:
                                  f"(are rollout.step_separator and the PRM's step_separator the same?)")
             labels += row_labels
             scores += list(sr or [])
+            for step, y, x in zip(steps, row_labels, sr or []):
+                by_kind.setdefault(f"prm/score_{step_kind(step)}_{'right' if y else 'wrong'}", []).append(x)
         point["prm/step_auc_on_policy"] = roc_auc(scores, labels)
         point["prm/step_label_mean"] = sum(labels) / max(len(labels), 1)
+        point.update({k: sum(v) / len(v) for k, v in sorted(by_kind.items())})
     return point
+
+
+def rescore(rollout_cfg, src: Path, dst: Path, kind: str, seed: int, iteration: int) -> None:
+    """Copy the rollouts at `src` to `dst` with step rewards of a do-no-harm PRM: `adversarial` scores a
+    shortcut line 1 and any other step 0, `random` draws each score uniformly (seeded by seed, iteration)."""
+    import random
+
+    import pyarrow as pa
+
+    rng = random.Random(f"{kind}:{seed}:{iteration}")
+    table = schema.read_dataset(src, "rollouts")
+    new = []
+    for resp, old in zip(table.column("response").to_pylist(), table.column("step_rewards").to_pylist()):
+        steps = steps_lib.steps(resp, rollout_cfg.step_separator)
+        assert len(steps) == len(old or []), "rollout step_rewards and the steps of the text disagree"
+        new.append([float(arithmetic.is_shortcut(x)) if kind == "adversarial" else rng.random() for x in steps])
+    column = pa.array(new, type=table.schema.field("step_rewards").type)
+    table = table.set_column(table.schema.get_field_index("step_rewards"), "step_rewards", column)
+    with schema.DatasetWriter(dst, "rollouts", parents=[str(src)]) as w:
+        w.write(table)
 
 
 def run_digest(cfg: BenchConfig, name: str | None) -> str:
@@ -174,6 +218,12 @@ def run_digest(cfg: BenchConfig, name: str | None) -> str:
     if name is not None:
         picked["variant"] = c["variants"][name]
     return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def finished(cfg: BenchConfig, out: Path, name: str, seed: int) -> bool:
+    """A result of this variant x seed made by this config is on disk."""
+    done = out / "runs" / name / f"seed-{seed}" / "result.json"
+    return done.exists() and json.loads(done.read_text()).get("config_digest") == run_digest(cfg, name)
 
 
 def run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict, records) -> dict:
@@ -189,7 +239,8 @@ def run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict, 
     if work.exists():  # unfinished, or made by another config: start it over
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    prm = {"": "", "oracle": "oracle", "trained": str(out / "prm")}[variant.get("prm", "")]
+    kind = variant.get("prm", "")
+    prm = {"": "", "oracle": "oracle", "trained": str(out / "prm"), "adversarial": "oracle", "random": "oracle"}[kind]
     batch = int(cfg.rollout.get("num_prompts", 64)) * int(cfg.rollout.get("n_samples", 4))
     policy, optimizer = out / "sft", ""
     points = [{k: v for k, v in sft_point.items() if k != "correct"}]
@@ -200,9 +251,22 @@ def run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict, 
         rcfg = stage_config(rollout.Config, cfg, cfg.rollout, policy=str(policy), output=str(it / "rollouts"),
                             seed=seed, iteration=k, prm=prm, log_samples=0)
         m = rollout.run(rcfg)
-        points[-1].update({"train_reward": m["rollout/reward_mean"], **train_batch_stats(rcfg, it / "rollouts", variant.get("prm") == "trained")})
-        advantage.run(config_lib.build(advantage.Config, {**variant.get("advantage", {}), "input": str(it / "rollouts"),
-                                                          "output": str(it / "advantages"), "iteration": k, "tracking": OFF}))
+        scored = it / "rollouts"
+        if kind in ("adversarial", "random"):  # rolled out with the oracle for the step ends, then rescored
+            scored = it / f"rollouts-{kind}"
+            rescore(rcfg, it / "rollouts", scored, kind, seed, k)
+        points[-1].update({"train_reward": m["rollout/reward_mean"], **train_batch_stats(rcfg, scored, bool(kind))})
+        adv = advantage.run(config_lib.build(advantage.Config, {**variant.get("advantage", {}), "input": str(scored),
+                                                                "output": str(it / "advantages"), "iteration": k, "tracking": OFF}))
+        points[-1].update({key: adv[key] for key in ("train/prm_step_auc", "train/process_weight") if key in adv})
+        if "update" in variant:  # the PRM follows the policy: trained on these rollouts for the next iteration
+            upd = prm_update.run(config_lib.build(prm_update.Config, {
+                **variant["update"], "prm": prm, "input": str(it / "rollouts"), "output": str(it / "prm"),
+                "replay": [str(work / f"iter{j}" / "rollouts") for j in range(k)], "iteration": k, "seed": seed,
+                "tracking": OFF}))
+            points[-1].update({"prm/update_auc_before": upd["eval/before_step_auc"],
+                               "prm/update_auc_after": upd["eval/step_auc"]})
+            prm = str(it / "prm")
         ppo.run(stage_config(ppo.Config, cfg, cfg.ppo, policy=str(policy), input=str(it / "advantages"),
                              output=str(it / "ppo"), iteration=k, rl_iterations=cfg.iterations, seed=seed,
                              optimizer_state=optimizer))
@@ -261,20 +325,40 @@ def log_mlflow(cfg: BenchConfig, out: Path, results: dict, table: str, png: Path
 
 # --- the whole benchmark -------------------------------------------------------------------------
 
-def auc_table(results: dict, prm_metrics: dict) -> str:
-    """The trained PRM's step AUC on each trained-PRM variant's own samples, first and last iteration."""
-    lines = ["| variant | PRM step AUC on the SFT policy's samples (iteration 0) | on the last iteration's samples "
-             "| share of right steps there | PRM held-out AUC (its own eval split) |", "|---|---|---|---|---|"]
+#: (column title, point key) of the process table: the PRM against the checker and the outcome, the gate, the update
+PROCESS_COLUMNS = [("PRM step AUC on the policy's samples (checker labels)", "prm/step_auc_on_policy"),
+                   ("gate AUC (vs outcome)", "train/prm_step_auc"), ("process weight", "train/process_weight"),
+                   ("update held-out AUC before -> after", ("prm/update_auc_before", "prm/update_auc_after")),
+                   ("score shortcut wrong / right", ("prm/score_shortcut_wrong", "prm/score_shortcut_right")),
+                   ("score single wrong / right", ("prm/score_single_wrong", "prm/score_single_right"))]
+
+
+def process_table(results: dict, prm_metrics: dict) -> str:
+    """Per variant with step rewards, seed means at the first and the last training batch: the PRM's step AUC
+    against the checker, the advantage stage's gate, the on-policy update's held-out AUC and the PRM's mean
+    score of wrong and right steps by kind (reward-hacking watch: does it overrate the shortcut?)."""
+    def mean(runs, point, key):
+        xs = [r["points"][point].get(key) for r in runs.values()]
+        xs = [x for x in xs if x is not None and x == x]
+        return sum(xs) / len(xs) if xs else None
+
+    def cell(runs, key):
+        parts = []
+        for point in (0, -2):
+            keys = key if isinstance(key, tuple) else (key,)
+            vals = [mean(runs, point, k) for k in keys]
+            parts.append(" / ".join("-" if v is None else f"{v:.3f}" for v in vals))
+        return f"{parts[0]} -> {parts[1]}" if parts[0] != parts[1] or "-" not in parts[0] else "-"
+
+    head = "| variant (first -> last training batch) | " + " | ".join(t for t, _ in PROCESS_COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (len(PROCESS_COLUMNS) + 1)]
     for name, runs in results.items():
-        firsts = [r["points"][0].get("prm/step_auc_on_policy") for r in runs.values()]
-        lasts = [r["points"][-2].get("prm/step_auc_on_policy") for r in runs.values()]
-        share = [r["points"][-2].get("prm/step_label_mean") for r in runs.values()]
-        if None in firsts or None in lasts:
+        if mean(runs, 0, "prm/step_auc_on_policy") is None:
             continue
-        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-        lines.append(f"| {name} | {mean(firsts):.3f} | {mean(lasts):.3f} ({min(lasts):.3f}-{max(lasts):.3f}) "
-                     f"| {mean(share):.3f} | {prm_metrics.get('eval/step_auc', float('nan')):.3f} |")
-    return "\n".join(lines) if len(lines) > 2 else ""
+        lines.append(f"| {name} | " + " | ".join(cell(runs, key) for _, key in PROCESS_COLUMNS) + " |")
+    note = (f"\nThe trained PRM's held-out step AUC on its own eval split: {prm_metrics['eval/step_auc']:.3f}."
+            if "eval/step_auc" in prm_metrics else "")
+    return "\n".join(lines) + note if len(lines) > 2 else ""
 
 
 def run(cfg: BenchConfig, console=None) -> dict:
@@ -305,7 +389,8 @@ def run(cfg: BenchConfig, console=None) -> dict:
         say(f"shared SFT policy and PRM ready ({time.perf_counter() - t0:.0f} s): SFT held-out pass@1 {sft_point['pass1']:.3f}"
             + (f", PRM held-out step AUC {prm_metrics['eval/step_auc']:.3f}" if "eval/step_auc" in prm_metrics else ""))
         results: dict = {name: {} for name in cfg.variants}
-        jobs = [(name, seed) for seed in cfg.seeds for name in cfg.variants]
+        jobs = [(name, seed) for seed in cfg.seeds for name in cfg.variants
+                if cfg.run_missing or finished(cfg, out, name, int(seed))]
         for i, (name, seed) in enumerate(jobs):
             with contextlib.redirect_stdout(logfile), contextlib.redirect_stderr(logfile):
                 r = run_one(cfg, out, name, int(seed), sft_point, records)
@@ -314,9 +399,10 @@ def run(cfg: BenchConfig, console=None) -> dict:
             say(f"[{i + 1}/{len(jobs)}] {name} seed {seed}: held-out pass@1 {pts[0]['pass1']:.3f} -> {pts[-1]['pass1']:.3f}, "
                 f"train reward {pts[0]['train_reward']:.3f} -> {pts[-2]['train_reward']:.3f}, "
                 f"shortcut steps {pts[0]['eval/shortcut_share']:.3f} -> {pts[-1]['eval/shortcut_share']:.3f} ({r['seconds']:.0f} s)")
+        results = {name: runs for name, runs in results.items() if runs}
         rows = bench_stats.summarize(results, cfg.reference)
         table = bench_stats.format_table(rows, cfg.reference)
-        aucs = auc_table(results, prm_metrics)
+        aucs = process_table(results, prm_metrics)
         png = out / "curves.png"
         arith = ", ".join(f"{k}={v}" for k, v in cfg.arithmetic.items())
         bench_stats.plot_curves(results, png, title=f"{arith}; {cfg.rollout.get('num_prompts')} prompts x "

@@ -98,7 +98,7 @@ def rollouts_to_reach(xs: list[int], ys: list[float], target: float) -> int | No
 
 def summarize(results: dict, reference: str) -> list[dict]:
     """One row per variant: final pass@1 over seeds, the seed mean at half the rollouts (the point at or
-    before the middle), rollouts to reach `reference`'s final mean pass@1,
+    before the middle; half_seed_p: its paired t-test over seeds against `reference`), rollouts to reach `reference`'s final mean pass@1,
     the paired tests against `reference` (McNemar per shared seed, t-test over seeds) and the last
     policy's reward-hacking stats (mean over seeds)."""
     ref_runs = results[reference]
@@ -114,7 +114,7 @@ def summarize(results: dict, reference: str) -> list[dict]:
                "pass1_sd": statistics.stdev(finals) if len(finals) > 1 else 0.0,
                "rollouts": xs[-1], "rollouts_to_reference": rollouts_to_reach(xs, mean, target),
                "half_rollouts": xs[(len(xs) - 1) // 2], "half_pass1_mean": mean[(len(xs) - 1) // 2],
-               "mcnemar": [], "seed_p": float("nan")}
+               "mcnemar": [], "seed_p": float("nan"), "half_seed_p": float("nan")}
         last = [runs[s]["points"][-1] for s in seeds]
         for key in STAT_KEYS:
             vals = [p.get(f"eval/{key}") for p in last if p.get(f"eval/{key}") is not None]
@@ -123,6 +123,9 @@ def summarize(results: dict, reference: str) -> list[dict]:
             shared = [s for s in seeds if s in ref_runs]
             row["mcnemar"] = [(s, *mcnemar(runs[s]["final_correct"], ref_runs[s]["final_correct"])) for s in shared]
             row["seed_p"] = paired_seed_test([runs[s]["points"][-1]["pass1"] for s in shared], [ref_final[s] for s in shared])
+            half = (len(xs) - 1) // 2  # the same point of the reference (same iterations)
+            row["half_seed_p"] = paired_seed_test([runs[s]["points"][half]["pass1"] for s in shared],
+                                                  [ref_runs[s]["points"][half]["pass1"] for s in shared])
         rows.append(row)
     return rows
 
@@ -141,7 +144,7 @@ def format_table(rows: list[dict], reference: str) -> str:
         reach = "-" if r["rollouts_to_reference"] is None else f"{r['rollouts_to_reference']} of {r['rollouts']}"
         tests = "; ".join(f"s{s}: {a}/{b}, p={_p(p)}" for s, a, b, p in r["mcnemar"]) or "(reference)"
         lines.append(f"| {r['variant']} | {r['pass1_mean']:.3f} ({r['pass1_min']:.3f}-{r['pass1_max']:.3f}) "
-                     f"| {r['half_pass1_mean']:.3f} ({r['half_rollouts']}) | {reach} "
+                     f"| {r['half_pass1_mean']:.3f} ({r['half_rollouts']}{'; p=' + _p(r['half_seed_p']) if r['mcnemar'] else ''}) | {reach} "
                      f"| {tests} | {_p(r['seed_p']) if r['mcnemar'] else '-'} | {r['steps_per_response']:.2f} "
                      f"| {r['shortcut_share']:.3f} | {r['no_separator']:.3f} | {r['format_errors']:.3f} |")
     return "\n".join(lines)

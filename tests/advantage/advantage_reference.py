@@ -121,8 +121,16 @@ def stdev(xs: list[float]) -> float:
 def reference(rows: list[dict], *, estimator: str, gamma: float = 1.0, lam: float = 0.95, beta: float = 0.0,
               kl_est: str = "k1", outcome: bool = True, steps: bool = True, mode: str = "raw", c: float = 0.0,
               eps: float = 1e-6, whiten: bool = False, adv_clip: float = 0.0, zero_variance: str = "keep",
-              zv_weight: float = 0.1) -> dict[tuple, dict]:
-    """{(iteration, prompt_id, sample_idx): {token_rewards, advantages, returns, kl}} for the kept rows."""
+              zv_weight: float = 0.1, process: tuple[float, float, float] = (0.5, 0.6, 0.8)) -> dict[tuple, dict]:
+    """{(iteration, prompt_id, sample_idx): {token_rewards, advantages, returns, kl}} for the kept rows.
+    process: grpo_progress's (process_weight, process_auc_min, process_auc_full)."""
+    if estimator == "grpo_progress":
+        out, _, _ = grpo_progress(rows, *process, eps=eps)
+        for row in rows:
+            o = out[(row["iteration"], row["prompt_id"], row["sample_idx"])]
+            o["returns"] = returns_to_go(o["token_rewards"], gamma)
+            o["kl"] = [kl(a, b, kl_est) for a, b in zip(row["old_logprobs"], row["ref_logprobs"])]
+        return out
     groups = defaultdict(list)
     for row in rows:
         groups[group_of(row)].append(row)
@@ -183,3 +191,72 @@ def reference(rows: list[dict], *, estimator: str, gamma: float = 1.0, lam: floa
         if adv_clip > 0:
             o["advantages"] = [clip(a, adv_clip) for a in o["advantages"]]
     return out
+
+
+# --- grpo_progress (step_reward_mode=progress) ------------------------------------------------------
+
+def progress(scores: list[float], outcome: float, phi_prompt: float) -> list[float]:
+    """d_k = Phi_k - Phi_{k-1}: Phi_{-1} = the prompt's value, Phi_k = the PRM's score after step k, the last Phi = R."""
+    phi = [phi_prompt] + list(scores[:-1]) + [outcome]
+    return [phi[k + 1] - phi[k] for k in range(len(scores))]
+
+
+def pairwise_auc(scores: list[float], labels: list[bool]) -> float:
+    pos = [s for s, y in zip(scores, labels) if y]
+    neg = [s for s, y in zip(scores, labels) if not y]
+    if not pos or not neg:
+        return math.nan
+    return sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg) / (len(pos) * len(neg))
+
+
+def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: float,
+                  eps: float = 1e-6) -> tuple[dict[tuple, dict], float, float]:
+    """({key: {token_rewards, advantages}}, step AUC, gated weight), straight from the definitions."""
+    groups = defaultdict(list)
+    for row in rows:
+        groups[group_of(row)].append(row)
+    stats = {k: (statistics.fmean([r["outcome_reward"] for r in m]),
+                 stdev([r["outcome_reward"] for r in m]) if len({r["outcome_reward"] for r in m}) > 1 else 0.0)
+             for k, m in groups.items()}
+    centered, d_of = {}, {}
+    by_class = defaultdict(list)
+    scores, labels = [], []
+    for row in rows:
+        mean, _ = stats[group_of(row)]
+        d = progress(row["step_rewards"], row["outcome_reward"], mean)
+        c = [x - statistics.fmean(d) for x in d] if d else []
+        d_of[id(row)], centered[id(row)] = d, c
+        by_class[(group_of(row), row["outcome_reward"])] += c
+        scores += list(row["step_rewards"][:-1])
+        labels += [row["outcome_reward"] >= 0.5] * max(len(row["step_rewards"]) - 1, 0)
+    auc = pairwise_auc(scores, labels)
+    if math.isnan(auc) or auc < auc_min:
+        w = 0.0
+    elif auc >= auc_full:
+        w = weight
+    else:
+        w = weight * (auc - auc_min) / (auc_full - auc_min)
+    out = {}
+    for row in rows:
+        key = group_of(row)
+        mean, std = stats[key]
+        a_out = (row["outcome_reward"] - mean) / (std + eps)
+        scale = statistics.pstdev(by_class[(key, row["outcome_reward"])]) if len(by_class[(key, row["outcome_reward"])]) > 0 else 0.0
+        z = [x / (scale + eps) for x in centered[id(row)]]
+        n, ends = len(row["response_ids"]), row["step_ends"]
+        adv, r = [], [0.0] * n
+        for t in range(n):
+            later = [e for e in ends if e >= t]
+            p = sum(zk for e, zk in zip(ends, z) if later and e == min(later))  # the step t belongs to
+            a = a_out + w * p
+            if a_out > 0:
+                a = max(a, 0.0)
+            elif a_out < 0:
+                a = min(a, 0.0)
+            adv.append(a)
+        for e, dk in zip(ends, d_of[id(row)]):
+            r[e] += dk
+        if not ends:
+            r[n - 1] += row["outcome_reward"]
+        out[(row["iteration"], row["prompt_id"], row["sample_idx"])] = {"token_rewards": r, "advantages": adv}
+    return out, auc, w

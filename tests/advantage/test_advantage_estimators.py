@@ -30,7 +30,7 @@ def run_and_compare(tmp_path, table: pa.Table, **options):
         table.to_pylist(), estimator=cfg.estimator, gamma=cfg.gamma, lam=cfg.lam, beta=cfg.kl_coef,
         kl_est=cfg.kl_estimator, outcome=outcome, steps=steps, mode=cfg.step_reward_mode, c=cfg.reward_clip,
         eps=cfg.norm_eps, whiten=whiten, adv_clip=cfg.advantage_clip, zero_variance=cfg.zero_variance,
-        zv_weight=cfg.zero_variance_weight)
+        zv_weight=cfg.zero_variance_weight, process=(cfg.process_weight, cfg.process_auc_min, cfg.process_auc_full))
     written = schema.read_dataset(tmp_path / "advantages", "advantages").to_pylist()
     assert sorted((r["iteration"], r["prompt_id"], r["sample_idx"]) for r in written) == sorted(expected)
     for row in written:
@@ -50,7 +50,9 @@ def test_estimator_matches_reference(tmp_path, estimator, gamma, lam):
     seed = zlib.crc32(f"{estimator}-{gamma}-{lam}".encode())
     table = ref.random_rollouts(np.random.default_rng(seed), binary_outcome=seed % 2 == 0)
     kl = {"kl_coef": 0.05, "kl_estimator": "k3"} if ESTIMATORS[estimator].uses_token_rewards else {}
-    run_and_compare(tmp_path, table, estimator=estimator, gamma=gamma, lam=lam, **kl)
+    progress = {"step_reward_mode": "progress", "process_auc_min": 0.0, "process_auc_full": 0.0} \
+        if ESTIMATORS[estimator].process else {}
+    run_and_compare(tmp_path, table, estimator=estimator, gamma=gamma, lam=lam, **kl, **progress)
 
 
 @pytest.mark.parametrize("estimator", ["gae", "reinforce", "reinforce_baseline"])

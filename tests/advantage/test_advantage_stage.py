@@ -157,7 +157,8 @@ def test_bad_rows_fail_with_prompt_and_column_and_write_nothing(tmp_path, case):
 def test_single_sample_group_fails_for_group_estimators(tmp_path, estimator):
     write_rows(tmp_path, [row("ok", 0, outcome_reward=1.0), row("ok", 1, outcome_reward=0.0), row("lonely", 0)])
     with pytest.raises(DataError, match=r"prompt_id='lonely'.*column 'prompt_id'.*at least 2"):
-        stage.run(make_cfg(tmp_path, estimator=estimator))
+        stage.run(make_cfg(tmp_path, estimator=estimator,
+                           **({"step_reward_mode": "progress"} if ESTIMATORS[estimator].process else {})))
     assert_nothing_written(tmp_path)
 
 

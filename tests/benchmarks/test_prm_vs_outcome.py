@@ -58,7 +58,9 @@ def test_summary_table_against_a_hand_computed_example():
     table = bs.format_table(list(rows.values()), "ref")
     assert (new["half_rollouts"], rows["ref"]["half_rollouts"]) == (100, 100)
     assert (new["half_pass1_mean"], rows["ref"]["half_pass1_mean"]) == (pytest.approx(0.575), pytest.approx(0.5))
-    assert "| new | 0.650 (0.600-0.700) | 0.575 (100) | 100 of 200 | s0: 2/0, p=0.500; s1: 1/0, p=1.000 | 0.126 |" in table
+    # at half the rollouts: differences 0.05 and 0.1, t = 0.075 / (0.0354 / sqrt 2) = 3 on 1 df
+    assert new["half_seed_p"] == pytest.approx(1 - 2 * math.atan(3) / math.pi)
+    assert "| new | 0.650 (0.600-0.700) | 0.575 (100; p=0.205) | 100 of 200 | s0: 2/0, p=0.500; s1: 1/0, p=1.000 | 0.126 |" in table
     assert "| ref | 0.525 (0.500-0.550) | 0.500 (100) | 200 of 200 | (reference) | - |" in table
     # 3 iterations (0, 100, 200, 300 rollouts): the half point is the one at or before 150
     odd = bs.summarize({"ref": {0: _run([0.4, 0.5, 0.6, 0.7], [1])}}, "ref")[0]
@@ -163,3 +165,59 @@ def test_a_toy_run_writes_the_mlflow_runs_the_png_and_the_table(tmp_path, monkey
         again = bench.run(cfg, console=f)
     assert again["table"] == table
     assert len(client.search_runs([exp.experiment_id])) == len(runs)
+
+
+# --- issue 36: do-no-harm PRMs, the process table, the variant checks -----------------------------
+
+def test_rescore_gives_the_adversarial_and_random_prms_scores(tmp_path):
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+
+    from prmflow.components.common import schema
+
+    responses = ["1+2*3=9\n9-4=5\nanswer: 5", "2+2=4\nanswer: 4", "answer: 7"]
+    rows = [{"prompt_id": f"p{i}", "sample_idx": 0, "iteration": 0, "response": r, "response_ids": [1, 2],
+             "step_ends": [0] * len(r.split("\n")), "step_rewards": [0.5] * len(r.split("\n"))}
+            for i, r in enumerate(responses)]
+    with schema.DatasetWriter(tmp_path / "src", "rollouts") as w:
+        w.write(pa.Table.from_pylist(rows))
+    cfg = SimpleNamespace(step_separator="\n")
+    bench.rescore(cfg, tmp_path / "src", tmp_path / "adv", "adversarial", 0, 0)
+    got = schema.read_dataset(tmp_path / "adv", "rollouts").column("step_rewards").to_pylist()
+    assert got == [[1.0, 0.0, 0.0], [0.0, 0.0], [0.0]]  # only the merged line scores 1
+    bench.rescore(cfg, tmp_path / "src", tmp_path / "rnd", "random", 3, 1)
+    rnd = schema.read_dataset(tmp_path / "rnd", "rollouts").column("step_rewards").to_pylist()
+    assert [len(x) for x in rnd] == [3, 2, 1] and all(0 <= x < 1 for xs in rnd for x in xs)
+    assert len({x for xs in rnd for x in xs}) == 6
+    bench.rescore(cfg, tmp_path / "src", tmp_path / "rnd2", "random", 3, 1)  # seeded: the same draw again
+    assert schema.read_dataset(tmp_path / "rnd2", "rollouts").column("step_rewards").to_pylist() == rnd
+    assert [bench.step_kind(s) for s in ("1+2*3=9", "9-4=5", "answer: 5")] == ["shortcut", "single", "answer"]
+
+
+def test_process_table_against_a_hand_computed_example():
+    def run(auc0, auc1, w0, w1, before=None, after=None):
+        p0 = {"prm/step_auc_on_policy": auc0, "train/prm_step_auc": auc0 - 0.1, "train/process_weight": w0,
+              "prm/score_shortcut_wrong": 0.6, "prm/score_shortcut_right": 0.7}
+        p1 = {"prm/step_auc_on_policy": auc1, "train/prm_step_auc": auc1 - 0.1, "train/process_weight": w1,
+              "prm/score_shortcut_wrong": 0.2, "prm/score_shortcut_right": 0.8}
+        if before is not None:
+            p0.update({"prm/update_auc_before": before, "prm/update_auc_after": after})
+            p1.update({"prm/update_auc_before": before + 0.1, "prm/update_auc_after": after + 0.1})
+        return {"points": [p0, p1, {}]}  # the last point (the final policy) has no training batch
+
+    results = {"outcome-only": {0: {"points": [{}, {}, {}]}},
+               "prm": {0: run(0.7, 0.9, 0.0, 0.5, 0.6, 0.8), 1: run(0.8, 0.8, 0.2, 0.5, 0.7, 0.9)}}
+    table = bench.process_table(results, {"eval/step_auc": 0.857})
+    lines = table.splitlines()
+    assert len(lines) == 4 and "outcome-only" not in table  # no step rewards: no row
+    assert lines[2] == ("| prm | 0.750 -> 0.850 | 0.650 -> 0.750 | 0.100 -> 0.500 | 0.650 / 0.850 -> 0.750 / 0.950 "
+                        "| 0.600 / 0.700 -> 0.200 / 0.800 | - |")  # nothing measured: one dash
+    assert lines[3] == "The trained PRM's held-out step AUC on its own eval split: 0.857."
+
+
+def test_an_update_needs_a_trained_prm():
+    with pytest.raises(bench.ConfigError, match=r"variants.x.update keeps a trained PRM on-policy"):
+        bench.BenchConfig(variants={"x": {"prm": "oracle", "update": {}}}, reference="x")
+    with pytest.raises(bench.ConfigError, match=r"variants.x.prm='mine': use '' \(no step rewards\), oracle, trained"):
+        bench.BenchConfig(variants={"x": {"prm": "mine"}}, reference="x")

@@ -18,7 +18,7 @@ from ..common import schema
 from ...errors import DataError
 from .config import Plan
 from .estimators import EstimatorInput, Moments, Ragged
-from .rewards import clip_rewards, kl_per_token, make_steps, step_contributions, token_rewards
+from .rewards import PROGRESS, clip_rewards, kl_per_token, make_steps, step_contributions, token_rewards
 
 # --- naming a row, nulls where values are needed ------------------------------------------------
 
@@ -86,16 +86,23 @@ def compute_batch(t: pa.Table, group_rows: dict[str, np.ndarray], plan: Plan) ->
                         f"token to go to. Drop empty responses in the rollout stage, or set outcome_reward=false.")
     kl, kl_rows = _kl(t, plan)
     steps = outcome = None
-    if plan.steps:
-        counts = pc.list_value_length(t["step_rewards"]).to_numpy(zero_copy_only=False).astype(np.int64)
-        contrib = step_contributions(flat_values(t, "step_rewards"), counts, cfg.step_reward_mode, cfg.reward_clip)
-        steps = make_steps(layout, flat_values(t, "step_ends").astype(np.int64), counts, contrib)
     if plan.outcome:
         outcome = clip_rewards(t["outcome_reward"].to_numpy().astype(np.float64), cfg.reward_clip)
-    rewards = token_rewards(layout, kl if plan.beta > 0 else None, plan.beta, steps, outcome)
+    at_last = outcome
+    if plan.steps:
+        counts = pc.list_value_length(t["step_rewards"]).to_numpy(zero_copy_only=False).astype(np.int64)
+        if cfg.step_reward_mode == PROGRESS:  # the last step's potential is the outcome: not added again
+            contrib = step_contributions(flat_values(t, "step_rewards"), counts, PROGRESS, 0.0, outcome,
+                                         group_rows["group_mean"])
+            at_last = np.where(counts > 0, 0.0, outcome)
+        else:
+            contrib = step_contributions(flat_values(t, "step_rewards"), counts, cfg.step_reward_mode, cfg.reward_clip)
+        steps = make_steps(layout, flat_values(t, "step_ends").astype(np.int64), counts, contrib)
+    rewards = token_rewards(layout, kl if plan.beta > 0 else None, plan.beta, steps, at_last)
     values = flat_values(t, "values").astype(np.float64) if est.needs_values else None
+    process = {k: group_rows[k] for k in ("process_scale", "process_weight") if k in group_rows}
     inp = EstimatorInput(layout, rewards, cfg.gamma, cfg.lam, cfg.norm_eps, values=values, outcome=outcome,
-                         steps=steps, **{k: v for k, v in group_rows.items() if k.startswith("group_")})
+                         steps=steps, **{k: v for k, v in group_rows.items() if k.startswith("group_")}, **process)
     advantages, returns = est.fn(inp)
     return BatchResult(layout, rewards, advantages, returns, kl, kl_rows)
 

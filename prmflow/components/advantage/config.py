@@ -15,7 +15,7 @@ from ...errors import ConfigError
 from ...tracking import TrackingConfig
 from ..common.kl_state import read_kl_coef
 from .estimators import ESTIMATORS, Estimator
-from .rewards import KL_ESTIMATORS, STEP_REWARD_MODES
+from .rewards import KL_ESTIMATORS, PROGRESS, STEP_REWARD_MODES
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Config:
     iteration: int = 0
     """RL iteration k: tags the tracking run and is the step of its metrics."""
     estimator: str = "grpo_process"
-    """gae, reinforce, reinforce_baseline, grpo, dr_grpo, rloo or grpo_process (table in README)."""
+    """gae, reinforce, reinforce_baseline, grpo, dr_grpo, rloo, grpo_process or grpo_progress (table in README)."""
     gamma: float = 1.0
     """Discount per token in [0, 1]; 1 is usual for responses whose reward comes at the end."""
     lam: float = 0.95
@@ -43,7 +43,7 @@ class Config:
     step_rewards: bool | None = None
     """Add each PRM step reward at its step's last token. Empty: on, except for grpo, dr_grpo, rloo."""
     step_reward_mode: str = "raw"
-    """How a step reward enters: raw (PRM probability), centered (minus 0.5), min (worst step only)."""
+    """How a step reward enters: raw (PRM probability), centered (minus 0.5), min (worst step only), progress (Phi after the step minus Phi before it, the last Phi replaced by the outcome, the first Phi before by the group's mean outcome: a response's step rewards sum to R - mean_group however it is cut into steps; grpo_progress only)."""
     reward_clip: float = 0.0
     """Clip outcome_reward and each step's contribution to [-reward_clip, reward_clip]; 0 = off."""
     whiten: bool | None = None
@@ -52,6 +52,12 @@ class Config:
     """Clamp the final advantages to [-advantage_clip, advantage_clip] (after whitening); 0 = off."""
     norm_eps: float = 1e-6
     """Added to every std divided by (group normalization, whitening), so equal rewards give 0."""
+    process_weight: float = 0.5
+    """grpo_progress: weight w of the process advantage (unit std within a group's same-outcome responses) added to the outcome advantage before the evidence gate scales it."""
+    process_auc_min: float = 0.6
+    """grpo_progress gate: w is 0 when the PRM's step AUC on this batch (its scores of every step but the last, against the response's outcome) is below this; a PRM that cannot tell the current policy's winning prefixes from losing ones then falls back to outcome-only GRPO."""
+    process_auc_full: float = 0.8
+    """grpo_progress gate: w reaches process_weight at this AUC, growing linearly from process_auc_min (equal values: a step)."""
     zero_variance: Literal["keep", "drop", "downweight"] = "keep"
     """Groups (>= 2 samples) with all rewards equal: keep, drop their rows (less PPO work), or downweight."""
     zero_variance_weight: float = 0.1
@@ -66,12 +72,15 @@ class Config:
     def __post_init__(self) -> None:
         _check_choice("estimator", self.estimator, ESTIMATORS)
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _check_choice("step_reward_mode", self.step_reward_mode, STEP_REWARD_MODES)
+        _check_choice("step_reward_mode", self.step_reward_mode, [*STEP_REWARD_MODES, PROGRESS])
         _check_choice("zero_variance", self.zero_variance, ("keep", "drop", "downweight"))
         for key, lo, hi in (("gamma", 0, 1), ("lam", 0, 1), ("zero_variance_weight", 0, 1)):
             if not lo <= getattr(self, key) <= hi:
                 raise ConfigError(f"{key}={getattr(self, key)} is outside [{lo}, {hi}]; set it in that range.")
-        for key in ("kl_coef", "reward_clip", "advantage_clip"):
+        if not 0 <= self.process_auc_min <= self.process_auc_full <= 1:
+            raise ConfigError(f"process_auc_min={self.process_auc_min} and process_auc_full={self.process_auc_full} must "
+                              f"satisfy 0 <= process_auc_min <= process_auc_full <= 1.")
+        for key in ("kl_coef", "reward_clip", "advantage_clip", "process_weight"):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 0 (0 turns it off).")
         if not self.norm_eps > 0:
@@ -86,7 +95,8 @@ class Config:
         """(outcome_reward, step_rewards, whiten) with empty values filled in from the estimator."""
         est = ESTIMATORS[self.estimator]
         outcome = est.signal != "steps" if self.outcome_reward is None else self.outcome_reward
-        steps = (est.uses_token_rewards or est.signal == "steps") if self.step_rewards is None else self.step_rewards
+        steps = (est.uses_token_rewards or est.signal == "steps" or est.process) if self.step_rewards is None \
+            else self.step_rewards
         whiten = est.whiten if self.whiten is None else self.whiten
         return outcome, steps, whiten
 
@@ -109,7 +119,14 @@ def _check_reward_switches(cfg: Config, est: Estimator) -> None:
     if est.signal == "steps" and cfg.step_reward_mode != "raw":
         raise ConfigError(f"{name} normalizes step rewards within each group itself; step_reward_mode="
                           f"{cfg.step_reward_mode} would be undone or distorted. Set step_reward_mode=raw.")
-    if not est.uses_token_rewards and steps and est.signal == "outcome":
+    if est.process and (not steps or cfg.step_reward_mode != PROGRESS):
+        raise ConfigError(f"{name} builds its process advantage from the steps' progress; set step_rewards=true and "
+                          f"step_reward_mode=progress (or use estimator=grpo for the outcome alone).")
+    if cfg.step_reward_mode == PROGRESS and not est.process:
+        raise ConfigError(f"step_reward_mode=progress is read by estimator=grpo_progress only (its last step holds the "
+                          f"outcome, so {name} would count the outcome twice or not at all); set estimator=grpo_progress "
+                          f"or choose raw, centered or min.")
+    if not est.uses_token_rewards and steps and est.signal == "outcome" and not est.process:
         raise ConfigError(f"{name} uses one outcome reward per sample, so step_rewards=true would not change "
                           f"its advantages. Set step_rewards=false, or use step rewards with grpo_process, gae, "
                           f"reinforce or reinforce_baseline.")

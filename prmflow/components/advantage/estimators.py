@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from .moments import Moments, group_moments, merge_group_moments  # noqa: F401 - the estimators' statistics
 from .scan import blocked_reverse_scan
 
 
@@ -172,6 +173,10 @@ class EstimatorInput:
     """(B,) group std (ddof=1) of the group signal; 0 for equal-reward groups."""
     group_sum: np.ndarray | None = None
     """(B,) group sum of the group signal."""
+    process_scale: np.ndarray | None = None
+    """(B,) std of the response-centered step progress over the responses of the row's group with its outcome (grpo_progress)."""
+    process_weight: float = 0.0
+    """Weight of the process advantage after the evidence gate (grpo_progress)."""
 
 
 EstimatorFn = Callable[[EstimatorInput], "tuple[np.ndarray, np.ndarray]"]
@@ -193,6 +198,8 @@ class Estimator:
     """Which rewards it is defined on: 'outcome', 'steps' or 'any' (whatever the switches add)."""
     whiten: bool = False
     """Whiten the advantages unless the config says otherwise (REINFORCE++ does)."""
+    process: bool = False
+    """Adds a process advantage from step_reward_mode=progress step rewards to an outcome advantage."""
 
 
 ESTIMATORS: dict[str, Estimator] = {}
@@ -287,81 +294,59 @@ def grpo_process(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
     return advantages, returns
 
 
-# --- statistics ---------------------------------------------------------------------------------
+def centered_progress(steps: Steps, n_rows: int) -> np.ndarray:
+    """(S,) each step's progress minus the mean progress of its row's steps: c_k = d_k - (R - Phi_prompt)/K.
 
-def group_moments(codes: np.ndarray, x: np.ndarray, n_groups: int) -> dict[str, np.ndarray]:
-    """Per-group moments of the values x (K,) whose groups are codes (K,), each entry (n_groups,).
-
-    count, sum, mean, m2 (sum of squared deviations), std (ddof=1), min, max, equal (every value
-    the same). Two-pass (mean first, then squared deviations), so equal values give std exactly 0.
-    Groups with fewer than two values get std 0; groups with none get mean 0 and min = max = 0.
+    A row's c sum to 0 exactly (up to rounding) however it is cut into steps, so a process advantage built
+    from c moves credit between the steps of a response and never changes the response's total.
     """
-    count = np.bincount(codes, minlength=n_groups).astype(np.float64)
-    total = np.bincount(codes, weights=x, minlength=n_groups)
-    mean = np.divide(total, count, out=np.zeros(n_groups), where=count > 0)
-    m2 = np.bincount(codes, weights=(x - mean[codes]) ** 2, minlength=n_groups)
-    lo, hi = _extremes(codes, x, x, n_groups)
-    return _finish_moments(count, total, m2, lo, hi)
+    counts = np.bincount(steps.row, minlength=n_rows).astype(np.float64)
+    sums = np.bincount(steps.row, weights=steps.value, minlength=n_rows)
+    mean = np.divide(sums, counts, out=np.zeros(n_rows), where=counts > 0)
+    return steps.value - mean[steps.row]
 
 
-def merge_group_moments(codes: np.ndarray, parts: dict[str, np.ndarray], n_groups: int) -> dict[str, np.ndarray]:
-    """Moments of groups pieced together from parts: parts holds (P,) group_moments entries of P
-    partial groups (e.g. each batch's share of a group), codes (P,) the group each part belongs to.
+def per_step_token_values(steps: Steps, layout: Ragged, per_step: np.ndarray) -> np.ndarray:
+    """(N,) every token carries the value of the step it belongs to: tokens after step k-1's end up to
+    and including step k's end get per_step[k]; steps that end in the same token add up there; tokens
+    after a row's last step end get 0. Slow equivalent, per row: walk the tokens, advancing to the next
+    step end at or after each token."""
+    at_end = np.bincount(steps.token, weights=per_step, minlength=layout.n_tokens)
+    ends = np.unique(steps.token)  # (S',) sorted flat end tokens
+    out = np.zeros(layout.n_tokens, dtype=np.float64)
+    if not len(ends):
+        return out
+    tok = np.arange(layout.n_tokens)
+    j = np.searchsorted(ends, tok, side="left")  # (N,) the first step end at or after each token
+    inside = j < len(ends)
+    row_of_token = np.repeat(np.arange(layout.n_rows), layout.lengths)
+    row_of_end = row_of_token[ends]
+    ok = inside.copy()
+    ok[inside] = row_of_end[j[inside]] == row_of_token[inside]
+    out[ok] = at_end[ends[j[ok]]]
+    return out
 
-    Chan et al.'s pairwise update, vectorized: m2 = sum of the parts' m2 + sum of
-    count_p * (mean_p - mean)^2, as stable as the two-pass formula.
+
+@register("grpo_progress", min_group_size=2, uses_token_rewards=False, signal="outcome", process=True)
+def grpo_progress(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+    """Outcome GRPO plus a gated, outcome-anchored process advantage from the PRM's step progress.
+
+    A^out_i = (R_i - mean_group) / (std_group + eps). The steps' values are the progress rewards d_k
+    (step_reward_mode=progress). c_k = d_k - mean of d over the row's steps (zero-sum per response);
+    z_k = c_k / (std of c over the steps of the responses of the same group with the same outcome + eps)
+    (the process term ranks steps among responses that ended alike: PAPO-style outcome anchoring);
+    A_t = A^out_i + w * z_{k(t)}, w = process_weight after the evidence gate, for the tokens of step k;
+    then clipped so A_t never has the sign opposite to A^out_i (a response the outcome rewards never has
+    a token pushed down, nor one it punishes a token pushed up; where A^out_i = 0, in a group whose
+    responses all ended alike, the process term alone moves credit between steps).
+    Slow equivalent: tests/advantage/advantage_reference.py `grpo_progress`.
     """
-    count = np.bincount(codes, weights=parts["count"], minlength=n_groups)
-    total = np.bincount(codes, weights=parts["sum"], minlength=n_groups)
-    mean = np.divide(total, count, out=np.zeros(n_groups), where=count > 0)
-    spread = parts["count"] * (parts["mean"] - mean[codes]) ** 2
-    m2 = np.bincount(codes, weights=parts["m2"] + spread, minlength=n_groups)
-    has = parts["count"] > 0  # an empty part's min/max are placeholders
-    lo, hi = _extremes(codes[has], parts["min"][has], parts["max"][has], n_groups)
-    return _finish_moments(count, total, m2, lo, hi)
-
-
-def _extremes(codes: np.ndarray, lows: np.ndarray, highs: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
-    lo = np.full(n_groups, np.inf)
-    hi = np.full(n_groups, -np.inf)
-    np.minimum.at(lo, codes, lows)
-    np.maximum.at(hi, codes, highs)
-    return lo, hi
-
-
-def _finish_moments(count: np.ndarray, total: np.ndarray, m2: np.ndarray, lo: np.ndarray,
-                    hi: np.ndarray) -> dict[str, np.ndarray]:
-    empty = count == 0
-    lo[empty] = hi[empty] = 0.0
-    equal = lo == hi
-    mean = np.divide(total, count, out=np.zeros(len(count)), where=~empty)
-    mean[equal] = lo[equal]  # exact, so R_i - mean is exactly 0 in an equal-reward group
-    m2[equal] = 0.0
-    std = np.sqrt(np.divide(m2, count - 1, out=np.zeros(len(count)), where=count > 1))
-    return {"count": count, "sum": total, "mean": mean, "m2": m2, "std": std, "min": lo, "max": hi, "equal": equal}
-
-
-class Moments:
-    """Streaming mean and std of many arrays (Chan et al.'s pairwise merge, float64)."""
-
-    def __init__(self) -> None:
-        self.n = 0
-        self.mean = 0.0
-        self.m2 = 0.0
-
-    def add(self, x: np.ndarray) -> None:
-        n = x.size
-        if n == 0:
-            return
-        mean = float(x.mean())
-        m2 = float(((x - mean) ** 2).sum())
-        total = self.n + n
-        d = mean - self.mean
-        self.mean += d * n / total
-        self.m2 += m2 + d * d * self.n * n / total
-        self.n = total
-
-    @property
-    def std(self) -> float:
-        """Population std (ddof=0) over everything added."""
-        return float(np.sqrt(self.m2 / self.n)) if self.n else 0.0
+    out = (inp.outcome - inp.group_mean) / (inp.group_std + inp.eps)  # (B,)
+    adv = inp.layout.broadcast(out)
+    st = inp.steps
+    if st is not None and len(st.value) and inp.process_weight != 0.0:
+        z = centered_progress(st, inp.layout.n_rows) / (inp.process_scale[st.row] + inp.eps)
+        adv = adv + inp.process_weight * per_step_token_values(st, inp.layout, z)
+        sign = inp.layout.broadcast(np.sign(out))
+        adv = np.where(sign > 0, np.maximum(adv, 0.0), np.where(sign < 0, np.minimum(adv, 0.0), adv))
+    return adv, returns_to_go(inp)

@@ -1,6 +1,8 @@
 """The three streaming passes over the rollouts, each reading only the columns it needs.
 
 1. group pass over (prompt_id, iteration, outcome_reward | step_rewards) only -> group stats;
+   grpo_progress adds a progress pass over (outcome_reward, step_rewards): the scale of the process
+   advantage per (group, outcome) and the PRM's step AUC on this batch, which gates its weight;
 2. whitening pass, only when whitening: mean/std of the advantages over all written tokens;
 3. write pass: token rewards, advantages, returns, kl -> schema.DatasetWriter (atomic: nothing
    appears at the output unless every row was computed), reading one batch ahead and writing one
@@ -26,7 +28,8 @@ from ...errors import DataError
 from .batch import check_not_null, compute_batch, describe_row, finish_batch, flat_values
 from .config import Plan
 from .estimators import Moments, group_moments, merge_group_moments
-from .rewards import clip_rewards, step_contributions
+from ..lib.prm_metrics import roc_auc
+from .rewards import clip_rewards, progress_rewards, step_contributions
 
 
 def check_columns_exist(ds: schema.Dataset, plan: Plan) -> None:
@@ -67,13 +70,19 @@ class Groups:
     """(G,) bool: the group's rows are written."""
     weight: np.ndarray
     """(G,) advantage multiplier."""
+    process: "Process | None" = None
+    """grpo_progress: the progress pass's result."""
 
     def rows(self, start: int, count: int) -> dict[str, np.ndarray]:
         """Per-row (count,) views of the group statistics for input rows start .. start+count-1."""
         g = self.codes[start:start + count]
-        return {"group_n": self.n[g].astype(np.float64), "group_mean": self.stats["mean"][g],
-                "group_std": self.stats["std"][g], "group_sum": self.stats["sum"][g],
-                "keep": self.keep[g], "weight": self.weight[g]}
+        out = {"group_n": self.n[g].astype(np.float64), "group_mean": self.stats["mean"][g],
+               "group_std": self.stats["std"][g], "group_sum": self.stats["sum"][g],
+               "keep": self.keep[g], "weight": self.weight[g]}
+        if self.process is not None:
+            out["process_scale"] = self.process.scale[start:start + count]
+            out["process_weight"] = self.process.weight
+        return out
 
 
 def _group_key(t: pa.Table) -> pa.ChunkedArray:
@@ -151,6 +160,73 @@ def _check_group_sizes(n: np.ndarray, keys: list[tuple[int, str]], plan: Plan) -
             f"but estimator={plan.est.name} needs at least {need} per group; {len(small)} of {len(n)} groups are "
             f"that small. Sample at least {need} responses per prompt in the rollout stage, or use an estimator "
             f"that works on single samples (gae, reinforce).")
+
+
+# --- pass 1b (grpo_progress): the process advantage's scale and its evidence gate ---------------------
+
+@dataclass
+class Process:
+    """What grpo_progress needs besides the group statistics."""
+
+    scale: np.ndarray
+    """(R,) per input row: std of the response-centered progress over the steps of the responses of its
+    group with its outcome (estimators.centered_progress); 0 when that class has no spread."""
+    step_auc: float
+    """The PRM's step AUC on this batch: its scores of every step but the last (the last is replaced by
+    the outcome) against their response's outcome (>= 0.5 counts as a success); NaN without both kinds."""
+    weight: float
+    """process_weight after the gate (0 when step_auc is NaN or below process_auc_min)."""
+    steps: int
+    """Steps whose score entered step_auc."""
+
+
+def gate(auc: float, weight: float, auc_min: float, auc_full: float) -> float:
+    """The process weight the evidence allows: 0 below auc_min (or without evidence), weight from
+    auc_full on, linear in between."""
+    if not np.isfinite(auc) or auc < auc_min:
+        return 0.0
+    if auc >= auc_full:
+        return weight
+    return weight * (auc - auc_min) / (auc_full - auc_min)
+
+
+def progress_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Process:
+    """Read (outcome_reward, step_rewards): each row's progress d (rewards.progress_rewards, Phi_prompt =
+    its group's mean outcome), centered within the row; per (group, outcome) class the std of those
+    values; and the PRM's step AUC against the outcome. Memory: 3 numbers per row, 2 per scored step."""
+    cfg = plan.cfg
+    group_of, outcome_of, steps_of, sq_of = [], [], [], []
+    scores, labels = [], []
+    start = 0
+    for t in ds.iter_batches(max(cfg.batch_rows, 1 << 16), ["outcome_reward", "step_rewards"], validate_rows=False):
+        g = groups.codes[start:start + t.num_rows]
+        start += t.num_rows
+        counts = pc.list_value_length(t["step_rewards"]).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+        values = flat_values(t, "step_rewards").astype(np.float64)
+        outcome = clip_rewards(t["outcome_reward"].to_numpy().astype(np.float64), cfg.reward_clip)
+        d = progress_rewards(values, counts, outcome, groups.stats["mean"][g])
+        row = np.repeat(np.arange(t.num_rows), counts)
+        mean = np.divide(np.bincount(row, d, t.num_rows), counts, out=np.zeros(t.num_rows), where=counts > 0)
+        sq = np.bincount(row, (d - mean[row]) ** 2, t.num_rows)
+        group_of.append(g)
+        outcome_of.append(outcome)
+        steps_of.append(counts)
+        sq_of.append(sq)
+        last = np.cumsum(counts) - 1
+        intermediate = np.ones(len(values), bool)
+        intermediate[last[counts > 0]] = False
+        scores.append(values[intermediate])
+        labels.append((outcome >= 0.5)[row[intermediate]])
+    g, outcome = np.concatenate(group_of), np.concatenate(outcome_of)
+    counts, sq = np.concatenate(steps_of), np.concatenate(sq_of)
+    _, cls = np.unique(np.stack([g.astype(np.float64), outcome]), axis=1, return_inverse=True)
+    cls = cls.reshape(-1)
+    # a row's centered values sum to 0, so the class mean is 0 and its variance the mean square
+    n = np.bincount(cls, counts.astype(np.float64))
+    var = np.divide(np.bincount(cls, sq), n, out=np.zeros(len(n)), where=n > 0)
+    auc = roc_auc(np.concatenate(scores), np.concatenate(labels))
+    weight = gate(auc, cfg.process_weight, cfg.process_auc_min, cfg.process_auc_full)
+    return Process(np.sqrt(var)[cls], auc, weight, int(sum(len(x) for x in scores)))
 
 
 # --- pass 2 (optional): whitening statistics ------------------------------------------------------------

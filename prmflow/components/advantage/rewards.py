@@ -2,6 +2,10 @@
 
     r_t = -beta * kl_t  +  step contribution k at t = step_ends[k]  +  R at t = L - 1
 
+With step_reward_mode=progress the step contribution is the PRM's progress (`progress_rewards`),
+whose last step already holds the outcome: R is then added at the last token only for a row
+without steps.
+
 Flat (N,) token arrays and (S,) step arrays as in estimators.Ragged; float64 throughout.
 """
 
@@ -70,14 +74,48 @@ STEP_REWARD_MODES: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "min": _worst_only,
 }
 
+PROGRESS = "progress"
+"""The step_reward_mode whose step reward is a potential difference (`progress_rewards`); it reads
+the outcome and the prompt's value besides the scores, so it is not one of STEP_REWARD_MODES."""
 
-def step_contributions(values: np.ndarray, counts: np.ndarray, mode: str, clip: float) -> np.ndarray:
-    """(S,) what each step adds to the token reward: STEP_REWARD_MODES[mode], then clipped to +-clip.
+
+def progress_rewards(values: np.ndarray, counts: np.ndarray, outcome: np.ndarray, phi_prompt: np.ndarray) -> np.ndarray:
+    """(S,) d_k = Phi_k - Phi_{k-1}: the change of the PRM's estimated chance of success over step k.
+
+    Phi_k = values[k], the PRM's score of the prefix that ends with step k of its row; Phi_{-1} =
+    phi_prompt[row] (the prompt's value, the same for every response of the prompt); the last step's
+    Phi is replaced by the row's checked outcome[row]. So a row's step rewards sum to
+    outcome - phi_prompt whatever the PRM says and however the response is cut into steps
+    (potential-based shaping, Ng et al. 1999; progress as in Setlur et al., https://arxiv.org/abs/2410.08146):
+    merging two steps, or dropping a separator, replaces d_k + d_{k+1} by their sum.
+    values: (S,) row after row; counts, outcome, phi_prompt: (B,).
+    Slow equivalent, per row: phi = [phi0] + scores[:-1] + [R]; d = [phi[k+1] - phi[k] for k in range(K)].
+    """
+    values = np.asarray(values, dtype=np.float64)
+    counts = np.asarray(counts, dtype=np.int64)
+    has = counts > 0
+    ends = np.cumsum(counts)[has] - 1  # (B',) flat index of each row's last step
+    starts = ends - counts[has] + 1  # (B',) of its first step
+    after = values.copy()
+    after[ends] = np.asarray(outcome, dtype=np.float64)[has]
+    before = np.empty_like(values)
+    before[1:] = after[:-1]
+    before[starts] = np.asarray(phi_prompt, dtype=np.float64)[has]
+    return after - before
+
+
+def step_contributions(values: np.ndarray, counts: np.ndarray, mode: str, clip: float,
+                       outcome: np.ndarray | None = None, phi_prompt: np.ndarray | None = None) -> np.ndarray:
+    """(S,) what each step adds to the token reward: STEP_REWARD_MODES[mode] (or, for mode=progress,
+    `progress_rewards` of the (B,) outcome and phi_prompt), then clipped to +-clip.
 
     values: (S,) PRM scores of all steps of a batch, row after row; counts: (B,) steps per row.
     clip <= 0 means no clipping.
     """
-    out = STEP_REWARD_MODES[mode](np.asarray(values, dtype=np.float64), counts)
+    if mode == PROGRESS:
+        out = progress_rewards(values, counts, outcome, phi_prompt)
+    else:
+        out = STEP_REWARD_MODES[mode](np.asarray(values, dtype=np.float64), counts)
     return clip_rewards(out, clip)
 
 

@@ -10,7 +10,11 @@ The config and its validation are in config.py. Algorithmic choices:
   the PPO stage's adaptive value read from kl_state. Step rewards enter raw (PRM probability),
   centered (minus 0.5, a fixed point, not a group mean) or min-form (only the worst step counts).
 - Estimators are small functions registered by name in estimators.ESTIMATORS: gae, reinforce,
-  reinforce_baseline, grpo, dr_grpo, rloo, grpo_process.
+  reinforce_baseline, grpo, dr_grpo, rloo, grpo_process, grpo_progress.
+- grpo_progress (step_reward_mode=progress): outcome GRPO plus w times a process advantage, the
+  steps' progress Phi_k - Phi_{k-1} (the last Phi is the outcome) centered within each response and
+  scaled within the responses of its group with the same outcome, clipped never to flip the outcome
+  advantage's sign; w = process_weight gated by the PRM's step AUC on this batch (passes.gate).
 - A group is all rows with the same (iteration, prompt_id). Its statistics (mean, std with
   ddof=1, sum) are taken over the group signal: the outcome reward, or every step reward of the
   group when outcome rewards are off (grpo_process). A group of >= 2 samples whose signal is all
@@ -39,7 +43,7 @@ from ..common import config as config_lib
 from ..common import io, schema
 from ...tracking import start_stage_run
 from .config import Config, resolve
-from .passes import check_columns_exist, group_pass, whitening_pass, write_pass
+from .passes import check_columns_exist, group_pass, progress_pass, whitening_pass, write_pass
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,8 @@ def run(cfg: Config) -> dict:
     with start_stage_run(cfg.tracking, stage="advantage", params=config_lib.flat_dict(cfg),
                          iteration=cfg.iteration) as tracker:
         groups = group_pass(ds, plan)
+        if plan.est.process:
+            groups.process = progress_pass(ds, plan, groups)
         whitening = whitening_pass(ds, plan, groups) if plan.whiten else None
         out = write_pass(ds, plan, groups, whitening)
         seconds = time.perf_counter() - started
@@ -78,6 +84,10 @@ def run(cfg: Config) -> dict:
             "perf/tokens_per_s": out["tokens_out"] / seconds,
             "perf/seconds": seconds,
         }
+        if groups.process is not None:  # the evidence gate, every iteration (NaN AUC: one outcome only)
+            summary.update({"train/prm_step_auc": groups.process.step_auc,
+                            "train/process_weight": groups.process.weight,
+                            "train/prm_scored_steps": groups.process.steps})
         if kl.n:  # no row had both old_logprobs and ref_logprobs: no KL to report
             summary["train/kl_mean"] = kl.mean
         tracker.log_metrics(summary, step=cfg.iteration)

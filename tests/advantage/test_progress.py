@@ -1,0 +1,162 @@
+"""grpo_progress and step_reward_mode=progress: the stage against a slow reference, hacking invariance,
+the sign clip and the evidence gate."""
+
+import math
+
+import advantage_reference as ref
+import numpy as np
+import pytest
+
+from prmflow.components.advantage import stage
+from prmflow.components.advantage.rewards import progress_rewards
+from prmflow.components.common.errors import ConfigError
+from test_advantage_stage import make_cfg, read_out, row, write_rows
+
+PROGRESS = {"estimator": "grpo_progress", "step_reward_mode": "progress"}
+
+
+def by_key(rows):
+    return {(r["iteration"], r["prompt_id"], r["sample_idx"]): r for r in rows}
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("gate", [(0.0, 0.0), (0.3, 0.9), (1.0, 1.0)])
+def test_stage_matches_the_slow_reference(tmp_path, seed, gate):
+    rng = np.random.default_rng(seed)
+    table = ref.random_rollouts(rng, n_groups=7, max_size=5, equal_groups=1)
+    write_rows(tmp_path, table.to_pylist())
+    summary = stage.run(make_cfg(tmp_path, **PROGRESS, process_weight=0.7, process_auc_min=gate[0],
+                                 process_auc_full=gate[1], batch_rows=5))  # groups cut across batches
+    want, auc, w = ref.grpo_progress(table.to_pylist(), 0.7, *gate)
+    got = by_key(read_out(tmp_path))
+    assert summary["train/prm_step_auc"] == pytest.approx(auc)
+    assert summary["train/process_weight"] == pytest.approx(w)
+    for key, w_row in want.items():
+        assert got[key]["advantages"] == pytest.approx(w_row["advantages"], abs=1e-4), key
+        assert got[key]["token_rewards"] == pytest.approx(w_row["token_rewards"], abs=1e-5), key
+
+
+def test_progress_by_hand(tmp_path):
+    # one group, outcomes [1, 0]: mean 0.5 = Phi(prompt), std (ddof=1) sqrt(0.5)
+    # row 0: scores [0.6, 0.9, x] -> Phi = 0.5, 0.6, 0.9, 1 -> d = [0.1, 0.3, 0.1], mean 1/6 -> c = [-1/15, 2/15, -1/15]
+    # row 1: scores [0.7, y]      -> Phi = 0.5, 0.7, 0   -> d = [0.2, -0.7],      mean -0.25 -> c = [0.45, -0.45]
+    write_rows(tmp_path, [row(idx=0, n=6, step_ends=[1, 3, 5], step_rewards=[0.6, 0.9, 0.2], outcome_reward=1.0),
+                          row(idx=1, n=4, step_ends=[1, 3], step_rewards=[0.7, 0.99], outcome_reward=0.0)])
+    summary = stage.run(make_cfg(tmp_path, **PROGRESS, process_weight=1.0, process_auc_min=0.0, process_auc_full=0.0))
+    out = {r["sample_idx"]: r for r in read_out(tmp_path)}
+    assert out[0]["token_rewards"] == pytest.approx([0, 0.1, 0, 0.3, 0, 0.1], abs=1e-6)
+    assert out[1]["token_rewards"] == pytest.approx([0, 0.2, 0, -0.7], abs=1e-6)
+    a = 0.5 / math.sqrt(0.5)  # outcome advantage, +a and -a
+    s0 = math.sqrt((2 * (1 / 15) ** 2 + (2 / 15) ** 2) / 3)  # each row is its own (group, outcome) class
+    z0 = [-1 / 15 / s0, 2 / 15 / s0, -1 / 15 / s0]
+    assert out[0]["advantages"] == pytest.approx([max(a + z, 0) for z in z0 for _ in range(2)], abs=1e-4)
+    # row 1: z = [+1, -1]; -a + 1 > 0 would flip the sign: clipped to 0
+    assert out[1]["advantages"] == pytest.approx([0.0, 0.0, -a - 1, -a - 1], abs=1e-5)
+    # the only intermediate steps: 0.6, 0.9 (a success) and 0.7 (a failure): AUC 0.5
+    assert summary["train/prm_step_auc"] == pytest.approx(0.5)
+
+
+def _merge(r: dict, k: int) -> dict:
+    """Steps k and k+1 written as one (a shortcut line, or the separator between them dropped): one
+    readout at the later end, scored whatever the PRM likes."""
+    ends, scores = list(r["step_ends"]), list(r["step_rewards"])
+    return {**r, "step_ends": ends[:k] + ends[k + 1:], "step_rewards": scores[:k] + [0.99] + scores[k + 2:]}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_merging_steps_or_dropping_a_separator_leaves_the_progress_return_unchanged(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    rows = [r for r in ref.random_rollouts(rng, n_groups=4, max_size=4, max_len=30, equal_groups=0).to_pylist()]
+    merged = [_merge(r, int(rng.integers(0, len(r["step_ends"]) - 1))) if len(r["step_ends"]) >= 2 else r for r in rows]
+    assert merged != rows
+    returns = []
+    for name, data in (("a", rows), ("b", merged)):
+        d = tmp_path / name
+        d.mkdir()
+        write_rows(d, data)
+        stage.run(make_cfg(d, **PROGRESS))
+        out = by_key(read_out(d))
+        returns.append({k: (sum(o["token_rewards"]), o["returns"][0]) for k, o in out.items()})
+        # the reference says the same of each response, however its steps are cut
+        want, _, _ = ref.grpo_progress(data, 0.5, 0.6, 0.8)
+        for k, w in want.items():
+            assert sum(w["token_rewards"]) == pytest.approx(sum(out[k]["token_rewards"]), abs=1e-5)
+    for k in returns[0]:
+        assert returns[1][k] == pytest.approx(returns[0][k], abs=1e-5), k
+    # and that return is R - mean_group(R) for every response with a step
+    group_mean = {}
+    for r in rows:
+        group_mean.setdefault(r["prompt_id"], []).append(r["outcome_reward"])
+    for r in rows:
+        k = (r["iteration"], r["prompt_id"], r["sample_idx"])
+        want = r["outcome_reward"] - (np.mean(group_mean[r["prompt_id"]]) if r["step_ends"] else 0.0)
+        assert returns[0][k][0] == pytest.approx(want, abs=1e-5)
+
+
+def test_progress_rewards_sum_to_outcome_minus_prompt_value_whatever_the_scores():
+    rng = np.random.default_rng(0)
+    counts = np.array([3, 0, 1, 5])
+    values = rng.random(counts.sum())
+    outcome, phi = np.array([1.0, 0.0, 0.0, 1.0]), np.array([0.3, 0.3, 0.6, 0.6])
+    d = progress_rewards(values, counts, outcome, phi)
+    sums = np.bincount(np.repeat(np.arange(4), counts), d, 4)
+    assert sums[counts > 0] == pytest.approx((outcome - phi)[counts > 0])
+    flat = 0
+    for i, n in enumerate(counts):
+        assert d[flat:flat + n].tolist() == pytest.approx(ref.progress(values[flat:flat + n].tolist(), outcome[i], phi[i]))
+        flat += n
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_process_term_never_flips_the_outcome_advantage(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    table = ref.random_rollouts(rng, n_groups=6, equal_groups=1)
+    write_rows(tmp_path, table.to_pylist())
+    stage.run(make_cfg(tmp_path, **PROGRESS, process_weight=50.0, process_auc_min=0.0, process_auc_full=0.0))
+    grpo_dir = tmp_path / "grpo"
+    grpo_dir.mkdir()
+    write_rows(grpo_dir, table.to_pylist())
+    stage.run(make_cfg(grpo_dir, estimator="grpo"))
+    outcome_adv = {k: r["advantages"][0] for k, r in by_key(read_out(grpo_dir)).items() if r["advantages"]}
+    moved = 0
+    for k, r in by_key(read_out(tmp_path)).items():
+        a = outcome_adv.get(k)
+        if a is None:
+            continue
+        assert all(x * a >= 0 for x in r["advantages"]), k
+        moved += any(abs(x - a) > 1e-3 for x in r["advantages"])
+    assert moved  # the weight was large enough to matter
+
+
+def test_a_prm_below_the_auc_threshold_falls_back_to_outcome_only(tmp_path):
+    # an adversarial PRM: it scores every prefix of a failing response high and of a succeeding one low (AUC 0)
+    rows = [row(idx=i, n=6, step_ends=[1, 3, 5], step_rewards=[0.1, 0.2, 0.5] if r else [0.9, 0.8, 0.5],
+                outcome_reward=r) for i, r in enumerate([1.0, 0.0, 0.0, 1.0])]
+    write_rows(tmp_path, rows)
+    summary = stage.run(make_cfg(tmp_path, **PROGRESS, process_weight=1.0, process_auc_min=0.6))
+    assert summary["train/prm_step_auc"] == 0.0 and summary["train/process_weight"] == 0.0
+    grpo_dir = tmp_path / "grpo"
+    grpo_dir.mkdir()
+    write_rows(grpo_dir, rows)
+    stage.run(make_cfg(grpo_dir, estimator="grpo"))
+    assert [r["advantages"] for r in read_out(tmp_path)] == [r["advantages"] for r in read_out(grpo_dir)]
+    # the same PRM read the other way round clears the gate and moves credit
+    for r in rows:
+        r["step_rewards"] = [1 - s for s in r["step_rewards"]]
+    other = tmp_path / "other"
+    other.mkdir()
+    write_rows(other, rows)
+    summary = stage.run(make_cfg(other, **PROGRESS, process_weight=1.0, process_auc_min=0.6))
+    assert summary["train/prm_step_auc"] == 1.0 and summary["train/process_weight"] == 1.0
+    assert [r["advantages"] for r in read_out(other)] != [r["advantages"] for r in read_out(grpo_dir)]
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"estimator": "grpo_progress"}, r"set step_rewards=true and step_reward_mode=progress"),
+    ({"estimator": "reinforce", "step_reward_mode": "progress"}, r"step_reward_mode=progress is read by estimator=grpo_progress only"),
+    ({**PROGRESS, "process_auc_min": 0.9, "process_auc_full": 0.8}, r"0 <= process_auc_min <= process_auc_full <= 1"),
+    ({**PROGRESS, "process_weight": -1.0}, r"process_weight=-1.0 must be >= 0"),
+])
+def test_config_errors_name_the_key(tmp_path, options, match):
+    with pytest.raises(ConfigError, match=match):
+        make_cfg(tmp_path, **options)

@@ -1,0 +1,144 @@
+"""prm-update: on-policy labels from the rollouts' own outcomes, the held-out split, replay, a PRM that
+learns what the current policy's failures look like, re-runs and bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pyarrow as pa
+import pytest
+
+from prmflow import cli
+from prmflow.components.common import config, schema
+from prmflow.components.common.errors import ConfigError, DataError
+from prmflow.components.common.tasks import arithmetic
+from prmflow.components.lib.prm_scoring import load_scorer
+from prmflow.components.lib.prm_metrics import roc_auc
+from prmflow.components.prm import stage, update
+
+SHORT = {"backbone": "tiny-llama", "extra_layers": 0, "train_layers": 0, "optim.lr": 2e-3, "num_prompts": 40,
+         "eval_size": 8, "negatives_per_problem": 1, "max_steps": 6, "micro_batch_size": 8, "optim.warmup_steps": 1,
+         "eval_every": 0, "save_every": 0, "engine.backend": "torch", "tracking.enabled": False}
+
+
+@pytest.fixture(scope="module")
+def base_prm(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prm") / "prm"
+    stage.run(config.load(stage.Config, overrides={**SHORT, "output": str(out)}))
+    return out
+
+
+def write_rollouts(path, n_prompts: int, iteration: int = 0, seed: int = 0, outcome=None) -> list[dict]:
+    """Rollouts of a 'policy' that fails exactly when it writes a line ending in '=0': 4 responses a prompt,
+    half of them that way. Right responses are the reference solution; failing ones end in a wrong step."""
+    rng = random.Random(seed)
+    rows = []
+    for p in arithmetic.generate(n_prompts, seed=seed, split="train"):
+        for i in range(4):
+            fail = i % 2 == 1
+            steps = arithmetic.split_steps(p.solution)
+            if fail:
+                steps = steps[:1] + ["1+1=0"] + steps[1:]
+            rows.append({"prompt_id": p.prompt_id, "sample_idx": i, "iteration": iteration, "prompt": p.prompt,
+                         "response": "\n".join(steps), "response_ids": [1, 2, 3],
+                         "outcome_reward": (0.0 if fail else 1.0) if outcome is None else outcome(rng)})
+    with schema.DatasetWriter(path, "rollouts") as w:
+        w.write(pa.Table.from_pylist(rows))
+    return rows
+
+
+def make_cfg(tmp_path, base_prm, name="new", **over) -> update.Config:
+    return config.load(update.Config, overrides={"prm": str(base_prm), "input": str(tmp_path / "rollouts"),
+                                                 "output": str(tmp_path / name), "max_steps": 30, "micro_batch_size": 8,
+                                                 "train_layers": 0, "optim.lr": 2e-3, "tracking.enabled": False, **over})
+
+
+def test_every_step_prefix_is_labelled_with_its_responses_outcome(tmp_path):
+    rows = write_rollouts(tmp_path / "rollouts", 3)
+    examples = update.rollout_examples(str(tmp_path / "rollouts"), "\n", 0.5)
+    assert len(examples) == len(rows)
+    for ex, r in zip(examples, rows):
+        assert ex.steps == r["response"].split("\n")
+        assert ex.labels == [r["outcome_reward"]] * len(ex.steps)
+    train, held = update.split_by_prompt(examples, 0.34, seed=1)
+    assert {e.prompt_id for e in train}.isdisjoint({e.prompt_id for e in held})  # whole prompts are held out
+    assert len({e.prompt_id for e in held}) == 1 and len(train) + len(held) == len(examples)
+
+
+def test_the_update_learns_the_current_policys_failures_and_logs_its_held_out_auc(tmp_path, base_prm):
+    write_rollouts(tmp_path / "rollouts", 24)
+    metrics = update.run(make_cfg(tmp_path, base_prm, held_out=0.25))
+    # the held-out AUC is against outcome labels on the held-out prompts, before and after
+    assert metrics["eval/step_auc"] > metrics["eval/before_step_auc"] + 0.1
+    assert metrics["eval/step_auc"] > 0.65  # a failing response's first step is its right twin's: the ceiling is below 1
+    assert metrics["data/held_out_examples"] == 6 * 4 and metrics["data/train_examples"] == 18 * 4
+    # the written PRM scores what the update evaluated: recompute the AUC with the rollout stage's scorer
+    held = {e.prompt_id.split(":", 1)[1] for e in update.split_by_prompt(
+        update.rollout_examples(str(tmp_path / "rollouts"), "\n", 0.5), 0.25, seed=0)[1]}
+    table = [r for r in schema.read_dataset(tmp_path / "rollouts", "rollouts").to_pylist() if r["prompt_id"] in held]
+    scores = load_scorer(tmp_path / "new", device="cpu").score([r["prompt"] for r in table], [r["response"] for r in table])
+    labels = [r["outcome_reward"] for r, s in zip(table, scores) for _ in s]
+    assert roc_auc([x for s in scores for x in s], labels) == pytest.approx(metrics["eval/step_auc"], abs=1e-4)
+    manifest = json.loads((tmp_path / "new" / "manifest.json").read_text())
+    assert manifest["kind"] == "prm" and str(base_prm) in manifest["parents"]
+    # a re-run of the same config on the same inputs does nothing and returns the same metrics
+    assert update.run(make_cfg(tmp_path, base_prm, held_out=0.25)) == metrics
+
+
+def test_replay_draws_its_share_from_older_rollouts(tmp_path, base_prm):
+    write_rollouts(tmp_path / "rollouts", 10, iteration=1, seed=1)
+    write_rollouts(tmp_path / "old", 20, iteration=0, seed=2)
+    cfg = make_cfg(tmp_path, base_prm, replay=[str(tmp_path / "old")], replay_share=0.2, held_out=0.2, max_steps=2)
+    replayed = update.draw_replay(cfg, "\n", 32)
+    assert len(replayed) == 8  # 0.2 of the 40 training examples
+    assert {e.prompt_id.split(":")[0] for e in replayed} == {"0"}
+    metrics = update.run(cfg)
+    assert (metrics["data/train_examples"], metrics["data/replay_examples"]) == (40, 8)
+
+
+def test_a_missing_outcome_is_an_error_naming_the_row(tmp_path, base_prm):
+    write_rollouts(tmp_path / "rollouts", 2, outcome=lambda rng: None)
+    with pytest.raises(DataError, match=r"row 0 \(prompt_id=.*sample_idx=0\): outcome_reward is None"):
+        update.run(make_cfg(tmp_path, base_prm))
+    assert not (tmp_path / "new").exists()
+
+
+def test_config_errors_and_the_cli(tmp_path, base_prm, capsys):
+    with pytest.raises(ConfigError, match=r"held_out=0.0 must be in \(0, 1\)"):
+        make_cfg(tmp_path, base_prm, held_out=0.0)
+    with pytest.raises(ConfigError, match=r"not a PRM written by the prm stage"):
+        update.run(make_cfg(tmp_path, base_prm, prm=str(tmp_path)))
+    write_rollouts(tmp_path / "rollouts", 6)
+    assert cli.main(["prm-update", "--prm", str(base_prm), "--input", str(tmp_path / "rollouts"), "--output",
+                     str(tmp_path / "cli"), "--max_steps", "2", "--micro_batch_size", "4", "--tracking.enabled", "false"]) == 0
+    assert "prm-update: iteration 0: held-out step AUC" in capsys.readouterr().out
+
+
+def test_a_killed_update_resumes_to_the_uninterrupted_result(tmp_path, base_prm, monkeypatch):
+    from safetensors.torch import load_file
+
+    from prmflow.components.common import checkpoint
+
+    write_rollouts(tmp_path / "rollouts", 8)
+    update.run(make_cfg(tmp_path, base_prm, "full", max_steps=6, save_every=3))
+    real_save = checkpoint.save
+
+    def preempted(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt("preempted")  # the pod dies right after its first checkpoint
+
+    monkeypatch.setattr(update.checkpoint, "save", preempted)
+    with pytest.raises(KeyboardInterrupt):
+        update.run(make_cfg(tmp_path, base_prm, "cut", max_steps=6, save_every=3))
+    assert not (tmp_path / "cut").exists()  # no partial output
+    monkeypatch.setattr(update.checkpoint, "save", real_save)
+    steps = []
+    monkeypatch.setattr(update.TrainEngine, "step", lambda self, _orig=update.TrainEngine.step: (steps.append(1), _orig(self))[1])
+    resumed = update.run(make_cfg(tmp_path, base_prm, "cut", max_steps=6, save_every=3))
+    assert len(steps) == 3  # steps 4..6 only
+    a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "cut" / "model.safetensors"))
+    assert a.keys() == b.keys() and all((a[n] == b[n]).all() for n in a)
+    # the "before" AUC is the incoming PRM's, not the resumed checkpoint's
+    full = json.loads((tmp_path / "full" / "manifest.json").read_text())["metrics"]
+    assert resumed["eval/before_step_auc"] == full["eval/before_step_auc"]

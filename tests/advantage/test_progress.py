@@ -9,7 +9,7 @@ import pytest
 
 from prmflow.components.advantage import stage
 from prmflow.components.advantage.rewards import progress_rewards
-from prmflow.components.common.errors import ConfigError
+from prmflow.errors import ConfigError
 from test_advantage_stage import make_cfg, read_out, row, write_rows
 
 PROGRESS = {"estimator": "grpo_progress", "step_reward_mode": "progress"}

@@ -11,10 +11,10 @@ import pytest
 
 from prmflow import cli
 from prmflow.components.common import config, schema
-from prmflow.components.common.errors import ConfigError, DataError
-from prmflow.components.common.tasks import arithmetic
-from prmflow.components.lib.prm_scoring import load_scorer
-from prmflow.components.lib.prm_metrics import roc_auc
+from prmflow.errors import ConfigError, DataError
+from prmflow.tasks import arithmetic
+from prmflow.components.common.prm_scoring import load_scorer
+from prmflow.components.common.prm_metrics import roc_auc
 from prmflow.components.prm import stage, update
 
 SHORT = {"backbone": "tiny-llama", "extra_layers": 0, "train_layers": 0, "optim.lr": 2e-3, "num_prompts": 40,

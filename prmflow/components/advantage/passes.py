@@ -28,7 +28,7 @@ from ...errors import DataError
 from .batch import check_not_null, compute_batch, describe_row, finish_batch, flat_values
 from .config import Plan
 from .estimators import Moments, group_moments, merge_group_moments
-from ..lib.prm_metrics import roc_auc
+from ..common.prm_metrics import roc_auc
 from .rewards import clip_rewards, progress_rewards, step_contributions
 
 

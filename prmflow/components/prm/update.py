@@ -36,12 +36,13 @@ from pathlib import Path
 
 import torch
 
-from ..common import checkpoint, config as config_lib, io, modeling, preemption, schema, steps as steps_lib, tracking
+from ..common import checkpoint, config as config_lib, io, modeling, preemption, schema, steps as steps_lib
+from ... import tracking
 from ..common.engine import EngineConfig, OptimSettings, TrainEngine
-from ..common.errors import ConfigError, DataError
+from ...errors import ConfigError, DataError
 from ..common.optim import OptimConfig
-from ..lib import supervised
-from ..lib.prm_model import PRM, freeze_below, saved_chat_template, saved_head, saved_separator
+from ..common import supervised
+from ..common.prm_model import PRM, freeze_below, saved_chat_template, saved_head, saved_separator
 from . import data
 from .stage import PRMObjective, evaluate
 

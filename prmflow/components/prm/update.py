@@ -173,11 +173,8 @@ def run(cfg: Config) -> dict:
     if saved_head(cfg.prm) is None:
         raise ConfigError(f"prm='{cfg.prm}' is not a PRM written by the prm stage (no prmflow.json); prm-update warm "
                           f"starts from one. Train one with `prmflow prm` first.")
-    done = io.completed_output(cfg.output, {"config": _identity(cfg), "inputs": _inputs(cfg)}, cfg.overwrite,
-                               "prm-update", config_cls=Config)
+    done = io.finished_output("prm-update", cfg.output, config_lib.to_dict(cfg), cfg.overwrite, inputs=_inputs(cfg))
     if done is not None:
-        print(f"prm-update: '{cfg.output}' is already complete for this config and these inputs; nothing to do.")
-        checkpoint.clear(checkpoint.work_dir_for(cfg.output))
         return done.get("metrics", {})
     with preemption.Preemption() as stop:
         return _run(cfg, stop)
@@ -209,7 +206,7 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
     before = {f"before_{k.split('/', 1)[1]}": v for k, v in  # the incoming PRM, before any resumed state
               evaluate(prm, held_out, cfg.micro_batch_size * 4, model=engine.module).items()}
     work = checkpoint.work_dir_for(cfg.output)
-    state = supervised.resume(engine, work, resume_identity, cfg.resume, "prm-update", Config)
+    state = supervised.resume(engine, work, resume_identity, cfg.resume, "prm-update")
     tracker = tracking.start_stage_run(cfg.tracking, "prm-update", params=config_lib.flat_dict(cfg), iteration=cfg.iteration,
                                        tags={"prmflow.output": str(Path(cfg.output).resolve())})
     with tracker:

@@ -86,7 +86,8 @@ def test_gpu_stages_get_accelerators_node_pool_and_tolerations_advantage_does_no
     for stage in GPU_STAGES:
         for ex in executor_of(spec, stage):
             res = spec["deploymentSpec"]["executors"][ex]["container"]["resources"]
-            assert res["accelerator"]["resourceType"] == "nvidia.com/gpu" and int(res["accelerator"]["resourceCount"]) == 2
+            want = 1 if stage == "rollout" else 2  # rollout: tensor parallel 1 x 1 engine per pod (cluster.gpus)
+            assert res["accelerator"]["resourceType"] == "nvidia.com/gpu" and int(res["accelerator"]["resourceCount"]) == want
             assert platform[ex]["nodeSelector"]["labels"] == {"cloud.google.com/gke-nodepool": "a100-pool"}
             assert platform[ex]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
             assert platform[ex]["pvcMount"][0]["mountPath"] == "/workspace"

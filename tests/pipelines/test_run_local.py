@@ -79,7 +79,7 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     # gradient), the policy moved away from the one that sampled (approx_kl > 0), and the evaluated policy's
     # weights differ from the SFT policy that PPO started from
     for k in (0, 1):
-        assert by_name[f"advantage-iter{k}"].data.metrics["train/advantage_std"] > 0
+        assert by_name[f"advantage-iter{k}"].data.metrics["advantage/advantage_std"] > 0
         kl = [m.value for m in client.get_metric_history(by_name[f"ppo-iter{k}"].info.run_id, "train/approx_kl")]
         # the first update's approx_kl is float noise (~1e-14: the policy has not moved yet); the second one's
         # is the first step's (~1e-6 at lr 1e-4)

@@ -10,7 +10,7 @@ from ppo_helpers import FAST, params, score, write_advantages
 from prmflow.components.common import config, modeling
 from prmflow import tracking
 from prmflow.errors import ConfigError, DataError, OutputExistsError
-from prmflow.components.common import kl_state, supervised_data
+from prmflow.components.common import supervised_data
 from prmflow.components.ppo import batch, models, prepass, ptx, stage
 
 
@@ -132,14 +132,12 @@ def test_loss_aggregation_matches_hand_value_and_is_micro_batch_invariant(sft_po
 # --- critic, warm-up and KL control ------------------------------------------------------------
 
 def test_critic_warmup_value_loss_and_adaptive_kl(sft_policy, rows16, tmp_path):
-    kl_in = tmp_path / "prev"
-    kl_state.write(kl_in / "kl_state.json", {"kl_coef": 0.1, "mode": "adaptive"})
     adv = write_advantages(tmp_path / "adv", rows16, lambda i, t: (-1) ** i, returns=0.5, values=0.0,
                            kl=lambda i, t: 0.01 * (i % 4))
     out = tmp_path / "out"
     m = stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=8, micro_batch_size=4, train_critic=True,
                            critic_warmup_steps=1, kl_control="adaptive", kl_target=1.0, kl_horizon=100,
-                           kl_state=str(kl_in)))
+                           kl_coef=0.1))
     warm, first_actor = history(out)
     assert not warm["actor"] and "policy_loss" not in warm and warm["value_loss"] > 0
     # the actor did not move during the warm-up: its first update still sees ratio 1

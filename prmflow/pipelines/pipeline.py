@@ -200,7 +200,6 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
     critic = ppo_cfg.train_critic
     carry_state = critic or ppo_cfg.save_optimizer  # the next ppo continues the critic / Adam's moments
     reward_kl = adv_cfg.kl_coef > 0  # beta_k for k > 0 comes from the last ppo's kl_state
-    needs_ref = reward_kl or ppo_cfg.kl_loss_coef > 0 or bool(roll_cfg.ref)
     oracle_prm = roll_cfg.prm == "oracle"
     prm_needs_base = not any((spec.stages.get("prm") or {}).get(k) for k in ("backbone", "model_path"))
     shards = list(range(pipe.rollout_shards))
@@ -260,9 +259,8 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
                                   "prm").outputs["prm_model"]
             policy, upd = sft_policy, None
             for k in range(pipe.iterations):
-                reads = {"prm_model": prm_model} if not oracle_prm else {}
-                if needs_ref:
-                    reads["ref"] = sft_policy
+                # the reference (SFT) policy: ref_logprobs for the KL terms and the KL-to-SFT of every iteration
+                reads = {"ref": sft_policy, **({"prm_model": prm_model} if not oracle_prm else {})}
                 if critic:  # values of this policy's critic: a new one (from the SFT policy) at k = 0
                     reads["critic"] = upd.outputs["critic"] if k else sft_policy
                 with dsl.ParallelFor(shards, name=f"rollout-shards-{k}") as shard:

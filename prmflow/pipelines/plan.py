@@ -225,7 +225,10 @@ def warnings_of(spec: PipelineSpec, s: Sizes, rows: list[TaskRow], volume_bytes:
     if size and need > size:
         out.append(f"the workspace needs {need / GB:.0f} GB for this run and is {size / GB:.0f} GB: raise "
                    f"{'workspace_size' if not cluster.workspace_pvc else 'the PVC'} or turn off ppo.save_optimizer.")
-    if not cluster.workspace_pvc:
+    if cluster.workspace_pvc:
+        out.append(f"workspace_pvc '{cluster.workspace_pvc}' must be ReadWriteMany (the rollout shards, ppo and evaluate "
+                   f"pods mount it at once): kubectl get pvc {cluster.workspace_pvc} -o jsonpath='{{.spec.accessModes}}'")
+    else:
         out.append("KFP's per-run workspace dies with the run and is in every cache key: a failed run cannot resume; "
                    "set cluster.workspace_pvc to a ReadWriteMany PVC for that.")
     for r in rows:

@@ -186,13 +186,15 @@ def _reporter(name: str):
     return report
 
 
-def _commit_output(src: Path, dst: Path) -> None:
-    """Copy the TrainJob's output to the step's output path, whole or not at all."""
+def _commit_output(src: Path, dst: Path | None) -> None:
+    """Copy the TrainJob's output to the step's output path, whole or not at all (dst None: only check it)."""
     try:
         manifest = io.read_manifest(src)
         io.verify_files(src, manifest)
     except PrmflowError as e:
         raise TrainJobError(f"The TrainJob finished but its output at '{src}' is not complete: {e}") from None
+    if dst is None:
+        return
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp)
@@ -213,7 +215,10 @@ def run(stage: str, config_cls: type, values: dict[str, Any], paths: dict[str, A
     inputs = [k for k, v in paths.items() if k != "output" and isinstance(v, str) and v and os.path.exists(v)
               and not Path(v).resolve().is_relative_to(Path(spec.workspace_path).resolve())]
     staged = _staged_paths(values, inputs, work / "in")
-    original, values = values, {**values, **staged, "output": str(work / "output")}
+    # an output already on the workspace (the pipeline's heavy state) is written there by the job itself, once
+    direct = Path(paths["output"]).resolve().is_relative_to(Path(spec.workspace_path).resolve())
+    output = Path(paths["output"]) if direct else work / "output"
+    original, values = values, {**values, **staged, "output": str(output)}
     client = client_for(spec)
     name, status = base, _existing_status(client, base)
     for attempt in range(1, 100):  # a failed job of an earlier attempt keeps its name; resubmit as -r<k>
@@ -258,5 +263,8 @@ def run(stage: str, config_cls: type, values: dict[str, Any], paths: dict[str, A
     if job.status == FAILED:
         raise TrainJobError(f"TrainJob '{name}' ({stage}) failed: {_failure_reason(client, name)}. "
                             f"Logs: kubectl logs -l jobset.sigs.k8s.io/jobset-name={name}")
-    _commit_output(work / "output", Path(paths["output"]))
+    if direct:
+        _commit_output(output, None)  # checked complete where it is
+    else:
+        _commit_output(output, Path(paths["output"]))
     return {"trainjob": name}

@@ -297,8 +297,8 @@ sys.modules["torch"] = None
 from types import SimpleNamespace as A
 from prmflow.pipelines.components import advantage
 out = A(path={str(tmp_path / "advantages")!r}, metadata={{}})
-advantage({{"estimator": "grpo", "tracking": {{"enabled": False}}}}, "", "", "prmflow", 0,
-          [A(path={str(tmp_path / "rollouts")!r})], A(path=""), False, out)
+advantage({{"estimator": "grpo", "tracking": {{"enabled": False}}}}, "", "prmflow", 0,
+          [A(path={str(tmp_path / "rollouts")!r})], out)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -15,7 +15,7 @@ from kfp import dsl
 from prmflow import cli
 from prmflow.components.common import config as config_lib
 from prmflow.components.common import io
-from prmflow.pipelines import trainjob
+from prmflow.pipelines import kfp_shim, trainjob
 from prmflow.errors import ConfigError
 from prmflow.pipelines import components as ppo_component
 from prmflow.components.ppo import stage as ppo_stage
@@ -118,15 +118,18 @@ def run_ppo_step(tmp_path, monkeypatch, fake, compiled, run_id):
     for name in ("policy", "advantages"):
         (inputs / name).mkdir(parents=True)
         (inputs / name / "part-00000.parquet").write_bytes(name.encode())
-    policy, advantages, previous = dsl.Model(uri="s3://b/policy"), dsl.Dataset(uri="s3://b/adv"), dsl.Model(uri="s3://b/p")
-    updated = dsl.Model(uri="s3://b/updated")
-    policy.path, advantages.path, previous.path = str(inputs / "policy"), str(inputs / "advantages"), str(inputs / "policy")
-    updated.path = str(tmp_path / "outputs" / "updated")
+    policy, advantages = dsl.Model(uri="s3://b/policy"), dsl.Dataset(uri="s3://b/adv")
+    policy.path, advantages.path = str(inputs / "policy"), str(inputs / "advantages")
+    outs = {k: (dsl.Artifact if k in ("state", "kl_state") else dsl.Model)(uri=f"s3://b/{k}")
+            for k in ("updated", "critic", "state", "kl_state")}
+    for k, a in outs.items():
+        a.path = str(tmp_path / "outputs" / k)
     (tmp_path / "outputs").mkdir()
-    ppo_component.ppo(config={"optim": {"lr": 1e-6}}, kfp_run_id=run_id, tracking_uri="http://mlflow:5000",
-                      experiment="prm-rl", iteration=0, policy=policy, policy_subdir="", advantages=advantages,
-                      previous=previous, resume_previous=False, updated=updated)
-    return Path(updated.path), workspace
+    monkeypatch.setenv(kfp_shim.RUN_ID_ENV, run_id)  # the pod's pipeline/runid label on a cluster
+    ppo_component.ppo(config={"optim": {"lr": 1e-6}}, tracking_uri="http://mlflow:5000", experiment="prm-rl",
+                      workspace=f"{workspace}/prmflow/prmflow", iteration=0, policy=policy, advantages=advantages, **outs)
+    updated = outs["state"]  # the location of the whole ppo output on the workspace
+    return Path(kfp_shim.located(updated.path)), workspace
 
 
 def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(tmp_path, monkeypatch, capsys,
@@ -186,7 +189,7 @@ def test_a_failed_trainjob_fails_the_step_with_its_reason_and_hands_on_nothing(t
 def test_a_trainjob_that_completes_without_a_complete_output_fails_the_step(tmp_path, monkeypatch, compiled_ppo_step):
     def no_manifest(body):
         command = body["spec"]["trainer"]["command"]
-        out = Path(command[command.index("--config") + 1]).parent / "output"
+        out = Path(yaml.safe_load(Path(command[command.index("--config") + 1]).read_text())["ppo"]["output"])
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")  # weights and manifest missing: a rank-0 crash after exit 0
 
@@ -271,6 +274,7 @@ def test_sft_trainjob_command_trains_and_tags_its_mlflow_run(tmp_path, monkeypat
     spec, _ = compile_yaml(tmp_path, CLUSTER_YAML.format(workspace=workspace).replace("ppo: trainjob", "sft: trainjob"))
     ex = next(e for e in spec["deploymentSpec"]["executors"] if trainjob_env(spec, e))
     monkeypatch.setenv(trainjob.ENV, trainjob_env(spec, ex))
+    monkeypatch.setenv(kfp_shim.RUN_ID_ENV, "run-9")
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with FakeK8s(work=lambda body: run_node_pods(body, workspace)) as fake:
         monkeypatch.setenv("KUBECONFIG", str(fake.kubeconfig(tmp_path / "kubeconfig")))
@@ -280,9 +284,11 @@ def test_sft_trainjob_command_trains_and_tags_its_mlflow_run(tmp_path, monkeypat
         sft_component.sft(config={"max_steps": 2, "num_prompts": 32, "eval_size": 8, "micro_batch_size": 4,
                                   "eval_every": 2, "save_every": 0, "optim": {"warmup_steps": 0},
                                   "engine": {"backend": "torch"}},
-                          kfp_run_id="run-9", tracking_uri=store, experiment="trainjob-test", policy=policy)
+                          tracking_uri=store, experiment="trainjob-test", workspace=f"{workspace}/prmflow/prmflow",
+                          policy=policy)
     name = fake.posted()[0]["metadata"]["name"]
-    out = Path(policy.path)
+    out = Path(kfp_shim.located(policy.path))  # the job wrote the policy once, on the workspace
+    assert out.parent == workspace / "prmflow" / "prmflow" and not (workspace / "trainjobs" / "run-9" / "sft" / "output").exists()
     io.verify_files(out, io.read_manifest(out))
     assert (out / "model.safetensors").is_file()
     runs = mlflow.MlflowClient(store).search_runs(

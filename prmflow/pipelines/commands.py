@@ -173,15 +173,21 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True,
                enable_caching=spec.pipeline.cluster.cache, cache_root=str(root / "cache"))
     run_id = uuid.uuid4().hex
-    os.environ[RUN_ID_ENV] = run_id  # the steps' MLflow parent run; not a cache-key input
+    before, os.environ[RUN_ID_ENV] = os.environ.get(RUN_ID_ENV), run_id  # the steps' parent run; not a cache-key input
     t0 = time.monotonic()
     log_path = root / "run-local.log"
     shown = contextlib.nullcontext() if verbose else console.task_log(log_path)
     with warnings.catch_warnings(), console.root_logger_restored(detach=not verbose), shown, console.parallel_task_records_kept():
         # kfp.local's notes that it ignores the cluster settings (images, GPUs, node pools) here, per task
         warnings.filterwarnings("ignore", message=".*(non-Python base image|have no effect in the current local runner).*")
-        build(spec, shard_threads=local_shard_threads(spec.pipeline.rollout_shards), workspace=str(root / "workspace"),
-              run_id=run_id)(**params)
+        try:
+            build(spec, shard_threads=local_shard_threads(spec.pipeline.rollout_shards), workspace=str(root / "workspace"),
+                  run_id=run_id)(**params)
+        finally:
+            if before is None:
+                os.environ.pop(RUN_ID_ENV, None)
+            else:
+                os.environ[RUN_ID_ENV] = before
     print(f"pipeline finished in {time.monotonic() - t0:.0f} s; artifacts under {root}; runs in {params['tracking_uri']}"
           + ("" if verbose else f"; full log: {log_path}"))
     parent = latest_pipeline_run(MlflowClient(params["tracking_uri"]), experiment)

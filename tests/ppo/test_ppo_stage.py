@@ -302,12 +302,16 @@ def test_rerun_is_a_no_op_and_a_different_config_needs_overwrite(sft_policy, row
     stamp = (out / "manifest.json").stat().st_mtime_ns
     assert stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=4, micro_batch_size=4, kl_coef=0.7)) == m1
     assert (out / "manifest.json").stat().st_mtime_ns == stamp
+    # the same advantages at another path (a pipeline re-run's new artifact): still the same result
+    import shutil
+
+    moved = shutil.copytree(adv, tmp_path / "rerun-artifact" / "advantages")
+    assert stage.run(make_cfg(sft_policy, moved, out, epochs=1, minibatch_size=4, micro_batch_size=4, kl_coef=0.7)) == m1
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp
     with pytest.raises(OutputExistsError):
         stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=4, micro_batch_size=4, **{"optim.lr": 5e-4}))
     # same config, other data in the same place: not "already done" either
     write_advantages(tmp_path / "adv2", rows16[:4], -1.0, manifest={"kl_coef_used": 0.2})
-    import shutil
-
     shutil.rmtree(adv)
     shutil.move(tmp_path / "adv2", adv)
     with pytest.raises(OutputExistsError, match="different config"):

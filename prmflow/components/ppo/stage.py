@@ -65,12 +65,14 @@ class TrainingDivergedError(PrmflowError):
     """Every update of the run had a NaN/inf loss or gradient."""
 
 
-def _inputs(cfg: Config) -> dict[str, str]:
+def _inputs(cfg: Config) -> dict:
     """Fingerprints of the committed inputs (the advantages shards, and the policy/critic when they
-    are prmflow outputs): a re-run or a resume with the same config but other data starts afresh."""
-    dirs = [str(d) for d in schema.open_dataset(cfg.input, "advantages", verify_checksums=False).dirs]
-    dirs += [d for d in (cfg.policy, cfg.critic) if d and (Path(d) / io.MANIFEST).is_file()]
-    return io.fingerprint(dirs)
+    are prmflow outputs): a re-run or a resume with the same config but other data starts afresh.
+    The advantages count by content, not by where they lie: a pipeline re-run hands the same
+    advantages over at a new artifact path and must find its finished output on the workspace."""
+    shards = [str(d) for d in schema.open_dataset(cfg.input, "advantages", verify_checksums=False).dirs]
+    models = [d for d in (cfg.policy, cfg.critic) if d and (Path(d) / io.MANIFEST).is_file()]
+    return {"advantages": sorted(io.fingerprint(shards).values()), **io.fingerprint(models)}
 
 
 def run(cfg: Config) -> dict:
@@ -81,7 +83,8 @@ def run(cfg: Config) -> dict:
     if distributed.under_launcher():
         init_distributed(cfg.engine)  # the ranks decide together from here on
         distributed.check_divides(cfg.micro_batch_size)
-    cfg_dict = {**config_lib.to_dict(cfg), "inputs": _inputs(cfg)}  # the identity of this run's result
+    # the identity of this run's result: the config (but where the advantages lie) and the inputs' content
+    cfg_dict = {**{k: v for k, v in config_lib.to_dict(cfg).items() if k != "input"}, "inputs": _inputs(cfg)}
     done = distributed.on_main(lambda: io.completed_output(
         cfg.output, {"config": io.config_identity(cfg_dict)}, cfg.overwrite, "ppo", config_cls=Config))
     if done is not None:

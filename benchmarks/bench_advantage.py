@@ -180,7 +180,7 @@ def bench_throughput(work: Path, args) -> None:
                 st["written"].append(w1 - w0), st["out"].append(_dir_bytes(work / "advantages"))
         shutil.rmtree(work / "advantages", ignore_errors=True)
         med = {name: {k: statistics.median(v) for k, v in st.items()} for name, st in stats.items()}
-        print(f"estimator {est}: {summary['train/rows_out']} rows, {summary['train/tokens_out']} tokens, "
+        print(f"estimator {est}: {summary['advantage/rows_out']} rows, {summary['advantage/tokens_out']} tokens, "
               f"median of {args.repeats} runs each")
         for name, m in med.items():
             print(f"  {name:<13} wall {m['wall']:.2f} s  cpu {m['cpu']:.2f} s  read {m['read'] / 1e6:.1f} MB  "

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .. import stages
 from ..errors import ConfigError, PrmflowError
-from . import client
+from . import client, plan
 from .params import effective_configs, merge_section, parse_params, run_arguments, split_sets
 from .settings import PipelineSpec, load_spec
 
@@ -36,6 +36,7 @@ def add_parsers(sub) -> None:
                    help="override a pipeline: key (iterations=3, images.gpu=...) or a stage key (ppo.optim.lr=1e-6)")
     c.add_argument("-o", "--output", default="pipeline.yaml", help="where to write the spec")
     c.set_defaults(handler=_compile)
+    plan.add_parser(psub)
 
     s = psub.add_parser("submit", help="compile and start a run on a KFP cluster (docs/submitting.md)")
     _source_arguments(s)
@@ -276,6 +277,7 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     """Run the pipeline of `spec` through kfp.local; returns (tracking URI, experiment, parent run id).
     verbose=False: the tasks' output goes to ROOT/run-local.log, the terminal gets one line per task."""
     import time
+    import uuid
     import warnings
 
     from kfp import local
@@ -283,6 +285,7 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
 
     from .. import tracking
     from . import console
+    from .kfp_shim import RUN_ID_ENV
     from .pipeline import build
     from .summary import latest_pipeline_run
 
@@ -290,17 +293,29 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     params.setdefault("tracking_uri", tracking.resolve_uri(tracking.TrackingConfig(uri=spec.pipeline.tracking_uri)))
     experiment = params.get("experiment", spec.pipeline.experiment)
     root = root.resolve()
+    # ROOT/workspace stands in for the ReadWriteMany volume. It is passed to the steps as a path, not as
+    # kfp.local's workspace_root, which kfp.local (2.17) deletes at the end of every run
+    # (pipeline_orchestrator.py); ROOT/cache is kfp.local's cache: a re-run skips the finished steps.
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True,
-               workspace_root=str(root / "workspace"))
+               enable_caching=spec.pipeline.cluster.cache, cache_root=str(root / "cache"))
+    run_id = uuid.uuid4().hex
+    before, os.environ[RUN_ID_ENV] = os.environ.get(RUN_ID_ENV), run_id  # the steps' parent run; not a cache-key input
     t0 = time.monotonic()
     log_path = root / "run-local.log"
     shown = contextlib.nullcontext() if verbose else console.task_log(log_path)
     with warnings.catch_warnings(), console.root_logger_restored(detach=not verbose), shown, console.parallel_task_records_kept():
         # kfp.local's notes that it ignores the cluster settings (images, GPUs, node pools) here, per task
         warnings.filterwarnings("ignore", message=".*(non-Python base image|have no effect in the current local runner).*")
-        pipeline_fn = build(spec, shard_threads=local_shard_threads(spec.pipeline.rollout_shards))
-        defaults = {name: inp.default for name, inp in pipeline_fn.component_spec.inputs.items()}
-        pipeline_fn(**run_arguments(defaults, params))  # a stage's --param merges into its section, as on a cluster
+        try:
+            pipeline_fn = build(spec, shard_threads=local_shard_threads(spec.pipeline.rollout_shards),
+                                workspace=str(root / "workspace"), run_id=run_id)
+            defaults = {name: inp.default for name, inp in pipeline_fn.component_spec.inputs.items()}
+            pipeline_fn(**run_arguments(defaults, params))  # a stage's --param merges into its section, as on a cluster
+        finally:
+            if before is None:
+                os.environ.pop(RUN_ID_ENV, None)
+            else:
+                os.environ[RUN_ID_ENV] = before
     print(f"pipeline finished in {time.monotonic() - t0:.0f} s; artifacts under {root}; runs in {params['tracking_uri']}"
           + ("" if verbose else f"; full log: {log_path}"))
     parent = latest_pipeline_run(MlflowClient(params["tracking_uri"]), experiment)

@@ -1,108 +1,132 @@
-"""The KFP components: one thin shim per stage that turns KFP's arguments (artifact paths, the run id,
-the iteration) into the stage's `paths` and calls `kfp_shim.run_stage` (which runs `stage.run`).
+"""The KFP components: one thin shim per stage that turns KFP's arguments (artifact paths, the
+workspace, the iteration) into the stage's `paths` and calls `kfp_shim.run_stage` (which runs `stage.run`).
 
 KFP compiles each function's own source into the pipeline spec and runs it inside the stage's image,
 so every import a shim needs is inside its body. The logic lives in the stages; these only translate.
+
+Data flow (pipelines/kfp_shim.py): a stage that writes weights (sft, prm, ppo) writes them once to
+the workspace and its Model artifact is their *location* (a few KB: where, sha256s, sizes); a reader
+opens them in place (`located`). Rollouts, advantages, evaluation results and the KL controller's
+state are small and travel as ordinary artifacts. An input a configuration does not read is not
+wired at all (an optional input left None): no critic without a critic, no reference model without a
+KL term, no PRM with the oracle. The MLflow parent run is found through $PRMFLOW_KFP_RUN_ID.
 """
 
 from typing import List
 
-from kfp.dsl import Dataset, Input, Metrics, Model, Output
+from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
 
 #: The stages with a component here, in pipeline order (the pipeline looks each up by name).
 STAGES = ("sft", "prm", "rollout", "advantage", "ppo", "evaluate")
 
 
-def sft(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, policy: Output[Model]):
-    """Train the SFT policy; `policy` is the HF checkpoint directory."""
-    from prmflow.pipelines.kfp_shim import artifact_metadata, run_stage
+def sft(config: dict, tracking_uri: str, experiment: str, workspace: str, policy: Output[Model]):
+    """Train the SFT policy; `policy` locates its HF checkpoint directory on the workspace."""
+    from prmflow.pipelines.kfp_shim import artifact_metadata, run_stage, workspace_output, write_location
     from prmflow.components.sft import stage
 
-    metrics = run_stage("sft", stage, config, {"output": policy.path}, kfp_run_id, tracking_uri, experiment)
+    out = workspace_output(workspace, "sft", "sft", config, {}) if workspace else policy.path
+    metrics = run_stage("sft", stage, config, {"output": out}, tracking_uri=tracking_uri, experiment=experiment)
     policy.metadata.update(artifact_metadata(metrics))
+    if workspace:
+        policy.metadata.update(write_location(policy.path, out))
 
 
-def prm(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, base: Input[Model],
-        prm_model: Output[Model]):
-    """Train the process reward model; `prm_model` is its HF token-classification directory.
-
-    The backbone is `base` (the SFT policy) unless the config names its own `backbone`."""
-    from prmflow.pipelines.kfp_shim import artifact_metadata, run_stage
+def prm(config: dict, tracking_uri: str, experiment: str, workspace: str, prm_model: Output[Model],
+        base: Input[Model] = None):
+    """Train the process reward model on `base` (the SFT policy; not wired when the config names its
+    own backbone); `prm_model` locates its HF token-classification directory."""
+    from prmflow.pipelines.kfp_shim import (artifact_metadata, located, location_fingerprint, run_stage,
+                                            workspace_output, write_location)
     from prmflow.components.prm import stage
 
-    paths = {"output": prm_model.path}
-    if not (config or {}).get("backbone"):
-        paths["backbone"] = base.path
-    metrics = run_stage("prm", stage, config, paths, kfp_run_id, tracking_uri, experiment)
+    inputs = {"base": location_fingerprint(base.path)} if base is not None else {}
+    out = workspace_output(workspace, "prm", "prm", config, inputs) if workspace else prm_model.path
+    paths = {"output": out, **({"backbone": located(base.path)} if base is not None else {})}
+    metrics = run_stage("prm", stage, config, paths, tracking_uri=tracking_uri, experiment=experiment)
     prm_model.metadata.update(artifact_metadata(metrics))
+    if workspace:
+        prm_model.metadata.update(write_location(prm_model.path, out))
 
 
-def rollout(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, iteration: int, shard: int,
-            num_shards: int, policy: Input[Model], policy_subdir: str, prm_model: Input[Model], ref: Input[Model],
-            critic: Input[Model], critic_subdir: str, use_critic: bool, rollouts: Output[Dataset]):
+def rollout(config: dict, tracking_uri: str, experiment: str, iteration: int, shard: int, num_shards: int,
+            policy: Input[Model], rollouts: Output[Dataset], prm_model: Input[Model] = None,
+            ref: Input[Model] = None, critic: Input[Model] = None):
     """Sample and score shard `shard` of `num_shards` of this iteration's prompts."""
-    import os
-
-    from prmflow.pipelines.kfp_shim import dataset_metadata, run_stage
+    from prmflow.pipelines.kfp_shim import dataset_metadata, located, run_stage
     from prmflow.components.rollout import stage
 
-    # `prm: oracle` in the rollout config (the exact checker's step labels) stands in for the trained PRM
-    prm = "oracle" if (config or {}).get("prm") == "oracle" else prm_model.path
-    paths = {"policy": os.path.join(policy.path, policy_subdir), "prm": prm, "ref": ref.path,
-             "critic": os.path.join(critic.path, critic_subdir) if use_critic else "",
-             "shard": shard, "num_shards": num_shards, "output": rollouts.path}
-    run_stage("rollout", stage, config, paths, kfp_run_id, tracking_uri, experiment, iteration)
+    paths = {"policy": located(policy.path), "shard": shard, "num_shards": num_shards, "output": rollouts.path}
+    for key, artifact in (("prm", prm_model), ("ref", ref), ("critic", critic)):
+        if artifact is not None:
+            paths[key] = located(artifact.path)
+    run_stage("rollout", stage, config, paths, tracking_uri=tracking_uri, experiment=experiment, iteration=iteration)
     rollouts.metadata.update(dataset_metadata(rollouts.path))
 
 
-def advantage(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, iteration: int,
-              rollouts: Input[List[Dataset]], kl_source: Input[Model], use_kl_state: bool, advantages: Output[Dataset]):
-    """Turn the collected rollout shards into advantages; `kl_source` is the previous PPO output."""
-    import os
-
+def advantage(config: dict, tracking_uri: str, experiment: str, iteration: int, rollouts: Input[List[Dataset]],
+              advantages: Output[Dataset], kl_state: Input[Artifact] = None):
+    """Turn the collected rollout shards into advantages; `kl_state` is the previous ppo step's KL
+    controller state (a few bytes), wired only when the reward has a KL term and k > 0."""
     from prmflow.components.advantage import stage
     from prmflow.pipelines.kfp_shim import dataset_metadata, gather_shards, run_stage
 
-    shards = gather_shards([r.path for r in rollouts], advantages.path + ".inputs")
-    uses_kl = float((config or {}).get("kl_coef", 0) or 0) > 0  # e.g. GRPO puts KL in the PPO loss instead
-    paths = {"input": shards, "output": advantages.path,
-             "kl_state": os.path.join(kl_source.path, "kl_state.json") if use_kl_state and uses_kl else ""}
-    run_stage("advantage", stage, config, paths, kfp_run_id, tracking_uri, experiment, iteration)
+    paths = {"input": gather_shards([r.path for r in rollouts], advantages.path + ".inputs"), "output": advantages.path}
+    if kl_state is not None:
+        paths["kl_state"] = kl_state.path
+    run_stage("advantage", stage, config, paths, tracking_uri=tracking_uri, experiment=experiment, iteration=iteration)
     advantages.metadata.update(dataset_metadata(advantages.path))
 
 
-def ppo(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, iteration: int, policy: Input[Model],
-        policy_subdir: str, advantages: Input[Dataset], previous: Input[Model], resume_previous: bool,
-        updated: Output[Model]):
-    """Update the policy (and critic); `updated` holds policy/, critic/ and kl_state.json."""
+def ppo(config: dict, tracking_uri: str, experiment: str, workspace: str, iteration: int, policy: Input[Model],
+        advantages: Input[Dataset], updated: Output[Model], critic: Output[Model], state: Output[Artifact],
+        kl_state: Output[Artifact], previous: Input[Artifact] = None):
+    """Update the policy (and critic). `updated` locates the new policy, `critic` the new critic (an empty
+    location without train_critic; nothing wires it then), `state` the whole output on the workspace
+    (critic, optimizer moments, updates.jsonl), `kl_state` is the KL controller's state for the next
+    advantage step. `previous` (the last iteration's `state`) carries the critic and the optimizer over."""
     import os
+    import shutil
 
-    from prmflow.pipelines.kfp_shim import artifact_metadata, run_stage
+    from prmflow.pipelines.kfp_shim import (artifact_metadata, located, location_fingerprint, run_stage,
+                                            workspace_output, write_location)
     from prmflow.components.ppo import stage
 
-    paths = {"policy": os.path.join(policy.path, policy_subdir), "input": advantages.path,
-             "output": updated.path}
-    if resume_previous:  # the critic, the optimizer and the KL controller carry over from the previous iteration
-        paths["kl_state"] = os.path.join(previous.path, "kl_state.json")
-        if os.path.isdir(os.path.join(previous.path, "critic")):
-            paths["critic"] = os.path.join(previous.path, "critic")
-        if os.path.isdir(os.path.join(previous.path, "optimizer")):
-            paths["optimizer_state"] = os.path.join(previous.path, "optimizer")  # Adam continues, not restarts
-    metrics = run_stage("ppo", stage, config, paths, kfp_run_id, tracking_uri, experiment, iteration)
-    updated.metadata.update(artifact_metadata(metrics))
+    inputs = {"policy": location_fingerprint(policy.path), "advantages": location_fingerprint(advantages.path),
+              "previous": location_fingerprint(previous.path) if previous is not None else "", "iteration": iteration}
+    out = workspace_output(workspace, f"ppo-{iteration}", "ppo", config, inputs) if workspace else state.path
+    paths = {"policy": located(policy.path), "input": advantages.path, "output": out}
+    if previous is not None:  # the critic and Adam's moments continue; a missing one starts fresh
+        before = located(previous.path)
+        for key, sub in (("critic", "critic"), ("optimizer_state", "optimizer")):
+            if os.path.isdir(os.path.join(before, sub)):
+                paths[key] = os.path.join(before, sub)
+    metrics = run_stage("ppo", stage, config, paths, tracking_uri=tracking_uri, experiment=experiment,
+                        iteration=iteration)
+    updated.metadata.update({**artifact_metadata(metrics), **write_location(updated.path, out, "policy")})
+    critic.metadata.update(write_location(critic.path, out, "critic"))
+    if workspace:
+        state.metadata.update(write_location(state.path, out))
+    shutil.copyfile(os.path.join(out, "kl_state.json"), kl_state.path)
 
 
-def evaluate(config: dict, kfp_run_id: str, tracking_uri: str, experiment: str, policy: Input[Model],
-             policy_subdir: str, baseline: Input[Model], prm_model: Input[Model], results: Output[Model],
-             scores: Output[Metrics]):
-    """Evaluate the final policy; `scores` shows the eval metrics in the KFP UI."""
-    import os
-
-    from prmflow.pipelines.kfp_shim import artifact_metadata, run_stage
+def evaluate(config: dict, tracking_uri: str, experiment: str, policy: Input[Model], baseline: Input[Model],
+             results: Output[Model], scores: Output[Metrics], prm_model: Input[Model] = None):
+    """Evaluate the final policy against `baseline`; `scores` shows the eval metrics in the KFP UI."""
+    from prmflow.pipelines.kfp_shim import artifact_metadata, located, run_stage
     from prmflow.components.evaluate import stage
 
-    paths = {"policy": os.path.join(policy.path, policy_subdir), "baseline": baseline.path, "prm": prm_model.path,
-             "output": results.path}
-    metrics = run_stage("evaluate", stage, config, paths, kfp_run_id, tracking_uri, experiment)
+    paths = {"policy": located(policy.path), "baseline": located(baseline.path), "output": results.path}
+    if prm_model is not None:
+        paths["prm"] = located(prm_model.path)
+    metrics = run_stage("evaluate", stage, config, paths, tracking_uri=tracking_uri, experiment=experiment)
     for key, value in artifact_metadata(metrics).items():
         scores.log_metric(key, value)
+
+
+def locate(path: str, model: Output[Model]):
+    """An existing model directory on the workspace volume (pipeline.sft_model / prm_model), recorded with
+    its files' sha256 and sizes, so its readers open it in place and lineage pins its bytes."""
+    from prmflow.pipelines.kfp_shim import write_location
+
+    model.metadata.update(write_location(model.path, path))

@@ -9,20 +9,26 @@
     evaluate (if the stage exists)
     exit handler: finish_tracking marks the MLflow parent run FINISHED/FAILED
 
-Stages find the MLflow parent run by the KFP run id (dsl.PIPELINE_JOB_ID_PLACEHOLDER) rather than by
-a parameter from init_tracking: kfp.local (2.17) substitutes the loop item for upstream *parameter*
-outputs used inside a ParallelFor, and the KFP exit task may not depend on other tasks anyway.
+Data flow (docs/cluster-data-flow.md): weights, optimizer moments and resume checkpoints are written
+once to the workspace (a ReadWriteMany volume; a directory under run-local) at paths named by what
+each step computes, never by the run id; artifacts carry only their location (kfp_shim). A task
+takes only the inputs it reads. The MLflow parent run is found by the KFP run id, which reaches a
+stage as $PRMFLOW_KFP_RUN_ID (the pod's pipeline/runid label), so no cache key holds it.
 """
 
 
+import math
+import re
 from typing import Any, Callable
 
 from kfp import dsl, kubernetes
 
 from .. import stages
-from . import components, trainjob
+from ..components.common import config as config_lib
+from ..errors import ConfigError
+from . import components, kfp_shim, trainjob
 from .lineage import finish_tracking, init_tracking
-from .settings import ClusterConfig, ImagesConfig, NodePool, PipelineSpec
+from .settings import IMPORTER_SCHEMES, ClusterConfig, ImagesConfig, NodePool, PipelineSpec
 
 
 def _component(fn: Callable, image: str):
@@ -52,20 +58,83 @@ def trainjob_spec(cluster: ClusterConfig, images: ImagesConfig) -> trainjob.Trai
                                  disable_istio_sidecar=t.disable_istio_sidecar, system_namespace=t.system_namespace)
 
 
-def _place(task, pool: NodePool, cluster: ClusterConfig, gpu: bool, cache: bool, pull_secrets=()):
-    """Node pool, resources, retries, caching, secrets and workspace of one task: the plumbing
-    every stage shares, kept here so the pipeline function below reads as the DAG."""
+def _scaled(quantity: str, n: int, of: int) -> str:
+    """`quantity` (a Kubernetes CPU or memory amount of a whole pool pod) times n/of, rounded down."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", quantity or "")
+    if not m or not of or n == of:
+        return quantity
+    return f"{max(1, int(float(m.group(1)) * n / of))}{m.group(2)}"
+
+
+def gpu_counts(spec: PipelineSpec) -> dict[str, int]:
+    """GPUs of each GPU task's pod: training stages as configured (0 = the pool's count), rollout =
+    tensor parallel size x engines per pod, evaluate as configured."""
+    cluster, g = spec.pipeline.cluster, spec.pipeline.cluster.gpus
+    pool = cluster.gpu_pool.accelerator_count
+    roll = resolved(spec, "rollout")
+    tp = roll.vllm.tensor_parallel_size if roll is not None and roll.sampler == "vllm" else 1
+    counts = {"sft": g.sft or pool, "prm": g.prm or pool, "ppo": g.ppo or pool, "rollout": tp * g.rollout_engines,
+              "evaluate": g.evaluate}
+    if pool:
+        for stage, n in counts.items():
+            if n > pool:
+                raise ConfigError(f"pipeline.cluster.gpus: the {stage} pod needs {n} GPUs, but a gpu_pool node has "
+                                  f"{pool} (accelerator_count); lower it or raise the pool's count.")
+    return counts
+
+
+def resolved(spec: PipelineSpec, stage: str):
+    """The stage's Config built from its section (defaults filled in), or None without the stage."""
+    available = stages.available()
+    if stage not in available:
+        return None
+    return config_lib.build(available[stage].Config, config_lib.flatten(dict(spec.stages.get(stage) or {})),
+                            where=f"[{stage}]")
+
+
+def scratch_size(spec: PipelineSpec) -> str:
+    """Local scratch of a GPU pod: cluster.scratch_size, else one model's bf16 weights + 20 GiB."""
+    cluster = spec.pipeline.cluster
+    if cluster.scratch_size:
+        return cluster.scratch_size
+    params = cluster.model_params or model_params(resolved(spec, "sft").policy if resolved(spec, "sft") else "")
+    return f"{int(math.ceil(2 * params / 2**30)) + 20}Gi"
+
+
+def model_params(path: str) -> float:
+    """Parameters of the HF model at `path` from its config.json (0 when it is not readable here)."""
+    import json
+    from pathlib import Path
+
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        return 0.0
+    c = json.loads(cfg_path.read_text())
+    c = c.get("text_config", c)
+    h, layers, vocab = c.get("hidden_size", 0), c.get("num_hidden_layers", 0), c.get("vocab_size", 0)
+    inter = c.get("intermediate_size", 4 * h)
+    heads, kv = c.get("num_attention_heads", 1), c.get("num_key_value_heads", c.get("num_attention_heads", 1))
+    attn = h * h * 2 + 2 * h * (h // heads) * kv  # q, o + k, v
+    embed = vocab * h * (1 if c.get("tie_word_embeddings", False) else 2)
+    return float(layers * (attn + 3 * h * inter) + embed)
+
+
+def _place(task, pool: NodePool, cluster: ClusterConfig, gpu: bool, cache: bool, local: bool, gpus: int = 0,
+           scratch: str = "", pull_secrets=()):
+    """Node pool, resources, retries, caching, secrets, pull secrets, workspace, run id and shared memory of one task:
+    the plumbing every step shares, kept here so the pipeline function below reads as the DAG."""
     for key, value in pool.node_selector.items():
         kubernetes.add_node_selector(task, label_key=key, label_value=str(value))
     for tol in pool.tolerations:
         kubernetes.add_toleration(task, key=tol.get("key"), operator=tol.get("operator", "Equal"),
                                   value=tol.get("value"), effect=tol.get("effect"))
-    if pool.accelerator_type and pool.accelerator_count:
-        task.set_accelerator_type(pool.accelerator_type).set_accelerator_limit(pool.accelerator_count)
+    share = pool.accelerator_count
+    if pool.accelerator_type and gpus:
+        task.set_accelerator_type(pool.accelerator_type).set_accelerator_limit(gpus)
     if pool.cpu:
-        task.set_cpu_limit(pool.cpu)
+        task.set_cpu_limit(_scaled(pool.cpu, gpus or share, share))
     if pool.memory:
-        task.set_memory_limit(pool.memory)
+        task.set_memory_limit(_scaled(pool.memory, gpus or share, share))
     if gpu and cluster.retries:
         task.set_retry(num_retries=cluster.retries, backoff_duration=cluster.backoff, backoff_factor=2.0)
     task.set_caching_options(cache)
@@ -75,18 +144,50 @@ def _place(task, pool: NodePool, cluster: ClusterConfig, gpu: bool, cache: bool,
         kubernetes.mount_pvc(task, pvc_name=cluster.workspace_pvc, mount_path=cluster.workspace_path)
     if pull_secrets:
         kubernetes.set_image_pull_secrets(task, list(pull_secrets))
+    if not local:  # the run id from the pod's label: an env var is not a cache-key input, a parameter would be
+        kubernetes.use_field_path_as_env(task, env_name=kfp_shim.RUN_ID_ENV, field_path=RUN_ID_FIELD)
+    if gpus and not local:  # NCCL and vLLM's tensor parallel workers share tensors through /dev/shm
+        kubernetes.empty_dir_mount(task, volume_name="dshm", mount_path="/dev/shm", medium="Memory",
+                                   size_limit=cluster.shm_size)
+        kubernetes.empty_dir_mount(task, volume_name="scratch", mount_path=SCRATCH, size_limit=scratch)
+        task.set_env_variable("TMPDIR", SCRATCH)
     return task
 
 
-def build(spec: PipelineSpec, shard_threads: int | None = None) -> Any:
+#: The pod label the KFP API server puts on every pod of a run (apiserver/template/argo_template.go).
+RUN_ID_FIELD = "metadata.labels['pipeline/runid']"
+SCRATCH = "/scratch"
+
+
+def importable(uri: str, cluster: ClusterConfig, key: str, local: bool) -> str:
+    """`uri` if the KFP backend's importer accepts it (or this is run-local); a path on workspace_pvc is
+    'workspace'; anything else is an error naming the key."""
+    if local or uri.startswith(IMPORTER_SCHEMES):
+        return "import"
+    if cluster.workspace_pvc and (uri.rstrip("/") + "/").startswith(cluster.workspace_path.rstrip("/") + "/"):
+        return "workspace"
+    raise ConfigError(f"pipeline.{key} is {uri!r}: the KFP backend imports only {', '.join(IMPORTER_SCHEMES)} URIs, "
+                      f"and a plain directory is not on the pods. Upload it (e.g. aws s3 cp --recursive DIR "
+                      f"s3://BUCKET/PATH) and give that URI, or put it on workspace_pvc under "
+                      f"{cluster.workspace_path}/.")
+
+
+def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str | None = None,
+          run_id: str | None = None) -> Any:
     """The pipeline function for `spec` (a KFP graph component, ready to compile or run locally).
 
-    shard_threads (run-local only): OMP_NUM_THREADS of each rollout shard. kfp.local runs a ParallelFor's
-    iterations side by side (two at a time in kfp 2.17), so shards that each took every core would
-    oversubscribe them. None on a cluster: a shard has its pod's cores to itself."""
+    workspace (run-local): a local directory standing in for the ReadWriteMany volume; None on a
+    cluster (workspace_pvc, or KFP's per-run workspace). run_id (run-local): the id the tracking steps
+    and $PRMFLOW_KFP_RUN_ID carry. shard_threads (run-local only): OMP_NUM_THREADS of each rollout shard.
+    kfp.local runs a ParallelFor's iterations side by side (two at a time in kfp 2.17), so shards that
+    each took every core would oversubscribe them. None on a cluster: a shard has its pod's cores."""
     pipe, cluster = spec.pipeline, spec.pipeline.cluster
+    local = workspace is not None
+    ws = workspace if local else cluster.workspace_root(pipe.name)
     gpu, cpu, pulls = pipe.images.gpu, pipe.images.cpu, pipe.images.pull_secrets
     on_trainjob = set(cluster.trainer.stages())  # these steps submit a TrainJob from the CPU pool
+    gpus = gpu_counts(spec)
+    scratch = scratch_size(spec)
 
     def trainer_image(stage):
         return cpu if stage in on_trainjob else gpu
@@ -96,72 +197,94 @@ def build(spec: PipelineSpec, shard_threads: int | None = None) -> Any:
     advantage_op = _component(_stage_fn("advantage"), cpu)
     evaluate_fn = _stage_fn("evaluate")
     evaluate_op = _component(evaluate_fn, gpu) if evaluate_fn else None
+    locate_op = _component(components.locate, cpu)
     init_op, finish_op = _component(init_tracking, cpu), _component(finish_tracking, cpu)
-    critic = (spec.stages.get("ppo") or {}).get("train_critic", False)
+    # what each task reads, decided here once: an input nothing reads is not wired
+    ppo_cfg, adv_cfg, roll_cfg = resolved(spec, "ppo"), resolved(spec, "advantage"), resolved(spec, "rollout")
+    critic = ppo_cfg.train_critic
+    carry_state = critic or ppo_cfg.save_optimizer  # the next ppo continues the critic / Adam's moments
+    reward_kl = adv_cfg.kl_coef > 0  # beta_k for k > 0 comes from the last ppo's kl_state
+    oracle_prm = roll_cfg.prm == "oracle"
+    prm_needs_base = not any((spec.stages.get("prm") or {}).get(k) for k in ("backbone", "model_path"))
     shards = list(range(pipe.rollout_shards))
     det, sampled = cluster.cache, cluster.cache and cluster.cache_sampling
 
-    def on_gpu(task, cache=det):
-        return _place(task, cluster.gpu_pool, cluster, gpu=True, cache=cache, pull_secrets=pulls)
+    def on_gpu(task, stage, cache=det):
+        return _place(task, cluster.gpu_pool, cluster, gpu=True, cache=cache, local=local, gpus=gpus[stage],
+                      scratch=scratch, pull_secrets=pulls)
 
-    def on_cpu(task, cache=det):
-        return _place(task, cluster.cpu_pool, cluster, gpu=False, cache=cache, pull_secrets=pulls)
+    def on_cpu(task, cache=det, gpu_retries=False):
+        return _place(task, cluster.cpu_pool, cluster, gpu=gpu_retries, cache=cache, local=local, pull_secrets=pulls)
 
     def train(stage, task, name):
         """A training step: the stage in its own GPU pod, or a TrainJob submitted and awaited from the CPU pool."""
         if stage not in on_trainjob:
-            return on_gpu(task).set_display_name(name)
+            return on_gpu(task, stage).set_display_name(name)
         task.set_env_variable(trainjob.ENV, trainjob_spec(cluster, pipe.images).to_json())
-        return _place(task, cluster.cpu_pool, cluster, gpu=True, cache=det,
-                      pull_secrets=pulls).set_display_name(f"{name} (trainjob)")
+        return on_cpu(task, gpu_retries=True).set_display_name(f"{name} (trainjob)")
 
-    @dsl.pipeline(name=pipe.name, description="RL fine-tuning with step-level process rewards (prmflow)")
+    def model_input(uri: str, key: str, name: str):
+        """An existing model: imported (object store, run-local) or located in place on workspace_pvc."""
+        if importable(uri, cluster, key, local) == "import":
+            return dsl.importer(artifact_uri=uri, artifact_class=dsl.Model, reimport=False).set_display_name(
+                f"{name} (imported)").output
+        return on_cpu(locate_op(path=uri)).set_display_name(f"{name} (on the workspace)").outputs["model"]
+
+    config = dsl.PipelineConfig(workspace=dsl.WorkspaceConfig(size=cluster.workspace_size, kubernetes=dsl.KubernetesWorkspaceConfig(
+        pvcSpecPatch={"accessModes": ["ReadWriteMany"], **(
+            {"storageClassName": cluster.workspace_storage_class} if cluster.workspace_storage_class else {})}))) \
+        if not local and not cluster.workspace_pvc else None
+
+    @dsl.pipeline(name=pipe.name, description="RL fine-tuning with step-level process rewards (prmflow)",
+                  pipeline_config=config)
     def prmflow_pipeline(
         sft_config: dict = spec.stages["sft"], prm_config: dict = spec.stages["prm"],
         rollout_config: dict = spec.stages["rollout"], advantage_config: dict = spec.stages["advantage"],
         ppo_config: dict = spec.stages["ppo"], evaluate_config: dict = spec.stages["evaluate"],
         tracking_uri: str = pipe.tracking_uri, experiment: str = pipe.experiment, run_name: str = pipe.run_name,
     ):
-        run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
-        common = dict(kfp_run_id=run_id, tracking_uri=tracking_uri, experiment=experiment)
-        exit_task = on_cpu(finish_op(**common), cache=False)
+        run = run_id if local else dsl.PIPELINE_JOB_ID_PLACEHOLDER  # only the uncached tracking steps take it
+        common = dict(tracking_uri=tracking_uri, experiment=experiment)
+        exit_task = on_cpu(finish_op(kfp_run_id=run, **common), cache=False)
         with dsl.ExitHandler(exit_task, name="track-pipeline-run"):
-            init = on_cpu(init_op(**common, sft_config=sft_config, prm_config=prm_config, rollout_config=rollout_config,
-                                  advantage_config=advantage_config, ppo_config=ppo_config,
-                                  evaluate_config=evaluate_config, run_name=run_name), cache=False)
+            init = on_cpu(init_op(kfp_run_id=run, **common, sft_config=sft_config, prm_config=prm_config,
+                                  rollout_config=rollout_config, advantage_config=advantage_config,
+                                  ppo_config=ppo_config, evaluate_config=evaluate_config, run_name=run_name), cache=False)
             if pipe.sft_model:  # an existing warm-up: imported, not retrained
-                sft_policy = dsl.importer(artifact_uri=pipe.sft_model, artifact_class=dsl.Model,
-                                          reimport=False).set_display_name("sft (imported)").output
+                sft_policy = model_input(pipe.sft_model, "sft_model", "sft")
             else:
-                sft_policy = train("sft", sft_op(config=sft_config, **common).after(init), "sft").outputs["policy"]
+                sft_policy = train("sft", sft_op(config=sft_config, **common, workspace=ws).after(init),
+                                   "sft").outputs["policy"]
             if pipe.prm_model:
-                prm_model = dsl.importer(artifact_uri=pipe.prm_model, artifact_class=dsl.Model,
-                                         reimport=False).set_display_name("prm (imported)").output
+                prm_model = model_input(pipe.prm_model, "prm_model", "prm")
             else:
-                prm_model = train("prm", prm_op(config=prm_config, **common, base=sft_policy).after(init),
+                prm_base = {"base": sft_policy} if prm_needs_base else {}
+                prm_model = train("prm", prm_op(config=prm_config, **common, workspace=ws, **prm_base).after(init),
                                   "prm").outputs["prm_model"]
-            policy, subdir, previous = sft_policy, "", sft_policy
+            policy, upd = sft_policy, None
             for k in range(pipe.iterations):
+                # the reference (SFT) policy: ref_logprobs for the KL terms and the KL-to-SFT of every iteration
+                reads = {"ref": sft_policy, **({"prm_model": prm_model} if not oracle_prm else {})}
+                if critic:  # values of this policy's critic: a new one (from the SFT policy) at k = 0
+                    reads["critic"] = upd.outputs["critic"] if k else sft_policy
                 with dsl.ParallelFor(shards, name=f"rollout-shards-{k}") as shard:
-                    roll = on_gpu(rollout_op(
-                        config=rollout_config, **common, iteration=k, shard=shard, num_shards=len(shards),
-                        policy=policy, policy_subdir=subdir, prm_model=prm_model,
-                        ref=sft_policy, critic=previous if k else sft_policy,
-                        critic_subdir="critic" if k else "", use_critic=bool(critic)).after(init), cache=sampled)
+                    roll = on_gpu(rollout_op(config=rollout_config, **common, iteration=k, shard=shard,
+                                             num_shards=len(shards), policy=policy, **reads).after(init),
+                                  "rollout", cache=sampled)
                     roll.set_display_name(f"rollout-{k}")
                     if shard_threads:
                         roll.set_env_variable("OMP_NUM_THREADS", str(shard_threads))
+                kl_in = {"kl_state": upd.outputs["kl_state"]} if k and reward_kl else {}
                 adv = on_cpu(advantage_op(config=advantage_config, **common, iteration=k,
-                                          rollouts=dsl.Collected(roll.outputs["rollouts"]), kl_source=previous,
-                                          use_kl_state=k > 0)).set_display_name(f"advantage-{k}")
-                upd = train("ppo", ppo_op(config=ppo_config, **common, iteration=k, policy=policy, policy_subdir=subdir,
-                                          advantages=adv.outputs["advantages"], previous=previous,
-                                          resume_previous=k > 0), f"ppo-{k}")
-                policy, subdir, previous = upd.outputs["updated"], "policy", upd.outputs["updated"]
+                                          rollouts=dsl.Collected(roll.outputs["rollouts"]), **kl_in))
+                adv.set_display_name(f"advantage-{k}")
+                prev = {"previous": upd.outputs["state"]} if k and carry_state else {}
+                upd = train("ppo", ppo_op(config=ppo_config, **common, workspace=ws, iteration=k, policy=policy,
+                                          advantages=adv.outputs["advantages"], **prev), f"ppo-{k}")
+                policy = upd.outputs["updated"]
             if evaluate_op is not None:
-                on_gpu(evaluate_op(config=evaluate_config, **common, policy=policy, policy_subdir=subdir,
-                                   baseline=sft_policy, prm_model=prm_model),
-                       cache=sampled).set_display_name("evaluate")
+                on_gpu(evaluate_op(config=evaluate_config, **common, policy=policy, baseline=sft_policy,
+                                   prm_model=prm_model), "evaluate", cache=sampled).set_display_name("evaluate")
 
     return prmflow_pipeline
 

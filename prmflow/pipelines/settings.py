@@ -110,6 +110,35 @@ class TrainerConfig:
         return [s for s in TRAINJOB_STAGES if getattr(self, s) == "trainjob"]
 
 
+#: The oldest backends this pipeline's spec works on: Kubeflow Pipelines 2.15 (fan-in of
+#: dsl.Collected artifact lists #11725, exit-handler task status #11953, retries inside the exit
+#: handler #11908, optional secret env vars #12216, the pipeline workspace) and Kubeflow Trainer 2.2
+#: (runtimePatches, which the TrainJob steps send).
+MIN_KFP_BACKEND = (2, 15)
+MIN_TRAINER = (2, 2)
+#: URI schemes the KFP backend's importer accepts (backend/src/v2/component/importer_launcher.go).
+IMPORTER_SCHEMES = ("s3://", "gs://", "minio://", "oci://")
+#: Where KFP mounts its per-run pipeline workspace (kfp.dsl.constants.WORKSPACE_MOUNT_PATH).
+KFP_WORKSPACE_MOUNT = "/kfp-workspace"
+
+
+@dataclass
+class GpuShapes:
+    """GPUs of each GPU task's pod, so a task holds only the accelerators it uses. 0 = the GPU pool's
+    accelerator_count. CPU and memory of a pod scale with its share of the pool's accelerators."""
+
+    sft: int = 0
+    """GPUs of the sft pod (its DeepSpeed ranks); 0 = gpu_pool.accelerator_count."""
+    prm: int = 0
+    """GPUs of the prm pod; 0 = gpu_pool.accelerator_count."""
+    ppo: int = 0
+    """GPUs of the ppo pod; 0 = gpu_pool.accelerator_count."""
+    rollout_engines: int = 1
+    """Sampling engines per rollout pod; the pod gets rollout.vllm.tensor_parallel_size x this many GPUs."""
+    evaluate: int = 1
+    """GPUs of the evaluate pod (HF generation of one model at a time uses one)."""
+
+
 @dataclass
 class ImagesConfig:
     """The images every step (and TrainJob node) runs; compiled into the pipeline spec."""
@@ -141,9 +170,21 @@ class ClusterConfig:
     cache_sampling: bool = False
     """Also cache rollout/evaluate, whose sampling is only repeatable with a fixed seed."""
     workspace_pvc: str = ""
-    """PVC mounted at workspace_path on every stage, for large checkpoints (empty: artifact store only)."""
+    """ReadWriteMany PVC mounted at workspace_path on every step: weights, optimizer moments and resume checkpoints live there (under prmflow/PIPELINE NAME/), written once; it outlives a run, so a re-submitted run resumes from it. Empty: KFP's per-run pipeline workspace of workspace_size."""
     workspace_path: str = "/workspace"
     """Mount path of workspace_pvc."""
+    workspace_size: str = "200Gi"
+    """Size of KFP's per-run pipeline workspace (KFP >= 2.15), used when workspace_pvc is empty. It is deleted with the run and its PVC name is in every step's cache key, so only workspace_pvc lets a failed run resume."""
+    workspace_storage_class: str = ""
+    """Storage class of the per-run workspace (a ReadWriteMany class); empty: the KFP installation's default."""
+    gpus: GpuShapes = field(default_factory=GpuShapes)
+    """GPUs per task (rollout = tensor parallel size x engines per pod); the GPU pool gives node selector and tolerations."""
+    shm_size: str = "16Gi"
+    """Memory-backed /dev/shm on every GPU pod (NCCL and vLLM tensor parallel workers need more than the container default 64 MiB); counts against the pod's memory."""
+    scratch_size: str = ""
+    """Size limit of the local /scratch emptyDir (TMPDIR, caches) of GPU pods; empty: one model's bf16 weights + 20Gi (model_params)."""
+    model_params: float = 0.0
+    """Parameters of the policy (e.g. 7.62e9), for scratch sizing and `pipeline plan`; 0 = read from the policy's config.json when it is readable here."""
     mlflow_secret: str = ""
     """Kubernetes secret with MLFLOW_TRACKING_URI / MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD keys."""
     object_store_secret: str = ""
@@ -162,7 +203,20 @@ class ClusterConfig:
             out.setdefault(self.object_store_secret, []).extend(OBJECT_STORE_SECRET_KEYS)
         return out
 
+    def workspace_root(self, pipeline_name: str) -> str:
+        """Where the steps keep heavy state: on workspace_pvc, or in KFP's per-run workspace."""
+        if self.workspace_pvc:
+            return f"{self.workspace_path.rstrip('/')}/prmflow/{pipeline_name}"
+        return "{{$.workspace_path}}/prmflow"
+
     def __post_init__(self):
+        for stage in ("sft", "prm", "ppo", "rollout_engines"):
+            if getattr(self.gpus, stage) < 0 or (stage == "rollout_engines" and self.gpus.rollout_engines < 1):
+                raise ConfigError(f"pipeline.cluster.gpus.{stage} is {getattr(self.gpus, stage)}; it must be "
+                                  f"{'at least 1' if stage == 'rollout_engines' else '0 (the pool size) or more'}.")
+        if self.workspace_pvc and self.workspace_path.rstrip("/") == KFP_WORKSPACE_MOUNT:
+            raise ConfigError(f"pipeline.cluster.workspace_path is {KFP_WORKSPACE_MOUNT}, where KFP mounts its own "
+                              f"per-run workspace; mount workspace_pvc elsewhere (e.g. /workspace).")
         if self.trainer.stages() and not self.workspace_pvc:
             raise ConfigError(f"pipeline.cluster.trainer runs {', '.join(self.trainer.stages())} as TrainJobs, whose "
                               "pods read their inputs and write their output on a shared volume: set "

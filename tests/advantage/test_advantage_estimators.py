@@ -73,7 +73,7 @@ def test_step_reward_modes_and_clipping(tmp_path, estimator, mode):
 def test_postprocessing_matches_reference(tmp_path, options):
     table = ref.random_rollouts(np.random.default_rng(3), n_groups=8, equal_groups=2)
     summary = run_and_compare(tmp_path, table, **options)
-    assert summary["train/zero_variance_group_count"] >= 2
+    assert summary["advantage/zero_variance_group_count"] >= 2
 
 
 def test_groups_are_per_iteration_and_span_shards(tmp_path):
@@ -87,7 +87,7 @@ def test_groups_are_per_iteration_and_span_shards(tmp_path):
     summary = stage.run(cfg)
     expected = ref.reference(both.to_pylist(), estimator="grpo", steps=False)
     written = schema.read_dataset(tmp_path / "advantages", "advantages").to_pylist()
-    assert summary["train/groups"] == len({(r["iteration"], r["prompt_id"]) for r in written}) == 12
+    assert summary["advantage/groups"] == len({(r["iteration"], r["prompt_id"]) for r in written}) == 12
     for row in written:
         want = expected[(row["iteration"], row["prompt_id"], row["sample_idx"])]
         np.testing.assert_allclose(row["advantages"], want["advantages"], rtol=1e-5, atol=1e-5)

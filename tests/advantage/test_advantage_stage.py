@@ -64,7 +64,7 @@ def test_gae_by_hand(tmp_path):
     assert out["returns"] == pytest.approx([1.07136, 1.438, 1.0], abs=1e-6)
     manifest = json.loads((tmp_path / "advantages" / "manifest.json").read_text())
     assert manifest["kind"] == "advantages" and manifest["rows"] == 1 and manifest["config"]["estimator"] == "gae"
-    assert summary["train/tokens_out"] == 3 and summary["train/kl_mean"] == pytest.approx(1 / 3)
+    assert summary["advantage/tokens_out"] == 3 and summary["advantage/kl_mean"] == pytest.approx(1 / 3)
 
 
 def test_grpo_and_rloo_by_hand(tmp_path):
@@ -113,10 +113,10 @@ def test_zero_variance_groups(tmp_path, mode):
                                  zero_variance_weight=0.25))
     out = {(r["prompt_id"], r["sample_idx"]): r["advantages"] for r in read_out(tmp_path)}
     # one of three groups: a single sample is not a zero-variance group
-    assert summary["train/zero_variance_groups"] == pytest.approx(1 / 3)
-    assert summary["train/zero_variance_group_count"] == 1
+    assert summary["advantage/zero_variance_groups"] == pytest.approx(1 / 3)
+    assert summary["advantage/zero_variance_group_count"] == 1
     if mode == "drop":
-        assert sorted(out) == [("mixed", 0), ("mixed", 1), ("single", 0)] and summary["train/rows_out"] == 3
+        assert sorted(out) == [("mixed", 0), ("mixed", 1), ("single", 0)] and summary["advantage/rows_out"] == 3
     else:
         assert out[("same", 0)] == pytest.approx([0.25 if mode == "downweight" else 1.0] * 3)
         assert out[("mixed", 0)] == pytest.approx([1.0] * 3)
@@ -224,7 +224,7 @@ def test_kl_state_overrides_kl_coef(tmp_path):
     state.write_text(json.dumps({"kl_coef": 0.25}))
     summary = stage.run(make_cfg(tmp_path, estimator="reinforce", kl_coef=0.01, kl_state=str(state)))
     assert read_out(tmp_path)[0]["token_rewards"] == pytest.approx([0.0, -0.5, 0.0])  # -0.25 * (-1 - -3)
-    assert summary["train/kl_coef"] == 0.25
+    assert summary["advantage/kl_coef"] == 0.25
     assert json.loads((tmp_path / "advantages" / "manifest.json").read_text())["kl_coef_used"] == 0.25
     # a ppo output directory holding kl_state.json works too (what the pipeline passes along)
     (tmp_path / "ppo").mkdir()
@@ -298,8 +298,8 @@ sys.modules["torch"] = None
 from types import SimpleNamespace as A
 from prmflow.pipelines.components import advantage
 out = A(path={str(tmp_path / "advantages")!r}, metadata={{}})
-advantage({{"estimator": "grpo", "tracking": {{"enabled": False}}}}, "", "", "prmflow", 0,
-          [A(path={str(tmp_path / "rollouts")!r})], A(path=""), False, out)
+advantage({{"estimator": "grpo", "tracking": {{"enabled": False}}}}, "", "prmflow", 0,
+          [A(path={str(tmp_path / "rollouts")!r})], out)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -352,14 +352,14 @@ def test_metrics_are_logged_under_their_names(tmp_path, monkeypatch):
     write_rows(tmp_path, ref.random_rollouts(np.random.default_rng(0)).to_pylist())
     summary = stage.run(make_cfg(tmp_path, estimator="gae", kl_coef=0.1, iteration=4))
     assert calls["start"] == ("advantage", 4, "gae") and calls["step"] == 4 and calls["finished"]
-    for name in ("train/advantage_mean", "train/advantage_std", "train/return_mean", "train/kl_mean",
-                 "train/zero_variance_groups", "perf/tokens_per_s"):
+    for name in ("advantage/advantage_mean", "advantage/advantage_std", "advantage/return_mean", "advantage/kl_mean",
+                 "advantage/zero_variance_groups", "perf/tokens_per_s"):
         assert math.isfinite(calls["metrics"][name]), name
     written = read_out(tmp_path)
     advantages = np.concatenate([r["advantages"] for r in written])
-    assert summary["train/advantage_mean"] == pytest.approx(advantages.mean(), abs=1e-6)
-    assert summary["train/advantage_std"] == pytest.approx(advantages.std(), abs=1e-6)
-    assert summary["train/return_mean"] == pytest.approx(np.concatenate([r["returns"] for r in written]).mean(),
+    assert summary["advantage/advantage_mean"] == pytest.approx(advantages.mean(), abs=1e-6)
+    assert summary["advantage/advantage_std"] == pytest.approx(advantages.std(), abs=1e-6)
+    assert summary["advantage/return_mean"] == pytest.approx(np.concatenate([r["returns"] for r in written]).mean(),
                                                          abs=1e-6)
 
 

@@ -63,7 +63,7 @@ def test_advantage_reads_a_plain_directory_as_it_reads_a_handoff(tmp_path, caplo
     assert got.num_rows == len(rows) and got.equals(want)
     # a re-run on the same plain input is recognised (its bytes are fingerprinted) and does nothing
     assert advantage.run(advantage.Config(input=str(plain), output=str(tmp_path / "a_plain"), estimator="reinforce_baseline",
-                                          kl_coef=0.05, tracking=OFF))["train/rows_out"] == len(rows)
+                                          kl_coef=0.05, tracking=OFF))["advantage/rows_out"] == len(rows)
     # another tool rewrites a file with two rewards swapped (same size, same row count): a re-run must
     # not take the old result for the new data
     second = [dict(r) for r in rows[6:]]

@@ -56,7 +56,7 @@ def test_recipe_compiles_to_the_resources_its_table_states(tmp_path, name):
         assert found, stage
         for ex in found:
             res = executors[ex]["container"]["resources"]
-            assert int(res["accelerator"]["resourceCount"]) == gpus == pool["accelerator_count"], (stage, res)
+            assert int(res["accelerator"]["resourceCount"]) == gpus <= pool["accelerator_count"], (stage, res)
             assert platform[ex]["nodeSelector"]["labels"] == pool["node_selector"]
     assert rows["advantage"] == (1, None)
     assert all("accelerator" not in executors[e]["container"].get("resources", {})

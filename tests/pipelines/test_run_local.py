@@ -72,14 +72,23 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     by_name = {r.info.run_name: r for r in children}
     # the stages got the pipeline's settings and their inputs from the upstream artifacts
     assert by_name["sft"].data.params["max_steps"] == "12"
-    assert by_name["prm"].data.params["backbone"].endswith("policy")  # the SFT policy artifact
+    # weights are read in place from the workspace (ROOT/workspace stands in for the RWX volume): the
+    # SFT policy as the PRM's backbone, ppo-0's policy by the next iteration's rollouts; the KFP
+    # artifacts of those models are locations of a few hundred bytes, not the weights
+    workspace = str(tmp_path / "root" / "workspace")
+    assert by_name["prm"].data.params["backbone"].startswith(f"{workspace}/sft-")
+    for shard in ("0/2", "1/2"):
+        assert re.fullmatch(rf"{workspace}/ppo-0-[0-9a-f]{{16}}/policy", by_name[f"rollout-iter1 shard {shard}"].data.params["policy"])
+    artifacts = [p for p in (tmp_path / "root").glob("prmflow-*/ppo*/updated") if p.is_dir()]
+    assert len(artifacts) == 2 and all(sorted(f.name for f in a.iterdir()) == ["location.json"] for a in artifacts)
+    assert all(f.stat().st_size < 4096 for a in artifacts for f in a.iterdir())
     assert by_name["ppo-iter1"].data.params["iteration"] == "1"
     assert {"train/policy_loss", "train/clip_frac"} <= set(by_name["ppo-iter0"].data.metrics)
     # RL did something, not only plumbing: the advantages were not all equal (all-zero advantages give PPO no
     # gradient), the policy moved away from the one that sampled (approx_kl > 0), and the evaluated policy's
     # weights differ from the SFT policy that PPO started from
     for k in (0, 1):
-        assert by_name[f"advantage-iter{k}"].data.metrics["train/advantage_std"] > 0
+        assert by_name[f"advantage-iter{k}"].data.metrics["advantage/advantage_std"] > 0
         kl = [m.value for m in client.get_metric_history(by_name[f"ppo-iter{k}"].info.run_id, "train/approx_kl")]
         # the first update's approx_kl is float noise (~1e-14: the policy has not moved yet); the second one's
         # is the first step's (~1e-6 at lr 1e-4)

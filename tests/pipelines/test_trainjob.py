@@ -15,7 +15,7 @@ from kfp import dsl
 from prmflow import cli
 from prmflow.components.common import config as config_lib
 from prmflow.components.common import io
-from prmflow.pipelines import trainjob
+from prmflow.pipelines import kfp_shim, trainjob
 from prmflow.errors import ConfigError
 from prmflow.pipelines import components as ppo_component
 from prmflow.components.ppo import stage as ppo_stage
@@ -112,30 +112,36 @@ def compiled_ppo_step(tmp_path_factory):
     return trainjob_env(spec, "exec-ppo"), workspace
 
 
-def run_ppo_step(tmp_path, monkeypatch, fake, compiled, run_id, output=None):
-    """The ppo component function as the compiled step's container runs it (its env, KFP's paths)."""
+def run_ppo_step(tmp_path, monkeypatch, fake, compiled, run_id, on_volume=False):
+    """The ppo component function as the compiled step's container runs it (its env, KFP's paths);
+    `on_volume`: the pipeline has a workspace on the shared volume, where the output then goes."""
     env, workspace = compiled
     monkeypatch.setenv(trainjob.ENV, env)
     monkeypatch.setenv("KUBECONFIG", str(fake.kubeconfig(tmp_path / "kubeconfig")))
-    return ppo_step(tmp_path, run_id, output), workspace
+    monkeypatch.setenv(kfp_shim.RUN_ID_ENV, run_id)  # the pod's pipeline/runid label on a cluster
+    return ppo_step(tmp_path, workspace if on_volume else None), workspace
 
 
-def ppo_step(tmp_path: Path, run_id: str, output: Path | None = None) -> Path:
+def ppo_step(tmp_path: Path, workspace: Path | None = None) -> Path:
     """KFP's part of a ppo step: its input artifacts downloaded, then the component function called
-    (`output`: where the step's output goes, default a KFP output artifact in the step's pod)."""
+    (`workspace`: the pipeline's workspace on the shared volume; none: the output is a KFP output
+    artifact in the step's pod, copied there from the volume). Returns where the whole output is."""
     inputs = tmp_path / "minio"  # where KFP's launcher put the input artifacts
     for name in ("policy", "advantages"):
         (inputs / name).mkdir(parents=True)
         (inputs / name / "part-00000.parquet").write_bytes(name.encode())
-    policy, advantages, previous = dsl.Model(uri="s3://b/policy"), dsl.Dataset(uri="s3://b/adv"), dsl.Model(uri="s3://b/p")
-    updated = dsl.Model(uri="s3://b/updated")
-    policy.path, advantages.path, previous.path = str(inputs / "policy"), str(inputs / "advantages"), str(inputs / "policy")
-    updated.path = str(output or tmp_path / "outputs" / "updated")
+    policy, advantages = dsl.Model(uri="s3://b/policy"), dsl.Dataset(uri="s3://b/adv")
+    policy.path, advantages.path = str(inputs / "policy"), str(inputs / "advantages")
+    outs = {k: (dsl.Artifact if k in ("state", "kl_state") else dsl.Model)(uri=f"s3://b/{k}")
+            for k in ("updated", "critic", "state", "kl_state")}
+    for k, a in outs.items():
+        a.path = str(tmp_path / "outputs" / k)
     (tmp_path / "outputs").mkdir()
-    ppo_component.ppo(config={"optim": {"lr": 1e-6}}, kfp_run_id=run_id, tracking_uri="http://mlflow:5000",
-                      experiment="prm-rl", iteration=0, policy=policy, policy_subdir="", advantages=advantages,
-                      previous=previous, resume_previous=False, updated=updated)
-    return Path(updated.path)
+    ppo_component.ppo(config={"optim": {"lr": 1e-6}}, tracking_uri="http://mlflow:5000", experiment="prm-rl",
+                      workspace=f"{workspace}/prmflow/prmflow" if workspace else "", iteration=0, policy=policy,
+                      advantages=advantages, **outs)
+    # the whole ppo output: on the workspace (its location is the `state` artifact), else that artifact itself
+    return Path(kfp_shim.located(outs["state"].path)) if workspace else Path(outs["state"].path)
 
 
 def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(tmp_path, monkeypatch, capsys,
@@ -194,32 +200,32 @@ def test_a_failed_trainjob_fails_the_step_with_its_reason_and_hands_on_nothing(t
         run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-failed")
     assert "failed: FailedJobs: jobset failed: node-1 OOMKilled (exit code 137)" in str(err.value)
     assert fake.posted()[0]["metadata"]["name"] in str(err.value)
-    assert not (tmp_path / "outputs" / "updated").exists()
+    assert not (tmp_path / "outputs" / "state").exists()
 
 
 def test_an_output_on_the_volume_is_written_there_by_the_job_and_not_copied(tmp_path, monkeypatch, compiled_ppo_step):
     """Where the step's output path is on the shared volume (the workspace layout), the TrainJob writes it
     there and the step only checks it: no second copy of the checkpoint."""
-    out = compiled_ppo_step[1] / "ppo-0-3f9a"  # a workspace path, as the pipeline's layout names it
     with FakeK8s(work=fake_ppo_output) as fake:
-        got, workspace = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-in-place", output=out)
+        out, workspace = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-in-place", on_volume=True)
     command = fake.posted()[0]["spec"]["trainer"]["command"]
     staged = yaml.safe_load(Path(command[command.index("--config") + 1]).read_text())["ppo"]
-    assert staged["output"] == str(out) and got == out
+    assert staged["output"] == str(out) and out.is_relative_to(workspace)
     io.verify_files(out, io.read_manifest(out))
     assert not (workspace / "trainjobs" / "run-in-place" / "ppo-it0" / "output").exists()
+    assert not (tmp_path / "outputs" / "state" / "manifest.json").exists()  # the step's pod holds only its location
 
 
 def test_a_trainjob_that_completes_without_a_complete_output_fails_the_step(tmp_path, monkeypatch, compiled_ppo_step):
     def no_manifest(body):
         command = body["spec"]["trainer"]["command"]
-        out = Path(command[command.index("--config") + 1]).parent / "output"
+        out = Path(yaml.safe_load(Path(command[command.index("--config") + 1]).read_text())["ppo"]["output"])
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")  # weights and manifest missing: a rank-0 crash after exit 0
 
     with FakeK8s(work=no_manifest) as fake, pytest.raises(trainjob.TrainJobError, match="output at .* is not complete"):
         run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-incomplete")
-    assert not (tmp_path / "outputs" / "updated").exists()
+    assert not (tmp_path / "outputs" / "state").exists()
 
 
 def test_a_retried_step_waits_for_the_job_its_first_attempt_submitted(tmp_path, monkeypatch, compiled_ppo_step):
@@ -293,9 +299,9 @@ def start_ppo_step(tmp_path: Path, fake, env: str, run_id: str):
     import time
 
     code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from pathlib import Path; "
-            f"from pipelines.test_trainjob import ppo_step; ppo_step(Path({str(tmp_path)!r}), {run_id!r})")
+            f"from pipelines.test_trainjob import ppo_step; ppo_step(Path({str(tmp_path)!r}))")
     child_env = {**os.environ, trainjob.ENV: env, "KUBECONFIG": str(fake.kubeconfig(tmp_path / "kubeconfig")),
-                 "PYTHONPATH": str(ROOT)}
+                 "PYTHONPATH": str(ROOT), kfp_shim.RUN_ID_ENV: run_id}
     step = subprocess.Popen([sys.executable, "-c", code], env=child_env, stderr=subprocess.PIPE, text=True)
     name = trainjob.job_name(run_id, "ppo", 0)
     for _ in range(1200):  # until the fake controller has the job's pods Running (or the step died)
@@ -323,7 +329,7 @@ def test_a_stopped_step_deletes_its_trainjob(tmp_path, compiled_ppo_step):
     assert step.returncode != 0
     assert fake.deleted == [name] and name not in fake.jobs
     assert f"deleted TrainJob {name} (the step was stopped)" in err and "SIGTERM" in err
-    assert not (tmp_path / "outputs" / "updated").exists()
+    assert not (tmp_path / "outputs" / "state").exists()
 
 
 def test_a_step_retried_after_its_pod_died_reattaches_to_the_running_trainjob(tmp_path, monkeypatch, compiled_ppo_step):
@@ -408,6 +414,7 @@ def test_sft_trainjob_command_trains_and_tags_its_mlflow_run(tmp_path, monkeypat
     spec, _ = compile_yaml(tmp_path, CLUSTER_YAML.format(workspace=workspace).replace("ppo: trainjob", "sft: trainjob"))
     ex = next(e for e in spec["deploymentSpec"]["executors"] if trainjob_env(spec, e))
     monkeypatch.setenv(trainjob.ENV, trainjob_env(spec, ex))
+    monkeypatch.setenv(kfp_shim.RUN_ID_ENV, "run-9")
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with FakeK8s(work=lambda body: run_node_pods(body, workspace)) as fake:
         monkeypatch.setenv("KUBECONFIG", str(fake.kubeconfig(tmp_path / "kubeconfig")))
@@ -417,9 +424,11 @@ def test_sft_trainjob_command_trains_and_tags_its_mlflow_run(tmp_path, monkeypat
         sft_component.sft(config={"max_steps": 2, "num_prompts": 32, "eval_size": 8, "micro_batch_size": 4,
                                   "eval_every": 2, "save_every": 0, "optim": {"warmup_steps": 0},
                                   "engine": {"backend": "torch"}},
-                          kfp_run_id="run-9", tracking_uri=store, experiment="trainjob-test", policy=policy)
+                          tracking_uri=store, experiment="trainjob-test", workspace=f"{workspace}/prmflow/prmflow",
+                          policy=policy)
     name = fake.posted()[0]["metadata"]["name"]
-    out = Path(policy.path)
+    out = Path(kfp_shim.located(policy.path))  # the job wrote the policy once, on the workspace
+    assert out.parent == workspace / "prmflow" / "prmflow" and not (workspace / "trainjobs" / "run-9" / "sft" / "output").exists()
     io.verify_files(out, io.read_manifest(out))
     assert (out / "model.safetensors").is_file()
     runs = mlflow.MlflowClient(store).search_runs(

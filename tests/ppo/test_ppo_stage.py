@@ -10,7 +10,7 @@ from ppo_helpers import FAST, params, score, write_advantages
 from prmflow.components.common import config, modeling
 from prmflow import tracking
 from prmflow.errors import ConfigError, DataError, ModelLoadError, OutputExistsError
-from prmflow.components.common import kl_state, supervised_data
+from prmflow.components.common import supervised_data
 from prmflow.components.ppo import batch, models, prepass, ptx, stage
 
 
@@ -132,14 +132,12 @@ def test_loss_aggregation_matches_hand_value_and_is_micro_batch_invariant(sft_po
 # --- critic, warm-up and KL control ------------------------------------------------------------
 
 def test_critic_warmup_value_loss_and_adaptive_kl(sft_policy, rows16, tmp_path):
-    kl_in = tmp_path / "prev"
-    kl_state.write(kl_in / "kl_state.json", {"kl_coef": 0.1, "mode": "adaptive"})
     adv = write_advantages(tmp_path / "adv", rows16, lambda i, t: (-1) ** i, returns=0.5, values=0.0,
                            kl=lambda i, t: 0.01 * (i % 4))
     out = tmp_path / "out"
     m = stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=8, micro_batch_size=4, train_critic=True,
                            critic_warmup_steps=1, kl_control="adaptive", kl_target=1.0, kl_horizon=100,
-                           kl_state=str(kl_in)))
+                           kl_coef=0.1))
     warm, first_actor = history(out)
     assert not warm["actor"] and "policy_loss" not in warm and warm["value_loss"] > 0
     # the actor did not move during the warm-up: its first update still sees ratio 1
@@ -301,12 +299,21 @@ def test_kl_coef_used_is_carried_on_and_other_advantages_in_the_same_place_are_n
     # the advantage stage records the beta it used; that, not the kl_coef config key, is carried on
     adv = write_advantages(tmp_path / "adv", rows16[:4], 1.0, manifest={"kl_coef_used": 0.2})
     out = tmp_path / "out"
-    stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=4, micro_batch_size=4, kl_coef=0.7))
+    m1 = stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=4, micro_batch_size=4, kl_coef=0.7))
     assert json.loads((out / "kl_state.json").read_text())["kl_coef"] == 0.2
-    # same config, other data in the same place: not "already done"
-    write_advantages(tmp_path / "adv2", rows16[:4], -1.0, manifest={"kl_coef_used": 0.2})
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    assert stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=4, micro_batch_size=4, kl_coef=0.7)) == m1
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp
+    # the same advantages at another path (a pipeline re-run's new artifact): still the same result
     import shutil
 
+    moved = shutil.copytree(adv, tmp_path / "rerun-artifact" / "advantages")
+    assert stage.run(make_cfg(sft_policy, moved, out, epochs=1, minibatch_size=4, micro_batch_size=4, kl_coef=0.7)) == m1
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp
+    with pytest.raises(OutputExistsError):
+        stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=4, micro_batch_size=4, **{"optim.lr": 5e-4}))
+    # same config, other data in the same place: not "already done" either
+    write_advantages(tmp_path / "adv2", rows16[:4], -1.0, manifest={"kl_coef_used": 0.2})
     shutil.rmtree(adv)
     shutil.move(tmp_path / "adv2", adv)
     with pytest.raises(OutputExistsError, match="different config"):

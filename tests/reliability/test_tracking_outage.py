@@ -341,7 +341,7 @@ def test_stage_with_tracking_down_throughout_then_sync(mlflow_server, tmp_path, 
     client = MlflowClient(mlflow_server.uri)
     run, = client.search_runs([client.get_experiment_by_name("later").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["estimator"] == "grpo"
-    assert run.data.metrics["train/rows_out"] == summary["train/rows_out"]
+    assert run.data.metrics["advantage/rows_out"] == summary["advantage/rows_out"]
     assert tracking.sync_fallback(fallback, mlflow_server.uri)["delivered"] == 0
     reliability.add("tracking/real-server", synced_later=counts["delivered"])
 

@@ -24,16 +24,17 @@ def test_oracle_refuses_prompts_without_an_exact_step_checker():
         oracle.step_rewards(["arithmetic", "gsm8k"], [PROMPT, "Janet has 3 ducks"], ["answer: 32", "#### 3"], "\n")
 
 
-@pytest.mark.parametrize("configured, want", [({"prm": "oracle"}, "oracle"), ({}, "/pvc/prm_model")])
-def test_pipeline_step_uses_the_oracle_only_when_configured(monkeypatch, configured, want):
-    """In the pipeline the rollout step is handed the trained PRM artifact; `rollout: {prm: oracle}` wins."""
+@pytest.mark.parametrize("configured, wired, want", [({"prm": "oracle"}, False, None), ({}, True, "/pvc/prm_model")])
+def test_pipeline_step_uses_the_oracle_only_when_configured(monkeypatch, configured, wired, want):
+    """In the pipeline the rollout step is handed the trained PRM artifact, except with `rollout: {prm: oracle}`,
+    where no PRM is wired (pipelines/pipeline.py) and the config's `oracle` stands."""
     from kfp import dsl
 
     from prmflow.pipelines import kfp_shim
     from prmflow.pipelines import components as component
 
     seen = {}
-    monkeypatch.setattr(kfp_shim, "run_stage", lambda name, stage, config, paths, *a: seen.update(paths))
+    monkeypatch.setattr(kfp_shim, "run_stage", lambda name, stage, config, paths, *a, **k: seen.update(paths))
     monkeypatch.setattr(kfp_shim, "dataset_metadata", lambda path: {})
 
     def art(cls, path):
@@ -41,7 +42,6 @@ def test_pipeline_step_uses_the_oracle_only_when_configured(monkeypatch, configu
         a.path = path
         return a
 
-    component.rollout(configured, "run", "", "exp", 0, 0, 1, art(dsl.Model, "/pvc/policy"), "policy",
-                      art(dsl.Model, "/pvc/prm_model"), art(dsl.Model, "/pvc/ref"), art(dsl.Model, "/pvc/critic"), "critic",
-                      False, art(dsl.Dataset, "/pvc/rollouts"))
-    assert seen["prm"] == want and seen["policy"] == "/pvc/policy/policy"
+    component.rollout(configured, "", "exp", 0, 0, 1, art(dsl.Model, "/pvc/policy"), art(dsl.Dataset, "/pvc/rollouts"),
+                      prm_model=art(dsl.Model, "/pvc/prm_model") if wired else None, ref=art(dsl.Model, "/pvc/ref"))
+    assert seen.get("prm") == want and seen["policy"] == "/pvc/policy" and "critic" not in seen

@@ -57,7 +57,7 @@ def run(cfg: Config) -> dict:
     done = io.finished_output("advantage", cfg.output, config_lib.to_dict(cfg), cfg.overwrite,
                               inputs=io.input_fingerprints(ds.dirs), kl_coef_used=plan.beta)
     if done is not None:
-        return {"train/rows_out": done["rows"]}
+        return {"advantage/rows_out": done["rows"]}
     check_columns_exist(ds, plan)
     with start_stage_run(cfg.tracking, stage="advantage", params=config_lib.flat_dict(cfg),
                          iteration=cfg.iteration) as tracker:
@@ -70,17 +70,17 @@ def run(cfg: Config) -> dict:
         adv, ret, kl = out["advantages"], out["returns"], out["kl"]
         n_groups = len(groups.n)
         summary = {
-            "train/advantage_mean": adv.mean,
-            "train/advantage_std": adv.std,
-            "train/return_mean": ret.mean,
-            "train/token_reward_mean": out["token_rewards"].mean,
-            "train/kl_coef": plan.beta,
-            "train/zero_variance_groups": float(groups.zero_variance.sum()) / n_groups,
-            "train/zero_variance_group_count": int(groups.zero_variance.sum()),
-            "train/groups": n_groups,
-            "train/rows_in": len(groups.codes),
-            "train/rows_out": out["rows_out"],
-            "train/tokens_out": out["tokens_out"],
+            "advantage/advantage_mean": adv.mean,
+            "advantage/advantage_std": adv.std,
+            "advantage/return_mean": ret.mean,
+            "advantage/token_reward_mean": out["token_rewards"].mean,
+            "advantage/kl_coef": plan.beta,
+            "advantage/zero_variance_groups": float(groups.zero_variance.sum()) / n_groups,
+            "advantage/zero_variance_group_count": int(groups.zero_variance.sum()),
+            "advantage/groups": n_groups,
+            "advantage/rows_in": len(groups.codes),
+            "advantage/rows_out": out["rows_out"],
+            "advantage/tokens_out": out["tokens_out"],
             "perf/tokens_per_s": out["tokens_out"] / seconds,
             "perf/seconds": seconds,
         }
@@ -89,9 +89,9 @@ def run(cfg: Config) -> dict:
                             "train/process_weight": groups.process.weight,
                             "train/prm_scored_steps": groups.process.steps})
         if kl.n:  # no row had both old_logprobs and ref_logprobs: no KL to report
-            summary["train/kl_mean"] = kl.mean
+            summary["advantage/kl_mean"] = kl.mean
         tracker.log_metrics(summary, step=cfg.iteration)
     log.info("advantage: %d rows -> %s (%d dropped, %d/%d zero-variance groups), %.0f tokens/s",
-             summary["train/rows_in"], cfg.output, summary["train/rows_in"] - summary["train/rows_out"],
-             summary["train/zero_variance_group_count"], n_groups, summary["perf/tokens_per_s"])
+             summary["advantage/rows_in"], cfg.output, summary["advantage/rows_in"] - summary["advantage/rows_out"],
+             summary["advantage/zero_variance_group_count"], n_groups, summary["perf/tokens_per_s"])
     return summary

@@ -92,13 +92,11 @@ class Config:
     kl_control: Literal["fixed", "adaptive"] = "fixed"
     """KL coefficient of the reward: fixed, or adapted toward kl_target (Ziegler et al. 2019)."""
     kl_coef: float = 0.0
-    """KL coefficient beta of this batch's rewards when neither the advantages manifest (kl_coef_used) nor kl_state says."""
+    """KL coefficient beta of this batch's rewards when the advantages manifest does not record it (kl_coef_used; advantages from another tool)."""
     kl_target: float = 6.0
     """Adaptive control: target KL per response (nats, summed over its tokens)."""
     kl_horizon: int = 10000
     """Adaptive control: responses over which beta may change by at most 20% per unit of error."""
-    kl_state: str = ""
-    """Previous iteration's ppo output (or its kl_state.json), read when the advantages manifest lacks kl_coef_used."""
     optimizer_state: str = ""
     """Optimizer moments to continue from: the previous iteration's OUTPUT/optimizer, so the RL iterations train as one long run. Empty = a fresh optimizer, whose first bias-corrected updates are sign-like steps of size lr on every parameter (noisy when an iteration has few updates)."""
     save_optimizer: bool = True

@@ -3,7 +3,8 @@
 The coefficient is state that crosses iterations: the advantage stage of iteration k uses beta_k
 to build rewards, the ppo stage of iteration k measures the KL of that batch (`next_state`) and
 writes beta_{k+1} to `OUTPUT/kl_state.json` (the file's format and its one reader and writer:
-prmflow/components/common/kl_state.py), which the next iteration's advantage and ppo stages read.
+prmflow/components/common/kl_state.py), which the next iteration's advantage stage reads; that stage
+records the beta it used in the advantages manifest (`kl_coef_used`), the only place ppo reads it.
 
 Adaptive rule (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", 2.2):
     beta <- beta * (1 + clip(kl / target - 1, -0.2, 0.2) * n_samples / horizon)
@@ -18,7 +19,6 @@ from typing import Any
 
 from ..common import schema
 from ...errors import DataError
-from ..common import kl_state
 from .batch import Sample
 from .config import Config
 
@@ -75,10 +75,9 @@ def kl_per_response(kl_tokens: list[list[float]]) -> float:
 
 
 def beta_used(cfg: Config) -> float:
-    """The KL coefficient the advantage stage built this batch's rewards with.
-
-    Its manifest records it (`kl_coef_used`); otherwise the kl_state file, otherwise kl_coef.
-    """
+    """The KL coefficient the advantage stage built this batch's rewards with: the one field of the
+    advantages manifest that carries it (`kl_coef_used`, decided by the advantage stage from its config
+    and the previous kl_state); kl_coef only for advantages written by another tool, without it."""
     manifests = schema.open_dataset(cfg.input, "advantages", verify_checksums=False).manifests
     used = {m.get("kl_coef_used") for m in manifests}
     used.discard(None)
@@ -86,7 +85,7 @@ def beta_used(cfg: Config) -> float:
         return float(used.pop())
     if len(used) > 1:
         raise DataError(f"'{cfg.input}' mixes shards built with different KL coefficients {sorted(used)}.")
-    return kl_state.read_kl_coef(cfg.kl_state) if cfg.kl_state else cfg.kl_coef
+    return cfg.kl_coef
 
 
 def next_state(cfg: Config, samples: list[Sample]) -> dict[str, Any]:

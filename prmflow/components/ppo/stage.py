@@ -1,7 +1,7 @@
 """PPO update: train the policy (and optionally a critic) on one batch of rollouts with advantages.
 
     prmflow ppo --policy outputs/sft --input outputs/advantages-0 --output outputs/ppo-0
-    prmflow ppo --config configs/quickstart-cpu.yaml --set iteration=3 --set kl_state=outputs/ppo-2
+    prmflow ppo --config configs/quickstart-cpu.yaml --set iteration=3 --set optimizer_state=outputs/ppo-2/optimizer
     prmflow ppo ... --train_critic true --critic_warmup_steps 4 --engine.zero_stage 2    # GAE
 
 Reads an advantages hand-off (prompt_ids, response_ids, old_logprobs, advantages; returns/values
@@ -111,11 +111,14 @@ class Training:
     at step base + u, so iterations chart one after another."""
 
 
-def _inputs(cfg: Config) -> dict[str, str]:
+def _inputs(cfg: Config) -> dict:
     """Fingerprints of the committed inputs (the advantages shards, and the policy/critic when they
-    are prmflow outputs): a re-run or a resume with the same config but other data starts afresh."""
-    dirs = [str(d) for d in schema.open_dataset(cfg.input, "advantages", verify_checksums=False).dirs]
-    return io.input_fingerprints(dirs + [cfg.policy, cfg.critic])
+    are prmflow outputs): a re-run or a resume with the same config but other data starts afresh.
+    The advantages count by content, not by where they lie: a pipeline re-run hands the same
+    advantages over at a new artifact path and must find its finished output on the workspace."""
+    shards = [str(d) for d in schema.open_dataset(cfg.input, "advantages", verify_checksums=False).dirs]
+    models = [d for d in (cfg.policy, cfg.critic) if d and (Path(d) / io.MANIFEST).is_file()]
+    return {"advantages": sorted(io.fingerprint(shards).values()), **io.fingerprint(models)}
 
 
 def run(cfg: Config) -> dict:
@@ -126,7 +129,8 @@ def run(cfg: Config) -> dict:
     if distributed.under_launcher():
         init_distributed(cfg.engine)  # the ranks decide together from here on
         distributed.check_divides(cfg.micro_batch_size)
-    cfg_dict = {**config_lib.to_dict(cfg), "inputs": _inputs(cfg)}  # the identity of this run's result
+    # the identity of this run's result: the config (but where the advantages lie) and the inputs' content
+    cfg_dict = {**{k: v for k, v in config_lib.to_dict(cfg).items() if k != "input"}, "inputs": _inputs(cfg)}
     done = io.finished_output("ppo", cfg.output, cfg_dict, cfg.overwrite)  # (the inputs are in cfg_dict)
     if done is not None:
         return done.get("metrics", {})

@@ -1,0 +1,296 @@
+"""`prmflow pipeline plan --config FILE`: what a cluster run will hold and move, before a GPU is spent.
+
+    prmflow pipeline plan --config configs/cluster/qwen2.5-7b-gsm8k-math.yaml [--model-params 7.62e9]
+
+The plan compiles the pipeline and walks the compiled spec with a model of the KFP launcher: every
+input artifact of a task is downloaded whole from the object store before the task starts
+(kubeflow/pipelines backend/src/v2/component/launcher_v2.go, downloadArtifacts; a Collected list
+downloads every element). What an artifact weighs follows from what produced it (`artifact_bytes`):
+weights and optimizer moments stay on the workspace, so a Model artifact of sft/prm/ppo is a location
+of a few KB, while an imported model is its whole size. What a task opens on the workspace follows
+from the input names it was wired with. Sizes: weights = bytes per parameter (bf16: 2) x P; Adam
+state in fp32 (master copy + two moments, 12 bytes per parameter with DeepSpeed; 8 with torch);
+rollouts as an upper bound, every response at max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .settings import MIN_KFP_BACKEND, MIN_TRAINER, PipelineSpec
+
+#: Bytes of a location artifact (location.json: where, fingerprint, a sha256 and a size per file).
+LOCATION_BYTES = 16 * 1024
+KL_STATE_BYTES = 512
+#: Rollout columns per response token: ids (4 B) and five float32 lists (behavior, old, ref logprobs,
+#: values, step scores spread), as an upper bound of the Parquet size.
+ROLLOUT_BYTES_PER_TOKEN = 24
+#: Advantages add token_rewards, advantages, returns and kl (4 x float32) per token.
+ADVANTAGE_EXTRA_PER_TOKEN = 16
+GB = 1e9
+
+
+@dataclass
+class Sizes:
+    """What one model's state weighs, and the per-shard rollout hand-off."""
+
+    weights: float
+    optimizer: float
+    rollouts_per_shard: float
+    advantages: float
+    critic: bool
+    save_optimizer: bool
+
+
+@dataclass
+class TaskRow:
+    stage: str
+    name: str
+    pods: int
+    gpus: int = 0
+    cpu: str = ""
+    memory: str = ""
+    object_store_read: float = 0.0
+    workspace_read: float = 0.0
+    workspace_written: float = 0.0
+    inputs: dict = field(default_factory=dict)
+
+
+def stage_of(component: str) -> str:
+    """comp-rollout-12 -> rollout; comp-importer-2 -> importer."""
+    return re.sub(r"^comp-|-\d+$", "", component)
+
+
+def artifact_bytes(stage: str, key: str, s: Sizes, legacy: bool = False) -> float:
+    """Bytes of output `key` of a `stage` task, as the launcher would download it. legacy: the layout
+    before the workspace (every Model artifact held its files; ppo's held policy, critic and optimizer)."""
+    if stage == "importer":
+        return s.weights
+    if stage == "rollout":
+        return s.rollouts_per_shard
+    if stage == "advantage":
+        return s.advantages
+    if stage == "ppo" and key == "kl_state":
+        return KL_STATE_BYTES
+    if stage in ("sft", "prm", "ppo", "locate"):
+        if not legacy:
+            return LOCATION_BYTES
+        if stage == "ppo":
+            models = 2 if s.critic else 1
+            return models * s.weights + (models * s.optimizer if s.save_optimizer else 0)
+        return s.weights
+    return 1e6  # evaluate results, metrics
+
+
+def opened_on_workspace(stage: str, inputs: dict, s: Sizes) -> float:
+    """Bytes a task reads in place from the workspace, by the names of its located inputs."""
+    total = 0.0
+    for name in inputs:
+        if name in ("policy", "ref", "prm_model", "critic", "base", "baseline"):
+            total += s.weights
+        elif name == "previous":  # ppo: the critic and Adam's moments of the last iteration
+            models = 2 if s.critic else 1
+            total += (s.weights if s.critic else 0) + (models * s.optimizer if s.save_optimizer else 0)
+    return total
+
+
+def written_to_workspace(stage: str, s: Sizes) -> float:
+    if stage in ("sft", "prm"):
+        return s.weights
+    if stage == "ppo":
+        models = 2 if s.critic else 1
+        return models * s.weights + (models * s.optimizer if s.save_optimizer else 0)
+    return 0.0
+
+
+def walk(ir: dict, sizes: Sizes, legacy: bool = False) -> list[TaskRow]:
+    """Every executor task of the compiled spec with the artifacts it downloads (the launcher's rule)."""
+    comps, execs = ir["components"], ir["deploymentSpec"]["executors"]
+    rows: list[TaskRow] = []
+
+    def dag_outputs(comp: str, key: str, loops: int) -> list[tuple[str, str, int]]:
+        sel = comps[comp]["dag"]["outputs"]["artifacts"][key]["artifactSelectors"]
+        out = []
+        for s in sel:
+            sub = comps[comp]["dag"]["tasks"][s["producerSubtask"]]["componentRef"]["name"]
+            out.append((stage_of(sub), s["outputArtifactKey"], loops))
+        return out
+
+    def visit(comp: str, mult: int, env: dict):
+        tasks = comps[comp]["dag"]["tasks"]
+        loops = {n: (len(json.loads(t["parameterIterator"]["items"]["raw"])) if "parameterIterator" in t else 1)
+                 for n, t in tasks.items()}
+        for name, t in tasks.items():
+            ref = t["componentRef"]["name"]
+            inputs = {}
+            for iname, spec in (t.get("inputs") or {}).get("artifacts", {}).items():
+                if "componentInputArtifact" in spec:
+                    inputs[iname] = env[spec["componentInputArtifact"]]
+                else:
+                    p = spec["taskOutputArtifact"]["producerTask"]
+                    pref = tasks[p]["componentRef"]["name"]
+                    key = spec["taskOutputArtifact"]["outputArtifactKey"]
+                    inputs[iname] = (dag_outputs(pref, key, loops[p]) if "dag" in comps[pref]
+                                     else [(stage_of(pref), key, 1)])
+            if "dag" in comps[ref]:
+                visit(ref, mult * loops[name], inputs)
+                continue
+            stage = stage_of(ref)
+            ex = execs.get(comps[ref].get("executorLabel", ""), {})
+            res = ex.get("container", {}).get("resources", {})
+            row = TaskRow(stage, t["taskInfo"]["name"], mult, int(res.get("accelerator", {}).get("resourceCount", 0) or 0),
+                          res.get("resourceCpuLimit", ""), res.get("resourceMemoryLimit", ""), inputs=inputs)
+            row.object_store_read = sum(n * artifact_bytes(st, k, sizes, legacy)
+                                        for srcs in inputs.values() for st, k, n in srcs)
+            row.workspace_read = 0.0 if legacy else opened_on_workspace(stage, inputs, sizes)
+            row.workspace_written = 0.0 if legacy else written_to_workspace(stage, sizes)
+            rows.append(row)
+
+    visit_root = ir["root"]
+    comps["__root__"] = visit_root
+    visit("__root__", 1, {})
+    del comps["__root__"]
+    return rows
+
+
+def sizes_of(spec: PipelineSpec, params: float) -> Sizes:
+    from .pipeline import resolved
+
+    ppo, roll = resolved(spec, "ppo"), resolved(spec, "rollout")
+    dtype_bytes = 2 if ppo.engine.dtype in ("bfloat16", "float16") else 4
+    adam = 12 if ppo.engine.backend == "deepspeed" else 8
+    responses = roll.num_prompts * roll.n_samples
+    tokens = responses * (roll.sampling.max_new_tokens + (roll.max_prompt_len or 256))
+    shards = spec.pipeline.rollout_shards
+    rollouts = tokens * ROLLOUT_BYTES_PER_TOKEN
+    return Sizes(weights=dtype_bytes * params, optimizer=adam * params, rollouts_per_shard=rollouts / shards,
+                 advantages=rollouts + tokens * ADVANTAGE_EXTRA_PER_TOKEN, critic=ppo.train_critic,
+                 save_optimizer=ppo.save_optimizer)
+
+
+def compiled(spec: PipelineSpec) -> dict:
+    from .pipeline import compile_to
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = compile_to(spec, str(Path(tmp) / "pipeline.yaml"))
+        return next(yaml.safe_load_all(Path(path).read_text()))
+
+
+def per_iteration(rows: list[TaskRow]) -> list[TaskRow]:
+    """The tasks of one steady-state RL iteration (k = 1 where there is one: iteration 0 carries no
+    critic or optimizer over): its rollout shards, advantage and ppo."""
+    k = 1 if any(r.name == "ppo-1" or r.name.startswith("ppo-1 ") for r in rows) else 0
+    return [r for r in rows if r.name in (f"rollout-{k}", f"advantage-{k}", f"ppo-{k}", f"ppo-{k} (trainjob)")]
+
+
+def storage(spec: PipelineSpec, s: Sizes) -> float:
+    """Workspace bytes a whole run leaves: sft and prm weights, and every iteration's ppo output."""
+    pipe = spec.pipeline
+    return (0 if pipe.sft_model else s.weights) + (0 if pipe.prm_model else s.weights) + \
+        pipe.iterations * written_to_workspace("ppo", s)
+
+
+def parse_quantity(q: str) -> float:
+    """'200Gi' -> bytes."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGTP]i?)?", q or "")
+    if not m:
+        return 0.0
+    unit = m.group(2) or ""
+    base = 1024 if unit.endswith("i") else 1000
+    return float(m.group(1)) * base ** ("KMGTP".index(unit[0]) + 1 if unit else 0)
+
+
+def warnings_of(spec: PipelineSpec, s: Sizes, rows: list[TaskRow], volume_bytes: float = 0.0) -> list[str]:
+    from .pipeline import gpu_counts
+
+    out = []
+    cluster = spec.pipeline.cluster
+    pool = cluster.gpu_pool.accelerator_count
+    counts = gpu_counts(spec)
+    for stage in ("rollout", "evaluate", "prm", "sft", "ppo"):
+        if stage in cluster.trainer.stages() or not pool:
+            continue
+        if counts[stage] < pool:
+            continue
+        if stage == "evaluate" and counts[stage] > 1:
+            out.append(f"evaluate holds {counts[stage]} GPUs and generates with one (cluster.gpus.evaluate).")
+    need = storage(spec, s)
+    size = volume_bytes or (0.0 if cluster.workspace_pvc else parse_quantity(cluster.workspace_size))
+    if size and need > size:
+        out.append(f"the workspace needs {need / GB:.0f} GB for this run and is {size / GB:.0f} GB: raise "
+                   f"{'workspace_size' if not cluster.workspace_pvc else 'the PVC'} or turn off ppo.save_optimizer.")
+    if cluster.workspace_pvc:
+        out.append(f"workspace_pvc '{cluster.workspace_pvc}' must be ReadWriteMany (the rollout shards, ppo and evaluate "
+                   f"pods mount it at once): kubectl get pvc {cluster.workspace_pvc} -o jsonpath='{{.spec.accessModes}}'")
+    else:
+        out.append("KFP's per-run workspace dies with the run and is in every cache key: a failed run cannot resume; "
+                   "set cluster.workspace_pvc to a ReadWriteMany PVC for that.")
+    for r in rows:
+        if r.stage == "importer":
+            out.append(f"'{r.name}' imports a model through the object store: every reader downloads all of it; "
+                       f"put it on workspace_pvc instead.")
+            break
+    return out
+
+
+def render(spec: PipelineSpec, params: float, volume_bytes: float = 0.0) -> str:
+    s = sizes_of(spec, params)
+    rows = walk(compiled(spec), s)
+    lines = [f"plan of '{spec.pipeline.name}': {spec.pipeline.iterations} RL iterations x {spec.pipeline.rollout_shards} "
+             f"rollout shards; P = {params:.3g} parameters, weights {s.weights / GB:.1f} GB, "
+             f"optimizer {s.optimizer / GB:.1f} GB per model",
+             f"{'task':<22}{'pods':>5}{'GPUs':>6}{'cpu':>6}{'memory':>8}{'object store read':>19}"
+             f"{'workspace read':>16}{'workspace written':>19}"]
+    seen = set()
+    for r in rows:
+        key = re.sub(r"-\d+( \(trainjob\))?$", r"-k\1", r.name)
+        if key in seen or r.stage in ("init", "finish"):
+            continue
+        seen.add(key)
+        lines.append(f"{key:<22}{r.pods:>5}{r.gpus:>6}{r.cpu:>6}{r.memory:>8}{r.object_store_read / GB:>16.3f} GB"
+                     f"{r.pods * r.workspace_read / GB:>13.1f} GB{r.pods * r.workspace_written / GB:>16.1f} GB")
+    it = per_iteration(rows)
+    lines.append(f"per iteration: {sum(r.pods * r.object_store_read for r in it) / GB:.3f} GB through the object store, "
+                 f"{sum(r.pods * r.workspace_read for r in it) / GB:.1f} GB read and "
+                 f"{sum(r.pods * r.workspace_written for r in it) / GB:.1f} GB written on the workspace")
+    lines.append(f"workspace needed for the run: {storage(spec, s) / GB:.0f} GB")
+    lines.append(f"backend floors: Kubeflow Pipelines >= {'.'.join(map(str, MIN_KFP_BACKEND))}"
+                 + (f", Kubeflow Trainer >= {'.'.join(map(str, MIN_TRAINER))}" if spec.pipeline.cluster.trainer.stages() else ""))
+    for w in warnings_of(spec, s, rows, volume_bytes):
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
+
+
+def model_params_of(spec: PipelineSpec, given: float = 0.0) -> float:
+    from ..errors import ConfigError
+    from .pipeline import model_params, resolved
+
+    params = given or spec.pipeline.cluster.model_params or model_params(resolved(spec, "sft").policy)
+    if not params:
+        raise ConfigError("pipeline plan: the model size is unknown; pass --model-params (e.g. 7.62e9) or set "
+                          "pipeline.cluster.model_params, or make sft.policy a readable HF directory.")
+    return params
+
+
+def run(args) -> int:
+    from .settings import load_spec
+
+    spec = load_spec(args.config)
+    print(render(spec, model_params_of(spec, args.model_params), parse_quantity(args.volume)))
+    return 0
+
+
+def add_parser(psub) -> None:
+    p = psub.add_parser("plan", help="pods, GPUs and bytes moved per task, and the storage a run needs, from the compiled spec")
+    p.add_argument("--config", required=True, help="pipeline YAML")
+    p.add_argument("--model-params", type=float, default=0.0, help="parameters of the policy (default: cluster.model_params or its config.json)")
+    p.add_argument("--volume", default="", help="size of workspace_pvc, e.g. 2Ti (warns when the run needs more)")
+    p.set_defaults(handler=run)
+
+

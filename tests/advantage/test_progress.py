@@ -29,8 +29,8 @@ def test_stage_matches_the_slow_reference(tmp_path, seed, gate):
                                  process_auc_full=gate[1], batch_rows=5))  # groups cut across batches
     want, auc, w = ref.grpo_progress(table.to_pylist(), 0.7, *gate)
     got = by_key(read_out(tmp_path))
-    assert summary["train/prm_step_auc"] == pytest.approx(auc)
-    assert summary["train/process_weight"] == pytest.approx(w)
+    assert summary["advantage/prm_step_auc"] == pytest.approx(auc)
+    assert summary["advantage/process_weight"] == pytest.approx(w)
     for key, w_row in want.items():
         assert got[key]["advantages"] == pytest.approx(w_row["advantages"], abs=1e-4), key
         assert got[key]["token_rewards"] == pytest.approx(w_row["token_rewards"], abs=1e-5), key
@@ -53,7 +53,7 @@ def test_progress_by_hand(tmp_path):
     # row 1: z = [+1, -1]; -a + 1 > 0 would flip the sign: clipped to 0
     assert out[1]["advantages"] == pytest.approx([0.0, 0.0, -a - 1, -a - 1], abs=1e-5)
     # the only intermediate steps: 0.6, 0.9 (a success) and 0.7 (a failure): AUC 0.5
-    assert summary["train/prm_step_auc"] == pytest.approx(0.5)
+    assert summary["advantage/prm_step_auc"] == pytest.approx(0.5)
 
 
 def _merge(r: dict, k: int) -> dict:
@@ -134,7 +134,7 @@ def test_a_prm_below_the_auc_threshold_falls_back_to_outcome_only(tmp_path):
                 outcome_reward=r) for i, r in enumerate([1.0, 0.0, 0.0, 1.0])]
     write_rows(tmp_path, rows)
     summary = stage.run(make_cfg(tmp_path, **PROGRESS, process_weight=1.0, process_auc_min=0.6))
-    assert summary["train/prm_step_auc"] == 0.0 and summary["train/process_weight"] == 0.0
+    assert summary["advantage/prm_step_auc"] == 0.0 and summary["advantage/process_weight"] == 0.0
     grpo_dir = tmp_path / "grpo"
     grpo_dir.mkdir()
     write_rows(grpo_dir, rows)
@@ -147,7 +147,7 @@ def test_a_prm_below_the_auc_threshold_falls_back_to_outcome_only(tmp_path):
     other.mkdir()
     write_rows(other, rows)
     summary = stage.run(make_cfg(other, **PROGRESS, process_weight=1.0, process_auc_min=0.6))
-    assert summary["train/prm_step_auc"] == 1.0 and summary["train/process_weight"] == 1.0
+    assert summary["advantage/prm_step_auc"] == 1.0 and summary["advantage/process_weight"] == 1.0
     assert [r["advantages"] for r in read_out(other)] != [r["advantages"] for r in read_out(grpo_dir)]
 
 

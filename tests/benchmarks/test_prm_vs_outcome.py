@@ -197,9 +197,9 @@ def test_rescore_gives_the_adversarial_and_random_prms_scores(tmp_path):
 
 def test_process_table_against_a_hand_computed_example():
     def run(auc0, auc1, w0, w1, before=None, after=None):
-        p0 = {"prm/step_auc_on_policy": auc0, "train/prm_step_auc": auc0 - 0.1, "train/process_weight": w0,
+        p0 = {"prm/step_auc_on_policy": auc0, "advantage/prm_step_auc": auc0 - 0.1, "advantage/process_weight": w0,
               "prm/score_shortcut_wrong": 0.6, "prm/score_shortcut_right": 0.7}
-        p1 = {"prm/step_auc_on_policy": auc1, "train/prm_step_auc": auc1 - 0.1, "train/process_weight": w1,
+        p1 = {"prm/step_auc_on_policy": auc1, "advantage/prm_step_auc": auc1 - 0.1, "advantage/process_weight": w1,
               "prm/score_shortcut_wrong": 0.2, "prm/score_shortcut_right": 0.8}
         if before is not None:
             p0.update({"prm/update_auc_before": before, "prm/update_auc_after": after})

@@ -85,8 +85,8 @@ def run(cfg: Config) -> dict:
             "perf/seconds": seconds,
         }
         if groups.process is not None:  # the evidence gate, every iteration (NaN AUC: one outcome only)
-            summary.update({"train/prm_step_auc": groups.process.step_auc,
-                            "train/process_weight": groups.process.weight,
+            summary.update({"advantage/prm_step_auc": groups.process.step_auc,
+                            "advantage/process_weight": groups.process.weight,
                             "train/prm_scored_steps": groups.process.steps})
         if kl.n:  # no row had both old_logprobs and ref_logprobs: no KL to report
             summary["advantage/kl_mean"] = kl.mean

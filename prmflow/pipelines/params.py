@@ -57,8 +57,8 @@ def split_sets(items: list[str]) -> tuple[dict[str, str], dict[str, dict[str, An
 
 
 def _leaves(cls: type, section: dict[str, Any], where: str) -> dict[str, Any]:
-    """A section as {leaf dotted key: value} of `cls` (old key names read as new; a dict-typed field whole)."""
-    flat = config_lib.upgrade_keys(cls, config_lib.flatten(dict(section or {})), where)
+    """A section as {leaf dotted key: value} of `cls` (a dict-typed field whole)."""
+    flat = config_lib.flatten(dict(section or {}))
     leaves = config_lib.flat_fields(cls)
     return {k: v for k, v in flat.items() if k in leaves}
 

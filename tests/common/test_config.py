@@ -176,7 +176,7 @@ def test_flat_fields_show_each_stage_its_own_section_defaults():
             kw = {"rollout": {"policy": "/p"}, "evaluate": {"policy": "/p"}}.get(name, {})
             assert fields["optim.lr"][2] == config.build(module.Config, kw).optim.lr, name
             lrs[name] = fields["optim.lr"][2]
-    assert lrs == {"sft": 3e-3, "prm": 1e-3, "ppo": 1e-4}
+    assert lrs == {"sft": 3e-3, "prm": 1e-3, "prm-update": 3e-4, "ppo": 1e-4}
     assert OptimConfig().lr not in (3e-3, 1e-3)  # the class default is not what the stages show
     assert config.flat_fields(stages.available()["sft"].Config)["optim.lr_schedule"][2] == "cosine"
 

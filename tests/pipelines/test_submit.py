@@ -179,7 +179,7 @@ def ppo_7b(tmp_path_factory) -> Path:
 
 
 def test_param_merges_into_the_compiled_stage_config(ppo_7b, capsys):
-    """The README's example on ppo-7b-2x8: lr changes, ZeRO-3, the critic and the rest of ppo stay."""
+    """The README's example on ppo-7b-2x8: lr changes, the recipe's ZeRO-2, the critic and the rest of ppo stay."""
     compiled = next(yaml.safe_load_all(ppo_7b.read_text()))["root"]["inputDefinitions"]["parameters"]["ppo_config"]["defaultValue"]
     with FakeKfp() as fake:
         assert submit("--package", str(ppo_7b), "--host", fake.url, "--param", 'ppo_config={"optim": {"lr": 1e-6}}',
@@ -187,9 +187,9 @@ def test_param_merges_into_the_compiled_stage_config(ppo_7b, capsys):
     sent = fake.sent("POST")[-1]["body"]["runtime_config"]["parameters"]
     ppo = sent["ppo_config"]
     assert ppo["optim"] == {**compiled["optim"], "lr": 1e-6}
-    assert ppo["engine"]["zero_stage"] == 3 and ppo["train_critic"] is True and ppo["critic_lr"] == 5e-6
+    assert ppo["engine"]["zero_stage"] == 2 and ppo["train_critic"] is True and ppo["critic_lr"] == 5e-6
     assert {k: v for k, v in ppo.items() if k != "optim"} == {k: v for k, v in compiled.items() if k != "optim"}
-    assert sent["sft_config"]["max_steps"] == 50 and sent["sft_config"]["engine"]["zero_stage"] == 3
+    assert sent["sft_config"]["max_steps"] == 50 and sent["sft_config"]["engine"]["zero_stage"] == 2
     assert set(sent) == {"ppo_config", "sft_config"}  # the stages nobody changed keep their compiled default
 
 
@@ -199,7 +199,7 @@ def test_dry_run_prints_every_stage_effective_config_and_sends_nothing(ppo_7b, c
     shown = yaml.safe_load(out.rsplit("dry run:", 1)[0])
     configs = shown["effective stage configs"]
     assert set(configs) == {"sft", "prm", "rollout", "advantage", "ppo", "evaluate"}
-    assert configs["ppo"]["optim"]["lr"] == 2e-6 and configs["ppo"]["engine"]["zero_stage"] == 3
+    assert configs["ppo"]["optim"]["lr"] == 2e-6 and configs["ppo"]["engine"]["zero_stage"] == 2
     assert configs["ppo"]["train_critic"] is True
     assert configs["advantage"]["estimator"] == "gae" and configs["advantage"]["lam"] == 0.95
     assert configs["rollout"]["vllm"]["tensor_parallel_size"] == 4

@@ -91,5 +91,7 @@ def vllm_module():
             mp.setenv(key, os.environ.get(key, ""))
             if not os.environ[key]:
                 mp.delenv(key)
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # one process: what an earlier in-process DeepSpeed run
+            mp.delenv(key, raising=False)               # left behind would make the engine pin a rank's GPUs
         mp.setitem(sys.modules, "vllm", fake_vllm)
         yield fake_vllm

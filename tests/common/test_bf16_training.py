@@ -17,9 +17,13 @@ from prmflow.errors import ConfigError
 LR = 1e-6
 
 
+#: where TrainEngine puts a one-process model (cuda:0 on a GPU machine)
+DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _batches():
     g = torch.Generator().manual_seed(3)
-    return [torch.randint(4, 40, (4, 12), generator=g) for _ in range(2)]
+    return [torch.randint(4, 40, (4, 12), generator=g).to(DEVICE) for _ in range(2)]
 
 
 def _step(backend: str, zero: int, dtype: str) -> tuple[dict, dict, TrainEngine]:

@@ -13,9 +13,13 @@ from prmflow.components.common.engine import EngineConfig, OptimSettings, TrainE
 from prmflow.errors import ModelLoadError
 
 
+#: where TrainEngine puts a one-process model (cuda:0 on a GPU machine)
+DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _batches():
     g = torch.Generator().manual_seed(3)
-    return [torch.randint(4, 40, (4, 12), generator=g) for _ in range(4)]
+    return [torch.randint(4, 40, (4, 12), generator=g).to(DEVICE) for _ in range(4)]
 
 
 def _engine(model, backend: str, zero: int = 0) -> TrainEngine:

@@ -28,7 +28,7 @@ def sft_weights(out, eps: float, noisy: bool, monkeypatch) -> dict:
         gen = torch.Generator().manual_seed(1234)
         for p in self.trainable:
             if p.grad is not None:
-                p.grad.add_(torch.randn(p.grad.shape, generator=gen) * p.grad.pow(2).mean().sqrt() * 2.0**-23)
+                p.grad.add_(torch.randn(p.grad.shape, generator=gen).to(p.grad.device) * p.grad.pow(2).mean().sqrt() * 2.0**-23)
         return step(self)
 
     with monkeypatch.context() as m:

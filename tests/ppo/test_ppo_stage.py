@@ -49,6 +49,27 @@ def test_first_minibatch_has_ratio_one_and_later_ones_do_not(sft_policy, rows16,
     assert second["approx_kl"] > 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_old_logprobs_are_recomputed_by_default_where_the_rollouts_numbers_differ(sft_policy, rows16, tmp_path, dtype):
+    """A sampler whose log-probs are off by 0.25 per token (bf16, vLLM, another GPU's kernels). On CPU in
+    float32 the default reads the hand-off (the rollout's own float32 forward there); with engine.dtype
+    bfloat16 (and on any GPU) it recomputes them: the first ratio is exactly 1, the gap is reported."""
+    rows = [dict(r, old_logprobs=[x - 0.25 for x in r["old_logprobs"]]) for r in rows16]
+    adv = write_advantages(tmp_path / "adv", rows, lambda i, t: (-1) ** i)
+    out = tmp_path / "out"
+    m = stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=8, micro_batch_size=4,
+                           **{"engine.dtype": dtype}))
+    first = history(out)[0]
+    if dtype == "float32" and not torch.cuda.is_available():
+        assert first["ratio_min"] == pytest.approx(math.exp(0.25), abs=1e-4)  # the hand-off, as written
+        assert "train/old_logprob_gap_max" not in m
+    else:
+        assert first["ratio_max"] == 1.0 and first["ratio_min"] == 1.0 and first["clip_frac"] == 0.0
+        # 0.25 plus bf16's own difference from the float32 numbers the rows were scored with
+        assert m["train/old_logprob_gap_mean"] == pytest.approx(0.25, abs=0.03)
+        assert m["train/old_logprob_gap_max"] >= 0.25
+
+
 # --- direction of an update --------------------------------------------------------------------
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -173,7 +194,7 @@ def test_top_entropy_mask_selects_highest_entropy_tokens_and_only_they_train(sft
     ent = []
     with torch.no_grad():
         for r in rows:
-            logits = model(input_ids=torch.tensor([r["prompt_ids"] + r["response_ids"]])).logits[0]
+            logits = model(input_ids=torch.tensor([r["prompt_ids"] + r["response_ids"]], device=actor.device)).logits[0]
             p = torch.softmax(logits[len(r["prompt_ids"]) - 1:-1], -1)
             ent += (-(p * p.log()).sum(-1)).tolist()
     k = math.ceil(0.25 * len(ent))
@@ -229,7 +250,8 @@ def _bad(rows, bad_rows):
 
 def test_nan_update_is_skipped_and_counted(sft_policy, rows16, tmp_path):
     rows = rows16[:8]
-    cfg = make_cfg(sft_policy, tmp_path / "adv", tmp_path / "out", epochs=1, minibatch_size=4, micro_batch_size=2)
+    cfg = make_cfg(sft_policy, tmp_path / "adv", tmp_path / "out", epochs=1, minibatch_size=4, micro_batch_size=2,
+                   recompute_old_logprobs=False)  # the hand-off's numbers, also on a GPU
     first = batch.minibatch_plan(8, cfg)[0]
     adv = write_advantages(tmp_path / "adv", _bad(rows, {first[3]}), -1.0)  # in the 2nd micro-batch of update 1
     m = stage.run(cfg)
@@ -243,7 +265,8 @@ def test_run_where_every_update_is_skipped_fails_clearly(sft_policy, rows16, tmp
     rows = rows16[:8]
     adv = write_advantages(tmp_path / "adv", _bad(rows, set(range(8))), -1.0)
     with pytest.raises(stage.TrainingDivergedError, match="every policy update"):
-        stage.run(make_cfg(sft_policy, adv, tmp_path / "out", epochs=1, minibatch_size=4, micro_batch_size=4))
+        stage.run(make_cfg(sft_policy, adv, tmp_path / "out", epochs=1, minibatch_size=4, micro_batch_size=4,
+                           recompute_old_logprobs=False))
     assert not (tmp_path / "out").exists()
 
 

@@ -92,7 +92,8 @@ BAD_ROWS = {
     "response_without_separator": ({"prompt": GOOD["prompt"], "response": "7+5=12 12*3=36 answer: 36", "labels": [1, 1, 1]},
                                    r"line 2: 3 labels, but its response cut at the step separator '\\n' has 1 step"),
     "response_empty": ({"prompt": GOOD["prompt"], "response": " \n ", "labels": []}, r"line 2: no steps"),
-    "too_deep": ("[" * 5000 + "]" * 5000, r"line 2: JSON nested too deeply"),
+    # Python 3.11's decoder gives up on this depth (RecursionError), 3.12's parses it into a list
+    "too_deep": ("[" * 5000 + "]" * 5000, r"line 2: (JSON nested too deeply|expected a JSON object, got list)"),
 }
 
 

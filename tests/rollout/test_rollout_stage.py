@@ -29,10 +29,10 @@ def make_cfg(policy, output, **over):
 def scored_run(request, tmp_path_factory, sft_policy, shuffled_prm, random_critic):
     """One rollout with every scorer on: PRM (other tokenizer), ref (the policy itself), critic; sampled by
     the HF engine and by vLLM (on CPU its stand-in, tests/rollout/fake_vllm.py)."""
-    sampler = {}
+    sampler = {"dtype": "float32"}  # checked against float32 references (auto is bf16 on a GPU)
     if request.param == "vllm":
         request.getfixturevalue("vllm_module")
-        sampler = {"sampler": "vllm", "dtype": "float32", "vllm.gpu_memory_utilization": 0.4}
+        sampler.update({"sampler": "vllm", "vllm.gpu_memory_utilization": 0.4})
     out = tmp_path_factory.mktemp("rollout") / "iter0"
     cfg = make_cfg(sft_policy, out, prm=str(shuffled_prm), ref=str(sft_policy), critic=str(random_critic), **sampler)
     metrics = stage.run(cfg)

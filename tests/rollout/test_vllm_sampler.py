@@ -132,6 +132,8 @@ def test_ignore_eos_sends_no_stop_ids(vllm_module, sft_policy):
     engine.close()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine this process has initialised CUDA already, so "
+                    "the pinned CUDA_VISIBLE_DEVICES=3 cannot take effect here (a torchrun rank starts fresh)")
 def test_local_rank_3_puts_the_engine_on_gpu_3(vllm_module, tmp_path, sft_policy, monkeypatch):
     """Under torchrun (LOCAL_RANK=3 of 4) the engine starts with CUDA_VISIBLE_DEVICES=3 and spawned workers;
     with tensor parallel 2, local rank 1 takes GPUs 2 and 3."""

@@ -52,7 +52,7 @@ def test_checkpoint_reloads_with_the_same_logits(tmp_path, monkeypatch):
     original = stage.modeling.save_pretrained
 
     def spy(model, tokenizer, directory, extra=None):
-        captured["model"] = copy.deepcopy(modeling.unwrap(model)).eval()
+        captured["model"] = copy.deepcopy(modeling.unwrap(model)).cpu().eval()  # off the GPU, where there is one
         return original(model, tokenizer, directory, extra)
 
     monkeypatch.setattr(stage.modeling, "save_pretrained", spy)

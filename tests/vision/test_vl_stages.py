@@ -39,7 +39,8 @@ def chain(tmp_path_factory):
         "micro_batch_size": 8, "eval_every": 6, "save_every": 0, "engine": {"backend": "torch"}, "tracking": OFF}))
     rollout.run(config.build(rollout.Config, {
         "policy": str(root / "sft"), "prm": str(root / "prm"), "task": "visual", "output": str(root / "rollouts"),
-        "num_prompts": 6, "n_samples": 4, "sampling.max_new_tokens": 24, "tracking": OFF}))
+        "num_prompts": 6, "n_samples": 4, "sampling.max_new_tokens": 24, "tracking": OFF,
+        "dtype": "float32"}))  # checked against float32 references below (auto is bf16 on a GPU)
     advantage.run(config.build(advantage.Config, {
         "input": str(root / "rollouts"), "output": str(root / "adv"), "estimator": "grpo_process", "tracking": OFF}))
     return root

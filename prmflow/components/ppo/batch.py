@@ -49,7 +49,7 @@ class Sample:
 def _needed_columns(cfg: Config) -> list[str]:
     """The columns this config reads, which must not be null in any row."""
     need = ["prompt_ids", "response_ids", "advantages"]
-    need += [] if cfg.recompute_old_logprobs else ["old_logprobs"]
+    need += [] if cfg.recomputes_old_logprobs() else ["old_logprobs"]
     need += ["returns"] if cfg.train_critic else []
     need += ["ref_logprobs"] if cfg.kl_loss_coef else []
     return need

@@ -61,8 +61,8 @@ class Config:
     """Estimator of the KL loss: k1 = x, k2 = x^2/2, k3 = exp(-x)-1+x with x = logp - ref_logp."""
     top_entropy_frac: float = 1.0
     """Policy loss only on this fraction of the batch's highest-entropy tokens (Wang et al. 2025 use 0.2; 1 = all)."""
-    recompute_old_logprobs: bool = False
-    """Recompute old_logprobs with this stage's engine instead of trusting the hand-off (one extra forward pass)."""
+    recompute_old_logprobs: bool | None = None
+    """Recompute old_logprobs with this stage's engine (one extra forward pass) instead of reading the hand-off's. Empty: on a GPU or with engine.dtype=bfloat16, where the rollout's numbers (bf16, vLLM, another GPU's kernels) differ from this engine's forward, recompute, so the first update's ratio is exactly 1; on CPU in float32 read the hand-off (the rollout's float32 forward, equal to this engine's up to ~1e-6)."""
     ptx_coef: float = 0.0
     """Coefficient of an SFT (ptx) loss on reference solutions, added to every policy update (0 = off)."""
     ptx_task: str = "arithmetic"
@@ -117,6 +117,14 @@ class Config:
     """Parameter-name prefixes of the policy kept frozen (e.g. model.vision_tower, as the SFT warm-up froze them)."""
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
     """MLflow tracking."""
+
+    def recomputes_old_logprobs(self) -> bool:
+        """`recompute_old_logprobs`, the empty default resolved for the machine this stage runs on."""
+        if self.recompute_old_logprobs is not None:
+            return self.recompute_old_logprobs
+        import torch
+
+        return torch.cuda.is_available() or self.engine.dtype != "float32"
 
     def __post_init__(self):
         for key in ("epochs", "minibatch_size", "micro_batch_size", "rl_iterations", "kl_horizon", "ptx_batch_size",

@@ -18,17 +18,21 @@ from .models import accepts_logits_to_keep, response_logits, response_values
 
 @torch.no_grad()
 def precompute(cfg: Config, samples: list[Sample], plan: list[list[int]], actor: TrainEngine,
-               critic: TrainEngine | None, pad_id: int) -> None:
+               critic: TrainEngine | None, pad_id: int) -> dict[str, float]:
     """Fill what the hand-off lacks or what the config asks to recompute, with the starting weights.
 
     Runs the micro-batches of the first epoch in training order, so a recomputed old_logprobs is
-    bit-identical to what the first update computes (its ratio is exactly 1).
+    bit-identical to what the first update computes (its ratio is exactly 1). Where the hand-off had
+    old_logprobs too, returns how far the rollout's numbers were from this engine's:
+    `train/old_logprob_gap_max` and `_mean` (|hand-off - recomputed| over the response tokens), the
+    sampler-trainer mismatch that a ratio against the hand-off would have clipped as if it were a policy change.
     """
-    need_logp = cfg.recompute_old_logprobs
+    need_logp = cfg.recomputes_old_logprobs()
+    gaps: list[torch.Tensor] = []
     need_entropy = cfg.top_entropy_frac < 1
     need_values = critic is not None and any(s.values is None for s in samples)
     if not (need_logp or need_entropy or need_values):
-        return
+        return {}
     per_epoch = len(samples) // cfg.minibatch_size
     seen = [i for rows in plan[:per_epoch] for i in rows]
     rest = sorted(set(range(len(samples))) - set(seen))
@@ -49,6 +53,8 @@ def precompute(cfg: Config, samples: list[Sample], plan: list[list[int]], actor:
         for b, i in enumerate(rows):
             r = len(samples[i].response_ids)
             if need_logp:
+                if samples[i].old_logprobs is not None:
+                    gaps.append((logp[b, :r] - torch.tensor(samples[i].old_logprobs)).abs())
                 samples[i].old_logprobs = logp[b, :r].tolist()
             if need_entropy:
                 entropies[i] = ent[b, :r]
@@ -62,6 +68,10 @@ def precompute(cfg: Config, samples: list[Sample], plan: list[list[int]], actor:
             r = entropies[i].numel()
             samples[i].pg_mask = keep_mask[start:start + r].float().tolist()
             start += r
+    if not gaps:
+        return {}
+    gap = torch.cat(gaps)
+    return {"train/old_logprob_gap_max": gap.max().item(), "train/old_logprob_gap_mean": gap.mean().item()}
 
 
 def attach_pixels(cfg: Config, samples: list[Sample], vis: "vision.Vision | None") -> None:

@@ -13,8 +13,8 @@ Choices: `epochs` passes over the batch, each cut into shuffled minibatches of `
 responses (one optimizer update each), each minibatch cut into micro-batches whose losses are
 their exact shares of the minibatch loss (gradient accumulation changes nothing but memory).
 Log-probabilities of the response tokens are recomputed under the current policy in every
-micro-batch; the ratio's denominator is the hand-off's old_logprobs (or a recompute with
-recompute_old_logprobs). Clipped surrogate with separate low/high clip and optional dual clip;
+micro-batch; the ratio's denominator is the hand-off's old_logprobs, or their recompute by this
+stage's engine (recompute_old_logprobs; by default on a GPU or in bf16). Clipped surrogate with separate low/high clip and optional dual clip;
 aggregation token-mean (default), seq-mean-token-mean or Dr. GRPO; entropy bonus; KL loss to the
 reference (k1/k2/k3); SFT (ptx) loss; advantage clamp; top-entropy token mask. Critic: a scalar-head
 model with a clipped value loss, its own optimizer, and a warm-up where only it trains. A NaN/inf
@@ -160,7 +160,7 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
                         cfg.micro_batch_size)
     critic = (make_engine(critic_model, cfg, cfg.critic_lr, cfg.rl_iterations * n_updates, cfg.iteration * n_updates,
                           cfg.micro_batch_size) if critic_model is not None else None)
-    precompute(cfg, samples, plan, actor, critic, tokenizer.pad_token_id)  # with the starting weights, before a resume
+    gap = precompute(cfg, samples, plan, actor, critic, tokenizer.pad_token_id)  # starting weights, before a resume
     ptx_examples = load_ptx(cfg, tokenizer) if cfg.ptx_coef else None
     ema = None
     if cfg.ema_decay:
@@ -207,6 +207,7 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
         kl_state = kl_control.next_state(cfg, samples)
         metrics["train/kl_coef"] = kl_state["kl_coef"]
         metrics["train/rollout_kl"] = kl_state["measured_kl"]
+        metrics.update(gap)
         _write_output(cfg, cfg_dict, tokenizer, actor, critic, ema, kl_state, state, metrics)
         checkpoint.clear(work)
         # the iteration's summary as ppo/* (the per-update train/* curve keeps its own last point)

@@ -138,7 +138,13 @@ def generate(n: int, seed: int = 0, split: str = "train", cfg: ArithmeticConfig 
     while len(out) < n:
         attempts += 1
         if attempts > 200 * n + 10_000:
-            raise ValueError(f"could not generate {n} distinct '{split}' problems with {cfg}; widen the ranges")
+            from ..errors import ConfigError
+
+            raise ConfigError(
+                f"the arithmetic task's '{split}' split has about {len(out)} distinct problems with arithmetic.min_ops="
+                f"{cfg.min_ops}, max_ops={cfg.max_ops}, max_operand={cfg.max_operand}, max_value={cfg.max_value}, "
+                f"and {n} were asked for (the stage's num_prompts): ask for at most {len(out)}, or widen "
+                f"arithmetic.max_ops, arithmetic.max_operand or arithmetic.max_value.")
         start = rng.randint(1, cfg.max_operand)
         ops, value, ok = [], start, True
         for _ in range(rng.randint(cfg.min_ops, cfg.max_ops)):

@@ -1,4 +1,5 @@
 import json
+import re
 import random
 
 import pyarrow as pa
@@ -166,3 +167,13 @@ def test_missing_and_unknown_dataset_files(tmp_path):
     (tmp_path / "d.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="unknown format '.csv'"):
         tasks.load(str(tmp_path / "d.csv"))
+
+
+def test_asking_for_more_problems_than_the_ranges_hold_is_a_config_error_with_a_number_that_works():
+    """1-2 operations on single digits hold a few hundred distinct test problems: asking for 400 names the
+    keys and how many there are, and that many can be had."""
+    with pytest.raises(ConfigError, match=r"ask for at most (\d+), or widen arithmetic.max_ops") as e:
+        tasks.load("arithmetic", "test", 400, 0, min_ops=1, max_ops=2)
+    most = int(re.search(r"at most (\d+)", str(e.value)).group(1))
+    assert 200 < most < 400
+    assert len(tasks.load("arithmetic", "test", most, 0, min_ops=1, max_ops=2)) == most

@@ -180,7 +180,7 @@ def test_the_component_copies_its_rollouts_and_the_next_update_replays_them(tmp_
     def fake_run(name, stage, config, paths, **kw):
         seen.append(paths)
         out = Path(paths["output"])
-        out.mkdir(parents=True)
+        out.mkdir(parents=True, exist_ok=True)
         (out / "model.safetensors").write_bytes(b"w")
         io.write_json_atomic(out / "manifest.json", io.build_manifest(out, "prm"))
         return {"eval/step_auc": 0.7}
@@ -222,3 +222,16 @@ def test_the_component_copies_its_rollouts_and_the_next_update_replays_them(tmp_
     assert seen[1]["prm"] == str(first.parent / "prm")  # warm start from update 0's PRM
     assert kfp_shim.located(prm_art.path) == str(second.parent / "prm")
     assert first.parent.parent == Path(ws) and first.parent.name.startswith("prm-update-0-")
+    # the workspace path is what the update computes from: another previous state (here none) is another path
+    alone = Art(tmp_path / "a" / "alone")
+    components.prm_update({"max_steps": 40}, "", "e", ws, 1, Art(tmp_path / "a" / "upd0"), shards, Art(tmp_path / "a" / "x"),
+                          alone)
+    assert Path(kfp_shim.located(alone.path)) != second and seen[-1]["replay"] == []
+
+
+def test_the_prm_update_section_is_compiled_in_not_a_run_parameter():
+    from prmflow.pipelines.params import run_arguments
+
+    with pytest.raises(ConfigError, match=r"--set prm-update.KEY: the prm-update section is not a parameter of this "
+                                          r"pipeline; it is compiled in. Compile with the change: --config FILE"):
+        run_arguments({"ppo_config": {}}, {}, {"prm-update": {"max_steps": 10}})

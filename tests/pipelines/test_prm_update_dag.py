@@ -235,3 +235,45 @@ def test_the_prm_update_section_is_compiled_in_not_a_run_parameter():
     with pytest.raises(ConfigError, match=r"--set prm-update.KEY: the prm-update section is not a parameter of this "
                                           r"pipeline; it is compiled in. Compile with the change: --config FILE"):
         run_arguments({"ppo_config": {}}, {}, {"prm-update": {"max_steps": 10}})
+
+
+def test_two_updates_with_the_real_stage_train_on_the_copied_shards_and_replay_them(tmp_path):
+    """The component with the prm-update stage itself (tiny PRM, two steps an update): update 0 trains on
+    its gathered shards' copy, update 1 warm starts from update 0's PRM and replays that copy."""
+    import pyarrow as pa
+
+    from prmflow.components.common import config, schema
+    from prmflow.components.prm import stage
+    from prmflow.tasks import arithmetic
+
+    base = tmp_path / "base"
+    stage.run(config.load(stage.Config, overrides={
+        "backbone": "tiny-llama", "extra_layers": 0, "num_prompts": 20, "eval_size": 4, "max_steps": 2,
+        "micro_batch_size": 4, "optim.warmup_steps": 0, "eval_every": 0, "save_every": 0, "engine.backend": "torch",
+        "tracking.enabled": False, "output": str(base)}))
+
+    class Art:
+        def __init__(self, path):
+            self.path, self.metadata = str(path), {}
+
+    def shard(path, k, seed):
+        rows = [{"prompt_id": p.prompt_id, "sample_idx": i, "iteration": k, "prompt": p.prompt,
+                 "response": "\n".join(arithmetic.split_steps(p.solution)), "response_ids": [1, 2], "outcome_reward": float(i % 2)}
+                for p in arithmetic.generate(4, seed=seed, split="train") for i in range(2)]
+        with schema.DatasetWriter(path, "rollouts") as w:
+            w.write(pa.Table.from_pylist(rows))
+        return Art(path)
+
+    prm, state, ws = Art(tmp_path / "a" / "prm"), None, str(tmp_path / "ws")
+    kfp_shim.write_location(prm.path, str(base))
+    cfg = {"max_steps": 2, "micro_batch_size": 4, "held_out": 0.25, "replay_share": 0.25, "tracking": {"enabled": False}}
+    for k in range(2):
+        new, out_state = Art(tmp_path / "a" / f"prm{k}"), Art(tmp_path / "a" / f"state{k}")
+        components.prm_update(cfg, "", "e", ws, k, prm, [shard(tmp_path / f"r{k}" / f"s{i}", k, 10 * k + i) for i in range(2)],
+                              new, out_state, state)
+        prm, state = new, out_state
+    assert prm.metadata["eval_step_auc"] >= 0 and prm.metadata["data_replay_examples"] > 0  # update 1 replayed
+    manifest = json.loads((Path(kfp_shim.located(prm.path)) / "manifest.json").read_text())
+    first = Path(manifest["parents"][0])  # the PRM update 1 started from: update 0's
+    assert first.parent.name.startswith("prm-update-0-")
+    assert str(first.parent / "replay" / "rollouts") in manifest["parents"]

@@ -22,9 +22,10 @@ STAGES = {
     "evaluate": "prmflow.components.evaluate.stage",
 }
 
-#: The stages the KFP pipeline runs, each configured by its section of a pipeline YAML. prm-label is
-#: not one of them: it relabels rollouts offline, by hand, when a PRM needs labels without a checker.
-PIPELINE_STAGES = ("sft", "prm", "rollout", "advantage", "ppo", "evaluate")
+#: The stages the KFP pipeline runs, each configured by its section of a pipeline YAML (prm-update only
+#: with pipeline.prm_update). prm-label is not one of them: it relabels rollouts offline, by hand, when a
+#: PRM needs labels without a checker.
+PIPELINE_STAGES = ("sft", "prm", "rollout", "prm-update", "advantage", "ppo", "evaluate")
 
 
 def available() -> dict[str, ModuleType]:

@@ -4,7 +4,7 @@ workspace, the iteration) into the stage's `paths` and calls `kfp_shim.run_stage
 KFP compiles each function's own source into the pipeline spec and runs it inside the stage's image,
 so every import a shim needs is inside its body. The logic lives in the stages; these only translate.
 
-Data flow (pipelines/kfp_shim.py): a stage that writes weights (sft, prm, ppo) writes them once to
+Data flow (pipelines/kfp_shim.py): a stage that writes weights (sft, prm, prm-update, ppo) writes them once to
 the workspace and its Model artifact is their *location* (a few KB: where, sha256s, sizes); a reader
 opens them in place (`located`). Rollouts, advantages, evaluation results and the KL controller's
 state are small and travel as ordinary artifacts. An input a configuration does not read is not
@@ -17,7 +17,7 @@ from typing import List
 from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
 
 #: The stages with a component here, in pipeline order (the pipeline looks each up by name).
-STAGES = ("sft", "prm", "rollout", "advantage", "ppo", "evaluate")
+STAGES = ("sft", "prm", "rollout", "prm_update", "advantage", "ppo", "evaluate")
 
 
 def sft(config: dict, tracking_uri: str, experiment: str, workspace: str, policy: Output[Model]):
@@ -62,6 +62,45 @@ def rollout(config: dict, tracking_uri: str, experiment: str, iteration: int, sh
             paths[key] = located(artifact.path)
     run_stage("rollout", stage, config, paths, tracking_uri=tracking_uri, experiment=experiment, iteration=iteration)
     rollouts.metadata.update(dataset_metadata(rollouts.path))
+
+
+def prm_update(config: dict, tracking_uri: str, experiment: str, workspace: str, iteration: int,
+               prm_model: Input[Model], rollouts: Input[List[Dataset]], updated_prm: Output[Model],
+               state: Output[Artifact], previous: Input[Artifact] = None):
+    """Keep the PRM on-policy: warm start from `prm_model` (the PRM that scored these rollouts), train on
+    the collected `rollouts` shards, replaying the older rollouts `previous` (the last update's `state`)
+    names. A later task cannot read an earlier task's artifact by path, so the rollouts (small Parquet)
+    are copied into this update's workspace directory, DIR/replay/rollouts, beside DIR/replay/replay.json
+    (the rollouts this update replayed); `state` locates DIR/replay, `updated_prm` the PRM in DIR/prm."""
+    import json
+    import os
+    import shutil
+
+    from prmflow.components.common.io import write_json_atomic
+    from prmflow.pipelines.kfp_shim import (artifact_metadata, gather_shards, located, location_fingerprint,
+                                            run_stage, workspace_output, write_location)
+    from prmflow.components.prm import update as stage
+
+    shards = [r.path for r in rollouts]
+    inputs = {"prm": location_fingerprint(prm_model.path), "rollouts": [location_fingerprint(p) for p in shards],
+              "previous": location_fingerprint(previous.path) if previous is not None else "", "iteration": iteration}
+    out = workspace_output(workspace, f"prm-update-{iteration}", "prm-update", config, inputs)
+    kept, copy = os.path.join(out, "replay"), os.path.join(out, "replay", "rollouts")
+    if not os.path.isdir(copy):  # copied whole, then renamed: a retried pod finds the full copy or none
+        shutil.rmtree(copy + ".tmp", ignore_errors=True)
+        shutil.copytree(gather_shards(shards, state.path + ".inputs"), copy + ".tmp")  # the shards, not the links
+        os.replace(copy + ".tmp", copy)
+    replay = []
+    if previous is not None:  # everything the last update replayed, and the rollouts it trained on
+        before = located(previous.path)
+        with open(os.path.join(before, "replay.json")) as f:
+            replay = json.load(f) + [os.path.join(before, "rollouts")]
+    write_json_atomic(os.path.join(kept, "replay.json"), replay)
+    paths = {"prm": located(prm_model.path), "input": copy, "replay": replay, "output": os.path.join(out, "prm")}
+    metrics = run_stage("prm-update", stage, config, paths, tracking_uri=tracking_uri, experiment=experiment,
+                        iteration=iteration)
+    updated_prm.metadata.update({**artifact_metadata(metrics), **write_location(updated_prm.path, paths["output"])})
+    state.metadata.update(write_location(state.path, kept))
 
 
 def advantage(config: dict, tracking_uri: str, experiment: str, iteration: int, rollouts: Input[List[Dataset]],

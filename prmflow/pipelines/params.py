@@ -107,6 +107,9 @@ def run_arguments(defaults: dict[str, Any], params: dict[str, Any],
             args[name] = value
     for stage, flat in (stage_sets or {}).items():
         name = stage + SUFFIX
+        if name not in defaults:  # prm-update: its section is compiled into its tasks, not a run parameter
+            raise ConfigError(f"--set {stage}.KEY: the {stage} section is not a parameter of this pipeline; it is "
+                              f"compiled in. Compile with the change: --config FILE --set {stage}.KEY=VALUE.")
         args[name] = merge_section(stage, args.get(name, defaults.get(name) or {}), flat, "--set")
     return args
 

@@ -6,7 +6,9 @@
      TrainJob of num_nodes GPU pods and waits for it; see pipelines/trainjob.py)
     for k in 0..iterations-1 (unrolled at compile time):
       rollout[shard] x N  (ParallelFor) ── Collected ──> advantage (CPU pool) ──> ppo ──> policy_k+1
-    evaluate (if the stage exists)
+                                        └─ Collected ──> prm-update (pipeline.prm_update) ──> PRM_k+1
+      (rollout k scores with PRM_k; advantage k and ppo k do not wait for the update)
+    evaluate (if the stage exists; with the last PRM)
     exit handler: finish_tracking marks the MLflow parent run FINISHED/FAILED
 
 Data flow (docs/cluster-data-flow.md): weights, optimizer moments and resume checkpoints are written
@@ -74,13 +76,26 @@ def gpu_counts(spec: PipelineSpec) -> dict[str, int]:
     roll = resolved(spec, "rollout")
     tp = roll.vllm.tensor_parallel_size if roll is not None and roll.sampler == "vllm" else 1
     counts = {"sft": g.sft or pool, "prm": g.prm or pool, "ppo": g.ppo or pool, "rollout": tp * g.rollout_engines,
-              "evaluate": g.evaluate}
+              "evaluate": g.evaluate, "prm-update": g.prm_update}
     if pool:
         for stage, n in counts.items():
             if n > pool:
                 raise ConfigError(f"pipeline.cluster.gpus: the {stage} pod needs {n} GPUs, but a gpu_pool node has "
                                   f"{pool} (accelerator_count); lower it or raise the pool's count.")
     return counts
+
+
+def check_prm_update(roll_cfg, adv_cfg) -> None:
+    """pipeline.prm_update keeps a trained PRM on-policy: refused where there is none, or nothing reads its scores."""
+    if roll_cfg.prm == "oracle":
+        raise ConfigError("pipeline.prm_update is true but rollout.prm is oracle: the task's checker labels the "
+                          "steps, there is no trained PRM to update. Remove rollout.prm (the pipeline's PRM scores "
+                          "the rollouts) or set pipeline.prm_update: false.")
+    if not adv_cfg.switches()[1]:
+        raise ConfigError(f"pipeline.prm_update is true but the advantage stage reads no step rewards (estimator="
+                          f"{adv_cfg.estimator}, step_rewards={adv_cfg.step_rewards}), so no PRM score reaches the "
+                          f"policy. Use step rewards (e.g. advantage.estimator: grpo_progress) or set "
+                          f"pipeline.prm_update: false.")
 
 
 def resolved(spec: PipelineSpec, stage: str):
@@ -205,6 +220,9 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
     carry_state = critic or ppo_cfg.save_optimizer  # the next ppo continues the critic / Adam's moments
     reward_kl = adv_cfg.kl_coef > 0  # beta_k for k > 0 comes from the last ppo's kl_state
     oracle_prm = roll_cfg.prm == "oracle"
+    if pipe.prm_update:
+        check_prm_update(roll_cfg, adv_cfg)
+    update_op = _component(components.prm_update, gpu) if pipe.prm_update else None
     prm_needs_base = not any((spec.stages.get("prm") or {}).get(k) for k in ("backbone", "model_path"))
     shards = list(range(pipe.rollout_shards))
     det, sampled = cluster.cache, cluster.cache and cluster.cache_sampling
@@ -261,7 +279,7 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
                 prm_base = {"base": sft_policy} if prm_needs_base else {}
                 prm_model = train("prm", prm_op(config=prm_config, **common, workspace=ws, **prm_base).after(init),
                                   "prm").outputs["prm_model"]
-            policy, upd = sft_policy, None
+            policy, upd, prm_upd = sft_policy, None, None
             for k in range(pipe.iterations):
                 # the reference (SFT) policy: ref_logprobs for the KL terms and the KL-to-SFT of every iteration
                 reads = {"ref": sft_policy, **({"prm_model": prm_model} if not oracle_prm else {})}
@@ -282,6 +300,12 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
                 upd = train("ppo", ppo_op(config=ppo_config, **common, workspace=ws, iteration=k, policy=policy,
                                           advantages=adv.outputs["advantages"], **prev), f"ppo-{k}")
                 policy = upd.outputs["updated"]
+                if update_op is not None:  # PRM_k+1 from PRM_k on rollouts k; advantage k and ppo k do not wait
+                    replay = {"previous": prm_upd.outputs["state"]} if k else {}
+                    prm_upd = train("prm-update", update_op(
+                        config=spec.stages["prm-update"], **common, workspace=ws, iteration=k, prm_model=prm_model,
+                        rollouts=dsl.Collected(roll.outputs["rollouts"]), **replay), f"prm-update-{k}")
+                    prm_model = prm_upd.outputs["updated_prm"]
             if evaluate_op is not None:
                 on_gpu(evaluate_op(config=evaluate_config, **common, policy=policy, baseline=sft_policy,
                                    prm_model=prm_model), "evaluate", cache=sampled).set_display_name("evaluate")

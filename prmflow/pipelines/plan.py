@@ -6,7 +6,7 @@ The plan compiles the pipeline and walks the compiled spec with a model of the K
 input artifact of a task is downloaded whole from the object store before the task starts
 (kubeflow/pipelines backend/src/v2/component/launcher_v2.go, downloadArtifacts; a Collected list
 downloads every element). What an artifact weighs follows from what produced it (`artifact_bytes`):
-weights and optimizer moments stay on the workspace, so a Model artifact of sft/prm/ppo is a location
+weights and optimizer moments stay on the workspace, so a Model artifact of sft/prm/prm-update/ppo is a location
 of a few KB, while an imported model is its whole size. What a task opens on the workspace follows
 from the input names it was wired with. Sizes: weights = bytes per parameter (bf16: 2) x P; Adam
 state in fp32 (master copy + two moments, 12 bytes per parameter with DeepSpeed; 8 with torch);
@@ -46,6 +46,8 @@ class Sizes:
     advantages: float
     critic: bool
     save_optimizer: bool
+    rollouts: float = 0.0
+    """All shards of one iteration's rollouts (prm-update keeps a copy of them on the workspace)."""
 
 
 @dataclass
@@ -78,7 +80,7 @@ def artifact_bytes(stage: str, key: str, s: Sizes, legacy: bool = False) -> floa
         return s.advantages
     if stage == "ppo" and key == "kl_state":
         return KL_STATE_BYTES
-    if stage in ("sft", "prm", "ppo", "locate"):
+    if stage in ("sft", "prm", "prm-update", "ppo", "locate"):
         if not legacy:
             return LOCATION_BYTES
         if stage == "ppo":
@@ -94,6 +96,8 @@ def opened_on_workspace(stage: str, inputs: dict, s: Sizes) -> float:
     for name in inputs:
         if name in ("policy", "ref", "prm_model", "critic", "base", "baseline"):
             total += s.weights
+        elif stage == "prm-update" and name in ("rollouts", "previous"):
+            total += s.rollouts  # its workspace copy of this iteration's rollouts; the last one's (update k replays k)
         elif name == "previous":  # ppo: the critic and Adam's moments of the last iteration
             models = 2 if s.critic else 1
             total += (s.weights if s.critic else 0) + (models * s.optimizer if s.save_optimizer else 0)
@@ -103,6 +107,8 @@ def opened_on_workspace(stage: str, inputs: dict, s: Sizes) -> float:
 def written_to_workspace(stage: str, s: Sizes) -> float:
     if stage in ("sft", "prm"):
         return s.weights
+    if stage == "prm-update":  # the updated PRM and the copy of the rollouts the next update replays
+        return s.weights + s.rollouts
     if stage == "ppo":
         models = 2 if s.critic else 1
         return models * s.weights + (models * s.optimizer if s.save_optimizer else 0)
@@ -171,7 +177,7 @@ def sizes_of(spec: PipelineSpec, params: float) -> Sizes:
     rollouts = tokens * ROLLOUT_BYTES_PER_TOKEN
     return Sizes(weights=dtype_bytes * params, optimizer=adam * params, rollouts_per_shard=rollouts / shards,
                  advantages=rollouts + tokens * ADVANTAGE_EXTRA_PER_TOKEN, critic=ppo.train_critic,
-                 save_optimizer=ppo.save_optimizer)
+                 save_optimizer=ppo.save_optimizer, rollouts=rollouts)
 
 
 def compiled(spec: PipelineSpec) -> dict:
@@ -184,16 +190,18 @@ def compiled(spec: PipelineSpec) -> dict:
 
 def per_iteration(rows: list[TaskRow]) -> list[TaskRow]:
     """The tasks of one steady-state RL iteration (k = 1 where there is one: iteration 0 carries no
-    critic or optimizer over): its rollout shards, advantage and ppo."""
+    critic or optimizer over): its rollout shards, advantage, ppo and prm-update (pipeline.prm_update)."""
     k = 1 if any(r.name == "ppo-1" or r.name.startswith("ppo-1 ") for r in rows) else 0
-    return [r for r in rows if r.name in (f"rollout-{k}", f"advantage-{k}", f"ppo-{k}", f"ppo-{k} (trainjob)")]
+    return [r for r in rows if r.name in (f"rollout-{k}", f"advantage-{k}", f"ppo-{k}", f"ppo-{k} (trainjob)",
+                                          f"prm-update-{k}")]
 
 
 def storage(spec: PipelineSpec, s: Sizes) -> float:
-    """Workspace bytes a whole run leaves: sft and prm weights, and every iteration's ppo output."""
+    """Workspace bytes a whole run leaves: sft and prm weights, and every iteration's ppo output (and
+    prm-update output: a PRM and a copy of the rollouts)."""
     pipe = spec.pipeline
     return (0 if pipe.sft_model else s.weights) + (0 if pipe.prm_model else s.weights) + \
-        pipe.iterations * written_to_workspace("ppo", s)
+        pipe.iterations * (written_to_workspace("ppo", s) + (written_to_workspace("prm-update", s) if pipe.prm_update else 0))
 
 
 def parse_quantity(q: str) -> float:

@@ -137,6 +137,8 @@ class GpuShapes:
     """Sampling engines per rollout pod; the pod gets rollout.vllm.tensor_parallel_size x this many GPUs."""
     evaluate: int = 1
     """GPUs of the evaluate pod (HF generation of one model at a time uses one)."""
+    prm_update: int = 1
+    """GPUs of each prm-update pod (pipeline.prm_update): one process, so one GPU."""
 
 
 @dataclass
@@ -146,7 +148,7 @@ class ImagesConfig:
     cpu: str = DEFAULT_CPU_IMAGE
     """Image of CPU steps (advantage, tracking, TrainJob submitters): REGISTRY/prmflow-cpu@sha256:... as images/build.sh cpu ... --push prints it."""
     gpu: str = DEFAULT_GPU_IMAGE
-    """Image of GPU steps and TrainJob nodes (sft, prm, rollout, ppo, evaluate): REGISTRY/prmflow-gpu@sha256:..."""
+    """Image of GPU steps and TrainJob nodes (sft, prm, prm-update, rollout, ppo, evaluate): REGISTRY/prmflow-gpu@sha256:..."""
     pull_secrets: list[str] = field(default_factory=list)
     """Kubernetes secrets (type dockerconfigjson, in the run's namespace) to pull the images from a private registry."""
 
@@ -158,7 +160,7 @@ class ImagesConfig:
 @dataclass
 class ClusterConfig:
     gpu_pool: NodePool = field(default_factory=_gpu_pool)
-    """Where sft, prm, rollout, ppo and evaluate run."""
+    """Where sft, prm, prm-update, rollout, ppo and evaluate run."""
     cpu_pool: NodePool = field(default_factory=_cpu_pool)
     """Where advantage runs (no model in memory)."""
     retries: int = 2
@@ -210,10 +212,11 @@ class ClusterConfig:
         return "{{$.workspace_path}}/prmflow"
 
     def __post_init__(self):
-        for stage in ("sft", "prm", "ppo", "rollout_engines"):
-            if getattr(self.gpus, stage) < 0 or (stage == "rollout_engines" and self.gpus.rollout_engines < 1):
+        for stage in ("sft", "prm", "ppo", "rollout_engines", "prm_update"):
+            least = 1 if stage in ("rollout_engines", "prm_update") else 0
+            if getattr(self.gpus, stage) < least:
                 raise ConfigError(f"pipeline.cluster.gpus.{stage} is {getattr(self.gpus, stage)}; it must be "
-                                  f"{'at least 1' if stage == 'rollout_engines' else '0 (the pool size) or more'}.")
+                                  f"{'at least 1' if least else '0 (the pool size) or more'}.")
         if self.workspace_pvc and self.workspace_path.rstrip("/") == KFP_WORKSPACE_MOUNT:
             raise ConfigError(f"pipeline.cluster.workspace_path is {KFP_WORKSPACE_MOUNT}, where KFP mounts its own "
                               f"per-run workspace; mount workspace_pvc elsewhere (e.g. /workspace).")
@@ -241,6 +244,8 @@ class PipelineConfig:
     """Start from this SFT policy instead of running the sft stage: an HF model directory or object-store URI (imported with dsl.importer). Reuses one warm-up across runs that compare RL settings."""
     prm_model: str = ""
     """Use this trained PRM instead of running the prm stage (directory or URI, imported like sft_model)."""
+    prm_update: bool = False
+    """Keep the PRM on-policy: after rollout k, a prm-update-k task (GPU pool) trains the PRM that scored those rollouts on their own outcomes, replaying earlier iterations' rollouts (the prm-update: section); rollout k+1 and the final evaluate read the updated PRM, advantage k and ppo k do not wait for it. Needs a trained PRM (not rollout.prm: oracle) and an advantage that reads step rewards."""
     images: ImagesConfig = field(default_factory=ImagesConfig)
     """The CPU and GPU images and their pull secrets (placeholders until set: compile refuses them)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -97,6 +97,20 @@ def test_replay_draws_its_share_from_older_rollouts(tmp_path, base_prm):
     assert (metrics["data/train_examples"], metrics["data/replay_examples"]) == (40, 8)
 
 
+def test_sharded_rollouts_train_and_replay_like_one_directory(tmp_path, base_prm):
+    """The pipeline hands the update a directory of rollout shards (pipelines/kfp_shim.gather_shards): read
+    as one dataset, and each shard is in the result's identity."""
+    for i in range(2):
+        write_rollouts(tmp_path / "rollouts" / f"shard-{i}", 5, iteration=1, seed=10 + i)
+        write_rollouts(tmp_path / "old" / f"shard-{i}", 5, iteration=0, seed=20 + i)
+    cfg = make_cfg(tmp_path, base_prm, replay=[str(tmp_path / "old")], held_out=0.2, max_steps=2)
+    metrics = update.run(cfg)
+    current = metrics["data/train_examples"] - metrics["data/replay_examples"] + metrics["data/held_out_examples"]
+    assert current == 2 * 5 * 4 and metrics["data/replay_examples"] == round(0.25 / 0.75 * 32)  # 2 prompts held out
+    inputs = json.loads((tmp_path / "new" / "manifest.json").read_text())["inputs"]
+    assert {str(tmp_path / d / f"shard-{i}") for d in ("rollouts", "old") for i in range(2)} < set(inputs)
+
+
 def test_a_missing_outcome_is_an_error_naming_the_row(tmp_path, base_prm):
     write_rollouts(tmp_path / "rollouts", 2, outcome=lambda rng: None)
     with pytest.raises(DataError, match=r"row 0 \(prompt_id=.*sample_idx=0\): outcome_reward is None"):

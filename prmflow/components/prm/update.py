@@ -163,7 +163,11 @@ def _identity(cfg: Config) -> dict:
 
 
 def _inputs(cfg: Config) -> dict[str, str]:
-    return io.fingerprint([cfg.prm, cfg.input, *cfg.replay])
+    """Fingerprints of the PRM and every rollouts directory read; a directory of shard directories (a
+    --num_shards output, or the pipeline's gathered shards) by each of its shards."""
+    rollouts = [d for path in (cfg.input, *cfg.replay)
+                for d in schema.open_dataset(path, "rollouts", verify_checksums=False).dirs]
+    return io.fingerprint([cfg.prm, *rollouts])
 
 
 def run(cfg: Config) -> dict:

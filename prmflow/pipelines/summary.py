@@ -136,7 +136,8 @@ def register_models(uri: str, experiment: str, parent_run_id: str) -> dict[str, 
     """Register the final policy and the PRM of a finished pipeline run; returns {name: version}.
 
     `<experiment>-policy` gets the policy of the last PPO iteration (the SFT policy with no RL
-    iteration), `<experiment>-prm` the PRM: each a new version whose source is the stage run's
+    iteration), `<experiment>-prm` the PRM the run ends with (the last prm-update's with
+    pipeline.prm_update, else the prm stage's): each a new version whose source is the stage run's
     LoggedModel (`models:/<model id>`), whose run is the pipeline's parent run (the UI links it),
     with the evaluation metrics (final/* for the policy, prm/eval_* for the PRM) as tags and in the
     description, and the weights' URI (`prmflow.uri`). The policy's LoggedModel also gets the
@@ -158,14 +159,15 @@ def register_models(uri: str, experiment: str, parent_run_id: str) -> dict[str, 
     parent = client.get_run(parent_run_id)
     final = {k: client.get_metric_history(parent_run_id, k)[-1] for k in parent.data.metrics if k.startswith("final/")}
     versions = {}
-    for suffix, run in (("policy", last("ppo") or last("sft")), ("prm", last("prm"))):
+    # the PRM the pipeline ends with: the last on-policy update's (pipeline.prm_update), else the prm stage's
+    for suffix, run in (("policy", last("ppo") or last("sft")), ("prm", last("prm-update") or last("prm"))):
         model = next((m for m in models_of_run(client, run) if m.tags.get(ROLE_TAG) == suffix), None) if run else None
         if model is None:
             log.warning("pipeline run %s has no %s LoggedModel to register", parent_run_id, suffix)
             continue
         name = f"{experiment}-{suffix}"
         scores = ({k: m.value for k, m in final.items()} if suffix == "policy" else
-                  {k: v for k, v in run.data.metrics.items() if k.startswith("prm/eval_")})
+                  {k: v for k, v in run.data.metrics.items() if k.startswith(("prm/eval_", "prm-update/eval_"))})
         try:
             versions[name] = _register(client, uri, name, model, run, parent, scores, model.tags.get(URI_TAG, ""))
             if model.model_id not in {o.model_id for o in parent.outputs.model_outputs or []}:  # twice: refused

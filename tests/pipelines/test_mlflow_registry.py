@@ -74,6 +74,25 @@ def test_exit_handler_charts_reward_per_iteration_and_registers_the_models(finis
     assert final["final/accuracy"] == 0.6  # the evaluation on the policy's model page
 
 
+def test_with_prm_updates_the_registered_prm_is_the_last_update(finished_pipeline, tmp_path):
+    # pipeline.prm_update: prm-update-k writes PRM_k+1; the PRM the run ends with (the one the final
+    # evaluation read) is the last update's, not the prm stage's
+    store, parent_id = finished_pipeline
+    cfg = tracking.TrackingConfig(uri=store, experiment="reg", pipeline_run_id="kfp-1", system_metrics=False)
+    for k in (0, 1):
+        out = _output(tmp_path / f"prm-upd{k}", "prm", [""])
+        with tracking.start_stage_run(cfg, "prm-update", params={"output": out}, iteration=k) as t:
+            t.log_metrics({"eval/step_auc": 0.7 + 0.01 * k}, step=k)
+    lineage.finish_tracking("kfp-1", store, "reg", SimpleNamespace(state="SUCCEEDED"))
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("reg").experiment_id
+    models = {m.name: m for m in client.search_logged_models([exp]).to_list()}
+    [prm] = client.search_model_versions("name = 'reg-prm'")
+    assert prm.source == f"models:/{models['prm-iter1'].model_id}"
+    assert prm.tags["prmflow.uri"] == models["prm-iter1"].tags["prmflow.uri"]
+    assert {k: v for k, v in prm.tags.items() if "eval" in k} == {"prm-update/eval_step_auc": "0.7100"}
+
+
 def test_a_failed_pipeline_registers_nothing(finished_pipeline):
     store, parent_id = finished_pipeline
     lineage.finish_tracking("kfp-1", store, "reg", SimpleNamespace(state="FAILED"))

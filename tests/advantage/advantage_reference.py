@@ -210,8 +210,11 @@ def pairwise_auc(scores: list[float], labels: list[bool]) -> float:
 
 
 def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: float,
-                  eps: float = 1e-6) -> tuple[dict[tuple, dict], float, float]:
-    """({key: {token_rewards, advantages}}, step AUC, gated weight), straight from the definitions."""
+                  eps: float = 1e-6, credit: str = "step") -> tuple[dict[tuple, dict], float, float]:
+    """({key: {token_rewards, advantages}}, step AUC, gated weight), straight from the definitions.
+    credit=baseline: a token of step k >= 1 gets (R - mean) / (std + eps) + w * (mean of the group's other
+    outcomes - the PRM's score after step k-1); tokens of the first step and after the last get the first
+    term alone."""
     groups = defaultdict(list)
     for row in rows:
         groups[group_of(row)].append(row)
@@ -247,6 +250,12 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
         adv, r = [], [0.0] * n
         for t in range(n):
             later = [e for e in ends if e >= t]
+            if credit == "baseline":
+                k = ends.index(min(later)) if later else 0  # the step t belongs to
+                others = [r["outcome_reward"] for r in groups[key] if r is not row]
+                term = statistics.fmean(others) - row["step_rewards"][k - 1] if k >= 1 else 0.0
+                adv.append(a_out + w * term)
+                continue
             p = sum(zk for e, zk in zip(ends, z) if later and e == min(later))  # the step t belongs to
             a = a_out + w * p
             if a_out > 0:

@@ -21,13 +21,15 @@ def by_key(rows):
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("gate", [(0.0, 0.0), (0.3, 0.9), (1.0, 1.0)])
-def test_stage_matches_the_slow_reference(tmp_path, seed, gate):
+@pytest.mark.parametrize("credit", ["step", "baseline"])
+def test_stage_matches_the_slow_reference(tmp_path, seed, gate, credit):
     rng = np.random.default_rng(seed)
     table = ref.random_rollouts(rng, n_groups=7, max_size=5, equal_groups=1)
     write_rows(tmp_path, table.to_pylist())
     summary = stage.run(make_cfg(tmp_path, **PROGRESS, process_weight=0.7, process_auc_min=gate[0],
-                                 process_auc_full=gate[1], batch_rows=5))  # groups cut across batches
-    want, auc, w = ref.grpo_progress(table.to_pylist(), 0.7, *gate)
+                                 process_auc_full=gate[1], process_credit=credit,
+                                 batch_rows=5))  # groups cut across batches
+    want, auc, w = ref.grpo_progress(table.to_pylist(), 0.7, *gate, credit=credit)
     got = by_key(read_out(tmp_path))
     assert summary["advantage/prm_step_auc"] == pytest.approx(auc)
     assert summary["advantage/process_weight"] == pytest.approx(w)
@@ -54,6 +56,89 @@ def test_progress_by_hand(tmp_path):
     assert out[1]["advantages"] == pytest.approx([0.0, 0.0, -a - 1, -a - 1], abs=1e-5)
     # the only intermediate steps: 0.6, 0.9 (a success) and 0.7 (a failure): AUC 0.5
     assert summary["advantage/prm_step_auc"] == pytest.approx(0.5)
+
+
+def test_baseline_credit_by_hand(tmp_path):
+    # one group, outcomes [1, 0, 0]: mean 1/3, std (ddof=1) sqrt(1/3); the others' mean: 0 for row 0, 1/2 for rows 1-2
+    # row 0: scores [0.2, 0.9, x]: step 0's tokens get a_out, step 1's + w(0 - 0.2), step 2's + w(0 - 0.9)
+    # row 1: scores [0.8, y]: step 1's tokens get -a + w(0.5 - 0.8); its token after the last step end: -a
+    # row 2: no steps: -a everywhere
+    write_rows(tmp_path, [
+        row(idx=0, n=6, step_ends=[1, 3, 5], step_rewards=[0.2, 0.9, 0.3], outcome_reward=1.0),
+        row(idx=1, n=5, step_ends=[1, 3], step_rewards=[0.8, 0.1], outcome_reward=0.0),
+        row(idx=2, n=2, step_ends=[], step_rewards=[], outcome_reward=0.0)])
+    stage.run(make_cfg(tmp_path, **PROGRESS, process_credit="baseline", process_weight=0.5,
+                       process_auc_min=0.0, process_auc_full=0.0))
+    out = {r["sample_idx"]: r["advantages"] for r in read_out(tmp_path)}
+    std = math.sqrt(1 / 3)
+    up, down = (2 / 3) / std, -(1 / 3) / std
+    assert out[0] == pytest.approx([up, up, up - 0.1, up - 0.1, up - 0.45, up - 0.45], abs=1e-5)
+    assert out[1] == pytest.approx([down, down, down - 0.15, down - 0.15, down], abs=1e-5)
+    assert out[2] == pytest.approx([down, down], abs=1e-5)
+
+
+# --- what each credit does to the expected policy gradient, computed exactly on a tabular policy ------------
+# Two steps of one token each: a1 in {single, shortcut}, then a2 in {single, shortcut} given a1; the outcome
+# is a fixed table of (a1, a2). Every group of G responses is enumerated with its probability, so the
+# stage's advantages give the exact E[sum_t A_t grad log pi(a_t | s_t)]: no sampling noise.
+G = 3
+LOGITS1 = np.array([0.3, -0.2])
+LOGITS2 = np.array([[0.1, 0.4], [-0.5, 0.2]])  # row a1
+OUTCOME = {(0, 0): 1.0, (0, 1): 0.0, (1, 0): 1.0, (1, 1): 0.0}
+PRMS = {  # the PRM's score of the prefix after step 1 (a function of a1 alone, as a PRM scores a prefix)
+    "adversarial": {0: 0.0, 1: 1.0},  # shortcut lines scored 1, single steps 0
+    "random": {0: 0.137, 1: 0.871},
+}
+_P2 = np.exp(LOGITS2) / np.exp(LOGITS2).sum(1, keepdims=True)
+PRMS["value"] = {a1: float(sum(_P2[a1, a2] * OUTCOME[a1, a2] for a2 in (0, 1))) for a1 in (0, 1)}  # the true one
+
+
+def _softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def _expected_gradient(tmp_path, prm: str, **options) -> np.ndarray:
+    import itertools
+    p1 = _softmax(LOGITS1)
+    p2 = np.stack([_softmax(r) for r in LOGITS2])
+    paths = [(a1, a2) for a1 in (0, 1) for a2 in (0, 1)]
+    rows, weights = [], {}
+    for g, combo in enumerate(itertools.product(paths, repeat=G)):
+        weights[f"g{g}"] = float(np.prod([p1[a1] * p2[a1, a2] for a1, a2 in combo]))
+        for i, (a1, a2) in enumerate(combo):
+            rows.append(row(pid=f"g{g}", idx=i, n=2, response_ids=[a1, a2], step_ends=[0, 1],
+                            step_rewards=[PRMS[prm][a1] if prm else 0.5, OUTCOME[a1, a2]],
+                            outcome_reward=OUTCOME[a1, a2]))
+    d = tmp_path / (prm or "grpo") / "_".join(f"{k}{v}" for k, v in options.items())
+    d.mkdir(parents=True)
+    write_rows(d, rows)
+    stage.run(make_cfg(d, **options))
+    grad = np.zeros(2 + 4)  # d/d LOGITS1, d/d LOGITS2 (flattened)
+    for r in read_out(d):
+        a1, a2 = r["response_ids"]
+        w = weights[r["prompt_id"]]
+        grad[:2] += w * r["advantages"][0] * (np.eye(2)[a1] - p1)
+        grad[2 + 2 * a1:4 + 2 * a1] += w * r["advantages"][1] * (np.eye(2)[a2] - p2[a1])
+    return grad
+
+
+@pytest.mark.parametrize("prm", sorted(PRMS))
+def test_baseline_credit_leaves_the_expected_policy_gradient_grpos_whatever_the_prm(tmp_path, prm):
+    grpo = _expected_gradient(tmp_path, "", estimator="grpo")
+    ungated = dict(**PROGRESS, process_weight=1.0, process_auc_min=0.0, process_auc_full=0.0)
+    baseline = _expected_gradient(tmp_path, prm, **ungated, process_credit="baseline")
+    assert np.abs(grpo).max() > 0.05  # there is a gradient to keep
+    assert baseline == pytest.approx(grpo, abs=1e-6)  # advantages are stored as float32
+
+
+def test_step_credit_moves_the_expected_gradient_where_the_prm_is_wrong(tmp_path):
+    # why the step credit needs the evidence gate: ungated, an adversarial PRM pulls the policy's
+    # expected step-1 update towards the shortcut, which the outcome table does not prefer
+    grpo = _expected_gradient(tmp_path, "", estimator="grpo")
+    ungated = dict(**PROGRESS, process_weight=1.0, process_auc_min=0.0, process_auc_full=0.0)
+    step = _expected_gradient(tmp_path, "adversarial", **ungated, process_credit="step")
+    assert step[1] - grpo[1] > 0.01  # d/d logit(shortcut at step 1)
 
 
 def _merge(r: dict, k: int) -> dict:
@@ -156,6 +241,7 @@ def test_a_prm_below_the_auc_threshold_falls_back_to_outcome_only(tmp_path):
     ({"estimator": "reinforce", "step_reward_mode": "progress"}, r"step_reward_mode=progress is read by estimator=grpo_progress only"),
     ({**PROGRESS, "process_auc_min": 0.9, "process_auc_full": 0.8}, r"0 <= process_auc_min <= process_auc_full <= 1"),
     ({**PROGRESS, "process_weight": -1.0}, r"process_weight=-1.0 must be >= 0"),
+    ({**PROGRESS, "process_credit": "return"}, r"process_credit='return' is not one of \['baseline', 'step'\]"),
 ])
 def test_config_errors_name_the_key(tmp_path, options, match):
     with pytest.raises(ConfigError, match=match):

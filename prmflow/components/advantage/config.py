@@ -54,6 +54,8 @@ class Config:
     """Added to every std divided by (group normalization, whitening), so equal rewards give 0."""
     process_weight: float = 0.5
     """grpo_progress: weight w of the process advantage (unit std within a group's same-outcome responses) added to the outcome advantage before the evidence gate scales it."""
+    process_credit: Literal["step", "baseline"] = "step"
+    """grpo_progress: how the process advantage is built. step: each step's own progress, centered within its response, at unit std among the group's responses with the same outcome, clipped so it never flips the outcome advantage's sign. baseline: the tokens of step k >= 1 get w x (mean outcome of the group's other responses - the PRM's score of the prefix before step k): the expected policy gradient stays GRPO's whatever the PRM says (docs/process-rewards.md)."""
     process_auc_min: float = 0.6
     """grpo_progress gate: w is 0 when the PRM's step AUC on this batch (its scores of every step but the last, against the response's outcome) is below this; a PRM that cannot tell the current policy's winning prefixes from losing ones then falls back to outcome-only GRPO."""
     process_auc_full: float = 0.8
@@ -74,6 +76,7 @@ class Config:
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _check_choice("step_reward_mode", self.step_reward_mode, [*STEP_REWARD_MODES, PROGRESS])
         _check_choice("zero_variance", self.zero_variance, ("keep", "drop", "downweight"))
+        _check_choice("process_credit", self.process_credit, ("step", "baseline"))
         for key, lo, hi in (("gamma", 0, 1), ("lam", 0, 1), ("zero_variance_weight", 0, 1)):
             if not lo <= getattr(self, key) <= hi:
                 raise ConfigError(f"{key}={getattr(self, key)} is outside [{lo}, {hi}]; set it in that range.")

@@ -177,6 +177,9 @@ class EstimatorInput:
     """(B,) std of the response-centered step progress over the responses of the row's group with its outcome (grpo_progress)."""
     process_weight: float = 0.0
     """Weight of the process advantage after the evidence gate (grpo_progress)."""
+    process_credit: str = "step"
+    """grpo_progress: 'step' (each step's own progress, ranked among same-outcome responses) or 'baseline'
+    (the PRM's value of the prefix as a baseline: unbiased)."""
 
 
 EstimatorFn = Callable[[EstimatorInput], "tuple[np.ndarray, np.ndarray]"]
@@ -327,6 +330,30 @@ def per_step_token_values(steps: Steps, layout: Ragged, per_step: np.ndarray) ->
     return out
 
 
+def progress_baseline(inp: EstimatorInput) -> np.ndarray:
+    """(S,) process term of step k under process_credit=baseline: mean_{-i} - Phi_{k-1} for k >= 1, 0 for
+    the first step (and, through per_step_token_values, for the tokens after the last step).
+
+    mean_{-i} is the mean outcome of the other responses of row i's group, Phi_{k-1} the PRM's score of
+    the prefix that ends with step k-1 (rebuilt from the progress values: Phi_{k-1} = mean_group + the
+    row's progress before step k). Neither depends on what the response does from step k on, so
+    E[(mean_{-i} - Phi_{k-1}) * grad log pi(token of step k)] = 0: the term leaves the expected policy
+    gradient GRPO's exactly, whatever the PRM scores (a state-dependent baseline, Williams 1992). A PRM
+    that knows a prefix's chance of success takes the luck of the earlier steps out of a later step's
+    credit: a response that recovers from a poor prefix gains, one that throws away a good prefix loses.
+    """
+    st = inp.steps
+    before = np.cumsum(st.value) - st.value  # (S,) sum of the earlier steps' progress in the whole batch
+    first = np.searchsorted(st.row, st.row, side="left")  # (S,) flat index of the row's first step (rows sorted)
+    before = before - before[first]
+    others = (inp.group_sum - inp.outcome) / np.maximum(inp.group_n - 1, 1)  # (B,) mean_{-i}
+    phi_before = inp.group_mean[st.row] + before
+    term = np.where(np.arange(len(st.value)) > first, others[st.row] - phi_before, 0.0)
+    holds = np.zeros(len(term), bool)  # of steps ending in the same token, the first holds it (its Phi before)
+    holds[np.unique(st.token, return_index=True)[1]] = True
+    return np.where(holds, term, 0.0)
+
+
 @register("grpo_progress", min_group_size=2, uses_token_rewards=False, signal="outcome", process=True)
 def grpo_progress(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
     """Outcome GRPO plus a gated, outcome-anchored process advantage from the PRM's step progress.
@@ -339,11 +366,16 @@ def grpo_progress(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
     then clipped so A_t never has the sign opposite to A^out_i (a response the outcome rewards never has
     a token pushed down, nor one it punishes a token pushed up; where A^out_i = 0, in a group whose
     responses all ended alike, the process term alone moves credit between steps).
+    process_credit=baseline: A_t = A^out_i + w * (mean_{-i} - Phi_{k-1}) for the tokens of step k >= 1
+    instead (`progress_baseline`), with no clip: the PRM's value of the prefix as a baseline.
     Slow equivalent: tests/advantage/advantage_reference.py `grpo_progress`.
     """
     out = (inp.outcome - inp.group_mean) / (inp.group_std + inp.eps)  # (B,)
     adv = inp.layout.broadcast(out)
     st = inp.steps
+    if st is not None and len(st.value) and inp.process_weight != 0.0 and inp.process_credit == "baseline":
+        return adv + inp.process_weight * per_step_token_values(st, inp.layout, progress_baseline(inp)), \
+            returns_to_go(inp)
     if st is not None and len(st.value) and inp.process_weight != 0.0:
         z = centered_progress(st, inp.layout.n_rows) / (inp.process_scale[st.row] + inp.eps)
         adv = adv + inp.process_weight * per_step_token_values(st, inp.layout, z)

@@ -15,6 +15,8 @@ The config and its validation are in config.py. Algorithmic choices:
   steps' progress Phi_k - Phi_{k-1} (the last Phi is the outcome) centered within each response and
   scaled within the responses of its group with the same outcome, clipped never to flip the outcome
   advantage's sign; w = process_weight gated by the PRM's step AUC on this batch (passes.gate).
+  process_credit=baseline instead adds w(mean of the group's other outcomes - Phi_{k-1}) to step k's
+  tokens (k >= 1): the PRM's value of the prefix as a baseline, unbiased whatever the PRM says.
 - A group is all rows with the same (iteration, prompt_id). Its statistics (mean, std with
   ddof=1, sum) are taken over the group signal: the outcome reward, or every step reward of the
   group when outcome rewards are off (grpo_process). A group of >= 2 samples whose signal is all

@@ -45,7 +45,7 @@ def test_a_bad_key_in_any_variant_fails_before_anything_runs(tmp_path, capsys):
 
 
 def test_the_shipped_comparison_runs_the_quickstarts_budget():
-    """configs/compare.yaml claims 'the quickstart's budget three ways': every stage section matches."""
+    """configs/compare.yaml claims 'the quickstart's budget five ways': every stage section matches."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2] / "configs"

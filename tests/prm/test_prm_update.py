@@ -156,3 +156,42 @@ def test_a_killed_update_resumes_to_the_uninterrupted_result(tmp_path, base_prm,
     # the "before" AUC is the incoming PRM's, not the resumed checkpoint's
     full = json.loads((tmp_path / "full" / "manifest.json").read_text())["metrics"]
     assert resumed["eval/before_step_auc"] == full["eval/before_step_auc"]
+
+
+# --- labels=shared_prefix: a group's other samples as a prefix's completions --------------------------
+
+def test_shared_prefix_labels_by_hand():
+    from prmflow.components.prm import data
+
+    win = data.StepExample("p", ["a", "b", "c"], [1.0] * 3, prompt_id="0:p")
+    lost_late = data.StepExample("p", ["a", "b", "x"], [0.0] * 3, prompt_id="0:p")  # shares a, b with the win
+    lost_early = data.StepExample("p", ["y", "b", "c"], [0.0] * 3, prompt_id="0:p")  # shares nothing (prefixes)
+    other_prompt = data.StepExample("q", ["a", "b", "c"], [0.0] * 3, prompt_id="0:q")  # same text, other prompt
+    other_iter = data.StepExample("p", ["a", "b", "c"], [0.0] * 3, prompt_id="1:p")  # same prompt, other rollouts
+    out = update.shared_prefix_labels([win, lost_late, lost_early, other_prompt, other_iter])
+    assert [e.labels for e in out] == [[1, 1, 1], [1, 1, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert lost_late.labels == [0.0] * 3  # the inputs are not changed
+
+
+def test_shared_prefix_labels_score_a_failures_right_steps_as_right(tmp_path, base_prm):
+    # the synthetic policy's failures are a right first step (shared with the successes), then the wrong
+    # line '1+1=0', then right lines; labelled by the outcome the shared first step is 0 half the time
+    write_rollouts(tmp_path / "rollouts", 24)
+    held = {e.prompt_id.split(":", 1)[1] for e in update.split_by_prompt(
+        update.rollout_examples(str(tmp_path / "rollouts"), "\n", 0.5), 0.25, seed=0)[1]}
+    table = [r for r in schema.read_dataset(tmp_path / "rollouts", "rollouts").to_pylist() if r["prompt_id"] in held]
+    scores, metrics = {}, {}
+    for labels in ("outcome", "shared_prefix"):
+        metrics[labels] = update.run(make_cfg(tmp_path, base_prm, name=labels, held_out=0.25, labels=labels))
+        s = load_scorer(tmp_path / labels, device="cpu").score([r["prompt"] for r in table], [r["response"] for r in table])
+        fails = [x for r, x in zip(table, s) if r["outcome_reward"] == 0.0]
+        scores[labels] = {"first": sum(x[0] for x in fails) / len(fails), "wrong": sum(x[1] for x in fails) / len(fails)}
+    print(scores)
+    assert scores["shared_prefix"]["first"] > scores["outcome"]["first"] + 0.1
+    assert scores["shared_prefix"]["wrong"] < scores["shared_prefix"]["first"] - 0.4  # the wrong line is still caught
+    assert metrics["shared_prefix"]["data/positive_fraction"] > metrics["outcome"]["data/positive_fraction"]
+
+
+def test_labels_is_checked(tmp_path, base_prm):
+    with pytest.raises(ConfigError, match=r"'labels' is 'some', which is not one of \['outcome', 'shared_prefix'\]"):
+        make_cfg(tmp_path, base_prm, labels="some")

@@ -11,7 +11,9 @@ retrain the reward model on the policy's samples with a replay share of older da
   only its top `train_layers` decoder layers, final norm and head train.
 - Labels with no extra rollouts: every step prefix of a response gets that response's checked
   outcome (outcome_reward >= label_threshold), so the PRM learns P(success | prefix) under the
-  current policy, the value whose differences the advantage stage's `progress` mode rewards.
+  current policy, the value whose differences the advantage stage's `progress` mode rewards; or
+  (labels=shared_prefix) 1 when any sample of the same prompt that starts with the same steps
+  succeeded: the group's other samples as the prefix's completions.
 - Replay: older rollouts (`replay`) make `replay_share` of the training examples, so the PRM does not
   forget what earlier policies got wrong.
 - Evidence: `held_out` of this iteration's prompts (all their responses) are not trained on; the
@@ -28,10 +30,12 @@ does (a PRM on the policy's backbone, as the quickstart's).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Literal
 from pathlib import Path
 
 import torch
@@ -65,6 +69,8 @@ class Config:
     """Share of this iteration's prompts (all their responses) kept out of training to measure the step AUC, in (0, 1)."""
     label_threshold: float = 0.5
     """A response is a success (every step prefix labelled 1) when its outcome_reward is at least this."""
+    labels: Literal["outcome", "shared_prefix"] = "outcome"
+    """How a step prefix is labelled for training. outcome: its response's checked outcome (P(success | prefix), a value). shared_prefix: 1 if any response to the same prompt in the same rollouts that starts with the same steps succeeded, else 0: the group's other samples serve as the prefix's completions (Math-Shepherd's hard estimate at no extra rollout), so a right step in a response that later fails is labelled 1. The held-out AUC is against the outcome either way."""
     iteration: int = 0
     """RL iteration k whose rollouts train the PRM: tags the tracking run and seeds the split and the replay draw."""
     max_steps: int = 40
@@ -101,6 +107,9 @@ class Config:
     def __post_init__(self):
         if not 0 <= self.replay_share < 1:
             raise ConfigError(f"replay_share={self.replay_share} must be in [0, 1).")
+        if self.labels not in ("outcome", "shared_prefix"):
+            raise ConfigError(f"labels={self.labels!r} is not one of ['outcome', 'shared_prefix']; set labels to one "
+                              f"of those.")
         if not 0 < self.held_out < 1:
             raise ConfigError(f"held_out={self.held_out} must be in (0, 1): the step AUC needs held-out responses "
                               f"and training needs the rest.")
@@ -136,6 +145,19 @@ def rollout_examples(path: str, separator: str, threshold: float) -> list[data.S
         out.append(data.StepExample(r["prompt"], steps, [label] * len(steps), prompt_id=f"{r['iteration']}:{r['prompt_id']}",
                                     source="rollouts", where=where))
     return out
+
+
+def shared_prefix_labels(examples: list[data.StepExample]) -> list[data.StepExample]:
+    """labels=shared_prefix: step k of a response is 1 when some response to the same prompt (same
+    rollouts iteration) whose first k+1 steps are the same text succeeded, else 0. The response itself
+    is one of them, so a success keeps all 1s; a failure keeps 0 from the first step no success shares."""
+    best: dict[tuple, float] = {}
+    for e in examples:
+        for k in range(len(e.steps)):
+            key = (e.prompt_id, *e.steps[:k + 1])
+            best[key] = max(best.get(key, 0.0), e.labels[k])
+    return [dataclasses.replace(e, labels=[best[(e.prompt_id, *e.steps[:k + 1])] for k in range(len(e.steps))])
+            for e in examples]
 
 
 def split_by_prompt(examples: list[data.StepExample], share: float, seed: int) -> tuple[list, list]:
@@ -191,6 +213,8 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
         raise DataError(f"rollouts '{cfg.input}' hold no response with a step; nothing to update the PRM on.")
     train_current, held = split_by_prompt(current, cfg.held_out, cfg.seed * 100_003 + cfg.iteration)
     replay = draw_replay(cfg, separator, len(train_current))
+    if cfg.labels == "shared_prefix":  # by prompt: replay examples are their own iterations' groups
+        train_current, replay = shared_prefix_labels(train_current), shared_prefix_labels(replay)
     prm = PRM.load(cfg.prm, None, cfg.engine.dtype, seed=cfg.seed)
     if cfg.train_layers:
         freeze_below(prm.model, cfg.train_layers)

@@ -176,6 +176,21 @@ def package_defaults(path: str) -> dict:
     return {name: p.get("defaultValue") for name, p in params.items()}
 
 
+def compiled_sections(path: str) -> dict[str, dict]:
+    """{stage: its section} for the stages whose config is compiled into their tasks rather than passed as a
+    run parameter (prm-update with pipeline.prm_update): read from the first such task's constant input."""
+    doc = _package_doc(path)[0]
+    dags = [doc["root"].get("dag", {})] + [c.get("dag", {}) for c in doc.get("components", {}).values()]
+    out = {}
+    for dag in dags:
+        for task in dag.get("tasks", {}).values():
+            stage = task.get("componentRef", {}).get("name", "").removeprefix("comp-").rstrip("-0123456789")
+            config = task.get("inputs", {}).get("parameters", {}).get("config", {}).get("runtimeValue", {})
+            if stage == "prm-update" and "constant" in config:
+                out.setdefault(stage, config["constant"] or {})
+    return out
+
+
 def with_caching(path: str, enabled: bool, out: str) -> str:
     """A copy of the package with every task's cache switched on or off. (kfp.Client's enable_caching
     reaches only the root DAG's tasks; ours sit inside the exit handler and the rollout loops.)"""
@@ -203,8 +218,11 @@ def _submit(args) -> int:
         if args.dry_run:
             sections = {stage: arguments.get(f"{stage}_config", defaults.get(f"{stage}_config")) or {}
                         for stage in stages.PIPELINE_STAGES if f"{stage}_config" in defaults}
-            print(yaml.safe_dump({"effective stage configs": effective_configs(sections),
-                                  "arguments sent": arguments}, sort_keys=False), end="")
+            shown = {"effective stage configs": effective_configs(sections)}
+            compiled = compiled_sections(package)
+            if compiled:  # not run parameters: --set cannot change them here (run_arguments says so)
+                shown["compiled-in stage configs (compile again to change)"] = effective_configs(compiled)
+            print(yaml.safe_dump({**shown, "arguments sent": arguments}, sort_keys=False), end="")
             print("dry run: nothing submitted")
             return 0
         if args.caching is not None:

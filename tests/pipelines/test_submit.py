@@ -207,6 +207,23 @@ def test_dry_run_prints_every_stage_effective_config_and_sends_nothing(ppo_7b, c
     assert "nothing submitted" in out
 
 
+def test_dry_run_shows_the_compiled_in_prm_update_section(tmp_path, capsys):
+    """pipeline.prm_update: the prm-update section is compiled into its tasks, not a run parameter; the dry
+    run still shows what those tasks will run with (the config's keys over the stage's defaults)."""
+    cfg = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
+    cfg["pipeline"]["prm_update"] = True
+    cfg["prm-update"] = {"max_steps": 80, "labels": "shared_prefix"}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["pipeline", "compile", "--config", str(tmp_path / "c.yaml"), "-o", str(tmp_path / "p.yaml"),
+                     *IMAGES]) == 0
+    capsys.readouterr()
+    assert submit("--package", str(tmp_path / "p.yaml"), "--dry-run") == 0
+    shown = yaml.safe_load(capsys.readouterr().out.rsplit("dry run:", 1)[0])
+    upd = shown["compiled-in stage configs (compile again to change)"]["prm-update"]
+    assert upd["max_steps"] == 80 and upd["labels"] == "shared_prefix" and upd["replay_share"] == 0.25  # a default
+    assert "prm-update" not in shown["effective stage configs"]
+
+
 @pytest.mark.parametrize("change,named", [
     (["--param", 'ppo_config={"optim": {"lrr": 1e-6}}'], "[ppo]: 'optim.lrr' is not a config key"),
     (["--set", "ppo.critic_lrr=1"], "[ppo]: 'critic_lrr' is not a config key"),

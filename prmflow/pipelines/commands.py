@@ -176,18 +176,22 @@ def package_defaults(path: str) -> dict:
     return {name: p.get("defaultValue") for name, p in params.items()}
 
 
+def _tasks(doc: dict):
+    """Every task of a compiled pipeline spec: the root DAG's and those inside each component's DAG
+    (the exit handler, the rollout loops)."""
+    dags = [doc["root"].get("dag", {})] + [c.get("dag", {}) for c in doc.get("components", {}).values()]
+    return [task for dag in dags for task in dag.get("tasks", {}).values()]
+
+
 def compiled_sections(path: str) -> dict[str, dict]:
     """{stage: its section} for the stages whose config is compiled into their tasks rather than passed as a
     run parameter (prm-update with pipeline.prm_update): read from the first such task's constant input."""
-    doc = _package_doc(path)[0]
-    dags = [doc["root"].get("dag", {})] + [c.get("dag", {}) for c in doc.get("components", {}).values()]
     out = {}
-    for dag in dags:
-        for task in dag.get("tasks", {}).values():
-            stage = task.get("componentRef", {}).get("name", "").removeprefix("comp-").rstrip("-0123456789")
-            config = task.get("inputs", {}).get("parameters", {}).get("config", {}).get("runtimeValue", {})
-            if stage == "prm-update" and "constant" in config:
-                out.setdefault(stage, config["constant"] or {})
+    for task in _tasks(_package_doc(path)[0]):
+        stage = task.get("componentRef", {}).get("name", "").removeprefix("comp-").rstrip("-0123456789")
+        config = task.get("inputs", {}).get("parameters", {}).get("config", {}).get("runtimeValue", {})
+        if stage == "prm-update" and "constant" in config:
+            out.setdefault(stage, config["constant"] or {})
     return out
 
 
@@ -197,10 +201,8 @@ def with_caching(path: str, enabled: bool, out: str) -> str:
     import yaml
 
     docs = _package_doc(path)
-    dags = [docs[0]["root"].get("dag", {})] + [c.get("dag", {}) for c in docs[0].get("components", {}).values()]
-    for dag in dags:
-        for task in dag.get("tasks", {}).values():
-            task.setdefault("cachingOptions", {})["enableCache"] = enabled
+    for task in _tasks(docs[0]):
+        task.setdefault("cachingOptions", {})["enableCache"] = enabled
     Path(out).write_text(yaml.safe_dump_all(docs, sort_keys=False))
     return out
 

@@ -100,7 +100,9 @@ def compute_batch(t: pa.Table, group_rows: dict[str, np.ndarray], plan: Plan) ->
         steps = make_steps(layout, flat_values(t, "step_ends").astype(np.int64), counts, contrib)
     rewards = token_rewards(layout, kl if plan.beta > 0 else None, plan.beta, steps, at_last)
     values = flat_values(t, "values").astype(np.float64) if est.needs_values else None
-    process = {k: group_rows[k] for k in ("process_scale", "process_weight", "process_credit") if k in group_rows}
+    process = {k: group_rows[k] for k in ("process_scale", "process_weight") if k in group_rows}
+    if process:
+        process["process_credit"] = cfg.process_credit
     inp = EstimatorInput(layout, rewards, cfg.gamma, cfg.lam, cfg.norm_eps, values=values, outcome=outcome,
                          steps=steps, **{k: v for k, v in group_rows.items() if k.startswith("group_")}, **process)
     advantages, returns = est.fn(inp)

@@ -373,12 +373,13 @@ def grpo_progress(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
     out = (inp.outcome - inp.group_mean) / (inp.group_std + inp.eps)  # (B,)
     adv = inp.layout.broadcast(out)
     st = inp.steps
-    if st is not None and len(st.value) and inp.process_weight != 0.0 and inp.process_credit == "baseline":
+    if st is None or not len(st.value) or inp.process_weight == 0.0:
+        return adv, returns_to_go(inp)
+    if inp.process_credit == "baseline":
         return adv + inp.process_weight * per_step_token_values(st, inp.layout, progress_baseline(inp)), \
             returns_to_go(inp)
-    if st is not None and len(st.value) and inp.process_weight != 0.0:
-        z = centered_progress(st, inp.layout.n_rows) / (inp.process_scale[st.row] + inp.eps)
-        adv = adv + inp.process_weight * per_step_token_values(st, inp.layout, z)
-        sign = inp.layout.broadcast(np.sign(out))
-        adv = np.where(sign > 0, np.maximum(adv, 0.0), np.where(sign < 0, np.minimum(adv, 0.0), adv))
+    z = centered_progress(st, inp.layout.n_rows) / (inp.process_scale[st.row] + inp.eps)
+    adv = adv + inp.process_weight * per_step_token_values(st, inp.layout, z)
+    sign = inp.layout.broadcast(np.sign(out))
+    adv = np.where(sign > 0, np.maximum(adv, 0.0), np.where(sign < 0, np.minimum(adv, 0.0), adv))
     return adv, returns_to_go(inp)

@@ -82,7 +82,6 @@ class Groups:
         if self.process is not None:
             out["process_scale"] = self.process.scale[start:start + count]
             out["process_weight"] = self.process.weight
-            out["process_credit"] = self.process.credit
         return out
 
 
@@ -179,8 +178,6 @@ class Process:
     """process_weight after the gate (0 when step_auc is NaN or below process_auc_min)."""
     steps: int
     """Steps whose score entered step_auc."""
-    credit: str = "step"
-    """Config.process_credit: how the estimator builds the process term."""
 
 
 def gate(auc: float, weight: float, auc_min: float, auc_full: float) -> float:
@@ -229,7 +226,7 @@ def progress_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Process:
     var = np.divide(np.bincount(cls, sq), n, out=np.zeros(len(n)), where=n > 0)
     auc = roc_auc(np.concatenate(scores), np.concatenate(labels))
     weight = gate(auc, cfg.process_weight, cfg.process_auc_min, cfg.process_auc_full)
-    return Process(np.sqrt(var)[cls], auc, weight, int(sum(len(x) for x in scores)), cfg.process_credit)
+    return Process(np.sqrt(var)[cls], auc, weight, int(sum(len(x) for x in scores)))
 
 
 # --- pass 2 (optional): whitening statistics ------------------------------------------------------------

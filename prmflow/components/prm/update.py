@@ -35,8 +35,8 @@ import logging
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Literal
 from pathlib import Path
+from typing import Literal
 
 import torch
 

@@ -11,6 +11,11 @@ PRM's score is sigmoid(z) = P(step is correct).
   at the step's last token (usually a step tag such as " ки" appended to every step). This is
   exactly softmax([l_good, l_bad])[0] of the Math-Shepherd readout, written as a logit difference
   so training uses the same BCE-with-logits as the token-classification head.
+- `implicit` (PRIME, arXiv 2502.01456): a causal LM of the policy's architecture and a frozen copy
+  of where it started (the reference, saved in `reference/`); z at a token = beta x the sum of
+  log pi(y_j) / pi_ref(y_j) over the response tokens up to it, the implicit Q of the response so
+  far. Started from the policy itself every step reads 0 (score 0.5); trained with the same BCE on
+  outcome labels it learns P(success | prefix) as a token-level decomposition.
 
 Where the readout sits is decided by `encode`, which training, scoring and labelling all call: the
 prompt is tokenized, then the response (after the prompt, without special tokens) with its offset
@@ -30,6 +35,7 @@ import torch
 from transformers import AutoModelForTokenClassification
 
 from . import modeling, steps
+from .tensor_ops import token_logprobs
 from ...errors import ConfigError, DataError, ModelLoadError
 from .vision import Vision, processor_of
 
@@ -37,20 +43,28 @@ log = logging.getLogger(__name__)
 
 #: File (written by modeling.save_pretrained's `extra`) that records how a saved PRM reads its steps.
 PRM_META = "prmflow.json"
+#: Subdirectory of an implicit PRM holding its frozen reference model.
+REFERENCE_DIR = "reference"
 
 
 @dataclass
 class HeadConfig:
-    kind: Literal["token_classification", "lm_tokens"] = "token_classification"
-    """token_classification: a linear head on the backbone (saved as AutoModelForTokenClassification); lm_tokens: P(good_token) vs P(bad_token) of a causal LM (Math-Shepherd checkpoints)."""
+    kind: Literal["token_classification", "lm_tokens", "implicit"] = "token_classification"
+    """token_classification: a linear head on the backbone (saved as AutoModelForTokenClassification); lm_tokens: P(good_token) vs P(bad_token) of a causal LM (Math-Shepherd checkpoints); implicit: PRIME's implicit PRM, beta x the log-likelihood ratio of a causal LM to its frozen starting point, summed over the response so far."""
     good_token: str = "+"
     """lm_tokens: the token whose probability means 'this step is correct' (Math-Shepherd: '+')."""
     bad_token: str = "-"
     """lm_tokens: the token whose probability means 'this step is wrong' (Math-Shepherd: '-')."""
     step_tag: str = ""
     """Text appended to every step before tokenizing, read at its last token (Math-Shepherd: ' ки'). Empty: read at the step's own last token."""
+    beta: float = 0.05
+    """implicit: the scale of the log-likelihood ratio (PRIME: 0.05); a larger beta lets a small change of the LM move the score more."""
 
     def __post_init__(self):
+        if self.kind not in ("token_classification", "lm_tokens", "implicit"):
+            raise ConfigError(f"head.kind={self.kind!r} is not one of ['token_classification', 'lm_tokens', 'implicit'].")
+        if self.kind == "implicit" and not self.beta > 0:
+            raise ConfigError(f"head.beta={self.beta} must be > 0 for head.kind=implicit.")
         if self.kind == "lm_tokens" and (not self.good_token or not self.bad_token or self.good_token == self.bad_token):
             raise ConfigError(f"head.good_token ({self.good_token!r}) and head.bad_token ({self.bad_token!r}) must be "
                               f"two different non-empty tokens for head.kind=lm_tokens.")
@@ -63,6 +77,7 @@ class Encoded:
     input_ids: list[int]
     step_ends: list[int]  # index into input_ids of the readout token of each step
     n_steps: int  # steps in the response; > len(step_ends) only when truncated
+    response_start: int = 0  # index in input_ids of the response's first token (the prompt's length)
     pixels: dict = field(default_factory=dict, repr=False)  # the prompt's images (vision-language PRM)
 
 
@@ -118,7 +133,7 @@ def encode(tokenizer, prompt: str, response: str, separator: str = "\n", step_ta
     if max_length is not None and len(ids) > max_length:
         ids = ids[:max_length]
         ends = [e for e in ends if e < max_length]
-    return Encoded(ids, ends, len(spans), pixels)
+    return Encoded(ids, ends, len(spans), len(p_ids), pixels)
 
 
 def has_shared_readout(enc: Encoded) -> bool:
@@ -138,6 +153,23 @@ def step_logits(logits: torch.Tensor, head: HeadConfig, good_id: int | None = No
     return (logits[..., good_id] - logits[..., bad_id]).float()
 
 
+def implicit_step_logits(logits: torch.Tensor, ref_logits: torch.Tensor, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor, response_start: torch.Tensor, beta: float) -> torch.Tensor:
+    """PRIME's implicit step logit at every token: z_t = beta * sum_{response_start <= j <= t}
+    (log pi(x_j | x_<j) - log pi_ref(x_j | x_<j)), the log-ratio of the tokens read so far.
+
+    logits, ref_logits (B, T, V); input_ids, attention_mask (B, T); response_start (B,) -> (B, T)
+    float32 (0 before the response and at padding). Gradients flow through `logits` only.
+    """
+    B, T = input_ids.shape
+    ratio = (token_logprobs(logits[:, :-1], input_ids[:, 1:])
+             - token_logprobs(ref_logits[:, :-1].detach(), input_ids[:, 1:]))  # (B, T-1): entry j-1 scores token j
+    ratio = torch.cat([ratio.new_zeros(B, 1), ratio], dim=1)  # (B, T): entry j scores token j
+    pos = torch.arange(T, device=input_ids.device)[None, :]
+    keep = (pos >= response_start.to(input_ids.device)[:, None]) & attention_mask.bool()
+    return beta * torch.cumsum(ratio * keep, dim=1)
+
+
 def single_token_id(tokenizer, text: str, what: str) -> int:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
@@ -153,8 +185,11 @@ class PRM:
     step logits (B, T) for every token (training gathers the step positions, scoring too).
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer, head: HeadConfig):
+    def __init__(self, model: torch.nn.Module, tokenizer, head: HeadConfig, reference: torch.nn.Module | None = None):
         self.model, self.tokenizer, self.head = model, tokenizer, head
+        self.reference = reference  # implicit: the frozen LM the log-likelihood ratio is taken against
+        if head.kind == "implicit" and reference is None:
+            raise ConfigError("head.kind=implicit needs a reference model.")
         self.good_id = self.bad_id = None
         if head.kind == "lm_tokens":
             self.good_id = single_token_id(tokenizer, head.good_token, "head.good_token")
@@ -174,11 +209,23 @@ class PRM:
         elif saved is not None and saved.kind != head.kind:
             raise ConfigError(f"'{path}' is a PRM with head.kind={saved.kind}, but head.kind={head.kind} was asked "
                               f"for. Set head.kind={saved.kind} (or start from a plain causal-LM directory).")
-        if head.kind != "lm_tokens" and modeling.is_vision(path) and saved is None:
+        if head.kind == "token_classification" and modeling.is_vision(path) and saved is None:
             raise ConfigError(f"'{path}' is a vision-language model: read its steps with head.kind=lm_tokens (the LM's "
                               f"own good/bad-token logits, so the PRM sees the image through the model's own class); "
                               f"a token-classification head exists for text models only.")
-        if head.kind == "lm_tokens":
+        reference = None
+        if head.kind == "implicit":
+            model, tok = modeling.load_causal_lm(path, dtype, seed=seed)
+            ref_dir = Path(str(path)) / REFERENCE_DIR
+            if saved is not None:  # a trained implicit PRM carries the model it started from
+                if not (ref_dir / "config.json").is_file():
+                    raise ModelLoadError(f"'{path}' is an implicit PRM without its reference model ('{ref_dir}' is "
+                                         f"missing); it cannot be read. Re-create it from its policy.")
+                reference, _ = modeling.load_causal_lm(ref_dir, dtype, seed=seed)
+            else:  # started from a policy: the reference is that policy, so every step starts at 0.5
+                reference = copy.deepcopy(model)
+            reference.eval().requires_grad_(False)
+        elif head.kind == "lm_tokens":
             model, tok = modeling.load_causal_lm(path, dtype, seed=seed)
         elif modeling.is_tiny(str(path)):
             model, tok = _tiny_scalar_model(str(path), seed, dtype)
@@ -189,18 +236,42 @@ class PRM:
             # (like a value head) trains better and reproducibly without it
             model.dropout.p = 0.0
             model.config.classifier_dropout = 0.0
-        return cls(model, tok, head)
+        return cls(model, tok, head, reference)
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model=None, **pixels) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model=None,
+                 response_start: torch.Tensor | None = None, **pixels) -> torch.Tensor:
         """Step logits for every token: (B, T) ids and mask -> (B, T) float32. `model` lets a
-        training engine's wrapper run the forward pass; `pixels`: the batch's image inputs."""
+        training engine's wrapper run the forward pass; `response_start` (B,): where each row's
+        response begins (the implicit head sums over the response only); `pixels`: the batch's
+        image inputs."""
         out = (model or self.model)(input_ids=input_ids, attention_mask=attention_mask, **pixels)
-        return step_logits(out.logits, self.head, self.good_id, self.bad_id)
+        if self.head.kind != "implicit":
+            return step_logits(out.logits, self.head, self.good_id, self.bad_id)
+        if response_start is None:
+            raise ValueError("an implicit PRM needs response_start (where each row's response begins)")
+        return implicit_step_logits(out.logits, self._reference_logits(input_ids, attention_mask, **pixels),
+                                    input_ids, attention_mask, response_start, self.head.beta)
+
+    @torch.no_grad()
+    def _reference_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **pixels) -> torch.Tensor:
+        device = input_ids.device
+        if next(self.reference.parameters()).device != device:
+            self.reference.to(device)
+        return self.reference(input_ids=input_ids, attention_mask=attention_mask, **pixels).logits
+
+    def save_reference(self, directory: str | Path) -> None:
+        """implicit: write the reference model to `directory`/reference (a saved implicit PRM is
+        readable only with it); other heads: nothing."""
+        if self.head.kind == "implicit":
+            modeling.save_pretrained(self.reference, self.tokenizer, Path(directory) / REFERENCE_DIR)
 
     def metadata(self, separator: str, chat_template: bool | None = None) -> dict:
         """What save() records so a scorer reads the checkpoint the way it was trained: the head, the
         step separator, and (when given) whether prompts went through the tokenizer's chat template."""
-        meta = {"stage": "prm", "prm_head": asdict(self.head), "step_separator": separator}
+        head = asdict(self.head)
+        if self.head.kind != "implicit":  # beta reads nothing: prmflow.json stays as it was before the key
+            head.pop("beta")
+        meta = {"stage": "prm", "prm_head": head, "step_separator": separator}
         if chat_template is not None:
             holder = processor_of(self.tokenizer) or self.tokenizer
             meta["chat_template"] = bool(chat_template and getattr(holder, "chat_template", None))

@@ -89,7 +89,8 @@ class PRMScorer:
                 continue
             ids, mask = right_pad([encoded[i].input_ids for i in idx], pad)
             pixels = batch_pixels([encoded[i].pixels for i in idx], self.device)
-            z = self.prm(ids.to(self.device), mask.to(self.device), **pixels)  # (B, T)
+            starts = torch.tensor([encoded[i].response_start for i in idx], dtype=torch.long, device=self.device)
+            z = self.prm(ids.to(self.device), mask.to(self.device), response_start=starts, **pixels)  # (B, T)
             probs = torch.sigmoid(z).cpu()
             for row, i in enumerate(idx):
                 ends = encoded[i].step_ends

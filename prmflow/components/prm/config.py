@@ -120,6 +120,8 @@ def training_identity(cfg: Config) -> dict:
     """The keys that decide the trained weights (best-of-N settings only decide extra metrics)."""
     d = config_lib.to_dict(cfg)
     d.pop("bon")
+    if d["head"]["kind"] != "implicit":  # beta reads nothing then: outputs from before the key existed still match
+        d["head"].pop("beta")
     return checkpoint.identity(d)
 
 

@@ -62,6 +62,7 @@ class Tokenized:
     labels: list[float]
     example: StepExample = field(repr=False)
     pixels: dict = field(default_factory=dict, repr=False)
+    response_start: int = 0  # index in input_ids of the response's first token
 
 
 # --- reading and checking --------------------------------------------------------------------
@@ -287,14 +288,15 @@ def tokenize(examples: list[StepExample], tokenizer, separator: str, step_tag: s
         if len(enc.step_ends) != len(ex.labels):
             raise DataError(f"{ex.where}: {len(ex.labels)} labels but the response has {len(enc.step_ends)} steps "
                             f"when cut by {separator!r}.")
-        out.append(Tokenized(enc.input_ids, enc.step_ends, ex.labels, ex, enc.pixels))
+        out.append(Tokenized(enc.input_ids, enc.step_ends, ex.labels, ex, enc.pixels, enc.response_start))
     return out, dropped
 
 
 def collate(batch: list[Tokenized], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded input_ids and attention_mask (B, T); step_mask (B, T) true at readout tokens;
-    targets (B, T) float, the step label at readout tokens and 0 elsewhere; plus the batch's pixel
-    inputs (vision-language, `vision.batch_pixels`)."""
+    targets (B, T) float, the step label at readout tokens and 0 elsewhere; response_start (B,) where
+    each response begins (the implicit head's sum starts there); plus the batch's pixel inputs
+    (vision-language, `vision.batch_pixels`)."""
     T = max(len(e.input_ids) for e in batch)
     ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), T), dtype=torch.long)
@@ -306,11 +308,12 @@ def collate(batch: list[Tokenized], pad_id: int) -> dict[str, torch.Tensor]:
         step_mask[i, e.step_ends] = True
         targets[i, e.step_ends] = torch.tensor(e.labels)
     return {"input_ids": ids, "attention_mask": mask, "step_mask": step_mask, "targets": targets,
+            "response_start": torch.tensor([e.response_start for e in batch], dtype=torch.long),
             **batch_pixels([e.pixels for e in batch])}
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The pixel inputs of a collated batch (what the PRM's forward takes besides ids and mask)."""
+    """What the PRM's forward takes besides ids and mask: response_start and the pixel inputs."""
     return {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "step_mask", "targets")}
 
 

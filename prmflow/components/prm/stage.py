@@ -217,6 +217,7 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
                 if distributed.is_main():
                     modeling.save_pretrained(engine.module, prm.tokenizer, tmp,
                                              extra={**prm.metadata(cfg.step_separator), "metrics": metrics})
+                    prm.save_reference(tmp)
             if cfg.bon.policy and distributed.is_main():  # generation from the saved PRM: no collectives
                 metrics.update(_run_best_of_n(cfg, tmp, tracker, cfg.max_steps))
                 manifest["bon"] = _bon_identity(cfg)

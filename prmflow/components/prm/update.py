@@ -46,7 +46,7 @@ from ..common.engine import EngineConfig, OptimSettings, TrainEngine
 from ...errors import ConfigError, DataError
 from ..common.optim import OptimConfig
 from ..common import supervised
-from ..common.prm_model import PRM, freeze_below, saved_chat_template, saved_head, saved_separator
+from ..common.prm_model import PRM, HeadConfig, freeze_below, saved_chat_template, saved_head, saved_separator
 from . import data
 from .stage import PRMObjective, evaluate
 
@@ -69,6 +69,8 @@ class Config:
     """Share of this iteration's prompts (all their responses) kept out of training to measure the step AUC, in (0, 1)."""
     label_threshold: float = 0.5
     """A response is a success (every step prefix labelled 1) when its outcome_reward is at least this."""
+    implicit_beta: float = 0.0
+    """> 0: `prm` may be a policy (a causal-LM directory, no prmflow.json): the update starts PRIME's implicit PRM from it (head.kind=implicit: the policy trained further, a frozen copy as the reference, step logit beta x their log-likelihood ratio over the response so far; arXiv 2502.01456). A prm written by a PRM stage keeps its own head."""
     labels: Literal["outcome", "shared_prefix"] = "outcome"
     """How a step prefix is labelled for training. outcome: its response's checked outcome (P(success | prefix), a value). shared_prefix: 1 if any response to the same prompt in the same rollouts that starts with the same steps succeeded, else 0: the group's other samples serve as the prefix's completions (Math-Shepherd's hard estimate at no extra rollout), so a right step in a response that later fails is labelled 1. The held-out AUC is against the outcome either way."""
     iteration: int = 0
@@ -181,7 +183,10 @@ def draw_replay(cfg: Config, separator: str, n_current: int) -> list[data.StepEx
 # --- the stage -------------------------------------------------------------------------------
 
 def _identity(cfg: Config) -> dict:
-    return checkpoint.identity(config_lib.to_dict(cfg))
+    d = config_lib.to_dict(cfg)
+    if not d["implicit_beta"]:  # off (the default): outputs from before the key existed still match
+        d.pop("implicit_beta")
+    return checkpoint.identity(d)
 
 
 def _inputs(cfg: Config) -> dict[str, str]:
@@ -196,10 +201,11 @@ def run(cfg: Config) -> dict:
     """Update the PRM at cfg.prm on cfg.input's rollouts; write it to cfg.output; return the metrics."""
     if not cfg.input or not cfg.output:
         raise ConfigError("prm-update needs input (this iteration's scored rollouts) and output (the updated PRM).")
-    if saved_head(cfg.prm) is None:
+    if saved_head(cfg.prm) is None and not cfg.implicit_beta > 0:
         raise ConfigError(f"prm='{cfg.prm}' is not a PRM written by the prm stage (no prmflow.json); prm-update warm "
-                          f"starts from one. Train one with `prmflow prm` first.")
-    done = io.finished_output("prm-update", cfg.output, config_lib.to_dict(cfg), cfg.overwrite, inputs=_inputs(cfg))
+                          f"starts from one. Train one with `prmflow prm` first, or set implicit_beta (e.g. 0.05) to "
+                          f"start PRIME's implicit PRM from this policy.")
+    done = io.finished_output("prm-update", cfg.output, _identity(cfg), cfg.overwrite, inputs=_inputs(cfg))
     if done is not None:
         return done.get("metrics", {})
     with preemption.Preemption() as stop:
@@ -215,7 +221,9 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
     replay = draw_replay(cfg, separator, len(train_current))
     if cfg.labels == "shared_prefix":  # by prompt: replay examples are their own iterations' groups
         train_current, replay = shared_prefix_labels(train_current), shared_prefix_labels(replay)
-    prm = PRM.load(cfg.prm, None, cfg.engine.dtype, seed=cfg.seed)
+    fresh = saved_head(cfg.prm) is None  # a policy: an implicit PRM starts from it (run() checked implicit_beta)
+    prm = PRM.load(cfg.prm, HeadConfig("implicit", beta=cfg.implicit_beta) if fresh else None, cfg.engine.dtype,
+                   seed=cfg.seed)
     if cfg.train_layers:
         freeze_below(prm.model, cfg.train_layers)
     tokenize = lambda ex: data.tokenize(ex, prm.tokenizer, separator, prm.head.step_tag, cfg.max_seq_len)  # noqa: E731
@@ -249,8 +257,12 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
         metrics.update(counts)
         manifest = {"config": identity, "inputs": inputs, "metrics": metrics, "parents": [cfg.prm, cfg.input, *cfg.replay]}
         with io.atomic_output_dir(cfg.output, "prm", overwrite=True, manifest=manifest) as tmp:
+            # the rollouts' prompts went through the policy's chat template (when it has one): a PRM started
+            # from the policy reads them so; an updated PRM keeps what it was trained with
+            chat = True if fresh else saved_chat_template(cfg.prm)
             modeling.save_pretrained(engine.module, prm.tokenizer, tmp,
-                                     extra={**prm.metadata(separator, saved_chat_template(cfg.prm)), "metrics": metrics})
+                                     extra={**prm.metadata(separator, chat), "metrics": metrics})
+            prm.save_reference(tmp)
         checkpoint.clear(work)
     print(f"prm-update: iteration {cfg.iteration}: held-out step AUC {metrics['eval/before_step_auc']:.3f} -> "
           f"{metrics['eval/step_auc']:.3f} on {len(held_out)} responses ({len(train)} trained on, {len(replay)} replayed) "

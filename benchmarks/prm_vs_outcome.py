@@ -10,7 +10,9 @@ rollout -> advantage -> ppo, `iterations` times, with the same prompts, samples,
 seeds for every variant (seed s picks the prompts and the samples; variants differ only in the
 advantage estimator and where step rewards come from: `prm: ""` none, `oracle` the exact checker's
 step labels, `trained` OUTPUT/prm, `adversarial` 1 for every shortcut line and 0 for every single step,
-`random` uniform scores; a variant with an `update` section keeps its trained PRM on-policy: after
+`random` uniform scores, `implicit` PRIME's implicit PRM started from the SFT policy (every step 0.5 at first;
+it needs an `update` section with implicit_beta), `trained-implicit` an implicit PRM trained like the PRM first
+(OUTPUT/prm-implicit, `implicit_prm`); a variant with an `update` section keeps its trained PRM on-policy: after
 every rollout `prmflow prm-update` trains it further on those rollouts' own outcomes (replaying the
 older iterations' rollouts) and the next rollout is scored by the updated PRM). After every PPO update the policy answers the same held-out
 test-split prompts greedily (pass@1, graded by the task's verifier). Per point it records the train
@@ -59,7 +61,7 @@ from prmflow.components.sft import stage as sft  # noqa: E402
 
 OFF = {"enabled": False}
 #: where a variant's step rewards come from ('' = none)
-PRM_KINDS = ("", "oracle", "trained", "adversarial", "random")
+PRM_KINDS = ("", "oracle", "trained", "adversarial", "random", "implicit", "trained-implicit")
 log = logging.getLogger("prm_vs_outcome")
 
 
@@ -73,6 +75,8 @@ class BenchConfig:
     """sft stage keys (`prmflow sft --help`) for the one shared SFT policy (output is OUTPUT/sft)."""
     prm: dict = field(default_factory=dict)
     """prm stage keys for the one shared PRM on the SFT backbone (output is OUTPUT/prm)."""
+    implicit_prm: dict = field(default_factory=lambda: {"head": {"kind": "implicit", "beta": 0.1}})
+    """prm stage keys laid over `prm` for the implicit PRM that `prm: trained-implicit` variants start from: the same data and schedule, PRIME's implicit head (output is OUTPUT/prm-implicit)."""
     rollout: dict = field(default_factory=dict)
     """rollout stage keys shared by every variant (num_prompts, n_samples, sampling); seed, iteration and prm are set per run."""
     ppo: dict = field(default_factory=dict)
@@ -105,8 +109,11 @@ class BenchConfig:
             if v.get("prm", "") not in PRM_KINDS:
                 raise ConfigError(f"variants.{name}.prm={v['prm']!r}: use '' (no step rewards), "
                                   f"{', '.join(PRM_KINDS[1:])}.")
-            if "update" in v and v.get("prm") != "trained":
+            if "update" in v and v.get("prm") not in ("trained", "implicit", "trained-implicit"):
                 raise ConfigError(f"variants.{name}.update keeps a trained PRM on-policy; set prm: trained or drop update.")
+            if v.get("prm") == "implicit" and not float(v.get("update", {}).get("implicit_beta", 0)) > 0:
+                raise ConfigError(f"variants.{name}: prm: implicit starts PRIME's implicit PRM from the SFT policy and "
+                                  f"updates it every iteration; give it update: {{implicit_beta: 0.05, ...}}.")
         if not self.seeds or self.iterations < 1 or self.eval_prompts < 1:
             raise ConfigError("seeds must be non-empty and iterations, eval_prompts at least 1.")
 
@@ -124,8 +131,11 @@ def stage_config(cls, cfg: BenchConfig, section: dict, **fixed):
 def train_shared(cfg: BenchConfig, out: Path) -> dict:
     """Train (or reuse) the SFT policy and the PRM; return the PRM's held-out metrics."""
     sft.run(stage_config(sft.Config, cfg, cfg.sft, output=str(out / "sft")))
-    needs_prm = any(v.get("prm") == "trained" for v in cfg.variants.values())
-    if not needs_prm:
+    kinds = {v.get("prm") for v in cfg.variants.values()}
+    if "trained-implicit" in kinds:
+        prm_stage.run(stage_config(prm_stage.Config, cfg, {**cfg.prm, **cfg.implicit_prm}, backbone=str(out / "sft"),
+                                   output=str(out / "prm-implicit")))
+    if "trained" not in kinds:
         return {}
     prm_stage.run(stage_config(prm_stage.Config, cfg, cfg.prm, backbone=str(out / "sft"), output=str(out / "prm")))
     from prmflow.components.common import io
@@ -208,6 +218,20 @@ def rescore(rollout_cfg, src: Path, dst: Path, kind: str, seed: int, iteration: 
         w.write(table)
 
 
+def implicit_start(out: Path, beta: float) -> Path:
+    """PRIME's implicit PRM as it starts: the SFT policy and a frozen copy as its reference (written once)."""
+    from prmflow.components.common import io
+    from prmflow.components.common.prm_model import PRM, HeadConfig
+
+    dst = out / f"prm-implicit-beta{beta:g}"
+    if not (dst / "manifest.json").is_file():
+        prm = PRM.load(str(out / "sft"), HeadConfig("implicit", beta=beta))
+        with io.atomic_output_dir(dst, "prm", overwrite=True, manifest={"parents": [str(out / "sft")]}) as tmp:
+            modeling.save_pretrained(prm.model, prm.tokenizer, tmp, extra=prm.metadata("\n", True))
+            prm.save_reference(tmp)
+    return dst
+
+
 def run_digest(cfg: BenchConfig, name: str | None) -> str:
     """Digest of everything that makes a run's result (or, name None, the shared start and its evaluation)."""
     c = config_lib.to_dict(cfg)
@@ -217,6 +241,8 @@ def run_digest(cfg: BenchConfig, name: str | None) -> str:
     picked = {k: c[k] for k in keys}
     if name is not None:
         picked["variant"] = c["variants"][name]
+        if picked["variant"].get("prm") == "trained-implicit":  # only its runs depend on the implicit PRM's keys
+            picked["implicit_prm"] = c["implicit_prm"]
     return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -240,7 +266,10 @@ def run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict, 
         shutil.rmtree(work)
     work.mkdir(parents=True)
     kind = variant.get("prm", "")
-    prm = {"": "", "oracle": "oracle", "trained": str(out / "prm"), "adversarial": "oracle", "random": "oracle"}[kind]
+    prm = {"": "", "oracle": "oracle", "trained": str(out / "prm"), "adversarial": "oracle", "random": "oracle",
+           "implicit": "", "trained-implicit": str(out / "prm-implicit")}[kind]
+    if kind == "implicit":  # the first rollout is scored by the policy's own copy (every step 0.5)
+        prm = str(implicit_start(out, float(variant["update"]["implicit_beta"])))
     batch = int(cfg.rollout.get("num_prompts", 64)) * int(cfg.rollout.get("n_samples", 4))
     policy, optimizer = out / "sft", ""
     points = [{k: v for k, v in sft_point.items() if k != "correct"}]

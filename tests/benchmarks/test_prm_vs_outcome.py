@@ -221,3 +221,29 @@ def test_an_update_needs_a_trained_prm():
         bench.BenchConfig(variants={"x": {"prm": "oracle", "update": {}}}, reference="x")
     with pytest.raises(bench.ConfigError, match=r"variants.x.prm='mine': use '' \(no step rewards\), oracle, trained"):
         bench.BenchConfig(variants={"x": {"prm": "mine"}}, reference="x")
+    with pytest.raises(bench.ConfigError, match=r"variants.x: prm: implicit starts PRIME.s implicit PRM .* update: {implicit_beta"):
+        bench.BenchConfig(variants={"x": {"prm": "implicit", "update": {"max_steps": 2}}}, reference="x")
+
+
+@pytest.mark.timeout(300)
+def test_an_implicit_prm_starts_as_the_sft_policy_and_follows_it(tmp_path):
+    """prm: implicit: the first rollout is scored by the SFT policy's own copy (every step 0.5), then the
+    update writes an implicit PRM with its reference that scores the next rollout."""
+    toy = {**TOY, "output": str(tmp_path / "out"), "seeds": [0], "iterations": 2, "reference": "imp",
+           "variants": {"imp": {"prm": "implicit", "advantage": {"estimator": "grpo_progress", "step_reward_mode": "progress"},
+                                "update": {"implicit_beta": 0.5, "max_steps": 2, "micro_batch_size": 4, "held_out": 0.5}}}}
+    cfg_file = tmp_path / "toy.yaml"
+    cfg_file.write_text(json.dumps(toy))
+    with open(tmp_path / "console.txt", "w") as f:
+        bench.run(bench.config_lib.load(bench.BenchConfig, cfg_file), console=f)
+    from prmflow.components.common import schema
+    from prmflow.components.common.prm_model import saved_head
+
+    run = tmp_path / "out" / "runs" / "imp" / "seed-0"
+    first = [x for row in schema.read_dataset(run / "iter0" / "rollouts", "rollouts").column("step_rewards").to_pylist()
+             for x in row or []]
+    assert first and all(x == pytest.approx(0.5, abs=1e-6) for x in first)
+    assert saved_head(run / "iter0" / "prm").kind == "implicit" and (run / "iter0" / "prm" / "reference" / "config.json").is_file()
+    second = [x for row in schema.read_dataset(run / "iter1" / "rollouts", "rollouts").column("step_rewards").to_pylist()
+              for x in row or []]
+    assert second and any(abs(x - 0.5) > 1e-4 for x in second)  # scored by the updated PRM

@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from prmflow.components.common import config, io, modeling
-from prmflow.components.common.prm_metrics import roc_auc
 from prmflow.components.common.prm_model import PRM, HeadConfig, saved_head
 from prmflow.components.common.prm_scoring import load_scorer
 from prmflow.components.prm import update
 from prmflow.errors import ConfigError, ModelLoadError
 
-from test_prm_update import write_rollouts
+from test_prm_update import scorer_auc, write_rollouts
 
 PAIRS = [("2+3*4=?", "3*4=12\n2+12=14\nanswer: 14"), ("7-1=?", "7-1=6\nanswer: 6"),
          ("(5+5)*2=?", "5+5=10\n10*2=20\n20\nanswer: 20")]
@@ -110,14 +109,7 @@ def test_prm_update_starts_an_implicit_prm_from_the_policy_and_learns_its_failur
     assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), pol.state_dict().values()))
     assert not all(torch.equal(a, b) for a, b in zip(new.state_dict().values(), pol.state_dict().values()))
     # the rollout stage's scorer reads the written PRM as the update evaluated it
-    from prmflow.components.common import schema
-
-    held = {e.prompt_id.split(":", 1)[1] for e in update.split_by_prompt(
-        update.rollout_examples(str(tmp_path / "rollouts"), "\n", 0.5), 0.25, seed=0)[1]}
-    table = [r for r in schema.read_dataset(tmp_path / "rollouts", "rollouts").to_pylist() if r["prompt_id"] in held]
-    scores = load_scorer(tmp_path / "new", device="cpu").score([r["prompt"] for r in table], [r["response"] for r in table])
-    labels = [r["outcome_reward"] for r, s in zip(table, scores) for _ in s]
-    assert roc_auc([x for s in scores for x in s], labels) == pytest.approx(metrics["eval/step_auc"], abs=1e-4)
+    assert scorer_auc(tmp_path / "new", tmp_path / "rollouts", 0.25) == pytest.approx(metrics["eval/step_auc"], abs=1e-4)
     # a second update warm-starts from the written implicit PRM (its head and reference kept)
     cfg2 = config.load(update.Config, overrides={**config.to_dict(cfg), "prm": str(tmp_path / "new"),
                                                  "output": str(tmp_path / "next"), "iteration": 1, "implicit_beta": 0.0})

@@ -48,6 +48,17 @@ def write_rollouts(path, n_prompts: int, iteration: int = 0, seed: int = 0, outc
     return rows
 
 
+def scorer_auc(prm_dir, rollouts, held_out: float) -> float:
+    """Step AUC against the outcome, by the rollout stage's scorer, on the responses the update held out
+    (iteration 0, seed 0): what the update's eval/step_auc must equal."""
+    held = {e.prompt_id.split(":", 1)[1] for e in update.split_by_prompt(
+        update.rollout_examples(str(rollouts), "\n", 0.5), held_out, seed=0)[1]}
+    table = [r for r in schema.read_dataset(rollouts, "rollouts").to_pylist() if r["prompt_id"] in held]
+    scores = load_scorer(prm_dir, device="cpu").score([r["prompt"] for r in table], [r["response"] for r in table])
+    labels = [r["outcome_reward"] for r, s in zip(table, scores) for _ in s]
+    return roc_auc([x for s in scores for x in s], labels)
+
+
 def make_cfg(tmp_path, base_prm, name="new", **over) -> update.Config:
     return config.load(update.Config, overrides={"prm": str(base_prm), "input": str(tmp_path / "rollouts"),
                                                  "output": str(tmp_path / name), "max_steps": 30, "micro_batch_size": 8,
@@ -74,12 +85,7 @@ def test_the_update_learns_the_current_policys_failures_and_logs_its_held_out_au
     assert metrics["eval/step_auc"] > 0.65  # a failing response's first step is its right twin's: the ceiling is below 1
     assert metrics["data/held_out_examples"] == 6 * 4 and metrics["data/train_examples"] == 18 * 4
     # the written PRM scores what the update evaluated: recompute the AUC with the rollout stage's scorer
-    held = {e.prompt_id.split(":", 1)[1] for e in update.split_by_prompt(
-        update.rollout_examples(str(tmp_path / "rollouts"), "\n", 0.5), 0.25, seed=0)[1]}
-    table = [r for r in schema.read_dataset(tmp_path / "rollouts", "rollouts").to_pylist() if r["prompt_id"] in held]
-    scores = load_scorer(tmp_path / "new", device="cpu").score([r["prompt"] for r in table], [r["response"] for r in table])
-    labels = [r["outcome_reward"] for r, s in zip(table, scores) for _ in s]
-    assert roc_auc([x for s in scores for x in s], labels) == pytest.approx(metrics["eval/step_auc"], abs=1e-4)
+    assert scorer_auc(tmp_path / "new", tmp_path / "rollouts", 0.25) == pytest.approx(metrics["eval/step_auc"], abs=1e-4)
     manifest = json.loads((tmp_path / "new" / "manifest.json").read_text())
     assert manifest["kind"] == "prm" and str(base_prm) in manifest["parents"]
     # a re-run of the same config on the same inputs does nothing and returns the same metrics

@@ -26,6 +26,8 @@ ARGS = {
             "optim.warmup_steps": 0, "eval_every": 0, "save_every": 0, "log_every": 1},
     "ppo": {"minibatch_size": 8, "micro_batch_size": 4, "epochs": 1, "optim.lr": 1e-3, "save_every": 0},
 }
+#: the prm stage with PRIME's implicit head: the LM trained against its frozen reference (run as `prmflow prm`)
+ARGS["prm-implicit"] = {**ARGS["prm"], "head.kind": "implicit", "head.beta": 0.5}
 
 #: Adam's epsilon of the equivalence runs (test_data_parallel.py's docstring: at torch's 1e-8, Adam
 #: amplifies float noise into weight differences as large as a real mistake's).
@@ -34,7 +36,8 @@ EPS = 1e-3
 WEIGHT_TOL = 1e-6
 
 #: Where each stage's output keeps the trained weights.
-WEIGHTS = {"sft": "model.safetensors", "prm": "model.safetensors", "ppo": "policy/model.safetensors"}
+WEIGHTS = {"sft": "model.safetensors", "prm": "model.safetensors", "prm-implicit": "model.safetensors",
+           "ppo": "policy/model.safetensors"}
 
 
 def flags(values: dict) -> list[str]:

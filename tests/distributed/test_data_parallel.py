@@ -1,4 +1,4 @@
-"""sft, prm and ppo as 2 gloo ranks (DeepSpeed ZeRO-2 and ZeRO-3) give the 1-process result.
+"""sft, prm (both heads: token classification and PRIME's implicit) and ppo as 2 gloo ranks (DeepSpeed ZeRO-2 and ZeRO-3) give the 1-process result.
 
 `prmflow <stage> --engine.nproc_per_node 2` is what a user types: the stage re-executes itself
 through torch.distributed.run. The reference is the same config in one process (the same global
@@ -32,6 +32,7 @@ largest relative difference of a step's gradient norm):
 |---|---|---|---|---|
 | sft | 1.19e-7 | 1.19e-7 | 1.7e-7 | 2.4e-8 |
 | prm | 3.7e-9 | 3.7e-9 | 7.1e-8 | 9.3e-8 |
+| prm, `head.kind: implicit` (measured 2026-11-26) | 7.5e-9 | 1.19e-7 | 1.7e-7 | 2.7e-7 |
 | ppo | 6.0e-8 | 6.0e-8 | 8.9e-8 | 1.4e-8 |
 
 and the documented mistakes (sft, ZeRO-2, the same EPS): DeepSpeed's average over ranks not undone
@@ -86,15 +87,16 @@ def _values(stage: str, zero: int, ppo_inputs: dict, run_dir: Path, nproc: int) 
 
 
 @pytest.mark.parametrize("zero", [2, 3])
-@pytest.mark.parametrize("stage", ["sft", "prm", "ppo"])
+@pytest.mark.parametrize("stage", ["sft", "prm", "prm-implicit", "ppo"])
 def test_two_ranks_equal_one_process(stage, zero, tmp_path, request):
     ppo_inputs = request.getfixturevalue("ppo_inputs") if stage == "ppo" else {}
+    cli = stage.split("-")[0]  # prm-implicit: the prm stage with head.kind=implicit
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()
-    ref = run_cli(stage, _values(stage, zero, ppo_inputs, one, 1), one)
+    ref = run_cli(cli, _values(stage, zero, ppo_inputs, one, 1), one)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    got = run_cli(stage, _values(stage, zero, ppo_inputs, two, 2), two)
+    got = run_cli(cli, _values(stage, zero, ppo_inputs, two, 2), two)
     assert got.returncode == 0, got.stderr[-3000:]
     assert "starting 2 ranks" in got.stderr
 
@@ -109,7 +111,7 @@ def test_two_ranks_equal_one_process(stage, zero, tmp_path, request):
     assert (two / "out" / WEIGHTS[stage]).is_file()
 
     # one MLflow run for the stage, finished, from rank 0; its gradient norms are the 1-process ones
-    runs2, runs1 = stage_runs(f"sqlite:///{two / 'mlflow.db'}", stage), stage_runs(f"sqlite:///{one / 'mlflow.db'}", stage)
+    runs2, runs1 = stage_runs(f"sqlite:///{two / 'mlflow.db'}", cli), stage_runs(f"sqlite:///{one / 'mlflow.db'}", cli)
     assert len(runs2) == 1 and len(runs1) == 1
     assert runs2[0].info.status == "FINISHED"
     g2 = metric_history(f"sqlite:///{two / 'mlflow.db'}", runs2[0].info.run_id, "train/grad_norm")

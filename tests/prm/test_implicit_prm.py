@@ -114,6 +114,11 @@ def test_prm_update_starts_an_implicit_prm_from_the_policy_and_learns_its_failur
     cfg2 = config.load(update.Config, overrides={**config.to_dict(cfg), "prm": str(tmp_path / "new"),
                                                  "output": str(tmp_path / "next"), "iteration": 1, "implicit_beta": 0.0})
     assert update.run(cfg2)["eval/before_step_auc"] == pytest.approx(metrics["eval/step_auc"], abs=0.1)
+    # the frozen reference is not written again: the next PRM's reference files are the same bytes on disk
+    first, second = tmp_path / "new" / "reference", tmp_path / "next" / "reference"
+    assert sorted(f.name for f in second.iterdir()) == sorted(f.name for f in first.iterdir())
+    assert all((second / f.name).stat().st_ino == f.stat().st_ino for f in first.iterdir())
+    assert PRM.load(tmp_path / "next").reference_dir == second  # and the PRM reads it from its own directory
 
 
 def test_a_policy_without_implicit_beta_is_refused(tmp_path, policy):

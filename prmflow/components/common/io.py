@@ -130,6 +130,21 @@ def build_manifest(directory: Path, kind: str, **extra: Any) -> dict[str, Any]:
     return {"kind": kind, "files": files, "created_at": time.time(), "prmflow_version": __version__, **extra}
 
 
+def link_or_copy_tree(src: str | Path, dst: str | Path, skip: tuple[str, ...] = ()) -> None:
+    """Every file under `src` at the same place under `dst`, hard-linked (no bytes written) where the
+    filesystem allows, else copied; names in `skip` are left out. For files that are never changed in
+    place: a committed output's."""
+    src, dst = Path(src), Path(dst)
+    for f in sorted(src.rglob("*")):
+        if f.is_file() and f.name not in skip:
+            target = dst / f.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(f, target)
+            except OSError:
+                shutil.copy2(f, target)
+
+
 def recover_interrupted_replace(path: Path) -> bool:
     """Put back a committed `path` that a crash left moved aside mid-replace; True if it did.
 

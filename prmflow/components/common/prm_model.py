@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 from transformers import AutoModelForTokenClassification
 
-from . import modeling, steps
+from . import io, modeling, steps
 from .tensor_ops import token_logprobs
 from ...errors import ConfigError, DataError, ModelLoadError
 from .vision import Vision, processor_of
@@ -188,6 +188,7 @@ class PRM:
     def __init__(self, model: torch.nn.Module, tokenizer, head: HeadConfig, reference: torch.nn.Module | None = None):
         self.model, self.tokenizer, self.head = model, tokenizer, head
         self.reference = reference  # implicit: the frozen LM the log-likelihood ratio is taken against
+        self.reference_dir: Path | None = None  # implicit, loaded from a saved PRM: where its reference's files are
         if head.kind == "implicit" and reference is None:
             raise ConfigError("head.kind=implicit needs a reference model.")
         self.good_id = self.bad_id = None
@@ -236,7 +237,10 @@ class PRM:
             # (like a value head) trains better and reproducibly without it
             model.dropout.p = 0.0
             model.config.classifier_dropout = 0.0
-        return cls(model, tok, head, reference)
+        prm = cls(model, tok, head, reference)
+        if reference is not None and saved is not None:
+            prm.reference_dir = Path(str(path)) / REFERENCE_DIR
+        return prm
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model=None,
                  response_start: torch.Tensor | None = None, **pixels) -> torch.Tensor:
@@ -260,9 +264,15 @@ class PRM:
         return self.reference(input_ids=input_ids, attention_mask=attention_mask, **pixels).logits
 
     def save_reference(self, directory: str | Path) -> None:
-        """implicit: write the reference model to `directory`/reference (a saved implicit PRM is
-        readable only with it); other heads: nothing."""
-        if self.head.kind == "implicit":
+        """implicit: put the reference model in `directory`/reference (a saved implicit PRM is readable
+        only with it): hard links to the files it was loaded from when there are some (it is frozen,
+        so every update of an implicit PRM shares its reference's bytes), else written; other heads:
+        nothing."""
+        if self.head.kind != "implicit":
+            return
+        if self.reference_dir is not None:
+            io.link_or_copy_tree(self.reference_dir, Path(directory) / REFERENCE_DIR)
+        else:
             modeling.save_pretrained(self.reference, self.tokenizer, Path(directory) / REFERENCE_DIR)
 
     def metadata(self, separator: str, chat_template: bool | None = None) -> dict:

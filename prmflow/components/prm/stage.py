@@ -24,8 +24,6 @@ other inputs is an error unless overwrite=true.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,14 +134,7 @@ def _add_best_of_n(cfg: Config, manifest: dict) -> dict:
         keep = {k: v for k, v in manifest.items() if k not in ("files", "created_at", "prmflow_version", "kind")}
         with io.atomic_output_dir(cfg.output, "prm", overwrite=True,
                                   manifest={**keep, "metrics": metrics, "bon": _bon_identity(cfg)}) as tmp:
-            for src in Path(cfg.output).rglob("*"):
-                if src.is_file() and src.name != io.MANIFEST:
-                    dst = tmp / src.relative_to(cfg.output)
-                    dst.parent.mkdir(parents=True, exist_ok=True)
-                    try:
-                        os.link(src, dst)
-                    except OSError:
-                        shutil.copy2(src, dst)
+            io.link_or_copy_tree(cfg.output, tmp, skip=(io.MANIFEST,))
     return metrics
 
 

@@ -227,8 +227,7 @@ def implicit_start(out: Path, beta: float) -> Path:
     if not (dst / "manifest.json").is_file():
         prm = PRM.load(str(out / "sft"), HeadConfig("implicit", beta=beta))
         with io.atomic_output_dir(dst, "prm", overwrite=True, manifest={"parents": [str(out / "sft")]}) as tmp:
-            modeling.save_pretrained(prm.model, prm.tokenizer, tmp, extra=prm.metadata("\n", True))
-            prm.save_reference(tmp)
+            prm.save(tmp, "\n", True)
     return dst
 
 

@@ -39,8 +39,7 @@ def implicit_dir(path, policy, beta: float, noise: float):
         for p in prm.model.parameters():
             p.add_(noise * torch.randn(p.shape, generator=gen))
     with io.atomic_output_dir(path, "prm") as tmp:
-        modeling.save_pretrained(prm.model, prm.tokenizer, tmp, extra=prm.metadata("\n", False))
-        prm.save_reference(tmp)
+        prm.save(tmp, "\n", False)
     return path
 
 

@@ -69,6 +69,14 @@ class HeadConfig:
             raise ConfigError(f"head.good_token ({self.good_token!r}) and head.bad_token ({self.bad_token!r}) must be "
                               f"two different non-empty tokens for head.kind=lm_tokens.")
 
+    def recorded(self) -> dict:
+        """The head as prmflow.json and the prm stage's config identity record it: without beta unless
+        the head reads it, so what was written before the key existed still matches."""
+        head = asdict(self)
+        if self.kind != "implicit":
+            head.pop("beta")
+        return head
+
 
 @dataclass
 class Encoded:
@@ -185,10 +193,11 @@ class PRM:
     step logits (B, T) for every token (training gathers the step positions, scoring too).
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer, head: HeadConfig, reference: torch.nn.Module | None = None):
+    def __init__(self, model: torch.nn.Module, tokenizer, head: HeadConfig, reference: torch.nn.Module | None = None,
+                 reference_dir: Path | None = None):
         self.model, self.tokenizer, self.head = model, tokenizer, head
         self.reference = reference  # implicit: the frozen LM the log-likelihood ratio is taken against
-        self.reference_dir: Path | None = None  # implicit, loaded from a saved PRM: where its reference's files are
+        self.reference_dir = reference_dir  # implicit, loaded from a saved PRM: where its reference's files are
         if head.kind == "implicit" and reference is None:
             raise ConfigError("head.kind=implicit needs a reference model.")
         self.good_id = self.bad_id = None
@@ -214,19 +223,8 @@ class PRM:
             raise ConfigError(f"'{path}' is a vision-language model: read its steps with head.kind=lm_tokens (the LM's "
                               f"own good/bad-token logits, so the PRM sees the image through the model's own class); "
                               f"a token-classification head exists for text models only.")
-        reference = None
-        if head.kind == "implicit":
-            model, tok = modeling.load_causal_lm(path, dtype, seed=seed)
-            ref_dir = Path(str(path)) / REFERENCE_DIR
-            if saved is not None:  # a trained implicit PRM carries the model it started from
-                if not (ref_dir / "config.json").is_file():
-                    raise ModelLoadError(f"'{path}' is an implicit PRM without its reference model ('{ref_dir}' is "
-                                         f"missing); it cannot be read. Re-create it from its policy.")
-                reference, _ = modeling.load_causal_lm(ref_dir, dtype, seed=seed)
-            else:  # started from a policy: the reference is that policy, so every step starts at 0.5
-                reference = copy.deepcopy(model)
-            reference.eval().requires_grad_(False)
-        elif head.kind == "lm_tokens":
+        reference = ref_dir = None
+        if head.kind in ("lm_tokens", "implicit"):
             model, tok = modeling.load_causal_lm(path, dtype, seed=seed)
         elif modeling.is_tiny(str(path)):
             model, tok = _tiny_scalar_model(str(path), seed, dtype)
@@ -237,10 +235,17 @@ class PRM:
             # (like a value head) trains better and reproducibly without it
             model.dropout.p = 0.0
             model.config.classifier_dropout = 0.0
-        prm = cls(model, tok, head, reference)
-        if reference is not None and saved is not None:
-            prm.reference_dir = Path(str(path)) / REFERENCE_DIR
-        return prm
+        if head.kind == "implicit":
+            if saved is not None:  # a trained implicit PRM carries the model it started from
+                ref_dir = Path(str(path)) / REFERENCE_DIR
+                if not (ref_dir / "config.json").is_file():
+                    raise ModelLoadError(f"'{path}' is an implicit PRM without its reference model ('{ref_dir}' is "
+                                         f"missing); it cannot be read. Re-create it from its policy.")
+                reference, _ = modeling.load_causal_lm(ref_dir, dtype, seed=seed)
+            else:  # started from a policy: the reference is that policy, so every step starts at 0.5
+                reference = copy.deepcopy(model)
+            reference.eval().requires_grad_(False)
+        return cls(model, tok, head, reference, ref_dir)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model=None,
                  response_start: torch.Tensor | None = None, **pixels) -> torch.Tensor:
@@ -263,11 +268,15 @@ class PRM:
             self.reference.to(device)
         return self.reference(input_ids=input_ids, attention_mask=attention_mask, **pixels).logits
 
-    def save_reference(self, directory: str | Path) -> None:
-        """implicit: put the reference model in `directory`/reference (a saved implicit PRM is readable
-        only with it): hard links to the files it was loaded from when there are some (it is frozen,
-        so every update of an implicit PRM shares its reference's bytes), else written; other heads:
-        nothing."""
+    def save(self, directory: str | Path, separator: str, chat_template: bool | None = None, model=None,
+             extra: dict | None = None) -> None:
+        """Write the PRM as an HF directory with its prmflow.json (`metadata` plus `extra`); `model`: the
+        trained weights' module when not self.model (a training engine's). An implicit head's reference
+        goes to `directory`/reference (the PRM is readable only with it): hard links to the files it was
+        loaded from when there are some (it is frozen, so every update of an implicit PRM shares its
+        reference's bytes), else written."""
+        modeling.save_pretrained(model or self.model, self.tokenizer, directory,
+                                 extra={**self.metadata(separator, chat_template), **(extra or {})})
         if self.head.kind != "implicit":
             return
         if self.reference_dir is not None:
@@ -278,10 +287,7 @@ class PRM:
     def metadata(self, separator: str, chat_template: bool | None = None) -> dict:
         """What save() records so a scorer reads the checkpoint the way it was trained: the head, the
         step separator, and (when given) whether prompts went through the tokenizer's chat template."""
-        head = asdict(self.head)
-        if self.head.kind != "implicit":  # beta reads nothing: prmflow.json stays as it was before the key
-            head.pop("beta")
-        meta = {"stage": "prm", "prm_head": head, "step_separator": separator}
+        meta = {"stage": "prm", "prm_head": self.head.recorded(), "step_separator": separator}
         if chat_template is not None:
             holder = processor_of(self.tokenizer) or self.tokenizer
             meta["chat_template"] = bool(chat_template and getattr(holder, "chat_template", None))

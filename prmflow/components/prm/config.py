@@ -120,8 +120,7 @@ def training_identity(cfg: Config) -> dict:
     """The keys that decide the trained weights (best-of-N settings only decide extra metrics)."""
     d = config_lib.to_dict(cfg)
     d.pop("bon")
-    if d["head"]["kind"] != "implicit":  # beta reads nothing then: outputs from before the key existed still match
-        d["head"].pop("beta")
+    d["head"] = cfg.head.recorded()  # beta only for the head that reads it (older outputs still match)
     return checkpoint.identity(d)
 
 

@@ -206,9 +206,7 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
         with io.shared_output_dir(cfg.output, "prm", overwrite=True, manifest=manifest) as tmp:
             with engine.gathered():  # ZeRO-3 weights gathered once; rank 0 writes them
                 if distributed.is_main():
-                    modeling.save_pretrained(engine.module, prm.tokenizer, tmp,
-                                             extra={**prm.metadata(cfg.step_separator), "metrics": metrics})
-                    prm.save_reference(tmp)
+                    prm.save(tmp, cfg.step_separator, model=engine.module, extra={"metrics": metrics})
             if cfg.bon.policy and distributed.is_main():  # generation from the saved PRM: no collectives
                 metrics.update(_run_best_of_n(cfg, tmp, tracker, cfg.max_steps))
                 manifest["bon"] = _bon_identity(cfg)

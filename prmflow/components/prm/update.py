@@ -40,7 +40,7 @@ from typing import Literal
 
 import torch
 
-from ..common import checkpoint, config as config_lib, io, modeling, preemption, schema, steps as steps_lib
+from ..common import checkpoint, config as config_lib, io, preemption, schema, steps as steps_lib
 from ... import tracking
 from ..common.engine import EngineConfig, OptimSettings, TrainEngine
 from ...errors import ConfigError, DataError
@@ -260,9 +260,7 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
             # the rollouts' prompts went through the policy's chat template (when it has one): a PRM started
             # from the policy reads them so; an updated PRM keeps what it was trained with
             chat = True if fresh else saved_chat_template(cfg.prm)
-            modeling.save_pretrained(engine.module, prm.tokenizer, tmp,
-                                     extra={**prm.metadata(separator, chat), "metrics": metrics})
-            prm.save_reference(tmp)
+            prm.save(tmp, separator, chat, model=engine.module, extra={"metrics": metrics})
         checkpoint.clear(work)
     print(f"prm-update: iteration {cfg.iteration}: held-out step AUC {metrics['eval/before_step_auc']:.3f} -> "
           f"{metrics['eval/step_auc']:.3f} on {len(held_out)} responses ({len(train)} trained on, {len(replay)} replayed) "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -201,6 +202,31 @@ def progress(scores: list[float], outcome: float, phi_prompt: float) -> list[flo
     return [phi[k + 1] - phi[k] for k in range(len(scores))]
 
 
+def isotonic(scores: list[float], outcomes: list[float]) -> Callable[[float], float]:
+    """The least-squares non-decreasing fit of outcome on score, by pool-adjacent-violators written out:
+    blocks of equal scores, merged with the block before while their means decrease; read between the
+    distinct scores linearly, beyond them the end value."""
+    blocks = []  # [sum, count, [scores]]
+    for x in sorted(set(scores)):
+        ys = [y for s, y in zip(scores, outcomes) if s == x]
+        blocks.append([sum(ys), len(ys), [x]])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, n, xs = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+            blocks[-1][2] += xs
+    knots = [(x, b[0] / b[1]) for b in blocks for x in b[2]]
+
+    def fitted(v: float) -> float:
+        if v <= knots[0][0]:
+            return knots[0][1]
+        for (x0, y0), (x1, y1) in zip(knots, knots[1:]):
+            if v <= x1:
+                return y0 + (y1 - y0) * (v - x0) / (x1 - x0)
+        return knots[-1][1]
+    return fitted
+
+
 def pairwise_auc(scores: list[float], labels: list[bool]) -> float:
     pos = [s for s, y in zip(scores, labels) if y]
     neg = [s for s, y in zip(scores, labels) if not y]
@@ -210,8 +236,11 @@ def pairwise_auc(scores: list[float], labels: list[bool]) -> float:
 
 
 def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: float,
-                  eps: float = 1e-6, credit: str = "step") -> tuple[dict[tuple, dict], float, float]:
+                  eps: float = 1e-6, credit: str = "step", calibration: str = "none") -> tuple[dict[tuple, dict], float, float]:
     """({key: {token_rewards, advantages}}, step AUC, gated weight), straight from the definitions.
+    calibration=isotonic: every score read as `isotonic` of every step's (score, outcome) pairs; the process
+    term ranks that calibrated Phi's own progress, from the mean over the group of its first-step Phi
+    through the last step's Phi (no outcome).
     credit=baseline: a token of step k >= 1 gets (R - mean) / (std + eps) + w * (mean of the group's other
     outcomes - the PRM's score after step k-1); tokens of the first step and after the last get the first
     term alone."""
@@ -221,13 +250,26 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
     stats = {k: (statistics.fmean([r["outcome_reward"] for r in m]),
                  stdev([r["outcome_reward"] for r in m]) if len({r["outcome_reward"] for r in m}) > 1 else 0.0)
              for k, m in groups.items()}
+    pairs = [(x, row["outcome_reward"]) for row in rows for x in row["step_rewards"]]
+    calibrated = calibration == "isotonic" and pairs
+    phi = isotonic(*zip(*pairs)) if calibrated else (lambda v: v)
+    first = defaultdict(list)  # calibrated: the PRM's Phi after the first step of each response of a group
+    for row in rows:
+        if row["step_rewards"]:
+            first[group_of(row)].append(phi(row["step_rewards"][0]))
     centered, d_of = {}, {}
     by_class = defaultdict(list)
     scores, labels = [], []
     for row in rows:
         mean, _ = stats[group_of(row)]
-        d = progress(row["step_rewards"], row["outcome_reward"], mean)
-        c = [x - statistics.fmean(d) for x in d] if d else []
+        p = [phi(x) for x in row["step_rewards"]]
+        d = progress(p, row["outcome_reward"], mean)
+        if calibrated and p:  # the process term: the calibrated PRM's own progress, no outcome in it
+            own = [statistics.fmean(first[group_of(row)])] + p
+            process_d = [own[k + 1] - own[k] for k in range(len(p))]
+        else:
+            process_d = d
+        c = [x - statistics.fmean(process_d) for x in process_d] if d else []
         d_of[id(row)], centered[id(row)] = d, c
         by_class[(group_of(row), row["outcome_reward"])] += c
         scores += list(row["step_rewards"][:-1])
@@ -253,7 +295,7 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
             if credit == "baseline":
                 k = ends.index(min(later)) if later else 0  # the step t belongs to
                 others = [r["outcome_reward"] for r in groups[key] if r is not row]
-                term = statistics.fmean(others) - row["step_rewards"][k - 1] if k >= 1 else 0.0
+                term = statistics.fmean(others) - phi(row["step_rewards"][k - 1]) if k >= 1 else 0.0
                 adv.append(a_out + w * term)
                 continue
             p = sum(zk for e, zk in zip(ends, z) if later and e == min(later))  # the step t belongs to

@@ -236,12 +236,110 @@ def test_a_prm_below_the_auc_threshold_falls_back_to_outcome_only(tmp_path):
     assert [r["advantages"] for r in read_out(other)] != [r["advantages"] for r in read_out(grpo_dir)]
 
 
+# --- process_calibration=isotonic: Phi is the PRM's score mapped to this batch's outcomes ------------------
+
+UNGATED = dict(**PROGRESS, process_weight=0.5, process_auc_min=0.0, process_auc_full=0.0)
+
+
+def _advantages(d, rows, **options):
+    d.mkdir(parents=True)
+    write_rows(d, rows)
+    summary = stage.run(make_cfg(d, **options))
+    return {k: r["advantages"] for k, r in by_key(read_out(d)).items()}, summary
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("credit", ["step", "baseline"])
+def test_isotonic_calibration_matches_the_slow_reference(tmp_path, seed, credit):
+    rng = np.random.default_rng(seed)
+    table = ref.random_rollouts(rng, n_groups=7, max_size=5, equal_groups=1, binary_outcome=seed % 2 == 0)
+    write_rows(tmp_path, table.to_pylist())
+    summary = stage.run(make_cfg(tmp_path, **UNGATED, process_credit=credit, process_calibration="isotonic",
+                                 batch_rows=5))  # groups cut across batches
+    want, auc, _ = ref.grpo_progress(table.to_pylist(), 0.5, 0.0, 0.0, credit=credit, calibration="isotonic")
+    got = by_key(read_out(tmp_path))
+    assert summary["advantage/prm_step_auc"] == pytest.approx(auc)  # the gate still reads the raw scores
+    for key, w_row in want.items():
+        assert got[key]["advantages"] == pytest.approx(w_row["advantages"], abs=1e-4), key
+        assert got[key]["token_rewards"] == pytest.approx(w_row["token_rewards"], abs=1e-5), key
+
+
+def test_calibrated_credit_reads_only_the_prms_ranking(tmp_path):
+    # a PRM and the same PRM with every score cubed (same ranking, other scale) move the same credit once
+    # calibrated, and different credit without calibration
+    rows = ref.random_rollouts(np.random.default_rng(7), n_groups=8, equal_groups=0).to_pylist()
+    cubed = [{**r, "step_rewards": [x ** 3 for x in r["step_rewards"]]} for r in rows]
+    a, _ = _advantages(tmp_path / "a", rows, **UNGATED, process_calibration="isotonic")
+    b, _ = _advantages(tmp_path / "b", cubed, **UNGATED, process_calibration="isotonic")
+    for k in a:
+        assert b[k] == pytest.approx(a[k], abs=1e-5), k
+    raw_a, _ = _advantages(tmp_path / "raw-a", rows, **UNGATED)
+    raw_b, _ = _advantages(tmp_path / "raw-b", cubed, **UNGATED)
+    assert any(np.abs(np.subtract(raw_a[k], raw_b[k])).max() > 1e-3 for k in raw_a if raw_a[k])
+
+
+def _shortcut_rows(rng):
+    """Responses of 3-5 steps, each step a shortcut line with chance 0.4; a single step is right with
+    chance 0.95, a shortcut with 0.5; the response succeeds when every step is right. The adversarial PRM
+    scores the prefix after each step 1 when the step is a shortcut line, 0 when a single step."""
+    rows = []
+    for g in range(12):
+        for i in range(6):
+            kinds = rng.random(int(rng.integers(3, 6))) < 0.4
+            right = all(rng.random() < (0.5 if k else 0.95) for k in kinds)
+            ends = (np.arange(len(kinds)) * 4 + 3).tolist()
+            scores = [float(k) for k in kinds]
+            rows.append(row(pid=f"p{g}", idx=i, n=ends[-1] + 1, step_ends=ends, step_rewards=scores,
+                            outcome_reward=float(right)))
+    return rows
+
+
+def test_a_calibrated_adversarial_prm_leaves_outcome_only_grpo(tmp_path):
+    # do no harm without the gate: on data where shortcut lines fail more often, the adversarial PRM's
+    # ranking is not borne out, its calibrated Phi is flat, and the advantages are outcome-only GRPO's
+    adversarial = _shortcut_rows(np.random.default_rng(0))
+    a, summary = _advantages(tmp_path / "adv", adversarial, **UNGATED, process_calibration="isotonic")
+    grpo, _ = _advantages(tmp_path / "grpo", adversarial, estimator="grpo")
+    assert summary["advantage/prm_step_auc"] < 0.45  # the adversary's ranking runs against the outcomes
+    assert summary["advantage/prm_calibrated_spread"] == 0.0
+    assert summary["advantage/process_weight"] == 0.5  # no gate: the calibration alone keeps it out
+    for k in a:
+        assert a[k] == pytest.approx(grpo[k], abs=1e-6), k
+    # uncalibrated, the adversary gives the shortcut steps of succeeding responses more credit than
+    # GRPO does: the pull towards shortcuts the calibration removes
+    raw, _ = _advantages(tmp_path / "raw", adversarial, **UNGATED)
+    by_row = by_key(adversarial)
+    lift = []
+    for k, adv in raw.items():
+        r = by_row[k]
+        if r["outcome_reward"] == 1.0:
+            lift += [adv[e] - grpo[k][e] for e, x in zip(r["step_ends"], r["step_rewards"]) if x == 1.0]
+    assert np.mean(lift) > 0.05
+    # a PRM whose ranking the outcomes bear out (the adversary turned round) still moves credit
+    honest = [{**r, "step_rewards": [1.0 - x for x in r["step_rewards"]]} for r in adversarial]
+    h, summary = _advantages(tmp_path / "honest", honest, **UNGATED, process_calibration="isotonic")
+    assert summary["advantage/prm_calibrated_spread"] > 0.1
+    assert any(np.abs(np.subtract(h[k], grpo[k])).max() > 0.05 for k in h)
+
+
+def test_calibration_is_recorded_only_when_on(tmp_path):
+    # outputs written before the key existed (no process_calibration in their manifest) still count as done
+    import json
+    rows = ref.random_rollouts(np.random.default_rng(1), n_groups=3, equal_groups=0).to_pylist()
+    for name, value in (("off", "none"), ("on", "isotonic")):
+        _advantages(tmp_path / name, rows, **UNGATED, process_calibration=value)
+        manifest = json.loads((tmp_path / name / "advantages" / "manifest.json").read_text())
+        assert ("process_calibration" in manifest["config"]) == (value == "isotonic")
+
+
 @pytest.mark.parametrize("options, match", [
     ({"estimator": "grpo_progress"}, r"set step_rewards=true and step_reward_mode=progress"),
     ({"estimator": "reinforce", "step_reward_mode": "progress"}, r"step_reward_mode=progress is read by estimator=grpo_progress only"),
     ({**PROGRESS, "process_auc_min": 0.9, "process_auc_full": 0.8}, r"0 <= process_auc_min <= process_auc_full <= 1"),
     ({**PROGRESS, "process_weight": -1.0}, r"process_weight=-1.0 must be >= 0"),
     ({**PROGRESS, "process_credit": "return"}, r"process_credit='return' is not one of \['baseline', 'step'\]"),
+    ({**PROGRESS, "process_calibration": "platt"}, r"process_calibration='platt' is not one of \['isotonic', 'none'\]"),
+    ({"estimator": "grpo", "process_calibration": "isotonic"}, r"process_calibration=isotonic maps the PRM's scores for estimator=grpo_progress only"),
 ])
 def test_config_errors_name_the_key(tmp_path, options, match):
     with pytest.raises(ConfigError, match=match):

@@ -13,6 +13,7 @@ from typing import Literal
 
 from ...errors import ConfigError
 from ...tracking import TrackingConfig
+from ..common import config as config_lib
 from ..common.kl_state import read_kl_coef
 from .estimators import ESTIMATORS, Estimator
 from .rewards import KL_ESTIMATORS, PROGRESS, STEP_REWARD_MODES
@@ -56,6 +57,8 @@ class Config:
     """grpo_progress: weight w of the process advantage (unit std within a group's same-outcome responses) added to the outcome advantage before the evidence gate scales it."""
     process_credit: Literal["step", "baseline"] = "step"
     """grpo_progress: how the process advantage is built. step: each step's own progress, centered within its response, at unit std among the group's responses with the same outcome, clipped so it never flips the outcome advantage's sign. baseline: the tokens of step k >= 1 get w x (mean outcome of the group's other responses - the PRM's score of the prefix before step k): the expected policy gradient stays GRPO's whatever the PRM says (docs/process-rewards.md)."""
+    process_calibration: Literal["none", "isotonic"] = "none"
+    """grpo_progress: what Phi is. none: the PRM's score. isotonic: the PRM's score mapped to this batch's mean outcome by a non-decreasing least-squares fit (isotonic regression of each intermediate step's outcome on its score): Phi keeps the PRM's ranking only as far as this batch's outcomes bear it out, so a PRM whose high scores go with failures gets a flat Phi and moves no credit between steps by what it likes (docs/process-rewards.md)."""
     process_auc_min: float = 0.6
     """grpo_progress gate: w is 0 when the PRM's step AUC on this batch (its scores of every step but the last, against the response's outcome) is below this; a PRM that cannot tell the current policy's winning prefixes from losing ones then falls back to outcome-only GRPO."""
     process_auc_full: float = 0.8
@@ -77,6 +80,7 @@ class Config:
         _check_choice("step_reward_mode", self.step_reward_mode, [*STEP_REWARD_MODES, PROGRESS])
         _check_choice("zero_variance", self.zero_variance, ("keep", "drop", "downweight"))
         _check_choice("process_credit", self.process_credit, ("step", "baseline"))
+        _check_choice("process_calibration", self.process_calibration, ("none", "isotonic"))
         for key, lo, hi in (("gamma", 0, 1), ("lam", 0, 1), ("zero_variance_weight", 0, 1)):
             if not lo <= getattr(self, key) <= hi:
                 raise ConfigError(f"{key}={getattr(self, key)} is outside [{lo}, {hi}]; set it in that range.")
@@ -125,6 +129,9 @@ def _check_reward_switches(cfg: Config, est: Estimator) -> None:
     if est.process and (not steps or cfg.step_reward_mode != PROGRESS):
         raise ConfigError(f"{name} builds its process advantage from the steps' progress; set step_rewards=true and "
                           f"step_reward_mode=progress (or use estimator=grpo for the outcome alone).")
+    if cfg.process_calibration != "none" and not est.process:
+        raise ConfigError(f"process_calibration={cfg.process_calibration} maps the PRM's scores for estimator=grpo_progress "
+                          f"only; {name} would ignore it. Set process_calibration=none, or estimator=grpo_progress.")
     if cfg.step_reward_mode == PROGRESS and not est.process:
         raise ConfigError(f"step_reward_mode=progress is read by estimator=grpo_progress only (its last step holds the "
                           f"outcome, so {name} would count the outcome twice or not at all); set estimator=grpo_progress "
@@ -140,6 +147,15 @@ def _check_reward_switches(cfg: Config, est: Estimator) -> None:
     if not outcome and not steps:
         raise ConfigError("outcome_reward=false and step_rewards=false leave no reward but the KL penalty; "
                           "turn at least one of them on.")
+
+
+def recorded(cfg: Config) -> dict:
+    """The config as the output's manifest records it (its identity): process_calibration only when it
+    is on, so outputs written before the key existed still match."""
+    d = config_lib.to_dict(cfg)
+    if cfg.process_calibration == "none":
+        d.pop("process_calibration")
+    return d
 
 
 # --- what the data must hold --------------------------------------------------------------------

@@ -180,6 +180,9 @@ class EstimatorInput:
     process_credit: str = "step"
     """grpo_progress: 'step' (each step's own progress, ranked among same-outcome responses) or 'baseline'
     (the PRM's value of the prefix as a baseline: unbiased)."""
+    process_values: np.ndarray | None = None
+    """(S,) grpo_progress step credit with process_calibration: the progress the process term ranks
+    (rewards.prm_progress); None: the steps' own values."""
 
 
 EstimatorFn = Callable[[EstimatorInput], "tuple[np.ndarray, np.ndarray]"]
@@ -297,16 +300,18 @@ def grpo_process(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
     return advantages, returns
 
 
-def centered_progress(steps: Steps, n_rows: int) -> np.ndarray:
-    """(S,) each step's progress minus the mean progress of its row's steps: c_k = d_k - (R - Phi_prompt)/K.
+def centered_progress(steps: Steps, n_rows: int, values: np.ndarray | None = None) -> np.ndarray:
+    """(S,) each step's progress (values, default steps.value) minus the mean progress of its row's steps:
+    c_k = d_k - (R - Phi_prompt)/K.
 
     A row's c sum to 0 exactly (up to rounding) however it is cut into steps, so a process advantage built
     from c moves credit between the steps of a response and never changes the response's total.
     """
+    values = steps.value if values is None else values
     counts = np.bincount(steps.row, minlength=n_rows).astype(np.float64)
-    sums = np.bincount(steps.row, weights=steps.value, minlength=n_rows)
+    sums = np.bincount(steps.row, weights=values, minlength=n_rows)
     mean = np.divide(sums, counts, out=np.zeros(n_rows), where=counts > 0)
-    return steps.value - mean[steps.row]
+    return values - mean[steps.row]
 
 
 def per_step_token_values(steps: Steps, layout: Ragged, per_step: np.ndarray) -> np.ndarray:
@@ -366,6 +371,9 @@ def grpo_progress(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
     then clipped so A_t never has the sign opposite to A^out_i (a response the outcome rewards never has
     a token pushed down, nor one it punishes a token pushed up; where A^out_i = 0, in a group whose
     responses all ended alike, the process term alone moves credit between steps).
+    process_calibration=isotonic: every Phi is the PRM's score mapped to the batch's outcomes
+    (rewards.fit_calibration), and c_k is built from the calibrated PRM's own progress (rewards.prm_progress:
+    from its group's mean first-step Phi through the last step's, no outcome), so a flat map moves nothing.
     process_credit=baseline: A_t = A^out_i + w * (mean_{-i} - Phi_{k-1}) for the tokens of step k >= 1
     instead (`progress_baseline`), with no clip: the PRM's value of the prefix as a baseline.
     Slow equivalent: tests/advantage/advantage_reference.py `grpo_progress`.
@@ -378,7 +386,7 @@ def grpo_progress(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
     if inp.process_credit == "baseline":
         return adv + inp.process_weight * per_step_token_values(st, inp.layout, progress_baseline(inp)), \
             returns_to_go(inp)
-    z = centered_progress(st, inp.layout.n_rows) / (inp.process_scale[st.row] + inp.eps)
+    z = centered_progress(st, inp.layout.n_rows, inp.process_values) / (inp.process_scale[st.row] + inp.eps)
     adv = adv + inp.process_weight * per_step_token_values(st, inp.layout, z)
     sign = inp.layout.broadcast(np.sign(out))
     adv = np.where(sign > 0, np.maximum(adv, 0.0), np.where(sign < 0, np.minimum(adv, 0.0), adv))

@@ -22,14 +22,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..common import config as config_lib
 from ..common import io, parquet_io, schema
 from ...errors import DataError
 from .batch import check_not_null, compute_batch, describe_row, finish_batch, flat_values
-from .config import Plan
+from .config import Plan, recorded
 from .estimators import Moments, group_moments, merge_group_moments
 from ..common.prm_metrics import roc_auc
-from .rewards import clip_rewards, progress_rewards, step_contributions
+from .rewards import calibrate, clip_rewards, fit_calibration, prm_progress, progress_rewards, step_contributions
 
 
 def check_columns_exist(ds: schema.Dataset, plan: Plan) -> None:
@@ -82,6 +81,9 @@ class Groups:
         if self.process is not None:
             out["process_scale"] = self.process.scale[start:start + count]
             out["process_weight"] = self.process.weight
+            out["process_calibration"] = self.process.calibration
+            if self.process.start is not None:
+                out["process_start"] = self.process.start[start:start + count]
         return out
 
 
@@ -178,6 +180,12 @@ class Process:
     """process_weight after the gate (0 when step_auc is NaN or below process_auc_min)."""
     steps: int
     """Steps whose score entered step_auc."""
+    calibration: tuple[np.ndarray, np.ndarray] | None = None
+    """process_calibration=isotonic: the knots (scores, fitted mean outcomes) Phi is read from
+    (rewards.calibrate); None: Phi is the PRM's score."""
+    start: np.ndarray | None = None
+    """(R,) per input row, with calibration: the prompt's Phi for the process term (rewards.prm_progress),
+    the mean calibrated Phi of the first steps of its group's responses."""
 
 
 def gate(auc: float, weight: float, auc_min: float, auc_full: float) -> float:
@@ -191,42 +199,51 @@ def gate(auc: float, weight: float, auc_min: float, auc_full: float) -> float:
 
 
 def progress_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Process:
-    """Read (outcome_reward, step_rewards): each row's progress d (rewards.progress_rewards, Phi_prompt =
-    its group's mean outcome), centered within the row; per (group, outcome) class the std of those
-    values; and the PRM's step AUC against the outcome. Memory: 3 numbers per row, 2 per scored step."""
+    """Read (outcome_reward, step_rewards): the PRM's step AUC against the outcome; with
+    process_calibration=isotonic the map from its scores to this batch's outcomes (rewards.fit_calibration);
+    then each row's progress d (rewards.progress_rewards, Phi_prompt = its group's mean outcome; with
+    calibration rewards.prm_progress of the calibrated scores), centered within the row, and per
+    (group, outcome) class the std of those values.
+    Memory: 3 numbers per row, 2 per scored step."""
     cfg = plan.cfg
-    group_of, outcome_of, steps_of, sq_of = [], [], [], []
-    scores, labels = [], []
+    group_of, outcome_of, steps_of, values_of = [], [], [], []
     start = 0
     for t in ds.iter_batches(max(cfg.batch_rows, 1 << 16), ["outcome_reward", "step_rewards"], validate_rows=False):
-        g = groups.codes[start:start + t.num_rows]
+        group_of.append(groups.codes[start:start + t.num_rows])
         start += t.num_rows
-        counts = pc.list_value_length(t["step_rewards"]).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-        values = flat_values(t, "step_rewards").astype(np.float64)
-        outcome = clip_rewards(t["outcome_reward"].to_numpy().astype(np.float64), cfg.reward_clip)
+        steps_of.append(pc.list_value_length(t["step_rewards"]).fill_null(0).to_numpy(zero_copy_only=False)
+                        .astype(np.int64))
+        values_of.append(flat_values(t, "step_rewards").astype(np.float64))
+        outcome_of.append(clip_rewards(t["outcome_reward"].to_numpy().astype(np.float64), cfg.reward_clip))
+    g, outcome, counts = np.concatenate(group_of), np.concatenate(outcome_of), np.concatenate(steps_of)
+    values = np.concatenate(values_of)
+    row = np.repeat(np.arange(len(counts)), counts)
+    intermediate = np.ones(len(values), bool)  # every step but a row's last (whose Phi is the outcome)
+    intermediate[(np.cumsum(counts) - 1)[counts > 0]] = False
+    auc = roc_auc(values[intermediate], outcome[row[intermediate]] >= 0.5)
+    knots = start_phi = None
+    if cfg.process_calibration == "isotonic":  # fitted on every scored prefix, the whole response's included
+        knots = fit_calibration(values, outcome[row])
+    if knots is None:
         d = progress_rewards(values, counts, outcome, groups.stats["mean"][g])
-        row = np.repeat(np.arange(t.num_rows), counts)
-        mean = np.divide(np.bincount(row, d, t.num_rows), counts, out=np.zeros(t.num_rows), where=counts > 0)
-        sq = np.bincount(row, (d - mean[row]) ** 2, t.num_rows)
-        group_of.append(g)
-        outcome_of.append(outcome)
-        steps_of.append(counts)
-        sq_of.append(sq)
-        last = np.cumsum(counts) - 1
-        intermediate = np.ones(len(values), bool)
-        intermediate[last[counts > 0]] = False
-        scores.append(values[intermediate])
-        labels.append((outcome >= 0.5)[row[intermediate]])
-    g, outcome = np.concatenate(group_of), np.concatenate(outcome_of)
-    counts, sq = np.concatenate(steps_of), np.concatenate(sq_of)
+    else:  # the process term reads the calibrated PRM alone, from its group's mean first-step Phi
+        phi = calibrate(values, knots)
+        has = counts > 0
+        first = (np.cumsum(counts) - counts)[has]
+        n_groups = len(groups.n)
+        total = np.bincount(g[has], phi[first], n_groups)
+        seen = np.bincount(g[has], minlength=n_groups)
+        start_phi = np.divide(total, seen, out=np.zeros(n_groups), where=seen > 0)[g]
+        d = prm_progress(phi, counts, start_phi)
+    mean = np.divide(np.bincount(row, d, len(counts)), counts, out=np.zeros(len(counts)), where=counts > 0)
+    sq = np.bincount(row, (d - mean[row]) ** 2, len(counts))
     _, cls = np.unique(np.stack([g.astype(np.float64), outcome]), axis=1, return_inverse=True)
     cls = cls.reshape(-1)
     # a row's centered values sum to 0, so the class mean is 0 and its variance the mean square
     n = np.bincount(cls, counts.astype(np.float64))
     var = np.divide(np.bincount(cls, sq), n, out=np.zeros(len(n)), where=n > 0)
-    auc = roc_auc(np.concatenate(scores), np.concatenate(labels))
     weight = gate(auc, cfg.process_weight, cfg.process_auc_min, cfg.process_auc_full)
-    return Process(np.sqrt(var)[cls], auc, weight, int(sum(len(x) for x in scores)))
+    return Process(np.sqrt(var)[cls], auc, weight, int(intermediate.sum()), knots, start_phi)
 
 
 # --- pass 2 (optional): whitening statistics ------------------------------------------------------------
@@ -252,7 +269,7 @@ def write_pass(ds: schema.Dataset, plan: Plan, groups: Groups, whitening: Moment
     cfg = plan.cfg
     moments = {name: Moments() for name in ("advantages", "returns", "kl", "token_rewards")}
     rows_in = rows_out = 0
-    writer = schema.DatasetWriter(cfg.output, "advantages", config=config_lib.to_dict(cfg),
+    writer = schema.DatasetWriter(cfg.output, "advantages", config=recorded(cfg),
                                   parents=[str(d) for d in ds.dirs], overwrite=cfg.overwrite,
                                   extra={"kl_coef_used": plan.beta, "inputs": io.fingerprint(ds.dirs)})
     # inputs were validated on read and finish_batch checks the new columns: the writer skips re-validating

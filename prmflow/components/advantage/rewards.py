@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
+from scipy.optimize import isotonic_regression
 
 from .estimators import Ragged, Steps
 
@@ -102,6 +103,42 @@ def progress_rewards(values: np.ndarray, counts: np.ndarray, outcome: np.ndarray
     before[1:] = after[:-1]
     before[starts] = np.asarray(phi_prompt, dtype=np.float64)[has]
     return after - before
+
+
+def fit_calibration(scores: np.ndarray, outcomes: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Knots (x, y) of the non-decreasing map from a PRM score to the mean outcome that fits (scores,
+    outcomes) best in least squares (isotonic regression, pool-adjacent-violators: scipy); None without data.
+
+    x: the distinct scores, ascending; y: the fitted mean outcome at each. Where the outcomes fall as the
+    score rises, the fit pools those scores into one level, so a PRM whose ranking this data does not bear
+    out maps to one flat value. Slow equivalent: tests/advantage/advantage_reference.py `isotonic`.
+    """
+    if not len(scores):
+        return None
+    x, inverse = np.unique(np.asarray(scores, dtype=np.float64), return_inverse=True)
+    n = np.bincount(inverse, minlength=len(x)).astype(np.float64)
+    mean = np.bincount(inverse, np.asarray(outcomes, dtype=np.float64), minlength=len(x)) / n
+    return x, isotonic_regression(mean, weights=n, increasing=True).x
+
+
+def calibrate(values: np.ndarray, knots: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
+    """values mapped through `fit_calibration`'s knots: linear between them, the end value beyond them
+    (as sklearn's IsotonicRegression predicts with out_of_bounds='clip'); unchanged for None."""
+    if knots is None:
+        return values
+    return np.interp(np.asarray(values, dtype=np.float64), knots[0], knots[1])
+
+
+def prm_progress(phi: np.ndarray, counts: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """(S,) the progress of the PRM's own (calibrated) potential, the process term's under process_calibration:
+    Phi_{-1} = start[row], Phi_k = phi[k] for every step, the last one included (the outcome is not put in:
+    it enters through the outcome advantage). A flat phi gives 0 everywhere when start is that value too.
+    phi: (S,) row after row; counts, start: (B,)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    last = np.zeros(len(counts))
+    has = counts > 0
+    last[has] = phi[np.cumsum(counts)[has] - 1]
+    return progress_rewards(phi, counts, last, start)
 
 
 def step_contributions(values: np.ndarray, counts: np.ndarray, mode: str, clip: float,

@@ -17,6 +17,9 @@ The config and its validation are in config.py. Algorithmic choices:
   advantage's sign; w = process_weight gated by the PRM's step AUC on this batch (passes.gate).
   process_credit=baseline instead adds w(mean of the group's other outcomes - Phi_{k-1}) to step k's
   tokens (k >= 1): the PRM's value of the prefix as a baseline, unbiased whatever the PRM says.
+  process_calibration=isotonic reads Phi as the PRM's score mapped to this batch's mean outcome by
+  an isotonic fit (rewards.fit_calibration): a PRM whose ranking the outcomes do not bear out gets a
+  flat Phi and moves no credit by what it likes.
 - A group is all rows with the same (iteration, prompt_id). Its statistics (mean, std with
   ddof=1, sum) are taken over the group signal: the outcome reward, or every step reward of the
   group when outcome rewards are off (grpo_process). A group of >= 2 samples whose signal is all
@@ -44,7 +47,7 @@ import time
 from ..common import config as config_lib
 from ..common import io, schema
 from ...tracking import start_stage_run
-from .config import Config, resolve
+from .config import Config, recorded, resolve
 from .passes import check_columns_exist, group_pass, progress_pass, whitening_pass, write_pass
 
 log = logging.getLogger(__name__)
@@ -56,7 +59,7 @@ def run(cfg: Config) -> dict:
     plan = resolve(cfg)
     ds = schema.open_dataset(cfg.input, "rollouts")
     # a re-run (retried pipeline step, restarted pod) whose result is already committed does nothing
-    done = io.finished_output("advantage", cfg.output, config_lib.to_dict(cfg), cfg.overwrite,
+    done = io.finished_output("advantage", cfg.output, recorded(cfg), cfg.overwrite,
                               inputs=io.input_fingerprints(ds.dirs), kl_coef_used=plan.beta)
     if done is not None:
         return {"advantage/rows_out": done["rows"]}
@@ -90,6 +93,9 @@ def run(cfg: Config) -> dict:
             summary.update({"advantage/prm_step_auc": groups.process.step_auc,
                             "advantage/process_weight": groups.process.weight,
                             "train/prm_scored_steps": groups.process.steps})
+            if groups.process.calibration is not None:  # how far Phi can move once mapped to the outcomes
+                fitted = groups.process.calibration[1]
+                summary["advantage/prm_calibrated_spread"] = float(fitted.max() - fitted.min())
         if kl.n:  # no row had both old_logprobs and ref_logprobs: no KL to report
             summary["advantage/kl_mean"] = kl.mean
         tracker.log_metrics(summary, step=cfg.iteration)

@@ -286,7 +286,8 @@ def run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict, 
         points[-1].update({"train_reward": m["rollout/reward_mean"], **train_batch_stats(rcfg, scored, bool(kind))})
         adv = advantage.run(config_lib.build(advantage.Config, {**variant.get("advantage", {}), "input": str(scored),
                                                                 "output": str(it / "advantages"), "iteration": k, "tracking": OFF}))
-        points[-1].update({key: adv[key] for key in ("advantage/prm_step_auc", "advantage/process_weight") if key in adv})
+        points[-1].update({key: adv[key] for key in ("advantage/prm_step_auc", "advantage/process_weight",
+                                                     "advantage/prm_calibrated_spread") if key in adv})
         if "update" in variant:  # the PRM follows the policy: trained on these rollouts for the next iteration
             upd = prm_update.run(config_lib.build(prm_update.Config, {
                 **variant["update"], "prm": prm, "input": str(it / "rollouts"), "output": str(it / "prm"),
@@ -356,6 +357,7 @@ def log_mlflow(cfg: BenchConfig, out: Path, results: dict, table: str, png: Path
 #: (column title, point key) of the process table: the PRM against the checker and the outcome, the gate, the update
 PROCESS_COLUMNS = [("PRM step AUC on the policy's samples (checker labels)", "prm/step_auc_on_policy"),
                    ("gate AUC (vs outcome)", "advantage/prm_step_auc"), ("process weight", "advantage/process_weight"),
+                   ("calibrated spread (process_calibration)", "advantage/prm_calibrated_spread"),
                    ("update held-out AUC before -> after", ("prm/update_auc_before", "prm/update_auc_after")),
                    ("score shortcut wrong / right", ("prm/score_shortcut_wrong", "prm/score_shortcut_right")),
                    ("score single wrong / right", ("prm/score_single_wrong", "prm/score_single_right"))]

@@ -203,28 +203,37 @@ def progress(scores: list[float], outcome: float, phi_prompt: float) -> list[flo
 
 
 def isotonic(scores: list[float], outcomes: list[float]) -> Callable[[float], float]:
-    """The least-squares non-decreasing fit of outcome on score, by pool-adjacent-violators written out:
-    blocks of equal scores, merged with the block before while their means decrease; read between the
-    distinct scores linearly, beyond them the end value."""
-    blocks = []  # [sum, count, [scores]]
+    """The least-squares non-decreasing fit of outcome on score over bins of at least ceil(sqrt(N))
+    prefixes, written out: walk the distinct scores upwards, closing a bin once it holds that many (a
+    short last bin joins the one before); then pool-adjacent-violators on the bins' mean outcomes,
+    merging a bin with the block before while their means decrease. A score reads the fitted value of the
+    first bin whose highest score is >= it (above all bins: the last)."""
+    size = math.ceil(math.sqrt(len(scores)))
+    bins = [[]]  # each: the (score, outcome) pairs of one bin
     for x in sorted(set(scores)):
-        ys = [y for s, y in zip(scores, outcomes) if s == x]
-        blocks.append([sum(ys), len(ys), [x]])
+        if len(bins[-1]) >= size:
+            bins.append([])
+        bins[-1] += [(s, y) for s, y in zip(scores, outcomes) if s == x]
+    if len(bins) > 1 and len(bins[-1]) < size:
+        short = bins.pop()
+        bins[-1] += short
+    blocks = []  # [sum of outcomes, count, bins pooled]
+    for b in bins:
+        blocks.append([sum(y for _, y in b), len(b), 1])
         while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, n, xs = blocks.pop()
+            total, n, k = blocks.pop()
             blocks[-1][0] += total
             blocks[-1][1] += n
-            blocks[-1][2] += xs
-    knots = [(x, b[0] / b[1]) for b in blocks for x in b[2]]
+            blocks[-1][2] += k
+    fitted = [blk[0] / blk[1] for blk in blocks for _ in range(blk[2])]  # one per bin
+    tops = [max(s for s, _ in b) for b in bins]
 
-    def fitted(v: float) -> float:
-        if v <= knots[0][0]:
-            return knots[0][1]
-        for (x0, y0), (x1, y1) in zip(knots, knots[1:]):
-            if v <= x1:
-                return y0 + (y1 - y0) * (v - x0) / (x1 - x0)
-        return knots[-1][1]
-    return fitted
+    def phi(v: float) -> float:
+        for top, y in zip(tops, fitted):
+            if v <= top:
+                return y
+        return fitted[-1]
+    return phi
 
 
 def pairwise_auc(scores: list[float], labels: list[bool]) -> float:

@@ -322,6 +322,17 @@ def test_a_calibrated_adversarial_prm_leaves_outcome_only_grpo(tmp_path):
     assert any(np.abs(np.subtract(h[k], grpo[k])).max() > 0.05 for k in h)
 
 
+def test_a_noise_prm_calibrates_nearly_flat(tmp_path):
+    # scores that say nothing about the outcome: fitted on bins of >= sqrt(N) prefixes the map stays near
+    # flat (fitted per distinct score, its extreme scores fit their own outcomes)
+    rng = np.random.default_rng(3)
+    rows = [row(pid=f"p{g}", idx=i, n=8, step_ends=[1, 3, 5, 7], step_rewards=rng.random(4).tolist(),
+                outcome_reward=float(rng.random() < 0.4)) for g in range(40) for i in range(8)]
+    _, summary = _advantages(tmp_path / "noise", rows, **UNGATED, process_calibration="isotonic")
+    # simulated over 8 seeds of this shape: 0.02-0.21 on bins, 0.5-1.0 per distinct score
+    assert summary["advantage/prm_calibrated_spread"] < 0.3
+
+
 def test_calibration_is_recorded_only_when_on(tmp_path):
     # outputs written before the key existed (no process_calibration in their manifest) still count as done
     import json

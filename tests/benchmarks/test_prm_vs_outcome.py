@@ -198,9 +198,9 @@ def test_rescore_gives_the_adversarial_and_random_prms_scores(tmp_path):
 def test_process_table_against_a_hand_computed_example():
     def run(auc0, auc1, w0, w1, before=None, after=None):
         p0 = {"prm/step_auc_on_policy": auc0, "advantage/prm_step_auc": auc0 - 0.1, "advantage/process_weight": w0,
-              "prm/score_shortcut_wrong": 0.6, "prm/score_shortcut_right": 0.7}
+              "advantage/prm_calibrated_spread": w0 / 2, "prm/score_shortcut_wrong": 0.6, "prm/score_shortcut_right": 0.7}
         p1 = {"prm/step_auc_on_policy": auc1, "advantage/prm_step_auc": auc1 - 0.1, "advantage/process_weight": w1,
-              "prm/score_shortcut_wrong": 0.2, "prm/score_shortcut_right": 0.8}
+              "advantage/prm_calibrated_spread": w1 / 2, "prm/score_shortcut_wrong": 0.2, "prm/score_shortcut_right": 0.8}
         if before is not None:
             p0.update({"prm/update_auc_before": before, "prm/update_auc_after": after})
             p1.update({"prm/update_auc_before": before + 0.1, "prm/update_auc_after": after + 0.1})
@@ -211,7 +211,8 @@ def test_process_table_against_a_hand_computed_example():
     table = bench.process_table(results, {"eval/step_auc": 0.857})
     lines = table.splitlines()
     assert len(lines) == 4 and "outcome-only" not in table  # no step rewards: no row
-    assert lines[2] == ("| prm | 0.750 -> 0.850 | 0.650 -> 0.750 | 0.100 -> 0.500 | 0.650 / 0.850 -> 0.750 / 0.950 "
+    assert lines[2] == ("| prm | 0.750 -> 0.850 | 0.650 -> 0.750 | 0.100 -> 0.500 | 0.050 -> 0.250 "
+                        "| 0.650 / 0.850 -> 0.750 / 0.950 "
                         "| 0.600 / 0.700 -> 0.200 / 0.800 | - |")  # nothing measured: one dash
     assert lines[3] == "The trained PRM's held-out step AUC on its own eval split: 0.857."
 

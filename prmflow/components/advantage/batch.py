@@ -18,7 +18,8 @@ from ..common import schema
 from ...errors import DataError
 from .config import Plan
 from .estimators import EstimatorInput, Moments, Ragged
-from .rewards import PROGRESS, calibrate, clip_rewards, prm_progress, kl_per_token, make_steps, step_contributions, token_rewards
+from .rewards import (PROGRESS, calibrate, clip_rewards, kl_per_token, make_steps, prm_progress, step_contributions,
+                      token_rewards)
 
 # --- naming a row, nulls where values are needed ------------------------------------------------
 

@@ -204,7 +204,7 @@ def progress_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Process:
     then each row's progress d (rewards.progress_rewards, Phi_prompt = its group's mean outcome; with
     calibration rewards.prm_progress of the calibrated scores), centered within the row, and per
     (group, outcome) class the std of those values.
-    Memory: 3 numbers per row, 2 per scored step."""
+    Memory: 3 numbers per row and 4 per scored step, the whole input's at once (the fit needs every score)."""
     cfg = plan.cfg
     group_of, outcome_of, steps_of, values_of = [], [], [], []
     start = 0

@@ -115,8 +115,8 @@ def fit_calibration(scores: np.ndarray, outcomes: np.ndarray) -> tuple[np.ndarra
     highest score; y: the fitted mean outcome of each bin. Bins keep a handful of extreme scores from
     fitting their own outcomes (a PRM of pure noise fitted per score spans about 0.55 of the outcome
     range at N = 1500; on bins, about 0.09). Where the outcomes fall as the score rises, the fit pools
-    those bins into one level, so a PRM whose ranking this data does not bear out maps to one flat value. Slow equivalent: tests/advantage/advantage_reference.py
-    `isotonic`.
+    those bins into one level, so a PRM whose ranking this data does not bear out maps to one flat value.
+    Slow equivalent: tests/advantage/advantage_reference.py `isotonic`.
     """
     if not len(scores):
         return None

@@ -126,7 +126,9 @@ def jsonl_rows(f: IO[bytes], name: str) -> Iterator[tuple[str, dict]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{name}, line {lineno}: not valid JSON ({e.msg}). Fix or remove the line.") from None
+            # json's msg stops where its position goes ("Invalid control character at"): give the column
+            where = f"{e.msg}{'' if e.msg.endswith(' at') else ' at'} column {e.colno}"
+            raise DataError(f"{name}, line {lineno}: not valid JSON ({where}). Fix or remove the line.") from None
         except RecursionError:
             raise DataError(f"{name}, line {lineno}: JSON nested too deeply to be a dataset row.") from None
         if not isinstance(row, dict):

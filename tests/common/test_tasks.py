@@ -161,6 +161,17 @@ def test_bad_datasets_name_file_and_line(tmp_path, content, needle):
     assert str(f) in str(e.value) and needle in str(e.value)
 
 
+def test_a_bad_jsonl_line_says_where_on_the_line(tmp_path):
+    """json's own message stops before its position ("Invalid control character at"): the error completes
+    it with the column, the one a user opens the file at (here the raw tab inside the string, column 14)."""
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b\tc", "answer": "2"}\n')
+    with pytest.raises(DataError) as e:
+        tasks.load(str(f))
+    assert "line 2: not valid JSON (Invalid control character at column 14)" in str(e.value)
+    assert "at)" not in str(e.value)
+
+
 def test_missing_and_unknown_dataset_files(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         tasks.load(str(tmp_path / "none.jsonl"))

@@ -20,7 +20,8 @@ def random_rollouts(rng: np.random.Generator, n_groups: int = 6, max_size: int =
                     equal_groups: int = 1) -> pa.Table:
     """A rollouts table: groups of min_size..max_size samples, ragged responses, steps, rows shuffled.
 
-    The first `equal_groups` groups get the same outcome and the same step scores in every sample.
+    The first `equal_groups` groups get the same outcome and the same step scores (at least one step) in
+    every sample.
     """
     rows = []
     for g in range(n_groups):
@@ -33,8 +34,9 @@ def random_rollouts(rng: np.random.Generator, n_groups: int = 6, max_size: int =
             # quarter steps make equal (tied) step scores common, as PRMs emitting rounded scores do
             scores = rng.choice([0.0, 0.25, 0.5, 0.75, 1.0], n_steps) if rng.random() < 0.5 else rng.random(n_steps)
             outcome = float(rng.integers(0, 2)) if binary_outcome else float(rng.normal())
-            if g < equal_groups:
-                scores, outcome = np.full(n_steps, 0.75), 1.0
+            if g < equal_groups:  # (a response with no step would be scored 0 by grpo_process: give it one)
+                ends = ends or [length - 1]
+                scores, outcome = np.full(len(ends), 0.75), 1.0
             rows.append({
                 "prompt_id": f"p{g}", "sample_idx": i, "iteration": iteration,
                 "prompt": f"prompt {g}", "response": f"response {g}.{i}",
@@ -77,13 +79,24 @@ def step_contribs(scores: list[float], mode: str, c: float) -> list[float]:
     return [clip(s, c) for s in out]
 
 
-def token_rewards(row: dict, beta: float, kl_est: str, outcome: bool, steps: bool, mode: str, c: float) -> list[float]:
+def step_ends(row: dict) -> list[int]:
+    """The row's step ends as the step estimators (grpo_process, grpo_progress) read them: the last step
+    runs to the response's last token."""
+    ends = list(row["step_ends"])
+    if ends:
+        ends[-1] = len(row["response_ids"]) - 1
+    return ends
+
+
+def token_rewards(row: dict, beta: float, kl_est: str, outcome: bool, steps: bool, mode: str, c: float,
+                  to_end: bool = False) -> list[float]:
+    """to_end: the last step's reward at the last token (a step estimator's steps, `step_ends`)."""
     n = len(row["response_ids"])
     r = [0.0] * n
     for t in range(n):
         r[t] -= beta * kl(row["old_logprobs"][t], row["ref_logprobs"][t], kl_est)
     if steps:
-        for end, s in zip(row["step_ends"], step_contribs(row["step_rewards"], mode, c)):
+        for end, s in zip(step_ends(row) if to_end else row["step_ends"], step_contribs(row["step_rewards"], mode, c)):
             r[end] += s
     if outcome:
         r[n - 1] += clip(row["outcome_reward"], c)
@@ -142,13 +155,15 @@ def reference(rows: list[dict], *, estimator: str, gamma: float = 1.0, lam: floa
             signal[key] = [outcome_of[id(r)] for r in members]
         else:
             signal[key] = [s for r in members for s in step_contribs(r["step_rewards"], mode, c)]
+            if estimator == "grpo_process":  # a response with no step is one step scored 0
+                signal[key] += [0.0 for r in members if not r["step_rewards"]]
     zero_var = {k: len(groups[k]) >= 2 and len(set(signal[k])) <= 1 for k in groups}
     out = {}
     for row in rows:
         key = group_of(row)
         if zero_variance == "drop" and zero_var[key]:
             continue
-        r = token_rewards(row, beta, kl_est, outcome, steps, mode, c)
+        r = token_rewards(row, beta, kl_est, outcome, steps, mode, c, to_end=estimator == "grpo_process")
         n = len(r)
         sig = signal[key]
         mean, std = statistics.fmean(sig) if sig else 0.0, stdev(sig)
@@ -175,7 +190,10 @@ def reference(rows: list[dict], *, estimator: str, gamma: float = 1.0, lam: floa
             adv = [a] * n
         elif estimator == "grpo_process":
             normalized = [(s - mean) / (std + eps) for s in step_contribs(row["step_rewards"], mode, c)]
-            adv = [sum(z for e, z in zip(row["step_ends"], normalized) if e >= t) for t in range(n)]
+            ends = step_ends(row)
+            if not ends:  # one step over the whole response, scored 0
+                ends, normalized = [n - 1], [(0.0 - mean) / (std + eps)]
+            adv = [sum(z for e, z in zip(ends, normalized) if e >= t) for t in range(n)]
         else:
             raise ValueError(estimator)
         kls = [kl(o, f, kl_est) for o, f in zip(row["old_logprobs"], row["ref_logprobs"])]
@@ -297,7 +315,7 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
         a_out = (row["outcome_reward"] - mean) / (std + eps)
         scale = statistics.pstdev(by_class[(key, row["outcome_reward"])]) if len(by_class[(key, row["outcome_reward"])]) > 0 else 0.0
         z = [x / (scale + eps) for x in centered[id(row)]]
-        n, ends = len(row["response_ids"]), row["step_ends"]
+        n, ends = len(row["response_ids"]), step_ends(row)
         adv, r = [], [0.0] * n
         for t in range(n):
             later = [e for e in ends if e >= t]

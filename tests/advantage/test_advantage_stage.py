@@ -67,6 +67,36 @@ def test_gae_by_hand(tmp_path):
     assert summary["advantage/tokens_out"] == 3 and summary["advantage/kl_mean"] == pytest.approx(1 / 3)
 
 
+def test_step_estimators_credit_the_end_of_a_response(tmp_path):
+    # grpo_process, one group: row 0 has steps ending at 1 and 3 of 6 tokens (tokens 4-5: EOS and what
+    # follows the last step end), row 1 is whitespace with no step, row 2 one step. Step scores
+    # [0.9, 0.6], [] (scored 0), [0.3]: mean 0.45, std (ddof=1) of [0.9, 0.6, 0, 0.3] = sqrt(0.15)
+    write_rows(tmp_path, [row(idx=0, n=6, step_ends=[1, 3], step_rewards=[0.9, 0.6], outcome_reward=1.0),
+                          row(idx=1, n=2, step_ends=[], step_rewards=[], outcome_reward=0.0),
+                          row(idx=2, n=3, step_ends=[2], step_rewards=[0.3], outcome_reward=0.0)])
+    stage.run(make_cfg(tmp_path, estimator="grpo_process"))
+    out = {r["sample_idx"]: r["advantages"] for r in read_out(tmp_path)}
+    z = {x: (x - 0.45) / math.sqrt(0.15) for x in (0.9, 0.6, 0.0, 0.3)}
+    # the last step runs to the last token: tokens 4 and 5 carry step 1's credit, not 0
+    assert out[0] == pytest.approx([z[0.9] + z[0.6]] * 2 + [z[0.6]] * 4, abs=1e-5)
+    assert out[1] == pytest.approx([z[0.0]] * 2, abs=1e-5) and z[0.0] < 0  # pushed down, not left at 0
+    # grpo_progress: the tokens after the last step end get the last step's process credit too
+    rows = [row(idx=0, n=6, step_ends=[1, 3], step_rewards=[0.2, 0.9], outcome_reward=1.0),
+            row(idx=1, n=6, step_ends=[1, 3], step_rewards=[0.8, 0.9], outcome_reward=1.0),
+            row(idx=2, n=6, step_ends=[1, 3], step_rewards=[0.5, 0.1], outcome_reward=0.0),
+            row(idx=3, n=4, step_ends=[], step_rewards=[], outcome_reward=0.0)]
+    d = tmp_path / "progress"
+    d.mkdir()
+    write_rows(d, rows)
+    stage.run(make_cfg(d, estimator="grpo_progress", step_reward_mode="progress", process_weight=0.5,
+                       process_auc_min=0.0, process_auc_full=0.0))
+    adv = {r["sample_idx"]: r["advantages"] for r in read_out(d)}
+    for i in (0, 1, 2):
+        assert adv[i][4] == adv[i][5] == adv[i][2]  # EOS is credited as the last step's tokens are
+    assert adv[0][2] != adv[0][0]  # and that credit is not the outcome advantage alone
+    assert len(set(adv[3])) == 1 and adv[3][0] < 0  # no step end: its outcome advantage on every token
+
+
 def test_grpo_and_rloo_by_hand(tmp_path):
     write_rows(tmp_path, [row(idx=i, n=2 + i, outcome_reward=r) for i, r in enumerate([1.0, 0.0, 0.0])])
     stage.run(make_cfg(tmp_path, estimator="grpo"))

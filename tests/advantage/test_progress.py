@@ -61,7 +61,7 @@ def test_progress_by_hand(tmp_path):
 def test_baseline_credit_by_hand(tmp_path):
     # one group, outcomes [1, 0, 0]: mean 1/3, std (ddof=1) sqrt(1/3); the others' mean: 0 for row 0, 1/2 for rows 1-2
     # row 0: scores [0.2, 0.9, x]: step 0's tokens get a_out, step 1's + w(0 - 0.2), step 2's + w(0 - 0.9)
-    # row 1: scores [0.8, y]: step 1's tokens get -a + w(0.5 - 0.8); its token after the last step end: -a
+    # row 1: scores [0.8, y]: step 1's tokens get -a + w(0.5 - 0.8), its token after the last step end (EOS) too
     # row 2: no steps: -a everywhere
     write_rows(tmp_path, [
         row(idx=0, n=6, step_ends=[1, 3, 5], step_rewards=[0.2, 0.9, 0.3], outcome_reward=1.0),
@@ -73,7 +73,7 @@ def test_baseline_credit_by_hand(tmp_path):
     std = math.sqrt(1 / 3)
     up, down = (2 / 3) / std, -(1 / 3) / std
     assert out[0] == pytest.approx([up, up, up - 0.1, up - 0.1, up - 0.45, up - 0.45], abs=1e-5)
-    assert out[1] == pytest.approx([down, down, down - 0.15, down - 0.15, down], abs=1e-5)
+    assert out[1] == pytest.approx([down, down, down - 0.15, down - 0.15, down - 0.15], abs=1e-5)
     assert out[2] == pytest.approx([down, down], abs=1e-5)
 
 

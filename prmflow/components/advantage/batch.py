@@ -18,7 +18,7 @@ from ..common import schema
 from ...errors import DataError
 from .config import Plan
 from .estimators import EstimatorInput, Moments, Ragged
-from .rewards import (PROGRESS, calibrate, clip_rewards, kl_per_token, make_steps, prm_progress, step_contributions,
+from .rewards import (PROGRESS, STEPLESS_SCORE, calibrate, clip_rewards, kl_per_token, make_steps, prm_progress, step_contributions,
                       token_rewards)
 
 # --- naming a row, nulls where values are needed ------------------------------------------------
@@ -100,7 +100,9 @@ def compute_batch(t: pa.Table, group_rows: dict[str, np.ndarray], plan: Plan) ->
             at_last = np.where(counts > 0, 0.0, outcome)
         else:
             contrib = step_contributions(flat_values(t, "step_rewards"), counts, cfg.step_reward_mode, cfg.reward_clip)
-        steps = make_steps(layout, flat_values(t, "step_ends").astype(np.int64), counts, contrib)
+        steps = make_steps(layout, flat_values(t, "step_ends").astype(np.int64), counts, contrib,
+                           to_end=not est.uses_token_rewards,  # grpo_process, grpo_progress
+                           stepless=STEPLESS_SCORE if est.signal == "steps" else None)
     rewards = token_rewards(layout, kl if plan.beta > 0 else None, plan.beta, steps, at_last)
     values = flat_values(t, "values").astype(np.float64) if est.needs_values else None
     process = {k: group_rows[k] for k in ("process_scale", "process_weight") if k in group_rows}

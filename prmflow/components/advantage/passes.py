@@ -28,7 +28,7 @@ from .batch import check_not_null, compute_batch, describe_row, finish_batch, fl
 from .config import Plan, recorded
 from .estimators import Moments, group_moments, merge_group_moments
 from ..common.prm_metrics import roc_auc
-from .rewards import calibrate, clip_rewards, fit_calibration, prm_progress, progress_rewards, step_contributions
+from .rewards import STEPLESS_SCORE, calibrate, clip_rewards, fit_calibration, prm_progress, progress_rewards, step_contributions
 
 
 def check_columns_exist(ds: schema.Dataset, plan: Plan) -> None:
@@ -117,7 +117,11 @@ def group_pass(ds: schema.Dataset, plan: Plan) -> Groups:
         values = clip_rewards(values, cfg.reward_clip) if plan.outcome else \
             step_contributions(values, counts, cfg.step_reward_mode, cfg.reward_clip)
         local = key.indices.to_numpy(zero_copy_only=False)
-        shares.append(group_moments(np.repeat(local, counts), values, len(key.dictionary)))
+        codes = np.repeat(local, counts)
+        if plan.est.signal == "steps":  # a response with no step is one step scored STEPLESS_SCORE (rewards.make_steps)
+            codes = np.concatenate([codes, local[counts == 0]])
+            values = np.concatenate([values, np.full(int((counts == 0).sum()), STEPLESS_SCORE)])
+        shares.append(group_moments(codes, values, len(key.dictionary)))
         keys.append(key)
     if not keys:
         raise DataError(f"{plan.where} holds no rows.")

@@ -183,11 +183,39 @@ def clip_rewards(x: np.ndarray, clip: float) -> np.ndarray:
     return np.clip(x, -clip, clip) if clip > 0 else x
 
 
-def make_steps(layout: Ragged, step_ends: np.ndarray, counts: np.ndarray, contributions: np.ndarray) -> Steps:
-    """Steps at flat token positions: step_ends (S,) are indices within each row, counts (B,) per row."""
+def make_steps(layout: Ragged, step_ends: np.ndarray, counts: np.ndarray, contributions: np.ndarray,
+               to_end: bool = False, stepless: float | None = None) -> Steps:
+    """Steps at flat token positions: step_ends (S,) are indices within each row, counts (B,) per row.
+
+    to_end (the step estimators, which credit each token with its step's value): a row's last step runs to
+    the row's last token, so whatever follows its last step end, EOS included, is credited with it.
+    stepless: a row with tokens but no step gets one step over all its tokens with this value
+    (grpo_process: `STEPLESS_SCORE`); None: it gets no step.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    ends = np.array(step_ends, dtype=np.int64)
+    values = np.asarray(contributions, dtype=np.float64)
+    has = counts > 0
+    if to_end:
+        ends[np.cumsum(counts)[has] - 1] = layout.lengths[has] - 1
+    add = (~has & layout.nonempty) if stepless is not None else np.zeros(len(counts), bool)
+    if add.any():  # insert one step per such row, in row order
+        new_counts = counts + add
+        first = np.cumsum(new_counts) - new_counts  # (B,) each row's first step in the new arrays
+        old = np.ones(int(new_counts.sum()), bool)
+        old[first[add]] = False
+        ends_all, values_all = np.empty(len(old), np.int64), np.empty(len(old))
+        ends_all[old], values_all[old] = ends, values
+        ends_all[~old], values_all[~old] = layout.lengths[add] - 1, stepless
+        counts, ends, values = new_counts, ends_all, values_all
     row = np.repeat(np.arange(layout.n_rows, dtype=np.int64), counts)
-    token = layout.offsets[:-1][row] + step_ends
-    return Steps(token=token, row=row, value=contributions)
+    token = layout.offsets[:-1][row] + ends
+    return Steps(token=token, row=row, value=values)
+
+
+STEPLESS_SCORE = 0.0
+"""grpo_process's step reward of a response with no step end (empty or whitespace): a response that states
+no answer cannot be right, so it is scored as a PRM sure it fails, and group normalization pushes it down."""
 
 
 def token_rewards(layout: Ragged, kl: np.ndarray | None, beta: float, steps: Steps | None,

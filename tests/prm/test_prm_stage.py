@@ -232,3 +232,44 @@ def test_policy_samples_join_the_training_data_labelled_by_the_checker(sft_polic
     assert max(len(tok("\n".join(e.steps), add_special_tokens=False)["input_ids"]) for e in samples) > 3
     with pytest.raises(ConfigError, match="temperature is 0"):
         make_cfg(tmp_path, **base, policy_from_backbone=True, **{"sampling.temperature": 0})
+
+
+def _many_solutions_per_problem(path, problems: range, solutions: int = 6) -> list[dict]:
+    """A Math-Shepherd-like file: `solutions` rows per problem (right and wrong ones alternating), the
+    problems interleaved the way a shuffled dump has them."""
+    rows = []
+    for k in range(solutions):
+        for a in problems:
+            c = a + 2 if k % 2 == 0 else a + 3
+            rows.append({"prompt": f"Compute left to right: {a}+2\n", "steps": [f"{a}+2={c}", f"answer: {c}"],
+                         "labels": [float(k % 2 == 0)] * 2})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_a_file_with_many_solutions_per_problem_is_held_out_by_whole_problems(tmp_path):
+    """eval_size=10 on 8 problems x 6 solutions: the last rows' problems are held out whole (2 problems,
+    12 rows), none of their solutions trains, and the stage's held-out metrics are the scorer's on them."""
+    path = tmp_path / "steps.jsonl"
+    _many_solutions_per_problem(path, range(1, 9))
+    cfg = make_cfg(tmp_path, task=str(path), eval_size=10, max_steps=2)
+    train, held_out = data.load_data(cfg)
+    assert {e.prompt for e in held_out} == {"Compute left to right: 7+2\n", "Compute left to right: 8+2\n"}
+    assert {e.prompt for e in held_out}.isdisjoint({e.prompt for e in train})
+    assert (len(train), len(held_out)) == (36, 12)
+    metrics = stage.run(cfg)
+    scores = load_scorer(cfg.output).score([e.prompt for e in held_out], [e.response() for e in held_out])
+    again = step_metrics([e.labels for e in held_out], scores)
+    for key in ("eval/step_auc", "eval/step_accuracy", "eval/loss"):
+        assert again[key] == pytest.approx(metrics[key], abs=1e-5), key
+
+
+def test_an_eval_file_sharing_problems_with_the_task_keeps_them_out_of_training(tmp_path):
+    """eval_task names a file whose problems 5 and 6 are also in the task file: their training rows are
+    dropped (the held-out figures judge unseen problems); every other row trains."""
+    _many_solutions_per_problem(tmp_path / "train.jsonl", range(1, 7), solutions=2)
+    _many_solutions_per_problem(tmp_path / "eval.jsonl", range(5, 9), solutions=2)
+    cfg = make_cfg(tmp_path, task=str(tmp_path / "train.jsonl"), eval_task=str(tmp_path / "eval.jsonl"), eval_size=8)
+    train, held_out = data.load_data(cfg)
+    problem = lambda e: e.steps[0].split("+")[0]  # noqa: E731
+    assert len(held_out) == 8 and sorted({problem(e) for e in train}) == ["1", "2", "3", "4"] and len(train) == 8

@@ -201,3 +201,19 @@ def test_shared_prefix_labels_score_a_failures_right_steps_as_right(tmp_path, ba
 def test_labels_is_checked(tmp_path, base_prm):
     with pytest.raises(ConfigError, match=r"'labels' is 'some', which is not one of \['outcome', 'shared_prefix'\]"):
         make_cfg(tmp_path, base_prm, labels="some")
+
+
+def test_older_responses_of_a_held_out_prompt_are_not_replayed(tmp_path, base_prm):
+    """The RL loop samples a prompt again in later iterations: the update holds it out in this
+    iteration's rollouts and in the replay alike, and still fills its replay share from the rest."""
+    write_rollouts(tmp_path / "rollouts", 10, iteration=1, seed=0)
+    write_rollouts(tmp_path / "old", 10, iteration=0, seed=0)  # the same 10 prompts, one iteration before
+    cfg = make_cfg(tmp_path, base_prm, replay=[str(tmp_path / "old")], replay_share=0.5, held_out=0.2, iteration=1,
+                   max_steps=2)
+    train, replay, held = update.training_data(cfg, "\n")
+    held_prompts = {e.prompt for e in held}
+    assert len(held_prompts) == 2 and held_prompts.isdisjoint({e.prompt for e in train + replay})
+    assert len(replay) == 32 and {e.where.split("'")[1] for e in replay} == {str(tmp_path / "old")}
+    metrics = update.run(cfg)
+    assert (metrics["data/held_out_examples"], metrics["data/replay_examples"]) == (8, 32)
+    assert 0 <= metrics["eval/step_auc"] <= 1 and 0 <= metrics["eval/before_step_auc"] <= 1

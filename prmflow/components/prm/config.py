@@ -28,11 +28,11 @@ class Config:
     task: str = "arithmetic"
     """Training data: 'arithmetic' or 'visual' (built-in tasks, exact step labels, incl. deliberately wrong steps; visual needs a vision-language backbone and head.kind=lm_tokens) or a stepwise .jsonl/.parquet file (prompt, steps, labels, optional images)."""
     eval_task: str = ""
-    """Held-out step data: a stepwise file, or 'arithmetic' (its 'eval' split, exact labels: how to judge a PRM trained on prm-label output against the checker). Empty = the arithmetic 'eval' split for task=arithmetic, else the last eval_size rows of the task file."""
+    """Held-out step data: a stepwise file, or 'arithmetic' (its 'eval' split, exact labels: how to judge a PRM trained on prm-label output against the checker). Empty = the arithmetic 'eval' split for task=arithmetic, else the task file's last prompts with every row they have (at least eval_size rows); training never sees a held-out prompt."""
     num_prompts: int = 6000
     """Arithmetic: problems (each gives its reference solution and negatives_per_problem wrong ones); a file: at most this many rows."""
     eval_size: int = 300
-    """Held-out arithmetic problems (or file rows) for step AUC / accuracy / first-error recall."""
+    """Held-out arithmetic problems (for a file: at least this many rows, whole prompts) for step AUC / accuracy / first-error recall."""
     negatives_per_problem: int = 2
     """Arithmetic: wrong solutions per problem (mostly arithmetic.corrupt); more negatives, more error patterns seen."""
     policy: str = ""

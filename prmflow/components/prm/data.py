@@ -19,7 +19,9 @@ every one labelled by the exact checker `arithmetic.step_labels`.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 import random
 from dataclasses import dataclass, field
@@ -36,6 +38,8 @@ from ...tasks import arithmetic, public, sources, visual
 from ..common.vision import batch_pixels, read_image_list
 from ..common.prm_model import encode, has_shared_readout
 from .config import Config
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -224,7 +228,9 @@ def from_records(records: list[tasks.PromptRecord], responses: list[str], separa
 
 def load_data(cfg: Config) -> tuple[list[StepExample], list[StepExample]]:
     """(train, held-out) step-labelled examples: a built-in task's exact labels (plus the sampling policy's
-    own solutions), or a stepwise file whose last eval_size rows are held out unless eval_task is set."""
+    own solutions), or a stepwise file whose last prompts (at least eval_size rows, every row of each
+    prompt: `hold_out_last_prompts`) are held out unless eval_task is set. No prompt is on both sides:
+    training rows of a held-out prompt (an eval_task file sharing problems with the task) are dropped."""
     if cfg.task in tasks.TASKS:
         train = (arithmetic_examples(cfg.num_prompts, cfg.seed, "train", cfg.arithmetic, cfg.negatives_per_problem)
                  if cfg.task == "arithmetic" else visual_examples(cfg.num_prompts, cfg.seed, "train", cfg.negatives_per_problem))
@@ -245,10 +251,44 @@ def load_data(cfg: Config) -> tuple[list[StepExample], list[StepExample]]:
         if len(train) <= cfg.eval_size:
             raise ConfigError(f"{cfg.task} has {len(train)} rows, not more than eval_size={cfg.eval_size}; "
                               f"lower eval_size or pass eval_task.")
-        train, held_out = train[:-cfg.eval_size], train[-cfg.eval_size:]
+        train, held_out = hold_out_last_prompts(train, cfg.eval_size)
+        if not train:
+            raise ConfigError(f"{cfg.task}: its last {cfg.eval_size} rows (eval_size) belong to prompts that hold every "
+                              f"row of the file, so nothing is left to train on; lower eval_size or pass eval_task.")
+    held = {prompt_key(e) for e in held_out}
+    kept = [e for e in train if prompt_key(e) not in held]
+    if len(kept) < len(train):  # e.g. an eval_task file that shares problems with the task
+        log.warning("%d training rows are solutions of held-out prompts and are left out of training, so the held-out "
+                    "metrics judge unseen problems", len(train) - len(kept))
+    train = kept
     if cfg.task not in tasks.TASKS:
         train = train[:cfg.num_prompts]
     return train, held_out
+
+
+def prompt_key(ex: StepExample) -> tuple:
+    """What makes two rows solutions of one problem: the same prompt text and the same images."""
+    return (ex.prompt, tuple(hashlib.sha256(b).hexdigest() for b in ex.images or ()))
+
+
+def hold_out_last_prompts(rows: list[StepExample], eval_size: int) -> tuple[list[StepExample], list[StepExample]]:
+    """(train, held-out) split by whole prompts: the prompts of the last rows, taken from the end of
+    the file until they hold at least `eval_size` rows, are held out with every row they have anywhere
+    in the file. Public step data has many solutions per problem (Math-Shepherd: dozens), so holding
+    out rows, not problems, scores the PRM on problems it trained on."""
+    held: set[tuple] = set()
+    count: dict[tuple, int] = {}
+    for e in rows:
+        count[prompt_key(e)] = count.get(prompt_key(e), 0) + 1
+    n_held = 0
+    for e in reversed(rows):
+        if n_held >= eval_size:
+            break
+        key = prompt_key(e)
+        if key not in held:
+            held.add(key)
+            n_held += count[key]
+    return [e for e in rows if prompt_key(e) not in held], [e for e in rows if prompt_key(e) in held]
 
 
 def epoch_order(groups: list[int], seed: int, epoch: int, by_group: bool = True) -> list[int]:

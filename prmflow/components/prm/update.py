@@ -16,9 +16,10 @@ retrain the reward model on the policy's samples with a replay share of older da
   succeeded: the group's other samples as the prefix's completions.
 - Replay: older rollouts (`replay`) make `replay_share` of the training examples, so the PRM does not
   forget what earlier policies got wrong.
-- Evidence: `held_out` of this iteration's prompts (all their responses) are not trained on; the
-  updated PRM's step AUC on them (prm-update/eval_step_auc) is logged every iteration, and so is the
-  incoming PRM's AUC on the same responses (prm-update/before_step_auc).
+- Evidence: `held_out` of this iteration's prompts (all their responses, and their older responses
+  in `replay` too) are not trained on; the updated PRM's step AUC on them (prm-update/eval_step_auc)
+  is logged every iteration, and so is the incoming PRM's AUC on the same responses
+  (prm-update/before_step_auc).
 - Resume and re-runs as the prm stage: a finished output of the same config and inputs is kept; a
   killed run resumes from `.OUTPUT.work/latest` (the same loop, lib/supervised.py). One process
   (the update is small; no torchrun launch).
@@ -66,7 +67,7 @@ class Config:
     replay_share: float = 0.25
     """Share of the training examples drawn from `replay` (at most what it holds), in [0, 1)."""
     held_out: float = 0.2
-    """Share of this iteration's prompts (all their responses) kept out of training to measure the step AUC, in (0, 1)."""
+    """Share of this iteration's prompts (all their responses, and their older responses in replay) kept out of training to measure the step AUC, in (0, 1)."""
     label_threshold: float = 0.5
     """A response is a success (every step prefix labelled 1) when its outcome_reward is at least this."""
     implicit_beta: float = 0.0
@@ -162,22 +163,45 @@ def shared_prefix_labels(examples: list[data.StepExample]) -> list[data.StepExam
             for e in examples]
 
 
+def prompt_of(example: data.StepExample) -> str:
+    """The rollouts' prompt_id of an example, without the iteration `rollout_examples` puts before it:
+    one prompt sampled in several iterations is one prompt (its groups stay apart by the full id)."""
+    return example.prompt_id.split(":", 1)[1]
+
+
 def split_by_prompt(examples: list[data.StepExample], share: float, seed: int) -> tuple[list, list]:
-    """(train, held-out): `share` of the prompts (at least one, all their responses) held out, drawn by `seed`."""
-    prompts = sorted({e.prompt_id for e in examples})
+    """(train, held-out): `share` of the prompts (at least one, all their responses from every
+    iteration given) held out, drawn by `seed`."""
+    prompts = sorted({prompt_of(e) for e in examples})
     random.Random(seed).shuffle(prompts)
     held = set(prompts[:max(1, round(share * len(prompts)))])
-    return [e for e in examples if e.prompt_id not in held], [e for e in examples if e.prompt_id in held]
+    return [e for e in examples if prompt_of(e) not in held], [e for e in examples if prompt_of(e) in held]
 
 
-def draw_replay(cfg: Config, separator: str, n_current: int) -> list[data.StepExample]:
-    """replay_share of the training set from the older rollouts (all of them when they hold fewer)."""
+def draw_replay(cfg: Config, separator: str, n_current: int, held_prompts: frozenset[str] = frozenset()) -> list[data.StepExample]:
+    """replay_share of the training set from the older rollouts (all of them when they hold fewer),
+    never a response to one of `held_prompts` (older samples of a held-out prompt would teach the PRM
+    the very problems its held-out AUC is measured on)."""
     if not cfg.replay or cfg.replay_share == 0:
         return []
-    pool = [e for path in cfg.replay for e in rollout_examples(path, separator, cfg.label_threshold)]
+    pool = [e for path in cfg.replay for e in rollout_examples(path, separator, cfg.label_threshold)
+            if prompt_of(e) not in held_prompts]
     want = round(cfg.replay_share / (1 - cfg.replay_share) * n_current)
     rng = random.Random(f"replay:{cfg.seed}:{cfg.iteration}")
     return rng.sample(pool, min(want, len(pool)))
+
+
+def training_data(cfg: Config, separator: str) -> tuple[list[data.StepExample], list[data.StepExample], list[data.StepExample]]:
+    """(this iteration's training examples, replayed examples, held-out examples) with their labels:
+    whole prompts held out, in this iteration's rollouts and in the replay alike."""
+    current = rollout_examples(cfg.input, separator, cfg.label_threshold)
+    if not current:
+        raise DataError(f"rollouts '{cfg.input}' hold no response with a step; nothing to update the PRM on.")
+    train_current, held = split_by_prompt(current, cfg.held_out, cfg.seed * 100_003 + cfg.iteration)
+    replay = draw_replay(cfg, separator, len(train_current), frozenset(prompt_of(e) for e in held))
+    if cfg.labels == "shared_prefix":  # by prompt: replay examples are their own iterations' groups
+        train_current, replay = shared_prefix_labels(train_current), shared_prefix_labels(replay)
+    return train_current, replay, held
 
 
 # --- the stage -------------------------------------------------------------------------------
@@ -214,13 +238,7 @@ def run(cfg: Config) -> dict:
 
 def _run(cfg: Config, stop: preemption.Preemption) -> dict:
     separator = saved_separator(cfg.prm) or "\n"
-    current = rollout_examples(cfg.input, separator, cfg.label_threshold)
-    if not current:
-        raise DataError(f"rollouts '{cfg.input}' hold no response with a step; nothing to update the PRM on.")
-    train_current, held = split_by_prompt(current, cfg.held_out, cfg.seed * 100_003 + cfg.iteration)
-    replay = draw_replay(cfg, separator, len(train_current))
-    if cfg.labels == "shared_prefix":  # by prompt: replay examples are their own iterations' groups
-        train_current, replay = shared_prefix_labels(train_current), shared_prefix_labels(replay)
+    train_current, replay, held = training_data(cfg, separator)
     fresh = saved_head(cfg.prm) is None  # a policy: an implicit PRM starts from it (run() checked implicit_beta)
     prm = PRM.load(cfg.prm, HeadConfig("implicit", beta=cfg.implicit_beta) if fresh else None, cfg.engine.dtype,
                    seed=cfg.seed)

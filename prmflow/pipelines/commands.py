@@ -313,6 +313,7 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     params.setdefault("tracking_uri", tracking.resolve_uri(tracking.TrackingConfig(uri=spec.pipeline.tracking_uri)))
     experiment = params.get("experiment", spec.pipeline.experiment)
     root = root.resolve()
+    console.check_root(root)  # before kfp.local makes anything there
     # ROOT/workspace stands in for the ReadWriteMany volume. It is passed to the steps as a path, not as
     # kfp.local's workspace_root, which kfp.local (2.17) deletes at the end of every run
     # (pipeline_orchestrator.py); ROOT/cache is kfp.local's cache: a re-run skips the finished steps.

@@ -85,6 +85,18 @@ class TaskLog(io.TextIOBase):
             self.bar.update(1)
 
 
+def check_root(root: Path, command: str = "pipeline run-local") -> None:
+    """Before any task runs: `root` (--root, where every artifact goes) is a directory or can be made one.
+    A file there is the user's: refused by name, never replaced or written into."""
+    from ..components.common import io as io_lib
+    from ..errors import OutputExistsError
+
+    if (root.exists() or root.is_symlink()) and not root.is_dir():
+        raise OutputExistsError(f"{command}: --root '{root}' is a file, not a directory; it is left as it is. "
+                                f"Choose another --root.")
+    io_lib.check_creatable(root, command, "--root")
+
+
 @contextlib.contextmanager
 def task_log(log_path: Path, console: IO[str] | None = None) -> Iterator[TaskLog]:
     """Inside: everything printed goes to `log_path` (appended); `console` (the real stdout by default)

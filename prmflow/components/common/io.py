@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -130,6 +131,24 @@ def build_manifest(directory: Path, kind: str, **extra: Any) -> dict[str, Any]:
     return {"kind": kind, "files": files, "created_at": time.time(), "prmflow_version": __version__, **extra}
 
 
+def give_default_modes(directory: Path) -> None:
+    """Give every file under `directory` the mode open() gives (0666 less the umask, execute bits kept)
+    and every directory the mode mkdir gives. Some writers make their files private: safetensors'
+    save_file writes 0600, so a model directory shared with a group or copied into an image would be
+    unreadable to every other user while the rest of the output is not.
+
+    A hard-linked file (`link_or_copy_tree`) is shared with where it came from, which may be a user's
+    own model directory: its mode is left as it is."""
+    for p in [Path(directory), *Path(directory).rglob("*")]:
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode) or (stat.S_ISREG(st.st_mode) and st.st_nlink > 1):
+            continue
+        mode = st.st_mode & 0o7777
+        want = (0o777 if stat.S_ISDIR(st.st_mode) else 0o666 | (mode & 0o111)) & ~UMASK
+        if mode != want:
+            os.chmod(p, want)
+
+
 def link_or_copy_tree(src: str | Path, dst: str | Path, skip: tuple[str, ...] = ()) -> None:
     """Every file under `src` at the same place under `dst`, hard-linked (no bytes written) where the
     filesystem allows, else copied; names in `skip` are left out. For files that are never changed in
@@ -216,6 +235,64 @@ def work_dir_for(output: str | Path) -> Path:
     return output.parent / f".{output.name}.work"
 
 
+def foreign(path: str | Path) -> str | None:
+    """Why `--overwrite` may not replace what is at `path`, or None when it may.
+
+    It may replace only what prmflow wrote (a directory holding our manifest.json) or an empty
+    directory (nothing to lose). A file, a link, or a directory of anything else is someone's data:
+    replacing it would delete it, so it is never ours to replace."""
+    path = Path(path)
+    if path.is_symlink():
+        return "a symbolic link"
+    if not path.is_dir():
+        return "a file, not a directory"
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        return None if not any(path.iterdir()) else f"a directory without prmflow's {MANIFEST}"
+    except (OSError, ValueError, RecursionError):
+        return f"a directory whose {MANIFEST} is not prmflow's"
+    if not (isinstance(manifest, dict) and "kind" in manifest and isinstance(manifest.get("files"), dict)):
+        return f"a directory whose {MANIFEST} is not prmflow's"
+    return None
+
+
+def refuse_foreign(path: str | Path, stage: str = "") -> None:
+    """An OutputExistsError naming `path` when something prmflow did not write is there (`foreign`)."""
+    why = foreign(path)
+    if why is not None:
+        raise OutputExistsError(
+            f"{stage + ': ' if stage else ''}output '{path}' already exists and is {why}: it is not an output "
+            f"prmflow wrote, so it is left as it is (--overwrite only replaces prmflow's own outputs). Choose "
+            f"another output path, or move it away yourself.")
+
+
+def check_output_location(output: str | Path, stage: str, key: str = "output") -> None:
+    """Fail now, before any model is loaded, when `output` or its resume work directory (`work_dir_for`)
+    could not be created at the end: a parent that is a file, or a directory this process may not
+    write to. A stage that trained for an hour must not die at its first mkdir."""
+    output = Path(output)
+    work = work_dir_for(output)
+    if (work.exists() or work.is_symlink()) and not work.is_dir():
+        raise OutputExistsError(f"{stage}: '{work}', where the resume checkpoint of {key} '{output}' goes, exists "
+                                f"and is not a directory. Move it away, or choose another {key}.")
+    check_creatable(output, stage, key)
+
+
+def check_creatable(path: str | Path, who: str, key: str) -> None:
+    """An OutputExistsError unless the directory `path` (given as `key`) exists or can be made: its
+    nearest existing ancestor is a directory this process may create entries in."""
+    parent = Path(os.path.abspath(path)).parent
+    while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputExistsError(f"{who}: cannot create {key} '{path}': '{parent}' is a file, not a directory. "
+                                f"Choose another {key}, or move '{parent}' away.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputExistsError(f"{who}: cannot create {key} '{path}': no permission to write in '{parent}'. "
+                                f"Choose another {key}.")
+
+
 def finished_output(stage: str, output: str | Path, config: dict, overwrite: bool, inputs: dict | None = None,
                     per_rank: bool = False, announce: bool = True, **recorded: Any) -> dict | None:
     """Is `output` already complete for this run? Every stage asks this before it starts work.
@@ -228,7 +305,10 @@ def finished_output(stage: str, output: str | Path, config: dict, overwrite: boo
     OutputExistsError (`completed_output`). With N ranks, rank 0 looks and tells the others, unless
     each rank writes its own `output` (`per_rank`)."""
     expected = {"config": config_identity(config), **({} if inputs is None else {"inputs": inputs}), **recorded}
-    look = lambda: completed_output(output, expected, overwrite, stage)  # noqa: E731
+
+    def look():
+        check_output_location(output, stage)
+        return completed_output(output, expected, overwrite, stage)
     done = look() if per_rank else distributed.on_main(look)
     if done is None:
         return None
@@ -268,6 +348,7 @@ def completed_output(path: str | Path, expected: dict[str, Any], overwrite: bool
         if not differs:
             return manifest
         why = f"it does not match this run (different {' and '.join(differs)})"
+    refuse_foreign(path, stage)  # someone else's file or directory: never replaced, overwrite or not
     if overwrite:
         return None
     raise OutputExistsError(
@@ -287,21 +368,26 @@ def atomic_output_dir(path: str | Path, kind: str, overwrite: bool = False,
     manifest_extra = manifest if manifest is not None else {}
     path = Path(path)
     recover_interrupted_replace(path)
-    if path.exists() and not overwrite:
-        raise OutputExistsError(
-            f"Output '{path}' already exists. Choose another output path, delete it, or pass overwrite."
-        )
+    if path.exists() or path.is_symlink():
+        if not overwrite:
+            raise OutputExistsError(
+                f"Output '{path}' already exists. Choose another output path, delete it, or pass overwrite."
+            )
+        refuse_foreign(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temporaries(path)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
         # mkdtemp's 0700 would make the committed output readable by its owner only (a container
-        # running as another uid could not read its inputs); give it the mode mkdir gives.
+        # running as another uid could not read its inputs): the mode mkdir gives, and at the end
+        # the same for every file (give_default_modes).
         os.chmod(tmp, 0o777 & ~UMASK)
         yield tmp
+        give_default_modes(tmp)
         write_json_atomic(tmp / MANIFEST, build_manifest(tmp, kind, **manifest_extra))
         _fsync_dir(tmp)
-        if path.exists():
+        if path.exists() or path.is_symlink():
+            refuse_foreign(path)  # checked again: something may have been put there while we worked
             old = path.with_name(f".{path.name}.tmp-old-{os.getpid()}")
             os.replace(path, old)
             os.replace(tmp, path)

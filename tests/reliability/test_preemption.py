@@ -57,6 +57,29 @@ def test_preempted_exits_with_143():
     assert isinstance(e, SystemExit) and e.code == 143 and "step 4" in str(e)
 
 
+def test_ctrl_c_exits_130_and_names_sigint(tmp_path, monkeypatch, capfd):
+    """Ctrl-C is SIGINT: the stage saves, says SIGINT, and exits 130 (128 + 2), as a shell user expects."""
+    cut = config.load(stage.Config, overrides={**SHORT, "max_steps": 3, "output": str(tmp_path / "cut")})
+    real_step = stage.TrainEngine.step
+    steps = []
+
+    def step_then_ctrl_c(self):
+        norm = real_step(self)
+        steps.append(1)
+        if len(steps) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return norm
+
+    monkeypatch.setattr(stage.TrainEngine, "step", step_then_ctrl_c)
+    with pytest.raises(preemption.Preempted) as stopped:
+        stage.run(cut)
+    err = capfd.readouterr().err
+    assert stopped.value.code == 130 and len(steps) == 1
+    assert "received SIGINT" in err and "exiting with status 130" in err
+    assert "on request (SIGINT)" in str(stopped.value) and "SIGTERM" not in err
+    assert (checkpoint.work_dir_for(cut.output) / "latest" / "manifest.json").is_file()
+
+
 def test_sigterm_in_process_saves_exits_and_resumes_bit_for_bit(tmp_path, monkeypatch):
     full = config.load(stage.Config, overrides={**SHORT, "output": str(tmp_path / "full")})
     stage.run(full)

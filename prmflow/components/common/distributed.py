@@ -303,9 +303,9 @@ def launch(stage: str, cfg: Any, n: int) -> None:
                                   f"run the same command again to resume from the last checkpoint.")
             err.exit_code = code
             raise err from None
-        except SignalException as e:  # SIGTERM to this process: torchrun passed it on to every rank
-            from .preemption import EXIT_CODE
+        except SignalException as e:  # SIGTERM/SIGINT to this process: torchrun passed it on to every rank
+            from .preemption import exit_code
 
             print(f"{stage}: stopped by {e.sigval.name}; the ranks saved a resume checkpoint if they could. "
                   f"Run the same command again to continue.", file=sys.stderr)
-            raise SystemExit(EXIT_CODE) from None
+            raise SystemExit(exit_code(e.sigval)) from None

@@ -1,4 +1,4 @@
-"""Preemption: when asked to stop, a training stage saves its resume checkpoint and exits 143.
+"""Preemption: when asked to stop, a training stage saves its resume checkpoint and exits 128 + signal.
 
 Kubernetes stops a pod (node drain, spot/preemptible GPU reclaimed, a cancelled run) by sending
 SIGTERM to the container's main process, waiting `terminationGracePeriodSeconds` (30 s unless the
@@ -10,15 +10,16 @@ periodic checkpoint; a stage that listens saves where it is and the next run con
             ...one optimizer step...
             if stop.requested:
                 checkpoint.save(...)                 # the resume checkpoint, as at save_every
-                raise preemption.Preempted("sft", step, where)   # exits the process with status 143
+                raise preemption.Preempted("sft", step, where, stop.signum)   # exits 143 (SIGTERM), 130 (SIGINT)
 
 The handler only sets a flag: nothing is written from signal context, and the training step in
 progress finishes normally, so the checkpoint is the same one a periodic save would have written
 (resume stays bit-for-bit). The grace period must cover the rest of one optimizer step plus one
 checkpoint save; raise `terminationGracePeriodSeconds` for big models. 143 = 128 + SIGTERM is the
 status a process stopped by SIGTERM reports, so KFP and Kubernetes read it as "terminated", and a
-retry policy restarts the step. SIGINT (Ctrl-C) is handled the same way once; a second Ctrl-C
-interrupts at once. Repeated SIGTERMs are ignored while the checkpoint is written.
+retry policy restarts the step. SIGINT (Ctrl-C) is handled the same way once and exits 130 (128 +
+SIGINT, what a shell reports for a program stopped by Ctrl-C); a second Ctrl-C interrupts at once.
+Repeated SIGTERMs are ignored while the checkpoint is written.
 
 N ranks (common/distributed.py): the SIGTERM goes to the torchrun agent (the stage's own launcher or
 an outside torchrun), which passes it to every rank and kills them 30 s later. A rank may see it a
@@ -40,20 +41,27 @@ log = logging.getLogger(__name__)
 EXIT_CODE = 128 + signal.SIGTERM
 
 
+def exit_code(signum: int | None) -> int:
+    """The status a process stopped by `signum` reports: 128 + its number (143 SIGTERM, 130 SIGINT)."""
+    return 128 + int(signum) if signum else EXIT_CODE
+
+
 class Preempted(SystemExit):
-    """Raised after the resume checkpoint is saved; exits the process with status 143.
+    """Raised after the resume checkpoint is saved; exits the process with 128 + the signal that asked
+    (143 for SIGTERM, the default; 130 for Ctrl-C).
 
     A SystemExit, so it passes through `except Exception` (and the CLI's PrmflowError handler)
     and atomic-output blocks clean up on the way out.
     """
 
-    def __init__(self, stage: str, step: int, checkpoint: str = ""):
-        super().__init__(EXIT_CODE)
+    def __init__(self, stage: str, step: int, checkpoint: str = "", signum: int | None = signal.SIGTERM):
+        super().__init__(exit_code(signum))
         self.stage, self.step, self.checkpoint = stage, step, checkpoint
+        self.signum = int(signum) if signum else int(signal.SIGTERM)
 
     def __str__(self) -> str:
-        return (f"{self.stage}: stopped after step {self.step} on request (SIGTERM); the resume checkpoint is in "
-                f"'{self.checkpoint}'. Run the same command again to continue.")
+        return (f"{self.stage}: stopped after step {self.step} on request ({signal.Signals(self.signum).name}); "
+                f"the resume checkpoint is in '{self.checkpoint}'. Run the same command again to continue.")
 
 
 class Preemption:
@@ -85,7 +93,7 @@ class Preemption:
             self.signum, self.received_at = signum, time.monotonic()
             # os.write is safe here; logging and print may not be (re-entrant buffered I/O)
             os.write(2, f"prmflow: received {signal.Signals(signum).name}; saving a resume checkpoint after the "
-                        f"current step, then exiting with status {EXIT_CODE}.\n".encode())
+                        f"current step, then exiting with status {exit_code(signum)}.\n".encode())
 
     def install(self) -> "Preemption":
         if threading.current_thread() is not threading.main_thread():

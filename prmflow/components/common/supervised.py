@@ -110,8 +110,8 @@ def resume(engine: TrainEngine, work: Path, identity: dict, enabled: bool, stage
     return state
 
 
-def _preempted(stage: str, step: int, work: Path) -> preemption.Preempted:
-    stopped = preemption.Preempted(stage, step, str(work / "latest"))
+def _preempted(stage: str, step: int, work: Path, signum: int | None) -> preemption.Preempted:
+    stopped = preemption.Preempted(stage, step, str(work / "latest"), signum)
     log.warning("%s", stopped)
     print(stopped, file=sys.stderr)
     return stopped
@@ -137,7 +137,7 @@ def train(objective: Objective, schedule: Schedule, engine: TrainEngine, tokeniz
         tracker.log_metrics(objective.evaluate(engine), step=state["step"])
         engine.train()
     if distributed.any_rank(stop.requested):  # asked to stop before the first step: the checkpoint on disk (if any) is current
-        raise _preempted(objective.stage, state["step"], work)
+        raise _preempted(objective.stage, state["step"], work, stop.signum)
     bar = tqdm(total=schedule.max_steps, initial=state["step"], desc=objective.stage, unit="step",
                dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 10.0,
                disable=not distributed.is_main())
@@ -182,7 +182,7 @@ def train(objective: Objective, schedule: Schedule, engine: TrainEngine, tokeniz
         if stopping and step < schedule.max_steps:  # preempted: save now (the last step always finishes)
             checkpoint.save(engine, tokenizer, work, {**state, "eval_pending": eval_due}, identity)
             bar.close()
-            raise _preempted(objective.stage, step, work)
+            raise _preempted(objective.stage, step, work, stop.signum)
         if eval_due:
             metrics = objective.evaluate(engine)
             engine.train()

@@ -281,14 +281,14 @@ def _train(t: Training, state: TrainerState, tracker, stop: preemption.Preemptio
         bar.update(1)
         bar.set_postfix(loss=f"{stats.get('policy_loss', float('nan')):.4f}", skipped=state.skipped, refresh=False)
 
-        # resume checkpoint every save_every updates, and on SIGTERM (then exit 143)
+        # resume checkpoint every save_every updates, and on SIGTERM/SIGINT (then exit 143/130)
         more = state.update < n_updates
         stopping = distributed.any_rank(stop.requested)  # the ranks stop at the same update, or none does
         if more and (stopping or (cfg.save_every and state.update % cfg.save_every == 0)):
             _save_resume(t.work, t.identity, actor, t.updater.critic, t.ema, state)
         if more and stopping:
             bar.close()
-            stopped = preemption.Preempted("ppo", state.update, str(t.work / "latest"))
+            stopped = preemption.Preempted("ppo", state.update, str(t.work / "latest"), stop.signum)
             log.warning("%s", stopped)
             print(stopped, file=sys.stderr)
             raise stopped

@@ -28,8 +28,9 @@ from .pipelines import commands
 
 
 def _summary(module) -> str:
+    """The docstring's first paragraph on one line: a summary wrapped over two lines stays whole."""
     doc = (module.__doc__ or "").strip()
-    return doc.splitlines()[0] if doc else ""
+    return " ".join(doc.split("\n\n")[0].split())
 
 
 def _command(argv: list[str]) -> str | None:

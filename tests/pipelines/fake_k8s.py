@@ -9,20 +9,41 @@ test's stand-in for the node pods: a function of the TrainJob body returning Non
 Kubernetes does, with its JobSet and pods); `trainer_version` is what the Trainer's public ConfigMap
 (kubeflow-system/kubeflow-trainer-public, from Trainer v2.2.0) states, None for an older Trainer that has
 none; `pod_logs` ({pod: text}) answers the pod log reads of `kubectl logs` / CoreV1Api.
+
+Admission as the emulated Trainer does it: a created TrainJob must pass that version's validating webhook
+and the openAPIV3Schema of its CRD (tests/data/trainer/, from the tag), both through
+prmflow.pipelines.contracts.trainer; a refused one gets the API server's 422 Invalid answer, naming
+the rule. `read_faults` are what the next status reads of a running TrainJob meet, in order:
+("stall", seconds) answers late, ("status", code) answers that error (e.g. a transient 500).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import threading
+import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
 import yaml
 
+from prmflow.pipelines.contracts import trainer as trainer_rules
+
 from .fake_http import JsonHandler
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "trainer"
+
+
+def crd_schema(version: str) -> dict:
+    """The TrainJob openAPIV3Schema of Trainer `version` (its own tag where shipped, else its family's)."""
+    tag = version if version.startswith("v") else f"v{version}"
+    path = DATA / f"trainjob-openapiv3-{tag}.json.gz"
+    if not path.is_file():
+        path = DATA / f"trainjob-openapiv3-{trainer_rules.TAGS[trainer_rules.family(version)]}.json.gz"
+    return json.loads(gzip.decompress(path.read_bytes()))
 
 
 API = "/apis/trainer.kubeflow.org/v1alpha1"
@@ -46,7 +67,7 @@ def runtime_cr(name: str, framework: str = "torch") -> dict:
 class FakeK8s:
     def __init__(self, work: Callable[[dict], tuple[str, str] | None] | None = None,
                  runtimes: dict[str, str] | None = None, trainer_version: str | None = "v2.3.0",
-                 pod_logs: dict[str, str] | None = None):
+                 pod_logs: dict[str, str] | None = None, read_faults: list[tuple[str, float]] | None = None):
         self.requests: list[dict] = []
         self.jobs: dict[str, dict] = {}       # name -> TrainJob as created (with metadata filled in)
         self.phase: dict[str, str] = {}       # name -> Created / Running / Complete / Failed
@@ -56,6 +77,8 @@ class FakeK8s:
         self.trainer_version = trainer_version
         self.pod_logs = pod_logs or {}
         self.deleted: list[str] = []
+        self.read_faults = list(read_faults or [])
+        self.refused: list[list[str]] = []  # the admission errors of each refused TrainJob
         self.lock = threading.Lock()
         # set once a pod listing has shown a job's node pods Running: like a real controller, the fake does not
         # finish a job between the status read that says Running and the listing of its pods
@@ -100,6 +123,12 @@ class FakeK8s:
                 if re.fullmatch(f"{API}/namespaces/[^/]+/trainingruntimes/[^/]+", path):
                     return self._not_found("trainingruntime")  # only cluster-scoped runtimes here
                 if m := re.fullmatch(f"{API}/namespaces/([^/]+)/trainjobs/([^/]+)", path):
+                    fault = fake.fault(m[2])
+                    if fault and fault[0] == "stall":
+                        time.sleep(fault[1])
+                    elif fault and fault[0] == "status":
+                        return self._reply(int(fault[1]), {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                                           "message": "etcdserver: request timed out", "code": int(fault[1])})
                     return self._reply(200, fake.read(m[2])) if m[2] in fake.jobs else self._not_found(m[2])
                 if m := re.fullmatch("/api/v1/namespaces/([^/]+)/pods", path):
                     return self._reply(200, fake.pods(self.path))
@@ -112,6 +141,13 @@ class FakeK8s:
                     name = body["metadata"]["name"]
                     if name in fake.jobs:
                         return self._reply(409, {"kind": "Status", "reason": "AlreadyExists", "code": 409})
+                    errors = fake.admission_errors(body)
+                    if errors:
+                        fake.refused.append(errors)
+                        return self._reply(422, {
+                            "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422,
+                            "message": f'admission webhook "validate.trainjob.trainer.kubeflow.org" denied the request: '
+                                       f'TrainJob.trainer.kubeflow.org "{name}" is invalid: ' + "; ".join(errors)})
                     body["metadata"].update(namespace=m[1], creationTimestamp=CREATED_AT, uid=f"uid-{name}")
                     with fake.lock:
                         fake.jobs[name], fake.phase[name] = body, "Submitted"
@@ -134,6 +170,24 @@ class FakeK8s:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    # --- the API server's and webhook's part ---------------------------------------------------------
+    def admission_errors(self, body: dict) -> list[str]:
+        """Why the emulated Trainer refuses this TrainJob: its CRD schema, then its validating webhook."""
+        version = self.trainer_version or "v2.2.0"
+        errors = trainer_rules.schema_errors(body, crd_schema(version))
+        ref = (body.get("spec") or {}).get("runtimeRef") or {}
+        framework = self.runtimes.get(ref.get("name"))
+        if framework is None:
+            return errors + [f"spec.runtimeRef: runtime {ref.get('name')!r} not found"]
+        return errors + trainer_rules.webhook_errors(body, runtime_cr(ref["name"], framework), version)
+
+    def fault(self, name: str) -> tuple[str, float] | None:
+        """The next injected fault of a status read of TrainJob `name` (once created, until it ends)."""
+        with self.lock:
+            if self.read_faults and self.phase.get(name) in ("Created", "Running"):
+                return self.read_faults.pop(0)
+        return None
 
     # --- the controller's part -------------------------------------------------------------------
     def read(self, name: str) -> dict:

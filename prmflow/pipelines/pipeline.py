@@ -45,8 +45,9 @@ def _stage_fn(stage: str) -> Callable | None:
     return getattr(components, stage) if stages.load(stage) is not None else None
 
 
-def trainjob_spec(cluster: ClusterConfig, images: ImagesConfig) -> trainjob.TrainJobSpec:
-    """What a `trainjob` step submits: the GPU pool's shape and placement on num_nodes pods."""
+def trainjob_spec(cluster: ClusterConfig, images: ImagesConfig, scratch: str = "") -> trainjob.TrainJobSpec:
+    """What a `trainjob` step submits: the GPU pool's shape and placement on num_nodes pods, each with the
+    /dev/shm and /scratch of a GPU task pod."""
     pool = cluster.gpu_pool
     resources = {pool.accelerator_type: pool.accelerator_count} if pool.accelerator_type and pool.accelerator_count else {}
     resources.update({k: v for k, v in (("cpu", pool.cpu), ("memory", pool.memory)) if v})
@@ -57,7 +58,8 @@ def trainjob_spec(cluster: ClusterConfig, images: ImagesConfig) -> trainjob.Trai
                                  workspace_path=cluster.workspace_path, runtime=t.runtime, namespace=t.namespace,
                                  timeout_s=t.timeout_s, poll_s=t.poll_s, image_pull_secrets=list(images.pull_secrets),
                                  service_account=cluster.service_account,
-                                 disable_istio_sidecar=t.disable_istio_sidecar, system_namespace=t.system_namespace)
+                                 disable_istio_sidecar=t.disable_istio_sidecar, system_namespace=t.system_namespace,
+                                 shm_size=cluster.shm_size, scratch_size=scratch)
 
 
 def _scaled(quantity: str, n: int, of: int) -> str:
@@ -238,7 +240,7 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
         """A training step: the stage in its own GPU pod, or a TrainJob submitted and awaited from the CPU pool."""
         if stage not in on_trainjob:
             return on_gpu(task, stage).set_display_name(name)
-        task.set_env_variable(trainjob.ENV, trainjob_spec(cluster, pipe.images).to_json())
+        task.set_env_variable(trainjob.ENV, trainjob_spec(cluster, pipe.images, scratch).to_json())
         return on_cpu(task, gpu_retries=True).set_display_name(f"{name} (trainjob)")
 
     def model_input(uri: str, key: str, name: str):

@@ -8,10 +8,12 @@ volume and lets Kubeflow Trainer run it, the pattern Kubeflow's own components u
     2. write the stage's full config there (paths on the volume, the TrainJob name as an MLflow tag)
     3. check the Trainer is v2.2.0 or newer (its public ConfigMap; runtimePatches and activeDeadlineSeconds
        exist from v2.2.0: an older API server drops them and the pods never reach the tainted GPU nodes)
-    4. submit a TrainJob through the `kubeflow` SDK (TrainerClient): the GPU image, `torchrun ...
+    4. submit a TrainJob built by the `kubeflow` SDK (TrainerClient): the GPU image, `torchrun ...
        prmflow <stage> --config ...`, num_nodes pods with the GPU pool's accelerators, node selector,
-       tolerations, image pull secrets, the workspace volume, the secrets as env, the Istio opt-out
-       label, and activeDeadlineSeconds = trainer.timeout_s
+       tolerations, image pull secrets, the workspace volume, a memory-backed /dev/shm and a /scratch
+       (as the GPU task pods have), the Istio opt-out label, activeDeadlineSeconds = trainer.timeout_s,
+       and the secrets as env in spec.trainer.env (Trainer's webhook refuses env on the `node` container
+       in runtimePatches, and the SDK's own env takes no secret reference: contracts/trainer.py, sdk.py)
     5. poll its status (printed to the step's log) until Complete or Failed; Failed fails the step
        with the TrainJob's reason and message
     6. check the output's manifest and checksums. An output path on the volume (the workspace layout) is
@@ -46,6 +48,7 @@ import yaml
 from ..components.common import config as config_lib
 from ..components.common import io
 from ..errors import PrmflowError
+from .contracts import sdk as sdk_rules
 
 #: The pipeline sets this env var (JSON of TrainJobSpec) on a step that runs its stage as a TrainJob.
 ENV = "PRMFLOW_TRAINJOB"
@@ -87,6 +90,10 @@ class TrainJobSpec:
     """Service account of the node pods (pipeline.cluster.service_account); empty: the namespace's default."""
     disable_istio_sidecar: bool = True
     system_namespace: str = "kubeflow-system"
+    shm_size: str = ""
+    """Size of the memory-backed /dev/shm of each node pod (NCCL); empty: none (the container's 64 MiB)."""
+    scratch_size: str = ""
+    """Size limit of each node pod's /scratch emptyDir (TMPDIR); empty: none."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -134,19 +141,28 @@ def _set_name(name: str):
     return _option(lambda job_spec: job_spec.setdefault("metadata", {}).__setitem__("name", name))
 
 
+#: Where a node pod's local scratch is mounted (TMPDIR), as on the GPU task pods (pipeline.SCRATCH).
+SCRATCH = "/scratch"
+
+
 def _runtime_patch(spec: TrainJobSpec):
-    """Node selector, tolerations, pull secrets, the workspace volume, secret env and the Istio opt-out on
-    every node pod (spec.runtimePatches, Trainer >= v2.2.0)."""
+    """Node selector, tolerations, pull secrets, the workspace volume, /dev/shm and /scratch and the Istio
+    opt-out on every node pod (spec.runtimePatches, Trainer >= v2.2.0). No env here: Trainer's webhook
+    refuses env on the `node` container in a patch (`trainer_env` puts it in spec.trainer.env)."""
     from kubeflow.trainer.options.kubernetes import (ContainerPatch, JobSetSpecPatch, JobSetTemplatePatch,
                                                      JobSpecPatch, JobTemplatePatch, PodSpecPatch,
                                                      PodTemplatePatch, ReplicatedJobPatch, RuntimePatch,
                                                      TrainingRuntimeSpecPatch)
 
-    env = [{"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
-           for secret, keys in sorted(spec.secret_env.items()) for key in keys]
+    volumes = [{"name": "workspace", "persistentVolumeClaim": {"claimName": spec.workspace_pvc}}]
     mounts = [{"name": "workspace", "mountPath": spec.workspace_path}]
-    pod = PodSpecPatch(volumes=[{"name": "workspace", "persistentVolumeClaim": {"claimName": spec.workspace_pvc}}],
-                       containers=[ContainerPatch(name="node", env=env or None, volume_mounts=mounts)],
+    if spec.shm_size:  # NCCL shares tensors through /dev/shm; the container default is 64 MiB
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if spec.scratch_size:
+        volumes.append({"name": "scratch", "emptyDir": {"sizeLimit": spec.scratch_size}})
+        mounts.append({"name": "scratch", "mountPath": SCRATCH})
+    pod = PodSpecPatch(volumes=volumes, containers=[ContainerPatch(name="node", volume_mounts=mounts)],
                        node_selector={k: str(v) for k, v in spec.node_selector.items()} or None,
                        tolerations=spec.tolerations or None,
                        image_pull_secrets=[{"name": s} for s in spec.image_pull_secrets] or None,
@@ -156,6 +172,59 @@ def _runtime_patch(spec: TrainJobSpec):
     return RuntimePatch(training_runtime_spec=TrainingRuntimeSpecPatch(template=JobSetTemplatePatch(
         spec=JobSetSpecPatch(replicated_jobs=[ReplicatedJobPatch(name="node", template=JobTemplatePatch(
             spec=JobSpecPatch(template=PodTemplatePatch(metadata=metadata, spec=pod))))]))))
+
+
+def trainer_env(spec: TrainJobSpec) -> list[dict]:
+    """spec.trainer.env of the node container: each secret key by reference (optional, as on the task pods)
+    and TMPDIR on /scratch."""
+    env = [{"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
+           for secret, keys in sorted(spec.secret_env.items()) for key in keys]
+    return env + ([{"name": "TMPDIR", "value": SCRATCH}] if spec.scratch_size else [])
+
+
+def trainjob_body(client, runtime, spec: TrainJobSpec, name: str, stage: str, command: list[str],
+                  kfp_run_id: str) -> dict:
+    """The TrainJob the step submits, as the SDK's `train()` builds it from our options (name, labels,
+    command, runtime patch, deadline), with `trainer_env` added to spec.trainer.env (train() passes only
+    the command and args of an option's trainer section on: contracts/sdk.py)."""
+    from kubeflow.trainer import CustomTrainerContainer
+    from kubeflow.trainer.constants import constants
+    from kubeflow.trainer.options.kubernetes import ActiveDeadlineSeconds, Labels, TrainerCommand
+    from kubeflow_trainer_api import models
+
+    trainer = CustomTrainerContainer(image=spec.image, num_nodes=spec.num_nodes,
+                                     resources_per_node=dict(spec.resources_per_node) or None)
+    labels = {"prmflow.io/stage": stage, "prmflow.io/kfp-run": re.sub(r"[^A-Za-z0-9_.-]", "-", kfp_run_id)[:63]}
+    backend = client.backend
+    job_spec: dict = {}
+    for option in (_set_name(name), Labels(labels), TrainerCommand(command), _runtime_patch(spec),
+                   ActiveDeadlineSeconds(int(spec.timeout_s))):
+        option(job_spec, trainer, backend)
+    meta, section = job_spec.get("metadata", {}), job_spec.get("spec", {})
+    body = models.TrainerV1alpha1TrainJob(
+        apiVersion=constants.API_VERSION, kind=constants.TRAINJOB_KIND,
+        metadata=models.IoK8sApimachineryPkgApisMetaV1ObjectMeta(name=name, labels=meta.get("labels"),
+                                                                 annotations=meta.get("annotations")),
+        spec=backend._get_trainjob_spec(runtime=runtime, trainer=trainer, trainer_overrides=section.get("trainer", {}),
+                                        runtime_patches=section.get("runtimePatches"),
+                                        active_deadline_seconds=section.get("activeDeadlineSeconds"))).to_dict()
+    env = trainer_env(spec)
+    if env:
+        body["spec"].setdefault("trainer", {})
+        body["spec"]["trainer"]["env"] = list(body["spec"]["trainer"].get("env") or []) + env
+    return body
+
+
+def _create(client, body: dict) -> None:
+    """POST the TrainJob; RuntimeError with the API server's answer as its cause (as the SDK's train())."""
+    from kubeflow.trainer.constants import constants
+
+    backend = client.backend
+    try:
+        backend.custom_api.create_namespaced_custom_object(constants.GROUP, constants.VERSION, backend.namespace,
+                                                           constants.TRAINJOB_PLURAL, body)
+    except Exception as e:  # noqa: BLE001 - the API server's answer (e.g. the webhook's refusal) is the cause
+        raise RuntimeError(f"Failed to create {constants.TRAINJOB_KIND}: {backend.namespace}/{body['metadata']['name']}") from e
 
 
 def check_trainer_version(client, spec: TrainJobSpec) -> str:
@@ -255,6 +324,52 @@ def _commit_output(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
+def _api_message(e: BaseException) -> str:
+    """The API server's own message behind an SDK error (e.g. the webhook's refusal), else the cause."""
+    cause = e.__cause__
+    body = getattr(cause, "body", None)
+    if body:
+        try:
+            return json.loads(body).get("message") or str(body)
+        except (ValueError, AttributeError):
+            return str(body)
+    return str(cause)
+
+
+class JobDeadline(Exception):
+    """The step's own deadline for its TrainJob (pipeline.cluster.trainer.timeout_s) passed."""
+
+
+def wait_for_job(client, name: str, timeout_s: float, poll_s: float, report, clock=time.monotonic,
+                 sleep=time.sleep):
+    """Read TrainJob `name` every poll_s seconds until it is Complete or Failed; JobDeadline after timeout_s
+    (on `clock`). The SDK's get_job gives up on one read after 120 s (TimeoutError) and wraps a 500 in a
+    RuntimeError (contracts/sdk.py): such a read is read again, not taken for the deadline, so a slow or
+    restarting API server neither deletes a running job nor fails the step. A 404 (the job was deleted
+    elsewhere) or an authorization error fails the step, leaving the job to its own activeDeadlineSeconds
+    and to a retry of the step, which re-attaches to it."""
+    deadline = clock() + timeout_s
+    while True:
+        try:
+            job = client.get_job(name)
+        except (TimeoutError, RuntimeError) as e:
+            kind = sdk_rules.read_failure(e)
+            if kind == "gone":
+                raise TrainJobError(f"TrainJob '{name}' is gone (deleted outside this step?): {e}.") from None
+            if kind == "fatal":
+                raise TrainJobError(f"Cannot read TrainJob '{name}': {e} ({_api_message(e)}). It was not deleted: a "
+                                    f"retry of this step waits for it again.") from None
+            print(f"{time.strftime('%H:%M:%S')} reading TrainJob {name} failed ({e}: {_api_message(e)}); "
+                  f"reading again in {poll_s:g} s", file=sys.stderr, flush=True)
+        else:
+            report(job)
+            if job.status in (COMPLETE, FAILED):
+                return job
+        if clock() >= deadline:
+            raise JobDeadline(f"still running after {timeout_s:g} s")
+        sleep(poll_s)
+
+
 class StepStopped(BaseException):
     """The step's pod was told to stop (SIGTERM/SIGINT). A BaseException: the SDK's `except Exception`
     around its API calls must not swallow it."""
@@ -303,9 +418,6 @@ def run(stage: str, config_cls: type, values: dict[str, Any], paths: dict[str, A
     """Run `stage` as a TrainJob; `values` is the stage's flat config with the step's `paths` in it.
     Returns {"trainjob": name}; raises TrainJobError when the job fails, times out, the step is stopped
     (the job is deleted in these three cases), or its output is incomplete."""
-    from kubeflow.trainer import CustomTrainerContainer
-    from kubeflow.trainer.options.kubernetes import ActiveDeadlineSeconds, Labels, TrainerCommand
-
     work = workdir_of(spec, kfp_run_id, stage, iteration)
     base = job_name(kfp_run_id, stage, iteration)
     inputs = [k for k, v in paths.items() if k != "output" and isinstance(v, str) and v and os.path.exists(v)
@@ -340,28 +452,23 @@ def run(stage: str, config_cls: type, values: dict[str, Any], paths: dict[str, A
                                 f"set pipeline.cluster.trainer.runtime to torch-distributed (DeepSpeed runs inside "
                                 f"each torchrun rank). On MPI runtimes Trainer sets the image and command on the "
                                 f"launcher only.")
-        trainer = CustomTrainerContainer(image=spec.image, num_nodes=spec.num_nodes,
-                                         resources_per_node=dict(spec.resources_per_node) or None)
         command = [*LAUNCHER, "prmflow", stage, "--config", str(config_path)]
-        labels = {"prmflow.io/stage": stage, "prmflow.io/kfp-run": re.sub(r"[^A-Za-z0-9_.-]", "-", kfp_run_id)[:63]}
         try:
-            client.train(runtime=runtime, trainer=trainer, options=[
-                _set_name(name), Labels(labels), TrainerCommand(command), _runtime_patch(spec),
-                ActiveDeadlineSeconds(int(spec.timeout_s))])
+            body = trainjob_body(client, runtime, spec, name, stage, command, kfp_run_id)
+            _create(client, body)
         except (RuntimeError, TimeoutError, ValueError) as e:
-            raise TrainJobError(f"Could not submit TrainJob '{name}' for stage {stage}: {e} ({e.__cause__})") from e
+            raise TrainJobError(f"Could not submit TrainJob '{name}' for stage {stage}: {e} ({_api_message(e)})") from e
         print(f"submitted TrainJob {name} (Trainer {version}; {spec.num_nodes} nodes x {spec.resources_per_node}, "
               f"runtime {spec.runtime}, deadline {spec.timeout_s} s): {' '.join(command)}", file=sys.stderr, flush=True)
     else:
         print(f"TrainJob {name} exists ({status}): waiting for it", file=sys.stderr, flush=True)
     try:
         with _stop_on_signal():
-            job = client.wait_for_job_status(name, status={COMPLETE, FAILED}, timeout=spec.timeout_s,
-                                             polling_interval=spec.poll_s, callbacks=[_reporter(name)])
+            job = wait_for_job(client, name, spec.timeout_s, spec.poll_s, _reporter(name))
     except StepStopped as e:
         raise TrainJobError(f"The step was stopped ({e}) while TrainJob '{name}' ({stage}) ran: "
                             f"{_delete(client, name, 'the step was stopped')}.") from None
-    except TimeoutError as e:
+    except JobDeadline as e:
         raise TrainJobError(f"TrainJob '{name}' ({stage}) did not finish within pipeline.cluster.trainer."
                             f"timeout_s = {spec.timeout_s} s ({e}): {_delete(client, name, 'timed out')}.") from None
     if job.status == FAILED:

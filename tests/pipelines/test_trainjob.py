@@ -172,12 +172,15 @@ def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(
     assert pod["serviceAccountName"] == "prmflow-runner"  # the nodes read the object store as the run does
     assert pod["nodeSelector"] == {"cloud.google.com/gke-nodepool": "h100-pool"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    assert pod["volumes"] == [{"name": "workspace", "persistentVolumeClaim": {"claimName": "prmflow-rwx"}}]
+    assert pod["volumes"][0] == {"name": "workspace", "persistentVolumeClaim": {"claimName": "prmflow-rwx"}}
     (node,) = pod["containers"]
-    assert node["volumeMounts"] == [{"name": "workspace", "mountPath": str(workspace)}]
-    secrets = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in node["env"]}
-    assert secrets["MLFLOW_TRACKING_PASSWORD"] == "mlflow-creds" and secrets["AWS_SECRET_ACCESS_KEY"] == "s3-creds"
-    assert all("value" not in e for e in node["env"])  # secrets by reference only
+    assert node["volumeMounts"][0] == {"name": "workspace", "mountPath": str(workspace)}
+    # the secrets reach the node container through spec.trainer.env (the webhook refuses env in a node patch)
+    assert "env" not in node
+    secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in trainer["env"] if "valueFrom" in e}
+    assert secrets["MLFLOW_TRACKING_PASSWORD"] == {"name": "mlflow-creds", "key": "MLFLOW_TRACKING_PASSWORD", "optional": True}
+    assert secrets["AWS_SECRET_ACCESS_KEY"]["name"] == "s3-creds"
+    assert {e["name"]: e.get("value") for e in trainer["env"] if "value" in e} == {"TMPDIR": "/scratch"}
     # the stage's config on the volume: inputs copied there, the TrainJob's name as an MLflow tag
     staged = yaml.safe_load(config_path.read_text())["ppo"]
     assert staged["policy"] == str(config_path.parent / "in" / "policy")
@@ -190,6 +193,21 @@ def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(
     log = capsys.readouterr().err
     assert log.index(f"TrainJob {name}: Created") < log.index(f"TrainJob {name}: Running (node-0 Running, node-1 Running)") \
         < log.index(f"TrainJob {name}: Complete")
+
+
+def test_trainjob_node_pods_get_shared_memory_and_scratch_like_the_gpu_task_pods(tmp_path, monkeypatch, compiled_ppo_step):
+    """NCCL needs more /dev/shm than a container's 64 MiB: the node pods get the memory-backed /dev/shm and the
+    /scratch (TMPDIR) of the GPU task pods, sized by pipeline.cluster.shm_size / scratch_size."""
+    with FakeK8s(work=fake_ppo_output) as fake:
+        run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-shm")
+    (job,) = fake.posted()
+    (patch,) = job["spec"]["runtimePatches"]
+    pod = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    assert volumes["scratch"]["emptyDir"]["sizeLimit"].endswith("Gi")
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["/dev/shm"] == "dshm" and mounts["/scratch"] == "scratch"
 
 
 def test_a_failed_trainjob_fails_the_step_with_its_reason_and_hands_on_nothing(tmp_path, monkeypatch, compiled_ppo_step):
@@ -434,3 +452,23 @@ def test_sft_trainjob_command_trains_and_tags_its_mlflow_run(tmp_path, monkeypat
     runs = mlflow.MlflowClient(store).search_runs(
         [mlflow.MlflowClient(store).get_experiment_by_name("trainjob-test").experiment_id])
     assert [r.data.tags.get("prmflow.trainjob") for r in runs if r.data.tags.get("prmflow.stage") == "sft"] == [name]
+
+
+def test_a_trainjob_step_survives_a_stalled_api_server_and_a_transient_500(tmp_path, monkeypatch, compiled_ppo_step):
+    """The API server stalls 130 s on a status read (an etcd hiccup, a control-plane upgrade), longer than the
+    SDK's 120 s read timeout, then answers one read with a 500: the step reads again and hands on the job's
+    output; the job is neither deleted nor left behind. Time is scaled 1:100 (the SDK's read timeout
+    kubeflow.common.constants.DEFAULT_TIMEOUT 120 s -> 1.2 s, the stall 130 s -> 1.3 s), so no test waits
+    two minutes."""
+    from kubeflow.common import constants as sdk_constants
+
+    from prmflow.pipelines.contracts import sdk as sdk_rules
+
+    assert sdk_constants.DEFAULT_TIMEOUT == sdk_rules.READ_TIMEOUT_S  # the rule we scale is the installed SDK's
+    monkeypatch.setattr(sdk_constants, "DEFAULT_TIMEOUT", sdk_rules.READ_TIMEOUT_S / 100)
+    with FakeK8s(work=fake_ppo_output, read_faults=[("stall", 130 / 100), ("status", 500)]) as fake:
+        out, _ = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-stall")
+        assert fake.read_faults == []  # both faults were met
+    (job,) = fake.posted()
+    assert fake.deleted == [] and fake.phase[job["metadata"]["name"]] == "Complete"
+    assert (out / "policy" / "model.safetensors").read_bytes() == b"weights"

@@ -220,3 +220,46 @@ def test_entropy_metric_is_exact_on_all_tokens_and_the_mean_of_its_sample_otherw
     picked = ent[mask][[0, 4, 8, 12]]
     assert abs(entropy_metric_sum(logits, mask, 4) - float(picked.mean()) * 13) < 1e-4
     assert entropy_metric_sum(logits, torch.zeros_like(mask), 4) == 0.0
+
+
+# --- rollout correction ----------------------------------------------------------------------
+
+def _correction_batch():
+    """Three responses (lengths 3, 2, 2) with old - behavior differences chosen by hand."""
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, 0.0], [-1.0, -1.0, 0.0]])
+    diff = torch.tensor([[0.5, -1.0, 0.0], [1.0, -3.0, 0.0], [0.5, 0.5, 0.0]])  # old - behavior
+    mask = torch.tensor([[True, True, True], [True, True, False], [True, True, False]])
+    behavior = torch.where(mask, old - diff, torch.full_like(old, -900.0))  # padding far off: must not count
+    return old, behavior, mask
+
+
+@pytest.mark.parametrize("mode,want", [
+    # token: w = exp(diff), capped at 2 -> truncated to 2, or 0 under mask
+    ("token_truncate", [[math.exp(0.5), math.exp(-1), 1.0], [2.0, math.exp(-3), 0], [math.exp(0.5), math.exp(0.5), 0]]),
+    ("token_mask", [[math.exp(0.5), math.exp(-1), 1.0], [0.0, math.exp(-3), 0], [math.exp(0.5), math.exp(0.5), 0]]),
+    # sequence: w = exp(sum of diffs) on every token: exp(-0.5), exp(-2), exp(1) > 2
+    ("sequence_truncate", [[math.exp(-0.5)] * 3, [math.exp(-2)] * 2 + [0], [2.0, 2.0, 0]]),
+    ("sequence_mask", [[math.exp(-0.5)] * 3, [math.exp(-2)] * 2 + [0], [0.0, 0.0, 0]]),
+])
+def test_rollout_correction_weights_match_hand_values(mode, want):
+    old, behavior, mask = _correction_batch()
+    corr = losses.rollout_correction(old, behavior, mask, mode, cap=2.0)
+    assert torch.allclose(corr.weights, torch.tensor(want), atol=1e-6), corr.weights
+    stats = losses.rollout_correction_stats(corr, mask, mode)
+    if mode.startswith("token"):  # over the 7 valid tokens; one (e^1) is above the cap
+        applied = [w for row, m in zip(want, mask.tolist()) for w, v in zip(row, m) if v]
+        assert stats["is_capped_frac"] == pytest.approx(1 / 7)
+        assert stats["is_weight_raw_max"] == pytest.approx(math.e, rel=1e-6)
+    else:  # over the 3 responses; the third (e^1) is above the cap
+        applied = [row[0] for row in want]
+        assert stats["is_capped_frac"] == pytest.approx(1 / 3)
+        assert stats["is_weight_raw_max"] == pytest.approx(math.e, rel=1e-6)
+    assert stats["is_weight_mean"] == pytest.approx(sum(applied) / len(applied), rel=1e-6)
+
+
+def test_rollout_correction_of_a_long_sequence_stays_finite_and_capped():
+    """A response whose summed log-ratio is far beyond exp's range still gets a finite weight, the cap."""
+    old = torch.zeros(1, 400)
+    behavior = torch.full((1, 400), -1.0)  # sum = 400: exp(400) is inf in float32
+    corr = losses.rollout_correction(old, behavior, torch.ones(1, 400, dtype=torch.bool), "sequence_truncate", 2.0)
+    assert torch.isfinite(corr.raw).all() and (corr.weights == 2.0).all() and corr.capped.all()

@@ -150,6 +150,30 @@ def test_loss_aggregation_matches_hand_value_and_is_micro_batch_invariant(sft_po
         assert not (differs & ~noisy).any(), f"{k}: {int((differs & ~noisy).sum())} elements with a clear gradient moved differently"
 
 
+# --- rollout correction ------------------------------------------------------------------------
+
+def test_rollout_correction_weights_each_tokens_loss_and_logs_its_statistics(sft_policy, rows16, tmp_path):
+    """behavior_logprobs = old_logprobs - d with d chosen per token: the first update (ratio 1, A = 1) has
+    policy loss -(token-mean of min(e^d, 2)), and the logged statistics are those of the weights."""
+    rows = rows16[:8]
+    d = lambda i, t: (0.9 if t == 0 else -0.3) if i % 2 else 0.1 * ((t % 3) - 1)  # noqa: E731; e^0.9 > 2: capped
+    behavior = [[lp - d(i, t) for t, lp in enumerate(r["old_logprobs"])] for i, r in enumerate(rows)]
+    adv = write_advantages(tmp_path / "adv", rows, 1.0, behavior_logprobs=behavior)
+    w = [min(math.exp(d(i, t)), 2.0) for i, r in enumerate(rows) for t in range(len(r["response_ids"]))]
+    raw = [math.exp(d(i, t)) for i, r in enumerate(rows) for t in range(len(r["response_ids"]))]
+    m = stage.run(make_cfg(sft_policy, adv, tmp_path / "out", epochs=1, minibatch_size=8, micro_batch_size=4,
+                           rollout_correction="token_truncate", recompute_old_logprobs=False))
+    assert history(tmp_path / "out")[0]["policy_loss"] == pytest.approx(-sum(w) / len(w), rel=1e-4)
+    assert m["train/is_weight_mean"] == pytest.approx(sum(w) / len(w), rel=1e-6)
+    assert m["train/is_weight_raw_max"] == pytest.approx(max(raw), rel=1e-6)
+    assert m["train/is_capped_frac"] == pytest.approx(sum(x > 2 for x in raw) / len(raw))
+    # without behavior_logprobs in the hand-off the key cannot act: a clear error, not weights of 1
+    bare = write_advantages(tmp_path / "bare", rows, 1.0)
+    with pytest.raises(DataError, match="'behavior_logprobs' is null in row 0.*rollout_correction"):
+        stage.run(make_cfg(sft_policy, bare, tmp_path / "out2", minibatch_size=8, micro_batch_size=4,
+                           rollout_correction="token_truncate"))
+
+
 # --- critic, warm-up and KL control ------------------------------------------------------------
 
 def test_critic_warmup_value_loss_and_adaptive_kl(sft_policy, rows16, tmp_path):
@@ -354,6 +378,7 @@ def test_missing_columns_are_reported(sft_policy, rows16, tmp_path):
     ({"dual_clip": 0.5}, "dual_clip"),
     ({"critic_warmup_steps": 2}, "train_critic=true"),
     ({"top_entropy_frac": 0.0}, "top_entropy_frac"),
+    ({"rollout_correction_cap": 0.5}, "rollout_correction_cap"),
 ])
 def test_bad_configs_are_rejected(overrides, match):
     with pytest.raises(ConfigError, match=match):

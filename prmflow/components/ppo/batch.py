@@ -37,6 +37,8 @@ class Sample:
     kl: list[float] | None = None             # the hand-off's per-token KL, for the KL controller
     images: list[bytes] | None = None         # encoded images of a vision-language prompt
     pg_mask: list[float] | None = None        # 1 for the top-entropy tokens the policy loss keeps
+    behavior_logprobs: list[float] | None = None  # the sampler's log-probs (rollout_correction)
+    is_weight: list[float] | None = None      # rollout_correction's weight of each token's policy loss
     pixels: dict | None = None                # the images as the policy's processor gives them
     image_mismatch: str | None = None         # why the image tokens do not match the images, if they do not
 
@@ -52,6 +54,7 @@ def _needed_columns(cfg: Config) -> list[str]:
     need += [] if cfg.recomputes_old_logprobs() else ["old_logprobs"]
     need += ["returns"] if cfg.train_critic else []
     need += ["ref_logprobs"] if cfg.kl_loss_coef else []
+    need += ["behavior_logprobs"] if cfg.rollout_correction != "none" else []
     return need
 
 
@@ -66,10 +69,13 @@ def load_batch(cfg: Config) -> list[Sample]:
         if col.null_count:
             first = next(i for i, v in enumerate(col.is_null().to_pylist()) if v)
             why = {"returns": " (train_critic=true needs GAE returns)", "ref_logprobs": " (kl_loss_coef > 0 needs them)",
-                   "old_logprobs": " (or set recompute_old_logprobs=true)"}.get(name, "")
+                   "old_logprobs": " (or set recompute_old_logprobs=true)",
+                   "behavior_logprobs": " (rollout_correction needs the sampler's log-probs; set rollout_correction=none)"}.get(name, "")
             raise DataError(f"'{cfg.input}': column '{name}' is null in row {first} (prompt_id="
                             f"{table.column('prompt_id')[first].as_py()!r}){why}.")
-    cols = {name: table.column(name).to_pylist() for name in ("prompt_ids", "response_ids", *TOKEN_FIELDS, "kl", "images")}
+    read = ("prompt_ids", "response_ids", *TOKEN_FIELDS, "kl", "images")
+    read += ("behavior_logprobs",) if cfg.rollout_correction != "none" else ()  # read only when used
+    cols = {name: table.column(name).to_pylist() for name in read}
     rows = [Sample(**{name: cols[name][i] for name in cols}) for i in range(table.num_rows)]
     for i, r in enumerate(rows):
         if not r.prompt_ids:
@@ -107,7 +113,7 @@ class MicroBatch:
         return {**pos, **self.pixels}
 
 
-def collate(samples: list[Sample], rows: list[int], pad_id: int, fields=TOKEN_FIELDS + ("pg_mask",)) -> MicroBatch:
+def collate(samples: list[Sample], rows: list[int], pad_id: int, fields=TOKEN_FIELDS + ("pg_mask", "is_weight")) -> MicroBatch:
     """The `rows` of `samples` as one micro-batch; a per-token field is included when every row has it."""
     P = max(len(samples[i].prompt_ids) for i in rows)
     R = max(max(len(samples[i].response_ids) for i in rows), 1)

@@ -63,6 +63,10 @@ class Config:
     """Policy loss only on this fraction of the batch's highest-entropy tokens (Wang et al. 2025 use 0.2; 1 = all)."""
     recompute_old_logprobs: bool | None = None
     """Recompute old_logprobs with this stage's engine (one extra forward pass) instead of reading the hand-off's. Empty: on a GPU or with engine.dtype=bfloat16, where the rollout's numbers (bf16, vLLM, another GPU's kernels) differ from this engine's forward, recompute, so the first update's ratio is exactly 1; on CPU in float32 read the hand-off (the rollout's float32 forward, equal to this engine's up to ~1e-6)."""
+    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
+    """Importance-sampling correction for the sampler-trainer gap: weight each token's policy loss by pi_old / pi_sampler (old_logprobs over the hand-off's behavior_logprobs), per token or per response (the product), truncated at rollout_correction_cap (truncate, TIS) or dropped above it (mask, MIS). Why: vLLM's bf16 sampler is not the policy the trainer differentiates, even with old_logprobs recomputed; without the weight the update is biased toward what the sampler over-drew. Costs nothing but the behavior_logprobs column (rollout writes it); with the HF sampler in float32 the weights are 1 to ~1e-6 and it changes nothing, hence off by default. Use token_truncate with sampler=vllm. Logged: train/is_weight_mean, train/is_weight_raw_max, train/is_capped_frac."""
+    rollout_correction_cap: float = 2.0
+    """The cap C of rollout_correction (veRL's and the TIS paper's 2.0): a weight above it is cut to C (truncate) or its token/response leaves the loss (mask). Must be at least 1, so tokens the two engines agree on keep their weight."""
     ptx_coef: float = 0.0
     """Coefficient of an SFT (ptx) loss on reference solutions, added to every policy update (0 = off)."""
     ptx_task: str = "arithmetic"
@@ -141,6 +145,9 @@ class Config:
                               f"{self.clip_eps_high}).")
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"dual_clip is {self.dual_clip}; use 0 (off) or a bound c > 1 (3.0 is usual).")
+        if self.rollout_correction_cap < 1:
+            raise ConfigError(f"rollout_correction_cap is {self.rollout_correction_cap}; it must be at least 1 (a cap "
+                              f"below 1 would shrink the tokens the sampler and the trainer agree on); 2.0 is usual.")
         if not 0 < self.top_entropy_frac <= 1:
             raise ConfigError(f"top_entropy_frac is {self.top_entropy_frac}; it must be in (0, 1].")
         if not 0 <= self.ema_decay < 1:

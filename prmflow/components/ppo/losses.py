@@ -8,7 +8,8 @@ The docstrings name the slow, obvious equivalent; tests/ppo/test_losses.py compa
 
 Registries (names -> small functions, no string if/elif chains):
 - `KL_ESTIMATORS`: k1, k2, k3 (http://joschu.net/blog/kl-approx.html);
-- `AGGREGATIONS`: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm (Dr. GRPO).
+- `AGGREGATIONS`: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm (Dr. GRPO);
+- `ROLLOUT_CORRECTIONS`: truncated / masked importance weights for the sampler-trainer gap.
 
 Aggregation with gradient accumulation: a minibatch is split into micro-batches, and each
 micro-batch contributes its *share* of the minibatch's loss, computed with the minibatch's
@@ -169,6 +170,62 @@ def aggregate(mode: str, x: torch.Tensor, mask: torch.Tensor, norm: Normalizer |
     if mode not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {mode!r}; known: {sorted(AGGREGATIONS)}")
     return AGGREGATIONS[mode](x, mask, norm if norm is not None else Normalizer.of(mask))
+
+
+# --- rollout correction (the sampler-trainer gap) ---------------------------------------------
+# The responses were drawn by the sampler (vLLM's bf16 kernels, or the HF engine), whose
+# probabilities differ from the trainer's own forward even at the same weights. PPO's ratio is
+# taken against the trainer's old log-probs, so the gradient is an expectation under the trainer's
+# policy over samples that came from the sampler's: each token's loss is weighted by
+# w = pi_old(y_t) / pi_sampler(y_t), truncated (TIS) or dropped (MIS) above a cap so a rare token
+# the sampler under-weighted cannot dominate. Sequence modes use the product over the response.
+# Peers: TRL GRPOTrainer `vllm_importance_sampling_mode` (token/sequence x truncate/mask), veRL
+# rollout correction (token/sequence TIS, MIS), OpenRLHF `tis|icepop`.
+
+ROLLOUT_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+MAX_LOG_WEIGHT = 50.0  # a sequence's summed log-ratio can exceed exp's float32 range; 5e21 is "above any cap"
+
+
+class RolloutCorrection(NamedTuple):
+    weights: torch.Tensor  # (B, T) the weight each token's policy loss is multiplied by, 0 where masked
+    raw: torch.Tensor      # (B, T) the weight before truncation / masking (a sequence's on each of its tokens)
+    capped: torch.Tensor   # (B, T) bool: the raw weight was above the cap (truncated or dropped)
+
+
+def rollout_correction(old_logp: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+                       cap: float) -> RolloutCorrection:
+    """Importance weights of the trainer's policy over the sampler's, per token (B, T).
+
+    token_*: w_t = exp(old_t - behavior_t); sequence_*: every token of response i gets
+    w_i = exp(sum_t (old_t - behavior_t)). *_truncate: min(w, cap); *_mask: 0 where w > cap (the
+    token or response leaves the policy loss). Slow equivalent: per row, a Python loop with
+    `math.exp` of each difference (or of their sum) and `min(w, cap)` / `0 if w > cap else w`.
+    """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"unknown rollout correction {mode!r}; known: {list(ROLLOUT_CORRECTIONS)}")
+    mask = mask.bool()
+    log_w = _where(mask, old_logp - behavior_logp)                                  # (B, T), 0 on padding
+    if mode.startswith("sequence"):
+        log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)                        # (B, T), one value per row
+    raw = torch.exp(log_w.clamp(max=MAX_LOG_WEIGHT))
+    capped = mask & (raw > cap)
+    weights = raw.clamp(max=cap) if mode.endswith("truncate") else torch.where(capped, torch.zeros_like(raw), raw)
+    return RolloutCorrection(_where(mask, weights), _where(mask, raw), capped)
+
+
+def rollout_correction_stats(corr: RolloutCorrection, mask: torch.Tensor, mode: str) -> dict[str, float]:
+    """Mean of the applied weight, max of the raw weight and the share above the cap: over the valid
+    tokens (token modes) or over the responses with a token (sequence modes)."""
+    mask = mask.bool()
+    if mode.startswith("sequence"):
+        rows = mask.any(-1)
+        w, raw, capped = corr.weights[rows, 0], corr.raw[rows, 0], corr.capped[rows, 0]
+    else:
+        w, raw, capped = corr.weights[mask], corr.raw[mask], corr.capped[mask]
+    if w.numel() == 0:
+        return {}
+    return {"is_weight_mean": float(w.mean()), "is_weight_raw_max": float(raw.max()),
+            "is_capped_frac": float(capped.float().mean())}
 
 
 # --- token selection ------------------------------------------------------------------------

@@ -26,7 +26,34 @@ def precompute(cfg: Config, samples: list[Sample], plan: list[list[int]], actor:
     old_logprobs too, returns how far the rollout's numbers were from this engine's:
     `train/old_logprob_gap_max` and `_mean` (|hand-off - recomputed| over the response tokens), the
     sampler-trainer mismatch that a ratio against the hand-off would have clipped as if it were a policy change.
+    Then, with rollout_correction on, each sample's importance weights (`attach_rollout_correction`).
     """
+    out = _fill(cfg, samples, plan, actor, critic, pad_id)
+    if cfg.rollout_correction != "none":
+        out.update(attach_rollout_correction(cfg, samples))
+    return out
+
+
+def attach_rollout_correction(cfg: Config, samples: list[Sample]) -> dict[str, float]:
+    """Give every sample its rollout_correction weights (`is_weight`, from its final old_logprobs and
+    the hand-off's behavior_logprobs) and return the batch's statistics as `train/is_*` metrics."""
+    rows = [i for i, s in enumerate(samples) if s.old_logprobs is not None and s.behavior_logprobs is not None]
+    if not rows:
+        return {}
+    R = max(max(len(samples[i].response_ids) for i in rows), 1)
+    old, behavior = torch.zeros((len(rows), R)), torch.zeros((len(rows), R))  # (N, R)
+    mask = torch.zeros((len(rows), R), dtype=torch.bool)
+    for b, i in enumerate(rows):
+        r = len(samples[i].response_ids)
+        old[b, :r], behavior[b, :r], mask[b, :r] = torch.tensor(samples[i].old_logprobs), torch.tensor(samples[i].behavior_logprobs), True
+    corr = losses.rollout_correction(old, behavior, mask, cfg.rollout_correction, cfg.rollout_correction_cap)
+    for b, i in enumerate(rows):
+        samples[i].is_weight = corr.weights[b, :len(samples[i].response_ids)].tolist()
+    return {f"train/{k}": v for k, v in losses.rollout_correction_stats(corr, mask, cfg.rollout_correction).items()}
+
+
+def _fill(cfg: Config, samples: list[Sample], plan: list[list[int]], actor: TrainEngine, critic: TrainEngine | None,
+          pad_id: int) -> dict[str, float]:
     need_logp = cfg.recomputes_old_logprobs()
     gaps: list[torch.Tensor] = []
     need_entropy = cfg.top_entropy_frac < 1

@@ -52,7 +52,9 @@ class Updater:
         # policy loss: -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A), rho = exp(logp - old_logp)
         pg = losses.ppo_policy_loss(logp, f["old_logprobs"], adv, mask, cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip)
         pg_mask = mask & (f["pg_mask"] > 0) if "pg_mask" in f else mask          # (B, R) top-entropy tokens
-        pg_loss = losses.aggregate(cfg.loss_agg, pg.loss, pg_mask, pg_norm)
+        # rollout correction: each token's loss weighted by pi_old / pi_sampler, truncated or masked (prepass)
+        pg_tokens = pg.loss * f["is_weight"] if "is_weight" in f else pg.loss
+        pg_loss = losses.aggregate(cfg.loss_agg, pg_tokens, pg_mask, pg_norm)
         loss = pg_loss
 
         # entropy bonus; without one, the metric alone, without a graph and on a sample of the tokens

@@ -35,7 +35,7 @@ import torch
 from transformers import AutoModelForTokenClassification
 
 from . import io, modeling, steps
-from .tensor_ops import token_logprobs
+from .tensor_ops import chunked_token_logprobs, token_logprobs
 from ...errors import ConfigError, DataError, ModelLoadError
 from .vision import Vision, processor_of
 
@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 PRM_META = "prmflow.json"
 #: Subdirectory of an implicit PRM holding its frozen reference model.
 REFERENCE_DIR = "reference"
+#: An implicit PRM reads its LM head for this many bytes of float32 logits at a time (Qwen2.5's 151,936-token
+#: vocabulary: 441 positions), whatever the batch: large enough for full-width matrix products, small next to a model.
+LOGIT_CHUNK_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -178,6 +181,49 @@ def implicit_step_logits(logits: torch.Tensor, ref_logits: torch.Tensor, input_i
     return beta * torch.cumsum(ratio * keep, dim=1)
 
 
+def response_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       response_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, positions) of every response token an implicit step logit sums over: position >=
+    response_start, not padding, and not position 0 (no token before it predicts it). (N,) each."""
+    pos = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]
+    keep = (pos >= response_start.to(input_ids.device)[:, None]) & attention_mask.bool() & (pos >= 1)
+    return keep.nonzero(as_tuple=True)
+
+
+def selected_logprobs(call, lm: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      rows: torch.Tensor, positions: torch.Tensor, chunk_rows: int, **pixels) -> torch.Tensor | None:
+    """log p(input_ids[r, t] | input_ids[r, :t]) for each (r, t) of (rows, positions): (N,) float32,
+    from one forward pass of `call` (`lm` itself, or a training engine running it) in which the LM
+    head reads only those N positions, `chunk_rows` at a time (`tensor_ops.chunked_token_logprobs`):
+    the (B, T, V) logits are never made. The work happens in a forward hook on `lm`'s backbone, inside
+    the pass, so it runs under the pass's autocast and, with ZeRO-3, gathers the head as the pass does.
+
+    None when `lm`'s logits are not its head applied to its backbone's output (a logit soft-cap or
+    scale, an architecture that ignores logits_to_keep): checked on every call by comparing the
+    model's own logits at the last position, which logits_to_keep=1 keeps, with the head applied to
+    the hidden state the hook saw. The caller then computes the logits the plain way.
+    """
+    backbone = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if not isinstance(backbone, torch.nn.Module) or head is None:
+        return None
+    seen: dict[str, torch.Tensor] = {}
+
+    def read(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state  # (B, T, H)
+        seen["last"] = head(hidden[:, -1:])  # what the model's own head will compute there: the check
+        seen["logp"] = chunked_token_logprobs(head, hidden[rows, positions - 1], input_ids[rows, positions], chunk_rows)
+
+    handle = backbone.register_forward_hook(read)
+    try:
+        out = call(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, **pixels)
+    finally:
+        handle.remove()
+    if "logp" not in seen or out.logits.shape[1] != 1 or not torch.equal(out.logits, seen["last"]):
+        return None
+    return seen["logp"]
+
+
 def single_token_id(tokenizer, text: str, what: str) -> int:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
@@ -198,6 +244,8 @@ class PRM:
         self.model, self.tokenizer, self.head = model, tokenizer, head
         self.reference = reference  # implicit: the frozen LM the log-likelihood ratio is taken against
         self.reference_dir = reference_dir  # implicit, loaded from a saved PRM: where its reference's files are
+        self.chunked = True  # implicit: read the head chunk by chunk (False once a model's logits were not its head's)
+        self.logit_chunk_rows: int | None = None  # implicit: positions per chunk; None: LOGIT_CHUNK_BYTES of float32 logits
         if head.kind == "implicit" and reference is None:
             raise ConfigError("head.kind=implicit needs a reference model.")
         self.good_id = self.bad_id = None
@@ -253,19 +301,44 @@ class PRM:
         training engine's wrapper run the forward pass; `response_start` (B,): where each row's
         response begins (the implicit head sums over the response only); `pixels`: the batch's
         image inputs."""
+        if self.head.kind == "implicit":
+            if response_start is None:
+                raise ValueError("an implicit PRM needs response_start (where each row's response begins)")
+            return self._implicit_step_logits(model or self.model, input_ids, attention_mask, response_start, pixels)
         out = (model or self.model)(input_ids=input_ids, attention_mask=attention_mask, **pixels)
-        if self.head.kind != "implicit":
-            return step_logits(out.logits, self.head, self.good_id, self.bad_id)
-        if response_start is None:
-            raise ValueError("an implicit PRM needs response_start (where each row's response begins)")
+        return step_logits(out.logits, self.head, self.good_id, self.bad_id)
+
+    def _implicit_step_logits(self, call, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              response_start: torch.Tensor, pixels: dict) -> torch.Tensor:
+        """`implicit_step_logits` without the (B, T, V) logits: the log-ratio of the response tokens
+        only, read chunk by chunk from each model's head (`selected_logprobs`); the plain computation
+        when a model's logits are not its head's output. (B, T) float32."""
+        B, T = input_ids.shape
+        self._move_reference(input_ids.device)
+        if self.chunked:
+            rows, positions = response_positions(input_ids, attention_mask, response_start)
+            chunk = self.logit_chunk_rows or max(1, LOGIT_CHUNK_BYTES // (4 * self.model.config.get_text_config().vocab_size))
+            logp = selected_logprobs(call, self.model, input_ids, attention_mask, rows, positions, chunk, **pixels)
+            with torch.no_grad():
+                ref = None if logp is None else selected_logprobs(self.reference, self.reference, input_ids, attention_mask,
+                                                                  rows, positions, chunk, **pixels)
+            if ref is not None:
+                ratio = logp.new_zeros(B, T).index_put((rows, positions), logp - ref)  # (B, T): entry t scores token t
+                return self.head.beta * torch.cumsum(ratio, dim=1)
+            log.warning("this implicit PRM's logits are not its LM head applied to its backbone's output (%s); "
+                        "computing them whole, (B, T, vocabulary) per pass", type(self.model).__name__)
+            self.chunked = False
+        out = call(input_ids=input_ids, attention_mask=attention_mask, **pixels)
         return implicit_step_logits(out.logits, self._reference_logits(input_ids, attention_mask, **pixels),
                                     input_ids, attention_mask, response_start, self.head.beta)
 
-    @torch.no_grad()
-    def _reference_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **pixels) -> torch.Tensor:
-        device = input_ids.device
+    def _move_reference(self, device: torch.device) -> None:
         if next(self.reference.parameters()).device != device:
             self.reference.to(device)
+
+    @torch.no_grad()
+    def _reference_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **pixels) -> torch.Tensor:
+        self._move_reference(input_ids.device)
         return self.reference(input_ids=input_ids, attention_mask=attention_mask, **pixels).logits
 
     def save(self, directory: str | Path, separator: str, chat_template: bool | None = None, model=None,

@@ -6,6 +6,7 @@ Each docstring names the slow, obvious equivalent; tests compare the two.
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 from .modeling import own_positions
 
@@ -23,6 +24,34 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     B, T, V = logits.shape
     nll = torch.nn.functional.cross_entropy(logits.float().reshape(B * T, V), tokens.reshape(B * T), reduction="none")
     return -nll.view(B, T)
+
+
+def chunked_token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
+                           chunk_rows: int) -> torch.Tensor:
+    """log p(tokens) under logits = head(hidden), `chunk_rows` rows at a time.
+
+    head: the LM head (hidden -> vocabulary logits); hidden: (N, H) in the model's dtype; tokens:
+    (N,) long -> (N,) float32. Equivalent to `token_logprobs(head(hidden)[None], tokens[None])[0]`,
+    without the (N, V) logits ever existing at once: each chunk's logits (in the model's dtype, then
+    a float32 copy for the log-softmax) are reduced to chunk_rows numbers and freed. Under autograd
+    each chunk is recomputed in the backward pass (torch.utils.checkpoint) instead of being kept, so
+    the backward pass too holds one chunk's logits at a time, for a second pass through the head.
+    TRL's selective_log_softmax (huggingface/trl, trl/trainer/utils.py) and veRL's
+    logprobs_from_logits_v2 (volcengine/verl, verl/utils/torch_functional.py) loop over rows of
+    logits that already exist; here the head's output itself is made chunk by chunk.
+    """
+    grad = torch.is_grad_enabled()
+    parts = []
+    for h, y in zip(hidden.split(chunk_rows), tokens.split(chunk_rows)):
+        if grad:
+            parts.append(torch.utils.checkpoint.checkpoint(_head_logprobs, head, h, y, use_reentrant=False))
+        else:
+            parts.append(_head_logprobs(head, h, y))
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return -torch.nn.functional.cross_entropy(head(hidden).float(), tokens, reduction="none")
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -151,5 +151,6 @@ def score(cfg: Config, policy, tokenizer, records: list[tasks.PromptRecord], row
                                            responses, cfg.step_separator)
     elif cfg.prm:
         step_rewards = scoring.prm_step_rewards(cfg.prm, [records[i].prompt for i, _, _ in rows], responses, bs,
-                                                str(device(cfg)), cfg.step_separator, images=images)
+                                                str(device(cfg)), cfg.step_separator, images=images,
+                                                dtype=model_dtype(cfg))
     return {"old_logprobs": old, "ref_logprobs": ref, "values": values, "step_rewards": step_rewards}

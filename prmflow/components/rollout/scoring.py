@@ -156,10 +156,11 @@ def forward_values(critic, prompts: Sequence[Sequence[int]], responses: Sequence
 
 def prm_step_rewards(prm_path: str, prompts: list[str], responses: list[str], batch_size: int = 32,
                      device: str | None = None, separator: str = "\n",
-                     images: list[list[bytes]] | None = None) -> list[list[float]]:
+                     images: list[list[bytes]] | None = None, dtype: str = "float32") -> list[list[float]]:
     """P(step correct) for every step of every response, from the PRM's own tokenization of the
-    text (and the prompt's images, for a vision-language PRM)."""
-    scorer = PRMScorer(prm_path, batch_size=batch_size, device=device, step_separator=separator)
+    text (and the prompt's images, for a vision-language PRM), the PRM loaded in `dtype` (the
+    rollout's model dtype: a bfloat16 pass on a GPU holds half the memory of a float32 one)."""
+    scorer = PRMScorer(prm_path, batch_size=batch_size, device=device, step_separator=separator, dtype=dtype)
     try:
         return scorer.score(prompts, responses, images=images)
     finally:

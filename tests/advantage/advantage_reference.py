@@ -262,34 +262,49 @@ def pairwise_auc(scores: list[float], labels: list[bool]) -> float:
     return sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg) / (len(pos) * len(neg))
 
 
+def folds(rows: list[dict], k: int = 5) -> dict[str, int]:
+    """prompt_id -> fold: its rank among the sorted distinct prompt ids, mod k."""
+    return {p: i % k for i, p in enumerate(sorted({r["prompt_id"] for r in rows}))}
+
+
 def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: float,
                   eps: float = 1e-6, credit: str = "step", calibration: str = "none") -> tuple[dict[tuple, dict], float, float]:
     """({key: {token_rewards, advantages}}, step AUC, gated weight), straight from the definitions.
-    calibration=isotonic: every score read as `isotonic` of every step's (score, outcome) pairs; the process
-    term ranks that calibrated Phi's own progress, from the mean over the group of its first-step Phi
-    through the last step's Phi (no outcome).
+    calibration=isotonic: a row's scores read as `isotonic` of the (score, outcome) pairs of every step but the
+    last of the rows of the other folds (`folds`; 0.5 when there are none); the process term ranks that
+    calibrated Phi's own progress, from the mean over the group of its first-step Phi through the last
+    step's Phi (no outcome).
+    credit=step: z_k spread over step k's tokens (the last step runs to the last token) as z_k x Lbar / L_k
+    (L_k its tokens, Lbar their mean over the row's steps), times w, the row's whole term scaled down by the
+    one factor that takes its most opposed token to 0 when a token would change sign.
     credit=baseline: a token of step k >= 1 gets (R - mean) / (std + eps) + w * (mean of the group's other
-    outcomes - the PRM's score after step k-1); tokens of the first step and after the last get the first
-    term alone."""
+    outcomes - the PRM's score after step k-1); tokens of the first step get the first term alone."""
     groups = defaultdict(list)
     for row in rows:
         groups[group_of(row)].append(row)
     stats = {k: (statistics.fmean([r["outcome_reward"] for r in m]),
                  stdev([r["outcome_reward"] for r in m]) if len({r["outcome_reward"] for r in m}) > 1 else 0.0)
              for k, m in groups.items()}
-    pairs = [(x, row["outcome_reward"]) for row in rows for x in row["step_rewards"]]
-    calibrated = calibration == "isotonic" and pairs
-    phi = isotonic(*zip(*pairs)) if calibrated else (lambda v: v)
+    fold = folds(rows)
+    calibrated = calibration == "isotonic"
+    phi_of = {}  # id(row) -> the map its scores are read through
+    for row in rows:
+        if not calibrated:
+            phi_of[id(row)] = lambda v: v
+            continue
+        pairs = [(x, o["outcome_reward"]) for o in rows if fold[o["prompt_id"]] != fold[row["prompt_id"]]
+                 for x in o["step_rewards"][:-1]]
+        phi_of[id(row)] = isotonic(*zip(*pairs)) if pairs else (lambda v: 0.5)
     first = defaultdict(list)  # calibrated: the PRM's Phi after the first step of each response of a group
     for row in rows:
         if row["step_rewards"]:
-            first[group_of(row)].append(phi(row["step_rewards"][0]))
+            first[group_of(row)].append(phi_of[id(row)](row["step_rewards"][0]))
     centered, d_of = {}, {}
     by_class = defaultdict(list)
     scores, labels = [], []
     for row in rows:
         mean, _ = stats[group_of(row)]
-        p = [phi(x) for x in row["step_rewards"]]
+        p = [phi_of[id(row)](x) for x in row["step_rewards"]]
         d = progress(p, row["outcome_reward"], mean)
         if calibrated and p:  # the process term: the calibrated PRM's own progress, no outcome in it
             own = [statistics.fmean(first[group_of(row)])] + p
@@ -312,26 +327,33 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
     for row in rows:
         key = group_of(row)
         mean, std = stats[key]
+        phi = phi_of[id(row)]
         a_out = (row["outcome_reward"] - mean) / (std + eps)
-        scale = statistics.pstdev(by_class[(key, row["outcome_reward"])]) if len(by_class[(key, row["outcome_reward"])]) > 0 else 0.0
+        members = by_class[(key, row["outcome_reward"])]
+        scale = math.sqrt(sum(x * x for x in members) / len(members)) if members else 0.0
         z = [x / (scale + eps) for x in centered[id(row)]]
         n, ends = len(row["response_ids"]), step_ends(row)
-        adv, r = [], [0.0] * n
+        spans = sorted(set(ends))  # steps ending in the same token are one span
+        length = {e: e - ([-1] + spans)[i] for i, e in enumerate(spans)}
+        mean_length = statistics.fmean(length.values()) if spans else 0.0
+        adv, r, term = [], [0.0] * n, []
         for t in range(n):
             later = [e for e in ends if e >= t]
             if credit == "baseline":
                 k = ends.index(min(later)) if later else 0  # the step t belongs to
                 others = [r["outcome_reward"] for r in groups[key] if r is not row]
-                term = statistics.fmean(others) - phi(row["step_rewards"][k - 1]) if k >= 1 else 0.0
-                adv.append(a_out + w * term)
+                term.append(statistics.fmean(others) - phi(row["step_rewards"][k - 1]) if k >= 1 else 0.0)
                 continue
-            p = sum(zk for e, zk in zip(ends, z) if later and e == min(later))  # the step t belongs to
-            a = a_out + w * p
-            if a_out > 0:
-                a = max(a, 0.0)
-            elif a_out < 0:
-                a = min(a, 0.0)
-            adv.append(a)
+            span = min(later) if later else None
+            p = sum(zk for e, zk in zip(ends, z) if e == span)  # the step t belongs to
+            term.append(w * p * mean_length / length[span] if span is not None else 0.0)
+        if credit == "baseline":
+            adv = [a_out + w * x for x in term]
+        else:
+            worst = max([(-x if a_out > 0 else x) for x in term] + [0.0]) if a_out != 0 else 0.0
+            factor = abs(a_out) / worst if worst > abs(a_out) else 1.0
+            adv = [a_out + factor * x for x in term]
+            adv = [max(a, 0.0) if a_out > 0 else min(a, 0.0) if a_out < 0 else a for a in adv]
         for e, dk in zip(ends, d_of[id(row)]):
             r[e] += dk
         if not ends:

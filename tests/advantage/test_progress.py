@@ -6,8 +6,13 @@ import math
 import advantage_reference as ref
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prmflow.components.advantage import stage
+from prmflow.components.advantage.estimators import ESTIMATORS, EstimatorInput, Ragged
+from prmflow.components.advantage.progress import process_credit
+from prmflow.components.advantage.rewards import make_steps
 from prmflow.components.advantage.rewards import progress_rewards
 from prmflow.errors import ConfigError
 from test_advantage_stage import make_cfg, read_out, row, write_rows
@@ -52,8 +57,9 @@ def test_progress_by_hand(tmp_path):
     s0 = math.sqrt((2 * (1 / 15) ** 2 + (2 / 15) ** 2) / 3)  # each row is its own (group, outcome) class
     z0 = [-1 / 15 / s0, 2 / 15 / s0, -1 / 15 / s0]
     assert out[0]["advantages"] == pytest.approx([max(a + z, 0) for z in z0 for _ in range(2)], abs=1e-4)
-    # row 1: z = [+1, -1]; -a + 1 > 0 would flip the sign: clipped to 0
-    assert out[1]["advantages"] == pytest.approx([0.0, 0.0, -a - 1, -a - 1], abs=1e-5)
+    # row 1: z = [+1, -1]; -a + 1 > 0 would flip the sign: the row's term is scaled by a, its first step
+    # reaches 0 and the second moves by as much the other way (the response's credit still sums to -4a)
+    assert out[1]["advantages"] == pytest.approx([0.0, 0.0, -2 * a, -2 * a], abs=1e-5)
     # the only intermediate steps: 0.6, 0.9 (a success) and 0.7 (a failure): AUC 0.5
     assert summary["advantage/prm_step_auc"] == pytest.approx(0.5)
 
@@ -98,28 +104,44 @@ def _softmax(x):
     return e / e.sum()
 
 
-def _expected_gradient(tmp_path, prm: str, **options) -> np.ndarray:
+def _calibration_rows(prm: str) -> list[dict]:
+    """Other prompts' responses, fixed (not drawn from the policy), on which the PRM's ranking holds: the
+    first step it scores higher is followed by a success, the other by a failure. The calibration of the
+    enumerated prompt is fitted on these alone (a prompt's own responses never enter its fit)."""
+    hi = max((0, 1), key=lambda a1: PRMS[prm][a1])
+    paths = [(hi, 0), (hi, 0), (1 - hi, 1)]
+    return [row(pid=f"r{j:02d}", idx=i, n=2, response_ids=[a1, a2], step_ends=[0, 1],
+                step_rewards=[PRMS[prm][a1], OUTCOME[a1, a2]], outcome_reward=OUTCOME[a1, a2])
+            for j in range(20) for i, (a1, a2) in enumerate(paths)]
+
+
+def _expected_gradient(tmp_path, prm: str, calibration_rows: list[dict] = (), **options) -> np.ndarray:
+    """Every group of the enumerated prompt is one iteration of prompt 'target' (so all of them share a
+    calibration fold); calibration_rows are other prompts' responses, in the data but not in the gradient."""
     import itertools
     p1 = _softmax(LOGITS1)
     p2 = np.stack([_softmax(r) for r in LOGITS2])
     paths = [(a1, a2) for a1 in (0, 1) for a2 in (0, 1)]
-    rows, weights = [], {}
+    rows, weights = list(calibration_rows), {}
     for g, combo in enumerate(itertools.product(paths, repeat=G)):
-        weights[f"g{g}"] = float(np.prod([p1[a1] * p2[a1, a2] for a1, a2 in combo]))
+        weights[g] = float(np.prod([p1[a1] * p2[a1, a2] for a1, a2 in combo]))
         for i, (a1, a2) in enumerate(combo):
-            rows.append(row(pid=f"g{g}", idx=i, n=2, response_ids=[a1, a2], step_ends=[0, 1],
+            rows.append(row(pid="target", idx=i, n=2, response_ids=[a1, a2], step_ends=[0, 1],
                             step_rewards=[PRMS[prm][a1] if prm else 0.5, OUTCOME[a1, a2]],
-                            outcome_reward=OUTCOME[a1, a2]))
+                            outcome_reward=OUTCOME[a1, a2], iteration=g))
     d = tmp_path / (prm or "grpo") / "_".join(f"{k}{v}" for k, v in options.items())
     d.mkdir(parents=True)
     write_rows(d, rows)
-    stage.run(make_cfg(d, **options))
+    summary = stage.run(make_cfg(d, **options))
     grad = np.zeros(2 + 4)  # d/d LOGITS1, d/d LOGITS2 (flattened)
     for r in read_out(d):
+        if r["prompt_id"] != "target":
+            continue
         a1, a2 = r["response_ids"]
-        w = weights[r["prompt_id"]]
+        w = weights[r["iteration"]]
         grad[:2] += w * r["advantages"][0] * (np.eye(2)[a1] - p1)
         grad[2 + 2 * a1:4 + 2 * a1] += w * r["advantages"][1] * (np.eye(2)[a2] - p2[a1])
+    _expected_gradient.summary = summary
     return grad
 
 
@@ -130,6 +152,57 @@ def test_baseline_credit_leaves_the_expected_policy_gradient_grpos_whatever_the_
     baseline = _expected_gradient(tmp_path, prm, **ungated, process_credit="baseline")
     assert np.abs(grpo).max() > 0.05  # there is a gradient to keep
     assert baseline == pytest.approx(grpo, abs=1e-6)  # advantages are stored as float32
+
+
+def _expected_gradient_one_group_at_a_time(tmp_path, prm: str, calibration_rows: list[dict], size: int,
+                                           **options) -> np.ndarray:
+    """The exact expected gradient of one prompt's group of `size` responses, each possible group run by the
+    stage on its own beside the same other prompts' responses (what one batch holds when the group is drawn):
+    a calibration that read the group's own outcomes would change with the group drawn."""
+    import itertools
+    p1 = _softmax(LOGITS1)
+    p2 = np.stack([_softmax(r) for r in LOGITS2])
+    paths = [(a1, a2) for a1 in (0, 1) for a2 in (0, 1)]
+    grad = np.zeros(2 + 4)
+    for g, combo in enumerate(itertools.product(paths, repeat=size)):
+        weight = float(np.prod([p1[a1] * p2[a1, a2] for a1, a2 in combo]))
+        rows = list(calibration_rows) + [
+            row(pid="target", idx=i, n=2, response_ids=[a1, a2], step_ends=[0, 1],
+                step_rewards=[PRMS[prm][a1] if prm else 0.5, OUTCOME[a1, a2]], outcome_reward=OUTCOME[a1, a2])
+            for i, (a1, a2) in enumerate(combo)]
+        d = tmp_path / (prm or "grpo") / f"group{g}"
+        d.mkdir(parents=True)
+        write_rows(d, rows)
+        stage.run(make_cfg(d, **options))
+        for r in read_out(d):
+            if r["prompt_id"] == "target":
+                a1, a2 = r["response_ids"]
+                grad[:2] += weight * r["advantages"][0] * (np.eye(2)[a1] - p1)
+                grad[2 + 2 * a1:4 + 2 * a1] += weight * r["advantages"][1] * (np.eye(2)[a2] - p2[a1])
+    return grad
+
+
+@pytest.mark.parametrize("prm", sorted(PRMS))
+def test_calibrated_baseline_credit_leaves_the_expected_policy_gradient_grpos(tmp_path, prm):
+    # with process_calibration on, Phi_{k-1} is read through a map fitted on other prompts' intermediate
+    # prefixes only, so it still depends on the prefix alone and the baseline stays unbiased; the map is
+    # far from flat here (the other prompts bear the PRM's ranking out), so the baseline does move credit
+    other = _calibration_rows(prm)
+    grpo = _expected_gradient_one_group_at_a_time(tmp_path / "grpo", "", other, 2, estimator="grpo")
+    ungated = dict(**PROGRESS, process_weight=1.0, process_auc_min=0.0, process_auc_full=0.0)
+    got = _expected_gradient_one_group_at_a_time(tmp_path, prm, other, 2, **ungated, process_credit="baseline",
+                                                 process_calibration="isotonic")
+    assert np.abs(grpo).max() > 0.05
+    assert got == pytest.approx(grpo, abs=1e-6)
+    d = tmp_path / "advantages-of-one-group"  # and the baseline did act on the enumerated prompt's tokens
+    d.mkdir()
+    rows = [r for r in other] + [row(pid="target", idx=i, n=2, response_ids=[a1, 0], step_ends=[0, 1],
+                                     step_rewards=[PRMS[prm][a1], 1.0], outcome_reward=1.0 - i % 2)
+                                 for i, a1 in enumerate([0, 1, 0])]
+    write_rows(d, rows)
+    stage.run(make_cfg(d, **ungated, process_credit="baseline", process_calibration="isotonic"))
+    target = [r["advantages"] for r in read_out(d) if r["prompt_id"] == "target"]
+    assert any(abs(a[1] - a[0]) > 0.1 for a in target)
 
 
 def test_step_credit_moves_the_expected_gradient_where_the_prm_is_wrong(tmp_path):
@@ -322,6 +395,27 @@ def test_a_calibrated_adversarial_prm_leaves_outcome_only_grpo(tmp_path):
     assert any(np.abs(np.subtract(h[k], grpo[k])).max() > 0.05 for k in h)
 
 
+def test_a_prm_that_reads_answers_but_ranks_steps_adversarially_leaves_outcome_only_grpo(tmp_path):
+    # what real PRMs are like: the answer line scored right (0.9 when the response is right, 0.1 when not),
+    # the steps ranked adversarially (shortcut lines 1, single steps 0). The calibration is fitted on
+    # intermediate prefixes only, so the answer line earns the PRM nothing: its step ranking is not borne
+    # out, the map is flat, and the advantages are outcome-only GRPO's
+    rows = _shortcut_rows(np.random.default_rng(0))
+    for r in rows:
+        r["step_rewards"] = r["step_rewards"][:-1] + [0.9 if r["outcome_reward"] else 0.1]
+    a, summary = _advantages(tmp_path / "answers", rows, **UNGATED, process_calibration="isotonic")
+    grpo, _ = _advantages(tmp_path / "grpo", rows, estimator="grpo")
+    assert summary["advantage/prm_calibrated_spread"] == 0.0
+    for k in a:
+        assert a[k] == pytest.approx(grpo[k], abs=1e-6), k
+    baseline, _ = _advantages(tmp_path / "baseline", rows, **UNGATED, process_calibration="isotonic",
+                              process_credit="baseline")
+    by_row = by_key(rows)
+    for k in baseline:  # a flat Phi: every step of a response gets the same baseline term, shortcut or not
+        ends = by_row[k]["step_ends"]
+        assert np.ptp([baseline[k][e] for e in ends[1:]]) < 1e-6 if len(ends) > 1 else True, k
+
+
 def test_a_noise_prm_calibrates_nearly_flat(tmp_path):
     # scores that say nothing about the outcome: fitted on bins of >= sqrt(N) prefixes the map stays near
     # flat (fitted per distinct score, its extreme scores fit their own outcomes)
@@ -355,3 +449,56 @@ def test_calibration_is_recorded_only_when_on(tmp_path):
 def test_config_errors_name_the_key(tmp_path, options, match):
     with pytest.raises(ConfigError, match=match):
         make_cfg(tmp_path, **options)
+
+
+# --- the step credit moves credit between a response's tokens, never its total ------------------------------
+
+@st.composite
+def _batches(draw):
+    """One group of 2-6 responses: lengths 1-30 tokens, 0-5 steps each at random ends, any PRM scores,
+    0/1 outcomes; optionally the PRM likes long lines (a step's score grows with its length)."""
+    n_rows = draw(st.integers(2, 6))
+    lengths, ends, scores, outcome = [], [], [], []
+    long_lines = draw(st.booleans())
+    for _ in range(n_rows):
+        length = draw(st.integers(1, 30))
+        cut = sorted(draw(st.sets(st.integers(0, length - 1), max_size=min(length, 5))))
+        lengths.append(length)
+        ends.append(cut)
+        if long_lines:
+            spans = np.diff([-1] + cut)
+            scores.append([float(x) / 30 for x in spans])
+        else:
+            scores.append(draw(st.lists(st.floats(0, 1), min_size=len(cut), max_size=len(cut))))
+        outcome.append(float(draw(st.integers(0, 1))))
+    return lengths, ends, scores, np.array(outcome), draw(st.floats(0.05, 5.0)), draw(st.sampled_from(["none", "folds"]))
+
+
+@given(batch=_batches())
+@settings(max_examples=25, deadline=None)
+def test_step_credit_sums_to_zero_per_response_and_never_flips_a_sign(batch):
+    # the balance the token-level policy gradient sees: whatever the PRM scores and however long each step
+    # is, a response's advantages add up to its outcome advantage x its length (a PRM that likes long
+    # lines cannot lift a whole response), and no token's sign opposes the outcome's
+    lengths, ends, scores, outcome, weight, calibration = batch
+    layout = Ragged.from_lengths(np.array(lengths))
+    counts = np.array([len(e) for e in ends])
+    flat_scores = np.array([x for s in scores for x in s], dtype=np.float64)
+    n = len(lengths)
+    group = np.zeros(n, dtype=np.int64)
+    mean, std = outcome.mean(), outcome.std(ddof=1)
+    folds = np.arange(n) % 2 if calibration == "folds" else None  # two "prompts" of one group: both folds fit
+    credit = process_credit(flat_scores, counts, outcome, group, np.full(n, mean), np.full(n, outcome.sum()),
+                            np.full(n, float(n)), folds, "step", 1e-6)
+    steps = make_steps(layout, np.array([e for row_ends in ends for e in row_ends], dtype=np.int64), counts,
+                       credit.progress, to_end=True)
+    inp = EstimatorInput(layout, np.zeros(layout.n_tokens), 1.0, 1.0, 1e-6, outcome=outcome, steps=steps,
+                         group_mean=np.full(n, mean), group_std=np.full(n, std if std == std else 0.0),
+                         group_n=np.full(n, float(n)), group_sum=np.full(n, outcome.sum()),
+                         process_weight=weight, process_values=credit.credit, process_credit="step")
+    adv, _ = ESTIMATORS["grpo_progress"].fn(inp)
+    out = (outcome - inp.group_mean) / (inp.group_std + 1e-6)
+    for i in range(n):
+        a = adv[layout.offsets[i]:layout.offsets[i + 1]]
+        assert a.sum() == pytest.approx(out[i] * lengths[i], abs=1e-9 * (1 + np.abs(a).sum())), i
+        assert (a * out[i] >= 0).all(), i

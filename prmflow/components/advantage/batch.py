@@ -18,7 +18,7 @@ from ..common import schema
 from ...errors import DataError
 from .config import Plan
 from .estimators import EstimatorInput, Moments, Ragged
-from .rewards import (PROGRESS, STEPLESS_SCORE, calibrate, clip_rewards, kl_per_token, make_steps, prm_progress, step_contributions,
+from .rewards import (PROGRESS, STEPLESS_SCORE, clip_rewards, kl_per_token, make_steps, step_contributions,
                       token_rewards)
 
 # --- naming a row, nulls where values are needed ------------------------------------------------
@@ -86,17 +86,14 @@ def compute_batch(t: pa.Table, group_rows: dict[str, np.ndarray], plan: Plan) ->
         raise DataError(f"{plan.where}: response_ids is empty for {describe_row(t, i)}, so the outcome reward has no "
                         f"token to go to. Drop empty responses in the rollout stage, or set outcome_reward=false.")
     kl, kl_rows = _kl(t, plan)
-    steps = outcome = process_values = None
+    steps = outcome = None
     if plan.outcome:
         outcome = clip_rewards(t["outcome_reward"].to_numpy().astype(np.float64), cfg.reward_clip)
     at_last = outcome
     if plan.steps:
         counts = pc.list_value_length(t["step_rewards"]).to_numpy(zero_copy_only=False).astype(np.int64)
-        if cfg.step_reward_mode == PROGRESS:  # the last step's potential is the outcome: not added again
-            phi = calibrate(flat_values(t, "step_rewards"), group_rows.get("process_calibration"))
-            contrib = step_contributions(phi, counts, PROGRESS, 0.0, outcome, group_rows["group_mean"])
-            if "process_start" in group_rows:  # calibrated: the process term reads the PRM's progress alone
-                process_values = prm_progress(phi, counts, group_rows["process_start"])
+        if cfg.step_reward_mode == PROGRESS:  # computed once by the progress pass; the last step holds the outcome
+            contrib = group_rows["process_progress"]
             at_last = np.where(counts > 0, 0.0, outcome)
         else:
             contrib = step_contributions(flat_values(t, "step_rewards"), counts, cfg.step_reward_mode, cfg.reward_clip)
@@ -105,10 +102,10 @@ def compute_batch(t: pa.Table, group_rows: dict[str, np.ndarray], plan: Plan) ->
                            stepless=STEPLESS_SCORE if est.signal == "steps" else None)
     rewards = token_rewards(layout, kl if plan.beta > 0 else None, plan.beta, steps, at_last)
     values = flat_values(t, "values").astype(np.float64) if est.needs_values else None
-    process = {k: group_rows[k] for k in ("process_scale", "process_weight") if k in group_rows}
-    if process:
-        process["process_credit"] = cfg.process_credit
-        process["process_values"] = process_values
+    process = {}
+    if est.process:
+        process = {"process_weight": group_rows["process_weight"], "process_values": group_rows["process_values"],
+                   "process_credit": cfg.process_credit}
     inp = EstimatorInput(layout, rewards, cfg.gamma, cfg.lam, cfg.norm_eps, values=values, outcome=outcome,
                          steps=steps, **{k: v for k, v in group_rows.items() if k.startswith("group_")}, **process)
     advantages, returns = est.fn(inp)

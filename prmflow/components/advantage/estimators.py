@@ -173,16 +173,13 @@ class EstimatorInput:
     """(B,) group std (ddof=1) of the group signal; 0 for equal-reward groups."""
     group_sum: np.ndarray | None = None
     """(B,) group sum of the group signal."""
-    process_scale: np.ndarray | None = None
-    """(B,) std of the response-centered step progress over the responses of the row's group with its outcome (grpo_progress)."""
     process_weight: float = 0.0
     """Weight of the process advantage after the evidence gate (grpo_progress)."""
     process_credit: str = "step"
     """grpo_progress: 'step' (each step's own progress, ranked among same-outcome responses) or 'baseline'
     (the PRM's value of the prefix as a baseline: unbiased)."""
     process_values: np.ndarray | None = None
-    """(S,) grpo_progress step credit with process_calibration: the progress the process term ranks
-    (rewards.prm_progress); None: the steps' own values."""
+    """(S,) grpo_progress: the process term of each step before the weight (progress.process_credit)."""
 
 
 EstimatorFn = Callable[[EstimatorInput], "tuple[np.ndarray, np.ndarray]"]
@@ -300,20 +297,6 @@ def grpo_process(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
     return advantages, returns
 
 
-def centered_progress(steps: Steps, n_rows: int, values: np.ndarray | None = None) -> np.ndarray:
-    """(S,) each step's progress (values, default steps.value) minus the mean progress of its row's steps:
-    c_k = d_k - (R - Phi_prompt)/K.
-
-    A row's c sum to 0 exactly (up to rounding) however it is cut into steps, so a process advantage built
-    from c moves credit between the steps of a response and never changes the response's total.
-    """
-    values = steps.value if values is None else values
-    counts = np.bincount(steps.row, minlength=n_rows).astype(np.float64)
-    sums = np.bincount(steps.row, weights=values, minlength=n_rows)
-    mean = np.divide(sums, counts, out=np.zeros(n_rows), where=counts > 0)
-    return values - mean[steps.row]
-
-
 def per_step_token_values(steps: Steps, layout: Ragged, per_step: np.ndarray) -> np.ndarray:
     """(N,) every token carries the value of the step it belongs to: tokens after step k-1's end up to
     and including step k's end get per_step[k]; steps that end in the same token add up there; tokens
@@ -335,47 +318,60 @@ def per_step_token_values(steps: Steps, layout: Ragged, per_step: np.ndarray) ->
     return out
 
 
-def progress_baseline(inp: EstimatorInput) -> np.ndarray:
-    """(S,) process term of step k under process_credit=baseline: mean_{-i} - Phi_{k-1} for k >= 1, 0 for
-    the first step (and, through per_step_token_values, for the tokens after the last step).
+def balanced_token_values(steps: Steps, layout: Ragged, per_step: np.ndarray) -> np.ndarray:
+    """(N,) per_step spread over the tokens of each step, balanced per token: a token of step k gets
+    per_step[k] x Lbar / L_k, L_k the step's tokens, Lbar the mean of L over the row's steps (steps that end
+    in the same token are one span and add up). A row's tokens then sum to Lbar x the sum of its per_step
+    values: 0 for centered values, whatever the steps' lengths. Slow equivalent:
+    tests/advantage/advantage_reference.py `grpo_progress`."""
+    ends = np.unique(steps.token)  # (S',) sorted flat end token of each span
+    if not len(ends):
+        return np.zeros(layout.n_tokens)
+    at_end = np.bincount(steps.token, weights=per_step, minlength=layout.n_tokens)[ends]
+    row = np.searchsorted(layout.offsets, ends, side="right") - 1  # (S',) the span's row
+    before = np.empty_like(ends)  # the token before the span starts
+    before[1:] = ends[:-1]
+    starts_row = np.r_[True, row[1:] != row[:-1]]
+    before[starts_row] = layout.offsets[row[starts_row]] - 1
+    length = (ends - before).astype(np.float64)
+    spans = np.bincount(row, minlength=layout.n_rows).astype(np.float64)
+    mean_length = np.divide(np.bincount(row, length, layout.n_rows), spans, out=np.zeros(layout.n_rows),
+                            where=spans > 0)
+    scaled = at_end * mean_length[row] / length
+    return per_step_token_values(Steps(ends, row, scaled), layout, scaled)
 
-    mean_{-i} is the mean outcome of the other responses of row i's group, Phi_{k-1} the PRM's score of
-    the prefix that ends with step k-1 (rebuilt from the progress values: Phi_{k-1} = mean_group + the
-    row's progress before step k). Neither depends on what the response does from step k on, so
-    E[(mean_{-i} - Phi_{k-1}) * grad log pi(token of step k)] = 0: the term leaves the expected policy
-    gradient GRPO's exactly, whatever the PRM scores (a state-dependent baseline, Williams 1992). A PRM
-    that knows a prefix's chance of success takes the luck of the earlier steps out of a later step's
-    credit: a response that recovers from a poor prefix gains, one that throws away a good prefix loses.
-    """
-    st = inp.steps
-    before = np.cumsum(st.value) - st.value  # (S,) sum of the earlier steps' progress in the whole batch
-    first = np.searchsorted(st.row, st.row, side="left")  # (S,) flat index of the row's first step (rows sorted)
-    before = before - before[first]
-    others = (inp.group_sum - inp.outcome) / np.maximum(inp.group_n - 1, 1)  # (B,) mean_{-i}
-    phi_before = inp.group_mean[st.row] + before
-    term = np.where(np.arange(len(st.value)) > first, others[st.row] - phi_before, 0.0)
-    holds = np.zeros(len(term), bool)  # of steps ending in the same token, the first holds it (its Phi before)
-    holds[np.unique(st.token, return_index=True)[1]] = True
-    return np.where(holds, term, 0.0)
+
+def shrink_to_sign(outcome_adv: np.ndarray, process: np.ndarray, layout: Ragged) -> np.ndarray:
+    """(N,) outcome_adv (B,) on every token of its row plus process (N,), the row's process term scaled down
+    as a whole (by the one factor in [0, 1] that takes its most opposed token to 0) so that no token's
+    advantage has the sign opposite to its row's outcome advantage. A row's process term keeps its sum (0
+    for a balanced one): a response the outcome rewards never has a token pushed down, nor one it punishes
+    pushed up, and the credit moved between its tokens still adds up to nothing. Rows with outcome
+    advantage 0 (a group whose responses all ended alike) keep their process term whole."""
+    a = layout.broadcast(outcome_adv)
+    against = np.where(a > 0, -process, np.where(a < 0, process, 0.0))  # > 0 where the term opposes
+    worst = np.zeros(layout.n_rows)
+    if layout.n_tokens:
+        worst[layout.nonempty] = np.maximum.reduceat(against, layout.starts)
+    room = np.abs(outcome_adv)
+    factor = np.where(worst > room, room / np.where(worst > 0, worst, 1.0), 1.0)
+    adv = a + layout.broadcast(factor) * process
+    return np.where(a > 0, np.maximum(adv, 0.0), np.where(a < 0, np.minimum(adv, 0.0), adv))  # rounding only
 
 
 @register("grpo_progress", min_group_size=2, uses_token_rewards=False, signal="outcome", process=True)
 def grpo_progress(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
     """Outcome GRPO plus a gated, outcome-anchored process advantage from the PRM's step progress.
 
-    A^out_i = (R_i - mean_group) / (std_group + eps). The steps' values are the progress rewards d_k
-    (step_reward_mode=progress). c_k = d_k - mean of d over the row's steps (zero-sum per response);
-    z_k = c_k / (std of c over the steps of the responses of the same group with the same outcome + eps)
-    (the process term ranks steps among responses that ended alike: PAPO-style outcome anchoring);
-    A_t = A^out_i + w * z_{k(t)}, w = process_weight after the evidence gate, for the tokens of step k;
-    then clipped so A_t never has the sign opposite to A^out_i (a response the outcome rewards never has
-    a token pushed down, nor one it punishes a token pushed up; where A^out_i = 0, in a group whose
-    responses all ended alike, the process term alone moves credit between steps).
-    process_calibration=isotonic: every Phi is the PRM's score mapped to the batch's outcomes
-    (rewards.fit_calibration), and c_k is built from the calibrated PRM's own progress (rewards.prm_progress:
-    from its group's mean first-step Phi through the last step's, no outcome), so a flat map moves nothing.
-    process_credit=baseline: A_t = A^out_i + w * (mean_{-i} - Phi_{k-1}) for the tokens of step k >= 1
-    instead (`progress_baseline`), with no clip: the PRM's value of the prefix as a baseline.
+    A^out_i = (R_i - mean_group) / (std_group + eps); the process term per step, process_values, comes from
+    progress.process_credit (computed once by the progress pass). process_credit=step: z_k (the PRM's
+    progress centered within its response, at unit scale among the group's responses with the same
+    outcome), spread over step k's tokens balanced per token (`balanced_token_values`: z_k x Lbar / L_k, so
+    a response's credit moves between its tokens and sums to 0 however long its steps are), times w = the
+    weight after the evidence gate, then shrunk per response so no token's sign opposes A^out_i
+    (`shrink_to_sign`). process_credit=baseline: A_t = A^out_i + w * (mean_{-i} - Phi_{k-1}) for the
+    tokens of step k >= 1 (of steps ending in the same token the first holds it), no shrink: the PRM's
+    value of the prefix as a baseline, unbiased. A row's last step runs to its last token.
     Slow equivalent: tests/advantage/advantage_reference.py `grpo_progress`.
     """
     out = (inp.outcome - inp.group_mean) / (inp.group_std + inp.eps)  # (B,)
@@ -383,11 +379,11 @@ def grpo_progress(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
     st = inp.steps
     if st is None or not len(st.value) or inp.process_weight == 0.0:
         return adv, returns_to_go(inp)
+    credit = inp.process_values
     if inp.process_credit == "baseline":
-        return adv + inp.process_weight * per_step_token_values(st, inp.layout, progress_baseline(inp)), \
-            returns_to_go(inp)
-    z = centered_progress(st, inp.layout.n_rows, inp.process_values) / (inp.process_scale[st.row] + inp.eps)
-    adv = adv + inp.process_weight * per_step_token_values(st, inp.layout, z)
-    sign = inp.layout.broadcast(np.sign(out))
-    adv = np.where(sign > 0, np.maximum(adv, 0.0), np.where(sign < 0, np.minimum(adv, 0.0), adv))
-    return adv, returns_to_go(inp)
+        holds = np.zeros(len(credit), bool)  # of steps ending in the same token, the first holds it (its Phi before)
+        holds[np.unique(st.token, return_index=True)[1]] = True
+        term = per_step_token_values(st, inp.layout, np.where(holds, credit, 0.0))
+        return adv + inp.process_weight * term, returns_to_go(inp)
+    process = inp.process_weight * balanced_token_values(st, inp.layout, credit)
+    return shrink_to_sign(out, process, inp.layout), returns_to_go(inp)

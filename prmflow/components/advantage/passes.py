@@ -27,8 +27,8 @@ from ...errors import DataError
 from .batch import check_not_null, compute_batch, describe_row, finish_batch, flat_values
 from .config import Plan, recorded
 from .estimators import Moments, group_moments, merge_group_moments
-from ..common.prm_metrics import roc_auc
-from .rewards import STEPLESS_SCORE, calibrate, clip_rewards, fit_calibration, prm_progress, progress_rewards, step_contributions
+from .progress import process_credit, prompt_folds
+from .rewards import STEPLESS_SCORE, clip_rewards, step_contributions
 
 
 def check_columns_exist(ds: schema.Dataset, plan: Plan) -> None:
@@ -79,11 +79,10 @@ class Groups:
                "group_std": self.stats["std"][g], "group_sum": self.stats["sum"][g],
                "keep": self.keep[g], "weight": self.weight[g]}
         if self.process is not None:
-            out["process_scale"] = self.process.scale[start:start + count]
             out["process_weight"] = self.process.weight
-            out["process_calibration"] = self.process.calibration
-            if self.process.start is not None:
-                out["process_start"] = self.process.start[start:start + count]
+            first, last = self.process.step_offsets[start], self.process.step_offsets[start + count]
+            out["process_progress"] = self.process.progress[first:last]
+            out["process_values"] = self.process.credit[first:last]
         return out
 
 
@@ -172,11 +171,15 @@ def _check_group_sizes(n: np.ndarray, keys: list[tuple[int, str]], plan: Plan) -
 
 @dataclass
 class Process:
-    """What grpo_progress needs besides the group statistics."""
+    """What grpo_progress needs besides the group statistics: its step credit for the whole input, computed
+    once (progress.process_credit) and sliced per batch by Groups.rows."""
 
-    scale: np.ndarray
-    """(R,) per input row: std of the response-centered progress over the steps of the responses of its
-    group with its outcome (estimators.centered_progress); 0 when that class has no spread."""
+    progress: np.ndarray
+    """(S,) every step's progress d_k (its token reward), rows in reading order."""
+    credit: np.ndarray
+    """(S,) every step's process term before the weight."""
+    step_offsets: np.ndarray
+    """(R+1,) where each input row's steps start in progress and credit."""
     step_auc: float
     """The PRM's step AUC on this batch: its scores of every step but the last (the last is replaced by
     the outcome) against their response's outcome (>= 0.5 counts as a success); NaN without both kinds."""
@@ -184,12 +187,8 @@ class Process:
     """process_weight after the gate (0 when step_auc is NaN or below process_auc_min)."""
     steps: int
     """Steps whose score entered step_auc."""
-    calibration: tuple[np.ndarray, np.ndarray] | None = None
-    """process_calibration=isotonic: the knots (scores, fitted mean outcomes) Phi is read from
-    (rewards.calibrate); None: Phi is the PRM's score."""
-    start: np.ndarray | None = None
-    """(R,) per input row, with calibration: the prompt's Phi for the process term (rewards.prm_progress),
-    the mean calibrated Phi of the first steps of its group's responses."""
+    spread: float | None = None
+    """process_calibration=isotonic: the mean range of the cross-fitted maps; None: off."""
 
 
 def gate(auc: float, weight: float, auc_min: float, auc_full: float) -> float:
@@ -203,11 +202,9 @@ def gate(auc: float, weight: float, auc_min: float, auc_full: float) -> float:
 
 
 def progress_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Process:
-    """Read (outcome_reward, step_rewards): the PRM's step AUC against the outcome; with
-    process_calibration=isotonic the map from its scores to this batch's outcomes (rewards.fit_calibration);
-    then each row's progress d (rewards.progress_rewards, Phi_prompt = its group's mean outcome; with
-    calibration rewards.prm_progress of the calibrated scores), centered within the row, and per
-    (group, outcome) class the std of those values.
+    """Read (outcome_reward, step_rewards) of the whole input and compute grpo_progress's step credit once
+    (progress.process_credit: the PRM's step AUC against the outcomes, with process_calibration=isotonic the
+    cross-fitted map of its scores, every step's progress and process term); gate the weight by the AUC.
     Memory: 3 numbers per row and 4 per scored step, the whole input's at once (the fit needs every score)."""
     cfg = plan.cfg
     group_of, outcome_of, steps_of, values_of = [], [], [], []
@@ -220,34 +217,16 @@ def progress_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Process:
         values_of.append(flat_values(t, "step_rewards").astype(np.float64))
         outcome_of.append(clip_rewards(t["outcome_reward"].to_numpy().astype(np.float64), cfg.reward_clip))
     g, outcome, counts = np.concatenate(group_of), np.concatenate(outcome_of), np.concatenate(steps_of)
-    values = np.concatenate(values_of)
-    row = np.repeat(np.arange(len(counts)), counts)
-    intermediate = np.ones(len(values), bool)  # every step but a row's last (whose Phi is the outcome)
-    intermediate[(np.cumsum(counts) - 1)[counts > 0]] = False
-    auc = roc_auc(values[intermediate], outcome[row[intermediate]] >= 0.5)
-    knots = start_phi = None
-    if cfg.process_calibration == "isotonic":  # fitted on every scored prefix, the whole response's included
-        knots = fit_calibration(values, outcome[row])
-    if knots is None:
-        d = progress_rewards(values, counts, outcome, groups.stats["mean"][g])
-    else:  # the process term reads the calibrated PRM alone, from its group's mean first-step Phi
-        phi = calibrate(values, knots)
-        has = counts > 0
-        first = (np.cumsum(counts) - counts)[has]
-        n_groups = len(groups.n)
-        total = np.bincount(g[has], phi[first], n_groups)
-        seen = np.bincount(g[has], minlength=n_groups)
-        start_phi = np.divide(total, seen, out=np.zeros(n_groups), where=seen > 0)[g]
-        d = prm_progress(phi, counts, start_phi)
-    mean = np.divide(np.bincount(row, d, len(counts)), counts, out=np.zeros(len(counts)), where=counts > 0)
-    sq = np.bincount(row, (d - mean[row]) ** 2, len(counts))
-    _, cls = np.unique(np.stack([g.astype(np.float64), outcome]), axis=1, return_inverse=True)
-    cls = cls.reshape(-1)
-    # a row's centered values sum to 0, so the class mean is 0 and its variance the mean square
-    n = np.bincount(cls, counts.astype(np.float64))
-    var = np.divide(np.bincount(cls, sq), n, out=np.zeros(len(n)), where=n > 0)
-    weight = gate(auc, cfg.process_weight, cfg.process_auc_min, cfg.process_auc_full)
-    return Process(np.sqrt(var)[cls], auc, weight, int(intermediate.sum()), knots, start_phi)
+    folds = None
+    if cfg.process_calibration == "isotonic":
+        folds = prompt_folds([pid for _, pid in groups.keys])[g]
+    pc_ = process_credit(np.concatenate(values_of), counts, outcome, g, groups.stats["mean"][g],
+                         groups.stats["sum"][g], groups.n[g].astype(np.float64), folds, cfg.process_credit,
+                         cfg.norm_eps)
+    offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    weight = gate(pc_.step_auc, cfg.process_weight, cfg.process_auc_min, cfg.process_auc_full)
+    return Process(pc_.progress, pc_.credit, offsets, pc_.step_auc, weight, pc_.steps, pc_.spread)
 
 
 # --- pass 2 (optional): whitening statistics ------------------------------------------------------------

@@ -93,9 +93,8 @@ def run(cfg: Config) -> dict:
             summary.update({"advantage/prm_step_auc": groups.process.step_auc,
                             "advantage/process_weight": groups.process.weight,
                             "train/prm_scored_steps": groups.process.steps})
-            if groups.process.calibration is not None:  # how far Phi can move once mapped to the outcomes
-                fitted = groups.process.calibration[1]
-                summary["advantage/prm_calibrated_spread"] = float(fitted.max() - fitted.min())
+            if groups.process.spread is not None:  # how far Phi can move once mapped to the outcomes
+                summary["advantage/prm_calibrated_spread"] = groups.process.spread
         if kl.n:  # no row had both old_logprobs and ref_logprobs: no KL to report
             summary["advantage/kl_mean"] = kl.mean
         tracker.log_metrics(summary, step=cfg.iteration)

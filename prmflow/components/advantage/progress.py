@@ -1,0 +1,141 @@
+"""grpo_progress's step credit, computed once over the whole input by the progress pass (passes.py).
+
+Everything here is per step of the whole input, rows in reading order: scores (S,) the PRM's score of
+the prefix that ends with each step, counts (R,) steps per row, outcome (R,), group (R,) its group.
+`process_credit` returns, per step, the token reward `progress` (what the `token_rewards` column holds)
+and the process term `credit` (before the gated weight); the write pass slices both per batch and the
+estimator (estimators.grpo_progress) spreads them over the tokens. Nothing is computed twice.
+
+Calibration (process_calibration=isotonic) is cross-fitted: the prompts are dealt into
+CALIBRATION_FOLDS folds, and the scores of a prompt's responses are read through a fit made on the
+other folds' prompts only, on their intermediate prefixes only (every step but a response's last, as
+the evidence gate). So (1) a PRM that judges final answers well earns nothing from it: its answer
+line never enters a fit, and its steps are worth what its ranking of steps is worth; (2) a response's
+Phi never depends on its own outcome (nor on its group's), so the baseline credit, whose Phi_{k-1}
+depends on the prefix alone, leaves the expected policy gradient GRPO's with calibration on too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..common.prm_metrics import roc_auc
+from .rewards import calibrate, fit_calibration, prm_progress, progress_rewards
+
+CALIBRATION_FOLDS = 5
+"""Folds of prompts the calibration is cross-fitted over: each fold is read through a fit on the others
+(4/5 of the batch's prompts). Leave-one-prompt-out would cost one fit per prompt for the same property."""
+
+NO_EVIDENCE_PHI = 0.5
+"""Phi of every prefix of a fold whose fit has no data (a batch of one prompt): flat, so it moves no credit."""
+
+
+@dataclass
+class ProcessCredit:
+    """grpo_progress's per-step values for the whole input, rows in reading order."""
+
+    progress: np.ndarray
+    """(S,) d_k = Phi_k - Phi_{k-1}, Phi_{-1} = the group's mean outcome, the last Phi the outcome: the token reward."""
+    credit: np.ndarray
+    """(S,) the process term of each step before the gated weight: z_k (step) or mean_{-i} - Phi_{k-1} (baseline)."""
+    step_auc: float
+    """The PRM's raw scores of every step but a row's last against the row's outcome (>= 0.5 a success)."""
+    steps: int
+    """Steps that entered step_auc."""
+    spread: float | None
+    """Calibration on: the mean over folds of the fitted map's range (max - min); None: off."""
+
+
+def prompt_folds(prompt_ids: list[str], folds: int = CALIBRATION_FOLDS) -> np.ndarray:
+    """(G,) fold of each group: the rank of its prompt_id among the sorted distinct prompt ids, mod folds.
+    All iterations of one prompt share a fold (a prompt seen twice is not independent of itself)."""
+    distinct = sorted(set(prompt_ids))
+    rank = {p: i for i, p in enumerate(distinct)}
+    return np.array([rank[p] % folds for p in prompt_ids], dtype=np.int64)
+
+
+def cross_fitted_phi(scores: np.ndarray, row: np.ndarray, outcome: np.ndarray, intermediate: np.ndarray,
+                     fold_of_row: np.ndarray) -> tuple[np.ndarray, float]:
+    """(S,) every score read through the isotonic fit (rewards.fit_calibration) of the intermediate
+    prefixes of the other folds' rows, and the mean range of those fits. row: (S,) each step's row."""
+    fold = fold_of_row[row]
+    phi = np.empty(len(scores), dtype=np.float64)
+    spreads = []
+    for f in np.unique(fold):
+        mine = fold == f
+        train = intermediate & ~mine
+        knots = fit_calibration(scores[train], outcome[row[train]])
+        if knots is None:
+            phi[mine] = NO_EVIDENCE_PHI
+            spreads.append(0.0)
+        else:
+            phi[mine] = calibrate(scores[mine], knots)
+            spreads.append(float(knots[1].max() - knots[1].min()))
+    return phi, float(np.mean(spreads)) if spreads else 0.0
+
+
+def centered_by_row(values: np.ndarray, row: np.ndarray, n_rows: int) -> np.ndarray:
+    """(S,) each value minus the mean of its row's values: a row's entries sum to 0."""
+    counts = np.bincount(row, minlength=n_rows).astype(np.float64)
+    mean = np.divide(np.bincount(row, values, n_rows), counts, out=np.zeros(n_rows), where=counts > 0)
+    return values - mean[row]
+
+
+def class_scale(centered: np.ndarray, row: np.ndarray, group: np.ndarray, outcome: np.ndarray) -> np.ndarray:
+    """(S,) per step: the root mean square of the centered values over the steps of the responses of its
+    row's group with its row's outcome (their mean is 0, so this is their std); 0 without spread."""
+    _, cls = np.unique(np.stack([group.astype(np.float64), outcome]), axis=1, return_inverse=True)
+    cls = cls.reshape(-1)[row]
+    n = np.bincount(cls).astype(np.float64)
+    var = np.divide(np.bincount(cls, centered ** 2), n, out=np.zeros(len(n)), where=n > 0)
+    return np.sqrt(var)[cls]
+
+
+def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, group: np.ndarray,
+                   group_mean: np.ndarray, group_sum: np.ndarray, group_n: np.ndarray,
+                   fold_of_row: np.ndarray | None, kind: str, eps: float) -> ProcessCredit:
+    """The per-step progress and process term of grpo_progress (module docstring).
+
+    scores (S,); counts, outcome, group (R,); group_mean, group_sum, group_n (R,) the outcome statistics of
+    each row's group; fold_of_row (R,) with calibration (`prompt_folds`), None without; kind: 'step' or
+    'baseline'; eps: added to the class scale.
+    step: c_k = the process progress minus its row's mean (the raw PRM's progress d, or with calibration the
+    calibrated PRM's own progress, from the group's mean first-step Phi through the last step's: no
+    outcome in it), z_k = c_k / (its (group, outcome) class's scale + eps).
+    baseline: mean outcome of the group's other responses - Phi_{k-1} for k >= 1, 0 for a row's first step.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    counts = np.asarray(counts, dtype=np.int64)
+    n_rows = len(counts)
+    row = np.repeat(np.arange(n_rows), counts)
+    has = counts > 0
+    first = (np.cumsum(counts) - counts)[has]  # (R',) each row's first step
+    intermediate = np.ones(len(scores), bool)
+    intermediate[(np.cumsum(counts) - 1)[has]] = False
+    auc = roc_auc(scores[intermediate], outcome[row[intermediate]] >= 0.5)
+    spread = None
+    if fold_of_row is None:
+        phi = scores
+    else:
+        phi, spread = cross_fitted_phi(scores, row, outcome, intermediate, fold_of_row)
+    progress = progress_rewards(phi, counts, outcome, group_mean)
+    if kind == "baseline":
+        others = (group_sum - outcome) / np.maximum(group_n - 1, 1)  # (R,) mean_{-i}
+        before = np.empty_like(phi)
+        before[1:] = phi[:-1]
+        credit = others[row] - before
+        credit[first] = 0.0
+    else:
+        if fold_of_row is None:
+            own = progress
+        else:  # the calibrated PRM's own progress, from its group's mean first-step Phi
+            n_groups = int(group.max()) + 1 if len(group) else 0
+            total = np.bincount(group[has], phi[first], n_groups)
+            seen = np.bincount(group[has], minlength=n_groups)
+            start = np.divide(total, seen, out=np.zeros(n_groups), where=seen > 0)[group]
+            own = prm_progress(phi, counts, start)
+        c = centered_by_row(own, row, n_rows)
+        credit = c / (class_scale(c, row, group, outcome) + eps)
+    return ProcessCredit(progress, credit, auc, int(intermediate.sum()), spread)

@@ -83,7 +83,8 @@ class LiveLogits(TorchDispatchMode):
     vocabulary-wide tensors alive at once (logits, their float32 copy, the log-softmax, its gradient,
     and whatever autograd keeps of them for the backward pass): elements / V, summed over the live
     tensors (a view counts again: an upper bound). (H, V) matrices are left out: the head's
-    weight, seen transposed, and its gradient are the same in any computation."""
+    weight, seen transposed, and its gradient are the same in any computation (a (B, H, V) copy of
+    the head is not)."""
 
     def __init__(self):
         super().__init__()
@@ -93,7 +94,7 @@ class LiveLogits(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == V and t.shape[-2] != H:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == V and tuple(t.shape) != (H, V):
                 self.live[id(t)] = t.numel() // V
                 weakref.finalize(t, self.live.pop, id(t), None)
                 self.peak = max(self.peak, sum(self.live.values()))

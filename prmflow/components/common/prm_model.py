@@ -200,7 +200,7 @@ def selected_logprobs(call, lm: torch.nn.Module, input_ids: torch.Tensor, attent
 
     None when `lm`'s logits are not its head applied to its backbone's output (a logit soft-cap or
     scale, an architecture that ignores logits_to_keep): checked on every call by comparing the
-    model's own logits at the last position, which logits_to_keep=1 keeps, with the head applied to
+    model's own logits at the last position, which logits_to_keep keeps, with the head applied to
     the hidden state the hook saw. The caller then computes the logits the plain way.
     """
     backbone = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
@@ -208,15 +208,18 @@ def selected_logprobs(call, lm: torch.nn.Module, input_ids: torch.Tensor, attent
     if not isinstance(backbone, torch.nn.Module) or head is None:
         return None
     seen: dict[str, torch.Tensor] = {}
+    # the last position, as an index tensor: the model gathers it into a contiguous (B, 1, H) copy. (An int
+    # keeps a strided slice, and matmul of a strided (B, 1, H) by the (H, V) head copies the head B times.)
+    last = torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)
 
     def read(module, args, output):
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state  # (B, T, H)
-        seen["last"] = head(hidden[:, -1:])  # what the model's own head will compute there: the check
+        seen["last"] = head(hidden[:, last])  # what the model's own head will compute there: the check
         seen["logp"] = chunked_token_logprobs(head, hidden[rows, positions - 1], input_ids[rows, positions], chunk_rows)
 
     handle = backbone.register_forward_hook(read)
     try:
-        out = call(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, **pixels)
+        out = call(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=last, **pixels)
     finally:
         handle.remove()
     if "logp" not in seen or out.logits.shape[1] != 1 or not torch.equal(out.logits, seen["last"]):

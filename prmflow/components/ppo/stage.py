@@ -121,6 +121,25 @@ def _inputs(cfg: Config) -> dict:
     return {"advantages": sorted(io.fingerprint(shards).values()), **io.fingerprint(models)}
 
 
+#: Keys read only by a part of the stage that a setting turns off: (is the part on?, its keys).
+_PARTS = (
+    (lambda c: bool(c.ptx_coef), ("ptx_task", "ptx_batch_size", "ptx_num_prompts", "max_seq_len", "chat_template",
+                                  "arithmetic.")),
+    (lambda c: bool(c.ptx_coef) and c.ptx_task == "arithmetic", ("arithmetic.",)),
+    (lambda c: c.train_critic, ("critic", "critic_init", "prm", "critic_lr", "value_clip")),
+    (lambda c: c.kl_control == "adaptive", ("kl_target", "kl_horizon")),
+)
+
+
+def used_params(cfg: Config) -> dict:
+    """The run's MLflow params: the flattened config less the keys of parts that are off (the ptx loss and
+    its task, the critic, adaptive KL control). Nothing reads those, and logged they mislead whoever
+    compares runs (a task's `arithmetic.prompt_prefix` that no prompt of this run was built with)."""
+    unused = tuple(k for on, keys in _PARTS if not on(cfg) for k in keys)
+    return {k: v for k, v in config_lib.flat_dict(cfg).items()
+            if not any(k == u or (u.endswith(".") and k.startswith(u)) for u in unused)}
+
+
 def run(cfg: Config) -> dict:
     """Train on the batch and write the new policy (and critic, KL state) to `cfg.output`. Returns metrics."""
     if n := distributed.should_launch(cfg.engine):  # engine.nproc_per_node > 1: run as n torchrun ranks
@@ -183,7 +202,7 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
         if distributed.is_main():
             print(f"ppo: resuming from update {state.update} ({resume_from})")
 
-    tracker = tracking.start_stage_run(cfg.tracking, "ppo", params=config_lib.flat_dict(cfg), iteration=cfg.iteration,
+    tracker = tracking.start_stage_run(cfg.tracking, "ppo", params=used_params(cfg), iteration=cfg.iteration,
                                        tags={"prmflow.output": str(Path(cfg.output).resolve())}) \
         if distributed.is_main() else tracking.NullTracker()  # one MLflow run, from rank 0
     with tracker:

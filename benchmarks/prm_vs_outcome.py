@@ -10,7 +10,10 @@ rollout -> advantage -> ppo, `iterations` times, with the same prompts, samples,
 seeds for every variant (seed s picks the prompts and the samples; variants differ only in the
 advantage estimator and where step rewards come from: `prm: ""` none, `oracle` the exact checker's
 step labels, `trained` OUTPUT/prm, `adversarial` 1 for every shortcut line and 0 for every single step,
-`random` uniform scores, `implicit` PRIME's implicit PRM started from the SFT policy (every step 0.5 at first;
+`random` uniform scores, `answer-adversarial` the answer line judged right (0.9 when the response is right,
+0.1 when not) and the other steps as `adversarial` (what real PRMs are like: good at answers, bad at steps),
+`long-lines` the answer line judged right and every other step scored by its length (longer lines higher:
+merged shortcut lines are longer), `constant` 0.5 for every step (the credit's mechanics without a PRM), `implicit` PRIME's implicit PRM started from the SFT policy (every step 0.5 at first;
 it needs an `update` section with implicit_beta), `trained-implicit` an implicit PRM trained like the PRM first
 (OUTPUT/prm-implicit, `implicit_prm`); a variant with an `update` section keeps its trained PRM on-policy: after
 every rollout `prmflow prm-update` trains it further on those rollouts' own outcomes (replaying the
@@ -61,7 +64,10 @@ from prmflow.components.sft import stage as sft  # noqa: E402
 
 OFF = {"enabled": False}
 #: where a variant's step rewards come from ('' = none)
-PRM_KINDS = ("", "oracle", "trained", "adversarial", "random", "implicit", "trained-implicit")
+PRM_KINDS = ("", "oracle", "trained", "adversarial", "random", "answer-adversarial", "long-lines", "constant",
+             "implicit", "trained-implicit")
+#: the PRMs that rescore the oracle-scored rollouts (rescore): bad PRMs a stage user might bring
+RESCORED = ("adversarial", "random", "answer-adversarial", "long-lines", "constant")
 log = logging.getLogger("prm_vs_outcome")
 
 
@@ -198,9 +204,26 @@ def train_batch_stats(rollout_cfg, out: Path, with_prm: bool) -> dict:
     return point
 
 
+def bad_prm_score(kind: str, step: str, right: bool, rng) -> float:
+    """A bad PRM's score of the prefix that ends with `step` of a response whose answer is `right`:
+    adversarial: 1 for a shortcut line, 0 for any other step; random: uniform; constant: 0.5;
+    answer-adversarial: the answer line 0.9 if right else 0.1, the other steps as adversarial;
+    long-lines: the answer line as answer-adversarial, another step n / (n + 8) for its n characters."""
+    if kind == "random":
+        return rng.random()
+    if kind == "constant":
+        return 0.5
+    if kind != "adversarial" and step_kind(step) == "answer":
+        return 0.9 if right else 0.1
+    if kind == "long-lines":
+        n = len(step.strip())
+        return n / (n + 8)
+    return float(arithmetic.is_shortcut(step))
+
+
 def rescore(rollout_cfg, src: Path, dst: Path, kind: str, seed: int, iteration: int) -> None:
-    """Copy the rollouts at `src` to `dst` with step rewards of a do-no-harm PRM: `adversarial` scores a
-    shortcut line 1 and any other step 0, `random` draws each score uniformly (seeded by seed, iteration)."""
+    """Copy the rollouts at `src` to `dst` with step rewards of a bad PRM (`bad_prm_score`; random is seeded
+    by seed, iteration)."""
     import random
 
     import pyarrow as pa
@@ -208,10 +231,11 @@ def rescore(rollout_cfg, src: Path, dst: Path, kind: str, seed: int, iteration: 
     rng = random.Random(f"{kind}:{seed}:{iteration}")
     table = schema.read_dataset(src, "rollouts")
     new = []
-    for resp, old in zip(table.column("response").to_pylist(), table.column("step_rewards").to_pylist()):
+    for resp, old, outcome in zip(table.column("response").to_pylist(), table.column("step_rewards").to_pylist(),
+                                  table.column("outcome_reward").to_pylist()):
         steps = steps_lib.steps(resp, rollout_cfg.step_separator)
         assert len(steps) == len(old or []), "rollout step_rewards and the steps of the text disagree"
-        new.append([float(arithmetic.is_shortcut(x)) if kind == "adversarial" else rng.random() for x in steps])
+        new.append([bad_prm_score(kind, x, (outcome or 0.0) >= 0.5, rng) for x in steps])
     column = pa.array(new, type=table.schema.field("step_rewards").type)
     table = table.set_column(table.schema.get_field_index("step_rewards"), "step_rewards", column)
     with schema.DatasetWriter(dst, "rollouts", parents=[str(src)]) as w:
@@ -265,7 +289,7 @@ def run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict, 
         shutil.rmtree(work)
     work.mkdir(parents=True)
     kind = variant.get("prm", "")
-    prm = {"": "", "oracle": "oracle", "trained": str(out / "prm"), "adversarial": "oracle", "random": "oracle",
+    prm = {"": "", "oracle": "oracle", "trained": str(out / "prm"), **{k: "oracle" for k in RESCORED},
            "implicit": "", "trained-implicit": str(out / "prm-implicit")}[kind]
     if kind == "implicit":  # the first rollout is scored by the policy's own copy (every step 0.5)
         prm = str(implicit_start(out, float(variant["update"]["implicit_beta"])))
@@ -280,7 +304,7 @@ def run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict, 
                             seed=seed, iteration=k, prm=prm, log_samples=0)
         m = rollout.run(rcfg)
         scored = it / "rollouts"
-        if kind in ("adversarial", "random"):  # rolled out with the oracle for the step ends, then rescored
+        if kind in RESCORED:  # rolled out with the oracle for the step ends, then rescored
             scored = it / f"rollouts-{kind}"
             rescore(rcfg, it / "rollouts", scored, kind, seed, k)
         points[-1].update({"train_reward": m["rollout/reward_mean"], **train_batch_stats(rcfg, scored, bool(kind))})

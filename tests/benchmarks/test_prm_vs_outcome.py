@@ -178,8 +178,8 @@ def test_rescore_gives_the_adversarial_and_random_prms_scores(tmp_path):
 
     responses = ["1+2*3=9\n9-4=5\nanswer: 5", "2+2=4\nanswer: 4", "answer: 7"]
     rows = [{"prompt_id": f"p{i}", "sample_idx": 0, "iteration": 0, "response": r, "response_ids": [1, 2],
-             "step_ends": [0] * len(r.split("\n")), "step_rewards": [0.5] * len(r.split("\n"))}
-            for i, r in enumerate(responses)]
+             "step_ends": [0] * len(r.split("\n")), "step_rewards": [0.5] * len(r.split("\n")),
+             "outcome_reward": float(i != 0)} for i, r in enumerate(responses)]
     with schema.DatasetWriter(tmp_path / "src", "rollouts") as w:
         w.write(pa.Table.from_pylist(rows))
     cfg = SimpleNamespace(step_separator="\n")
@@ -193,6 +193,16 @@ def test_rescore_gives_the_adversarial_and_random_prms_scores(tmp_path):
     bench.rescore(cfg, tmp_path / "src", tmp_path / "rnd2", "random", 3, 1)  # seeded: the same draw again
     assert schema.read_dataset(tmp_path / "rnd2", "rollouts").column("step_rewards").to_pylist() == rnd
     assert [bench.step_kind(s) for s in ("1+2*3=9", "9-4=5", "answer: 5")] == ["shortcut", "single", "answer"]
+    # the PRMs that judge the answer line right (the first response is wrong, the others right)
+    bench.rescore(cfg, tmp_path / "src", tmp_path / "ans", "answer-adversarial", 0, 0)
+    got = schema.read_dataset(tmp_path / "ans", "rollouts").column("step_rewards").to_pylist()
+    assert got == [pytest.approx([1.0, 0.0, 0.1]), pytest.approx([0.0, 0.9]), pytest.approx([0.9])]  # float32
+    bench.rescore(cfg, tmp_path / "src", tmp_path / "long", "long-lines", 0, 0)
+    got = schema.read_dataset(tmp_path / "long", "rollouts").column("step_rewards").to_pylist()
+    assert got == [pytest.approx([7 / 15, 5 / 13, 0.1]), pytest.approx([5 / 13, 0.9]), pytest.approx([0.9])]
+    bench.rescore(cfg, tmp_path / "src", tmp_path / "flat", "constant", 0, 0)
+    assert schema.read_dataset(tmp_path / "flat", "rollouts").column("step_rewards").to_pylist() == \
+        [[0.5] * 3, [0.5] * 2, [0.5]]
 
 
 def test_process_table_against_a_hand_computed_example():

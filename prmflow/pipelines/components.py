@@ -6,7 +6,8 @@ so every import a shim needs is inside its body. The logic lives in the stages; 
 
 Data flow (pipelines/kfp_shim.py): a stage that writes weights (sft, prm, prm-update, ppo) writes them once to
 the workspace and its Model artifact is their *location* (a few KB: where, sha256s, sizes); a reader
-opens them in place (`located`). Rollouts, advantages, evaluation results and the KL controller's
+opens them in place (`located`). Every reader of a location takes the `workspace` parameter, even one
+that only opens it: KFP mounts its per-run workspace only into tasks whose parameters name it. Rollouts, advantages, evaluation results and the KL controller's
 state are small and travel as ordinary artifacts. An input a configuration does not read is not
 wired at all (an optional input left None): no critic without a critic, no reference model without a
 KL term, no PRM with the oracle. The MLflow parent run is found through $PRMFLOW_KFP_RUN_ID.
@@ -51,8 +52,9 @@ def prm(config: dict, tracking_uri: str, experiment: str, workspace: str, prm_mo
 
 def rollout(config: dict, tracking_uri: str, experiment: str, iteration: int, shard: int, num_shards: int,
             policy: Input[Model], rollouts: Output[Dataset], prm_model: Input[Model] = None,
-            ref: Input[Model] = None, critic: Input[Model] = None):
-    """Sample and score shard `shard` of `num_shards` of this iteration's prompts."""
+            ref: Input[Model] = None, critic: Input[Model] = None, workspace: str = ""):
+    """Sample and score shard `shard` of `num_shards` of this iteration's prompts. `workspace` is not read
+    here: naming it makes KFP's driver mount the per-run workspace where the models' locations point."""
     from prmflow.pipelines.kfp_shim import dataset_metadata, located, run_stage
     from prmflow.components.rollout import stage
 
@@ -150,8 +152,9 @@ def ppo(config: dict, tracking_uri: str, experiment: str, workspace: str, iterat
 
 
 def evaluate(config: dict, tracking_uri: str, experiment: str, policy: Input[Model], baseline: Input[Model],
-             results: Output[Model], scores: Output[Metrics], prm_model: Input[Model] = None):
-    """Evaluate the final policy against `baseline`; `scores` shows the eval metrics in the KFP UI."""
+             results: Output[Model], scores: Output[Metrics], prm_model: Input[Model] = None, workspace: str = ""):
+    """Evaluate the final policy against `baseline`; `scores` shows the eval metrics in the KFP UI.
+    `workspace` is not read: naming it makes KFP's driver mount the workspace the models are on."""
     from prmflow.pipelines.kfp_shim import artifact_metadata, located, run_stage
     from prmflow.components.evaluate import stage
 

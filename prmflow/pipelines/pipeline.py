@@ -14,7 +14,8 @@
 Data flow (docs/cluster-data-flow.md): weights, optimizer moments and resume checkpoints are written
 once to the workspace (a ReadWriteMany volume; a directory under run-local) at paths named by what
 each step computes, never by the run id; artifacts carry only their location (kfp_shim). A task
-takes only the inputs it reads. The MLflow parent run is found by the KFP run id, which reaches a
+takes only the inputs it reads. Every task that opens a location takes the `workspace` parameter:
+KFP's driver mounts its per-run workspace only into tasks whose parameters name it (contracts/kfp.py). The MLflow parent run is found by the KFP run id, which reaches a
 stage as $PRMFLOW_KFP_RUN_ID (the pod's pipeline/runid label), so no cache key holds it.
 """
 
@@ -30,7 +31,7 @@ from ..components.common import config as config_lib
 from ..errors import ConfigError
 from . import components, kfp_shim, trainjob
 from .lineage import finish_tracking, init_tracking
-from .settings import IMPORTER_SCHEMES, ClusterConfig, ImagesConfig, NodePool, PipelineSpec
+from .settings import IMPORTER_SCHEMES, SERVER_DEFAULT_CLASS, ClusterConfig, ImagesConfig, NodePool, PipelineSpec
 
 
 def _component(fn: Callable, image: str):
@@ -251,9 +252,7 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
         return on_cpu(locate_op(path=uri)).set_display_name(f"{name} (on the workspace)").outputs["model"]
 
     config = dsl.PipelineConfig(workspace=dsl.WorkspaceConfig(size=cluster.workspace_size, kubernetes=dsl.KubernetesWorkspaceConfig(
-        pvcSpecPatch={"accessModes": ["ReadWriteMany"], **(
-            {"storageClassName": cluster.workspace_storage_class} if cluster.workspace_storage_class else {})}))) \
-        if not local and not cluster.workspace_pvc else None
+        pvcSpecPatch=workspace_pvc_patch(cluster)))) if not local and not cluster.workspace_pvc else None
 
     @dsl.pipeline(name=pipe.name, description="RL fine-tuning with step-level process rewards (prmflow)",
                   pipeline_config=config)
@@ -288,7 +287,7 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
                 if critic:  # values of this policy's critic: a new one (from the SFT policy) at k = 0
                     reads["critic"] = upd.outputs["critic"] if k else sft_policy
                 with dsl.ParallelFor(shards, name=f"rollout-shards-{k}") as shard:
-                    roll = on_gpu(rollout_op(config=rollout_config, **common, iteration=k, shard=shard,
+                    roll = on_gpu(rollout_op(config=rollout_config, **common, workspace=ws, iteration=k, shard=shard,
                                              num_shards=len(shards), policy=policy, **reads).after(init),
                                   "rollout", cache=sampled)
                     roll.set_display_name(f"rollout-{k}")
@@ -309,14 +308,41 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
                         rollouts=dsl.Collected(roll.outputs["rollouts"]), **replay), f"prm-update-{k}")
                     prm_model = prm_upd.outputs["updated_prm"]
             if evaluate_op is not None:
-                on_gpu(evaluate_op(config=evaluate_config, **common, policy=policy, baseline=sft_policy,
+                on_gpu(evaluate_op(config=evaluate_config, **common, workspace=ws, policy=policy, baseline=sft_policy,
                                    prm_model=prm_model), "evaluate", cache=sampled).set_display_name("evaluate")
 
     return prmflow_pipeline
 
 
+def workspace_pvc_patch(cluster: ClusterConfig) -> dict:
+    """pvcSpecPatch of KFP's per-run workspace: ReadWriteMany, and the storage class unless it is left to the
+    cluster's default (KFP >= 2.17) or to the API server's claim template (server-default)."""
+    cls = cluster.workspace_storage_class
+    return {"accessModes": ["ReadWriteMany"], **({"storageClassName": cls} if cls and cls != SERVER_DEFAULT_CLASS else {})}
+
+
 def compile_to(spec: PipelineSpec, path: str) -> str:
+    """Compile `spec` to `path`, checked against the rules of the KFP backend it targets
+    (pipeline.cluster.kfp_version, compat.py): a spec that version would refuse is not written."""
+    import os
+
+    import yaml
     from kfp import compiler
 
-    compiler.Compiler().compile(build(spec), package_path=path)
+    from . import compat
+
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{os.getpid()}-{os.path.basename(path)}")
+    if not path.endswith((".yaml", ".yml")):
+        tmp = path  # the compiler refuses the name itself (it writes by suffix), naming the user's path
+    try:
+        compiler.Compiler().compile(build(spec), package_path=tmp)
+        with open(tmp) as f:
+            docs = [d for d in yaml.safe_load_all(f) if d]
+        cluster = spec.pipeline.cluster
+        compat.check(docs, cluster.kfp_version, cluster.workspace_storage_class == SERVER_DEFAULT_CLASS,
+                     where=f"pipeline '{spec.pipeline.name}'")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return path

@@ -19,6 +19,8 @@ import yaml
 from .. import stages
 from ..components.common import config as config_lib
 from ..errors import ConfigError
+from .contracts import KFP_VERSIONS
+from .contracts import kfp as kfp_rules
 
 #: Image names that cannot be pulled (the reserved .invalid domain): the defaults until you build and
 #: push the images (images/build.sh cpu|gpu REGISTRY/prmflow-cpu:TAG --push) and set pipeline.images.
@@ -120,6 +122,8 @@ MIN_TRAINER = (2, 2)
 IMPORTER_SCHEMES = ("s3://", "gs://", "minio://", "oci://")
 #: Where KFP mounts its per-run pipeline workspace (kfp.dsl.constants.WORKSPACE_MOUNT_PATH).
 KFP_WORKSPACE_MOUNT = "/kfp-workspace"
+#: workspace_storage_class value that leaves the class to the KFP API server's default claim template.
+SERVER_DEFAULT_CLASS = "server-default"
 
 
 @dataclass
@@ -178,7 +182,9 @@ class ClusterConfig:
     workspace_size: str = "200Gi"
     """Size of KFP's per-run pipeline workspace (KFP >= 2.15), used when workspace_pvc is empty. It is deleted with the run and its PVC name is in every step's cache key, so only workspace_pvc lets a failed run resume."""
     workspace_storage_class: str = ""
-    """Storage class of the per-run workspace (a ReadWriteMany class); empty: the KFP installation's default."""
+    """Storage class of the per-run workspace (a ReadWriteMany class, `kubectl get storageclass`). Empty: the cluster's default storage class, which only KFP >= 2.17 accepts (see kfp_version); server-default: the class of the claim template in the KFP API server's config (workspace.volumeclaimtemplatespec), if your installation sets one."""
+    kfp_version: str = "2.15"
+    """Kubeflow Pipelines version of the target backend (2.15, 2.16 or 2.17): compile, plan and submit refuse what its driver and compiler would refuse (submit also reads the server's own version). Default: the oldest supported, so the spec runs on all of them."""
     gpus: GpuShapes = field(default_factory=GpuShapes)
     """GPUs per task (rollout = tensor parallel size x engines per pod); the GPU pool gives node selector and tolerations."""
     shm_size: str = "16Gi"
@@ -217,9 +223,18 @@ class ClusterConfig:
             if getattr(self.gpus, stage) < least:
                 raise ConfigError(f"pipeline.cluster.gpus.{stage} is {getattr(self.gpus, stage)}; it must be "
                                   f"{'at least 1' if least else '0 (the pool size) or more'}.")
-        if self.workspace_pvc and self.workspace_path.rstrip("/") == KFP_WORKSPACE_MOUNT:
-            raise ConfigError(f"pipeline.cluster.workspace_path is {KFP_WORKSPACE_MOUNT}, where KFP mounts its own "
-                              f"per-run workspace; mount workspace_pvc elsewhere (e.g. /workspace).")
+        # the driver refuses a pod whose own mount path starts with /kfp-workspace once it mounts the workspace,
+        # and a parameter naming such a path makes it mount it (contracts/kfp.py)
+        if self.workspace_pvc and kfp_rules.volume_mount_conflicts([self.workspace_path]):
+            raise ConfigError(f"pipeline.cluster.workspace_path is {self.workspace_path}, under {KFP_WORKSPACE_MOUNT} "
+                              f"where KFP mounts its own per-run workspace (KFP's driver refuses such a mount); mount "
+                              f"workspace_pvc elsewhere (e.g. /workspace).")
+
+        try:
+            kfp_rules.family(self.kfp_version)
+        except ValueError:
+            raise ConfigError(f"pipeline.cluster.kfp_version is {self.kfp_version!r}; use one of "
+                              f"{', '.join(KFP_VERSIONS)} (the Kubeflow Pipelines version of your cluster).") from None
         if self.trainer.stages() and not self.workspace_pvc:
             raise ConfigError(f"pipeline.cluster.trainer runs {', '.join(self.trainer.stages())} as TrainJobs, whose "
                               "pods read their inputs and write their output on a shared volume: set "

@@ -13,7 +13,7 @@ from prmflow import cli
 from prmflow.components.advantage import stage as advantage
 from prmflow.components.common import config
 
-from .test_compile_submit import IMAGES
+from .test_compile_submit import IMAGES, STORAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ["qwen2.5-math-1.5b-gsm8k-math.yaml", "qwen2.5-7b-gsm8k-math.yaml"]
@@ -120,4 +120,5 @@ def test_readme_keys_take_the_quickstart_to_qwen_on_gsm8k(tmp_path):
     assert block["sft"]["task"].endswith(".parquet") and block["prm"]["task"].endswith("math-shepherd.parquet")
     path = tmp_path / "qwen-gsm8k.yaml"
     path.write_text(yaml.safe_dump(merged(quick, block)))
-    assert cli.main(["pipeline", "compile", "--config", str(path), "-o", str(tmp_path / "compiled.yaml"), *IMAGES]) == 0
+    assert cli.main(["pipeline", "compile", "--config", str(path), "-o", str(tmp_path / "compiled.yaml"), *IMAGES,
+                     *STORAGE]) == 0

@@ -7,7 +7,7 @@ from prmflow import cli
 from prmflow.errors import ConfigError
 from prmflow.pipelines.compare import load_variants
 
-from .test_compile_submit import IMAGES
+from .test_compile_submit import IMAGES, STORAGE
 
 
 def write(tmp_path, data) -> str:
@@ -65,7 +65,7 @@ def test_the_vl_quickstart_compiles_with_images_in_every_stage(tmp_path):
 
     root = Path(__file__).resolve().parents[2] / "configs"
     assert cli.main(["pipeline", "compile", "--config", str(root / "quickstart-vl.yaml"), "-o", str(tmp_path / "p.yaml"),
-                     *IMAGES]) == 0
+                     *IMAGES, *STORAGE]) == 0
     cfg = yaml.safe_load((root / "quickstart-vl.yaml").read_text())
     assert cfg["sft"]["policy"] == "tiny-llava"
     assert all(cfg[stage]["task"] == "visual" for stage in ("sft", "prm", "rollout", "evaluate"))

@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CPU_IMAGE = "registry.example.com/ml/prmflow-cpu@sha256:" + "c" * 64
 GPU_IMAGE = "registry.example.com/ml/prmflow-gpu@sha256:" + "9" * 64
 IMAGES = f"--set=images.cpu={CPU_IMAGE} --set=images.gpu={GPU_IMAGE}".split()  # for the configs/cluster recipes
+#: A config without workspace_pvc runs on KFP's per-run workspace, which KFP < 2.17 refuses without a storage class.
+STORAGE = ["--set=cluster.workspace_storage_class=standard-rwx"]
 CLUSTER_YAML = f"""
 pipeline:
   iterations: 3
@@ -198,7 +200,7 @@ def test_a_prompt_prefix_that_differs_between_stages_fails_at_compile_time(tmp_p
     assert not (tmp_path / "x.yaml").exists()
     same = "\n".join(f"{s}:\n  arithmetic: {{prompt_prefix: ''}}" for s in ("sft", "prm", "rollout", "evaluate"))
     cfg.write_text(same + "\n")
-    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(tmp_path / "x.yaml"), *IMAGES]) == 0
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(tmp_path / "x.yaml"), *IMAGES, *STORAGE]) == 0
     spec = next(yaml.safe_load_all((tmp_path / "x.yaml").read_text()))
     sections = spec["root"]["inputDefinitions"]["parameters"]
     assert sections["rollout_config"]["defaultValue"]["arithmetic"] == {"prompt_prefix": ""}

@@ -134,10 +134,12 @@ def test_a_per_run_workspace_is_declared_when_there_is_no_pvc(tmp_path):
     data = yaml.safe_load((CONFIGS / QWEN15).read_text())
     del data["pipeline"]["cluster"]["workspace_pvc"]
     data["pipeline"]["cluster"]["workspace_size"] = "300Gi"
+    data["pipeline"]["cluster"]["workspace_storage_class"] = "standard-rwx"
     compile_to(load_spec(None, data=data), str(tmp_path / "p.yaml"))
     _, platform = yaml.safe_load_all((tmp_path / "p.yaml").read_text())
     ws = platform["platforms"]["kubernetes"]["pipelineConfig"]["workspace"]
-    assert ws["size"] == "300Gi" and ws["kubernetes"]["pvcSpecPatch"]["accessModes"] == ["ReadWriteMany"]
+    assert ws["size"] == "300Gi"
+    assert ws["kubernetes"]["pvcSpecPatch"] == {"accessModes": ["ReadWriteMany"], "storageClassName": "standard-rwx"}
 
 
 # --- the plan against hand computations -----------------------------------------------------------

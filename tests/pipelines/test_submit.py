@@ -16,7 +16,7 @@ from prmflow import cli
 
 from .fake_k8s import FakeK8s
 from .fake_kfp import FakeKfp
-from .test_compile_submit import CLUSTER_YAML, IMAGES, all_tasks
+from .test_compile_submit import CLUSTER_YAML, IMAGES, STORAGE, all_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 API = "/apis/v2beta1"
@@ -215,7 +215,7 @@ def test_dry_run_shows_the_compiled_in_prm_update_section(tmp_path, capsys):
     cfg["prm-update"] = {"max_steps": 80, "labels": "shared_prefix"}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     assert cli.main(["pipeline", "compile", "--config", str(tmp_path / "c.yaml"), "-o", str(tmp_path / "p.yaml"),
-                     *IMAGES]) == 0
+                     *IMAGES, *STORAGE]) == 0
     capsys.readouterr()
     assert submit("--package", str(tmp_path / "p.yaml"), "--dry-run") == 0
     shown = yaml.safe_load(capsys.readouterr().out.rsplit("dry run:", 1)[0])

@@ -1,0 +1,170 @@
+"""The compiled pipeline and its TrainJobs against the rules of every backend version we support.
+
+KFP (2.15, 2.16, 2.17): every task that opens state on the workspace gets it mounted under the driver's
+rule, and the per-run workspace's claim is one that version's compiler accepts (contracts/kfp.py).
+Kubeflow Trainer (v2.2.0, v2.2.1, v2.3.0): every TrainJob a step submits passes that version's webhook
+and the openAPIV3Schema of its CRD (contracts/trainer.py, tests/data/trainer/).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prmflow import cli
+from prmflow.pipelines import compat, trainjob
+from prmflow.pipelines.contracts import KFP_VERSIONS
+from prmflow.pipelines.contracts import kfp as kfp_rules
+from prmflow.pipelines.contracts import trainer as trainer_rules
+from prmflow.pipelines.pipeline import compile_to
+from prmflow.pipelines.settings import load_spec
+
+from .fake_k8s import FakeK8s, crd_schema, runtime_cr
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINER_TAGS = ("v2.2.0", "v2.2.1", "v2.3.0")
+#: Every pipeline recipe in configs/ (compare.yaml without its variants: each variant is the same DAG).
+RECIPES = sorted(p.relative_to(ROOT / "configs").as_posix() for p in [*(ROOT / "configs").glob("*.yaml"),
+                                                                      *(ROOT / "configs" / "cluster").glob("*.yaml")]
+                 if "pipeline" in (yaml.safe_load(p.read_text()) or {}))
+QUICK = ["quickstart.yaml"]
+
+
+def recipe(name: str, pvc: bool) -> dict:
+    """The recipe's config for a cluster: on workspace_pvc, or on KFP's per-run workspace (a storage class
+    named, TrainJobs off: they need the shared PVC)."""
+    data = yaml.safe_load((ROOT / "configs" / name).read_text())
+    data.pop("variants", None)
+    cluster = data.setdefault("pipeline", {}).setdefault("cluster", {})
+    if pvc:
+        cluster["workspace_pvc"] = cluster.get("workspace_pvc") or "prmflow-rwx"
+    else:
+        cluster.pop("workspace_pvc", None)
+        cluster.pop("trainer", None)
+        cluster["workspace_storage_class"] = "rwx-class"
+    return data
+
+
+_compiled: dict[tuple[str, bool], list[dict]] = {}
+
+
+def compiled(tmp_path_factory, name: str, pvc: bool) -> list[dict]:
+    """The YAML documents of the recipe compiled for a cluster, once per session."""
+    if (name, pvc) not in _compiled:
+        path = tmp_path_factory.mktemp("ir") / "p.yaml"
+        compile_to(load_spec(None, data=recipe(name, pvc)), str(path))
+        _compiled[name, pvc] = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return _compiled[name, pvc]
+
+
+def check_workspace_mounts(docs: list[dict]) -> None:
+    needing = {t.name for t in compat.workspace_tasks(docs[0])}
+    # not vacuous: the readers of the policy's location (rollout, evaluate) and the writers are among them
+    assert {"rollout-0", "evaluate"} <= needing and any(n.startswith("ppo-0") for n in needing)
+    for version in KFP_VERSIONS:
+        assert compat.backend_errors(docs, version) == [], version
+
+
+@pytest.mark.parametrize("pvc", [True, False], ids=["workspace_pvc", "per-run-workspace"])
+@pytest.mark.parametrize("name", QUICK)
+def test_every_task_that_opens_the_workspace_gets_it_under_each_kfp_version(tmp_path_factory, name, pvc):
+    check_workspace_mounts(compiled(tmp_path_factory, name, pvc))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pvc", [True, False], ids=["workspace_pvc", "per-run-workspace"])
+@pytest.mark.parametrize("name", [r for r in RECIPES if r not in QUICK])
+def test_every_recipe_mounts_the_workspace_where_it_is_read_under_each_kfp_version(tmp_path_factory, name, pvc):
+    check_workspace_mounts(compiled(tmp_path_factory, name, pvc))
+
+
+def test_rollout_and_evaluate_name_the_per_run_workspace_so_the_driver_mounts_it(tmp_path_factory):
+    """KFP mounts its per-run workspace only into a task whose parameters name it; rollout and evaluate open
+    the policy's location there, so they carry the workspace parameter too."""
+    docs = compiled(tmp_path_factory, "quickstart.yaml", False)
+    by_name = {t.name: t for t in kfp_rules.executor_tasks(docs[0])}
+    for name in ("rollout-0", "rollout-1", "evaluate"):
+        assert kfp_rules.WORKSPACE_PLACEHOLDER in by_name[name].parameters["workspace"]
+        assert kfp_rules.driver_mounts_workspace(by_name[name].parameters)
+    assert not kfp_rules.driver_mounts_workspace(by_name["advantage-0"].parameters)  # reads no location
+
+
+def test_a_per_run_workspace_without_a_storage_class_is_refused_before_kfp_2_17(tmp_path, capsys):
+    """KFP 2.15/2.16's compiler refuses, at run creation, a workspace claim without a storage class; compile
+    refuses it first, naming the key, and writes nothing. 2.17 takes the cluster's default class."""
+    data = recipe("quickstart.yaml", pvc=False)
+    del data["pipeline"]["cluster"]["workspace_storage_class"]
+    data["pipeline"]["images"] = {"cpu": "registry.example.com/c:1", "gpu": "registry.example.com/g:1"}
+    cfg, out = tmp_path / "p.yaml", tmp_path / "compiled.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "Kubeflow Pipelines 2.15" in err and "must specify storageClassName" in err
+    assert "pipeline.cluster.workspace_storage_class" in err and "pipeline.cluster.kfp_version" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == [cfg]
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(out), "--set", "cluster.kfp_version=2.17"]) == 0
+    docs = list(yaml.safe_load_all(out.read_text()))
+    patch = docs[1]["platforms"]["kubernetes"]["pipelineConfig"]["workspace"]["kubernetes"]["pvcSpecPatch"]
+    assert patch == {"accessModes": ["ReadWriteMany"]}
+    # the same package, read against each version's compiler rule
+    assert [bool(compat.backend_errors(docs, v)) for v in KFP_VERSIONS] == [True, True, False]
+    assert compat.backend_errors(docs, "2.16", server_default_class=True) == []  # the API server's template names one
+
+
+# --- TrainJobs against each Trainer version ---------------------------------------------------------------
+
+def rendered_trainjobs(docs: list[dict], tmp_path: Path, monkeypatch) -> list[dict]:
+    """Every TrainJob the compiled spec's trainjob steps would submit, built as the step builds it."""
+    specs = []
+    for ex in docs[0]["deploymentSpec"]["executors"].values():
+        env = {e["name"]: e.get("value") for e in ex.get("container", {}).get("env", [])}
+        if trainjob.ENV in env:
+            specs.append(trainjob.TrainJobSpec(**json.loads(env[trainjob.ENV])))
+    bodies = []
+    with FakeK8s() as fake:
+        monkeypatch.setenv("KUBECONFIG", str(fake.kubeconfig(tmp_path / "kubeconfig")))
+        for spec in specs:
+            client = trainjob.client_for(spec)
+            runtime = client.get_runtime(spec.runtime)
+            bodies.append(trainjob.trainjob_body(client, runtime, spec, "prmflow-ppo-it0-0123456789", "ppo",
+                                                 [*trainjob.LAUNCHER, "prmflow", "ppo", "--config", "/w/c.yaml"], "run-1"))
+    return bodies
+
+
+def admitted(body: dict, tag: str) -> list[str]:
+    return (trainer_rules.schema_errors(body, crd_schema(tag))
+            + trainer_rules.webhook_errors(body, runtime_cr("torch-distributed"), tag))
+
+
+def test_every_trainjob_passes_each_trainer_versions_webhook_and_crd_schema(tmp_path, monkeypatch):
+    from .test_trainjob import CLUSTER_YAML
+
+    data = yaml.safe_load(CLUSTER_YAML.format(workspace="/workspace"))  # secrets, pull secrets, a service account
+    data["pipeline"]["cluster"]["trainer"].update(sft="trainjob", prm="trainjob")
+    compile_to(load_spec(None, data=data), str(tmp_path / "p.yaml"))
+    bodies = rendered_trainjobs(list(yaml.safe_load_all((tmp_path / "p.yaml").read_text())), tmp_path, monkeypatch)
+    assert len(bodies) == 4  # sft, prm, ppo-0, ppo-1
+    for body in bodies:
+        assert any("secretKeyRef" in e.get("valueFrom", {}) for e in body["spec"]["trainer"]["env"])
+        for tag in TRAINER_TAGS:
+            assert admitted(body, tag) == [], tag
+        # the shape before the fix (secret env on the node container in a runtime patch) is refused by each
+        old = copy.deepcopy(body)
+        node = old["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+        node["template"]["spec"]["template"]["spec"]["containers"][0]["env"] = old["spec"]["trainer"].pop("env")
+        for tag in TRAINER_TAGS:
+            assert any("must not have envs for the dataset-initializer, model-initializer, node containers" in e
+                       for e in admitted(old, tag)), tag
+
+
+@pytest.mark.slow
+def test_the_multi_node_recipe_trainjobs_pass_each_trainer_version(tmp_path_factory, tmp_path, monkeypatch):
+    bodies = rendered_trainjobs(compiled(tmp_path_factory, "cluster/ppo-7b-2x8.yaml", True), tmp_path, monkeypatch)
+    assert len(bodies) == 11  # sft and ppo-0..9
+    for body in bodies:
+        for tag in TRAINER_TAGS:
+            assert admitted(body, tag) == [], tag

@@ -408,7 +408,7 @@ def _stage_command(args) -> int:
     from .. import tracking
     from ..tracking.datasets import handoffs_of_run
     from .fetch import default_cache, fetch_inputs
-    from .rerun import container_engine, direct_command, stage_command
+    from .rerun import container_engine, direct_command, placeholder_image_note, rerun_report, stage_command
     from .settings import DEFAULT_CPU_IMAGE, DEFAULT_GPU_IMAGE
 
     uri = tracking.resolve_uri(tracking.TrackingConfig(uri=args.tracking_uri))
@@ -426,12 +426,17 @@ def _stage_command(args) -> int:
         argv = direct_command(args.stage, run.data.params, args.output, inputs, cache / "gathered" / args.run_id)
     else:
         image = args.image or (DEFAULT_CPU_IMAGE if args.stage == "advantage" else DEFAULT_GPU_IMAGE)
+        if note := placeholder_image_note(image, args.run):
+            print(note, file=sys.stderr)
         argv = stage_command(args.stage, run.data.params, image, args.output, inputs,
                              engine=args.engine or container_engine())
     Path(args.output).mkdir(parents=True, exist_ok=True)  # podman refuses a mount source that does not exist
     print(shlex.join(argv), flush=True)
     if args.run:
-        return subprocess.run(argv).returncode
+        code = subprocess.run(argv).returncode
+        if code == 0:
+            print(rerun_report(args.stage, run, run.data.params, args.output))
+        return code
     return 0
 
 

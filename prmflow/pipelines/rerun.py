@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 from ..errors import PrmflowError
-from ..tracking.datasets import INPUT_KEYS, KFP_MOUNTS, manifest_root
+from ..tracking.datasets import INPUT_KEYS, KFP_MOUNTS, MANIFEST, describe, handoffs_of_run, manifest_root
 from .fetch import gather
+from .settings import PLACEHOLDER_REGISTRY
 
 Inputs = dict[str, "Path | dict[str, Path]"]
 
@@ -103,3 +104,33 @@ def direct_command(stage: str, params: dict[str, str], output: str, inputs: Inpu
         paths[key] = str(gather(local, gathered / key) if isinstance(local, dict) else local)
     out_name = Path(params.get("output", "") or stage).name
     return [sys.executable, "-m", "prmflow.cli"] + _args(stage, params, paths, os.path.join(os.path.abspath(output), out_name))
+
+
+def placeholder_image_note(image: str, run: bool) -> str | None:
+    """A line for stderr when the printed `docker run` line names a placeholder image (the default until
+    --image is given): no registry serves it. With --run that is an error: the pull would only fail."""
+    if not image.startswith(PLACEHOLDER_REGISTRY + "/"):
+        return None
+    what = (f"'{image}' is a placeholder, not a pullable image. Build one (images/build.sh) and pass it with "
+            f"--image, or re-run without a container: --no-container.")
+    if run:
+        raise PrmflowError(what)
+    return f"note: {what}"
+
+
+def rerun_report(stage: str, run, params: dict[str, str], output: str) -> str:
+    """What a finished re-run wrote and whether it is the recorded run's output: the sha256 digest over
+    every file of its manifest, against the digest the run recorded for its output (lineage)."""
+    out = Path(output) / Path(params.get("output", "") or stage).name
+    if not (out / MANIFEST).is_file():
+        return f"{stage}: the re-run finished, but '{out}' holds no {MANIFEST}: it wrote no finished output there."
+    got = describe("output", out, "output").digest
+    recorded = [h.digest for h in handoffs_of_run(run) if h.context == "output"]
+    if not recorded:
+        return (f"{stage}: the re-run wrote '{out}' (digest {got}); run {run.info.run_id} recorded no output digest to "
+                f"compare it with (a run from before lineage, or one that failed).")
+    if got in recorded:
+        return f"{stage}: the re-run wrote '{out}'; it matches the recorded run's output file for file (digest {got})."
+    return (f"{stage}: the re-run wrote '{out}'; it differs from the recorded run's output (digest {got}, recorded "
+            f"{recorded[0]}). The same stage on other hardware or another engine can round floats differently; "
+            f"compare the two manifests' per-file sha256 to see which files differ.")

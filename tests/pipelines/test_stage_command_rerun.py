@@ -105,14 +105,19 @@ def test_the_run_records_its_hand_offs_as_s3_datasets_with_manifest_digests(tmp_
     assert '"num_rows": %d' % manifest["rows"] in out.profile and '"name": "advantages"' in out.schema
 
 
-def test_stage_command_fetches_verifies_and_reruns_to_the_same_output(tmp_path, monkeypatch, s3):
+def test_stage_command_fetches_verifies_and_reruns_to_the_same_output(tmp_path, monkeypatch, s3, capfd):
     store, run_id, original = record_cluster_run(tmp_path, monkeypatch, s3)
     cache, rerun = tmp_path / "cache", tmp_path / "rerun"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+    capfd.readouterr()
     assert cli.main(["stage-command", "advantage", "--run-id", run_id, "--tracking-uri", store, "--fetch", str(cache),
                      "--output", str(rerun), "--run", "--no-container"]) == 0
     assert pq.read_table(sorted(rerun.glob("advantages/*.parquet"))).equals(pq.read_table(sorted(original.glob("*.parquet"))))
+    # it says where the output is and that it is the recorded one (the digest the run logged for its output)
+    digest = io.fingerprint([original])[str(original)][:32]
+    assert (f"advantage: the re-run wrote '{rerun / 'advantages'}'; it matches the recorded run's output file for file "
+            f"(digest {digest})") in capfd.readouterr().out
     # the container line mounts the fetched copies (one per shard, no links to follow) and the output
     capsys_line = _line(["stage-command", "advantage", "--run-id", run_id, "--tracking-uri", store, "--fetch", str(cache),
                          "--output", str(rerun), "--engine", "podman"])
@@ -182,7 +187,7 @@ def test_a_launcher_path_is_recorded_as_the_uri_kfp_copied_it_from(uri):
     assert datasets.handoff_uri("/tmp/outputs/kfp-local/advantages") == "/tmp/outputs/kfp-local/advantages"
 
 
-def test_a_failed_stage_run_keeps_its_inputs_and_can_be_re_run(tmp_path):
+def test_a_failed_stage_run_keeps_its_inputs_and_can_be_re_run(tmp_path, capsys):
     """The run to re-run is usually one that failed: its inputs are recorded when it starts, no output when it fails."""
     from mlflow.tracking import MlflowClient
 
@@ -202,9 +207,20 @@ def test_a_failed_stage_run_keeps_its_inputs_and_can_be_re_run(tmp_path):
     assert run.info.status == "FAILED"
     assert [(d.dataset.name, {t.key: t.value for t in d.tags}["mlflow.data.context"]) for d in run.inputs.dataset_inputs] == [
         ("rollouts", "training")]
-    line = _line(["stage-command", "advantage", "--run-id", run.info.run_id, "--tracking-uri", store,
-                  "--output", str(tmp_path / "rerun"), "--fetch", str(tmp_path / "cache")])
+    common = ["stage-command", "advantage", "--run-id", run.info.run_id, "--tracking-uri", store,
+              "--output", str(tmp_path / "rerun"), "--fetch", str(tmp_path / "cache")]
+    capsys.readouterr()
+    line = _line(common)
     assert f"-v {rollouts}:/inputs/input:ro" in line and "--set zero_variance=drop" in line
+    # no --image: the line names the placeholder default, and stderr says so (stdout stays the line alone)
+    assert line.splitlines() == [line] and "registry.invalid/prmflow-cpu" in line
+    err = capsys.readouterr().err
+    assert "'registry.invalid/prmflow-cpu:set-pipeline.images.cpu' is a placeholder" in err and "--image" in err
+    # --run refuses it before starting a pull that could only fail
+    assert cli.main([*common, "--run"]) == 2
+    out, err = capsys.readouterr()
+    assert "is a placeholder, not a pullable image" in err and "run --rm" not in out
+    assert "placeholder" not in (_line([*common, "--image", "ghcr.io/me/prmflow-cpu:1"]) + capsys.readouterr().err)
 
 
 def test_an_input_without_a_manifest_is_checked_by_its_files(tmp_path, monkeypatch):

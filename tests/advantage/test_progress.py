@@ -416,6 +416,22 @@ def test_a_prm_that_reads_answers_but_ranks_steps_adversarially_leaves_outcome_o
         assert np.ptp([baseline[k][e] for e in ends[1:]]) < 1e-6 if len(ends) > 1 else True, k
 
 
+def test_a_constant_prm_moves_no_credit_once_calibrated(tmp_path):
+    # where a gain can come from: a PRM that scores every prefix 0.5 says nothing; calibrated, its Phi is flat
+    # and the advantages are GRPO's exactly (the same-outcome normalisation and the per-response shrink
+    # cannot make credit out of nothing); uncalibrated, Phi_{-1} (the group's mean outcome), the flat 0.5
+    # and the outcome still differ, so the mechanics alone move credit (the benchmark's constant-uncalibrated)
+    rows = _shortcut_rows(np.random.default_rng(1))
+    for r in rows:
+        r["step_rewards"] = [0.5] * len(r["step_rewards"])
+    flat, _ = _advantages(tmp_path / "flat", rows, **UNGATED, process_calibration="isotonic")
+    grpo, _ = _advantages(tmp_path / "grpo", rows, estimator="grpo")
+    for k in flat:
+        assert flat[k] == pytest.approx(grpo[k], abs=1e-6), k
+    raw, _ = _advantages(tmp_path / "raw", rows, **UNGATED)
+    assert any(np.abs(np.subtract(raw[k], grpo[k])).max() > 0.05 for k in raw)
+
+
 def test_a_noise_prm_calibrates_nearly_flat(tmp_path):
     # scores that say nothing about the outcome: fitted on bins of >= sqrt(N) prefixes the map stays near
     # flat (fitted per distinct score, its extreme scores fit their own outcomes)

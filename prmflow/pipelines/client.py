@@ -204,6 +204,21 @@ def _kubeconfig_exists() -> bool:
                                            + [os.path.expanduser("~/.kube/config")]) if p)
 
 
+def server_version(kfp_client, conn: Connection) -> str:
+    """The KFP API server's version (healthz's tag_name, e.g. '2.16.1'), or '' where it does not say
+    (TAG_NAME unset: 'unknown'). kfp_server_api's healthz model drops tag_name, so the answer is read raw
+    (kubeflow/pipelines backend/src/apiserver/main.go, the /apis/v2beta1/healthz handler)."""
+    import json
+
+    with api_errors(conn, "the health check"):
+        answer = kfp_client._healthz_api.healthz_service_get_healthz(_preload_content=False)
+    try:
+        tag = json.loads(answer.data).get("tag_name") or ""
+    except (ValueError, AttributeError):
+        return ""
+    return "" if tag == "unknown" else tag.lstrip("v")
+
+
 def run_url(conn: Connection, run_id: str) -> str:
     """The KFP UI page of a run."""
     base = (conn.ui_host or conn.host).rstrip("/")

@@ -141,6 +141,32 @@ def compile_for_cluster(spec: PipelineSpec, path: str) -> str:
     return compile_to(spec, path)
 
 
+def check_server(kfp_client, conn: client.Connection, package: str, spec: PipelineSpec | None) -> None:
+    """Refuse, before anything is created, a package the KFP API server's own version would refuse or not
+    mount (compat.py): the compiled-in pipeline.cluster.kfp_version may not be the server's."""
+    from . import compat
+    from .contracts import KFP_VERSIONS, version_tuple
+    from .contracts import kfp as kfp_rules
+    from .settings import SERVER_DEFAULT_CLASS
+
+    version = client.server_version(kfp_client, conn)
+    if not version:
+        print(f"note: KFP at {conn.where()} does not state its version; the package was checked against "
+              f"pipeline.cluster.kfp_version only", file=sys.stderr)
+        return
+    try:
+        kfp_rules.family(version)
+    except ValueError:
+        if version_tuple(version) < version_tuple(KFP_VERSIONS[0]):
+            raise ConfigError(f"KFP at {conn.where()} is {version}; prmflow's pipeline needs Kubeflow Pipelines "
+                              f"{KFP_VERSIONS[0]} or newer (fan-in of collected artifacts, the pipeline workspace).") from None
+        return  # newer than we know: its rules are checked where they are known (the compiled-in version)
+    server_default = bool(spec) and spec.pipeline.cluster.workspace_storage_class == SERVER_DEFAULT_CLASS
+    compat.check(_package_doc(package), version, server_default,
+                 where=f"the pipeline (compiled for pipeline.cluster.kfp_version "
+                       f"{spec.pipeline.cluster.kfp_version if spec else 'as compiled'}; KFP at {conn.where()} is {version})")
+
+
 def _compile(args) -> int:
     spec = _load(args.config, args.set)
     compile_for_cluster(spec, args.output)
@@ -232,6 +258,7 @@ def _submit(args) -> int:
         service_account = args.service_account or (spec.pipeline.cluster.service_account if spec else "")
         conn = client.Connection.from_args(args)
         kfp_client = client.connect(conn)
+        check_server(kfp_client, conn, package, spec)
         with client.api_errors(conn, "creating the run"):
             result = kfp_client.create_run_from_pipeline_package(
                 package, arguments=arguments, run_name=args.run_name or None, experiment_name=args.experiment,
@@ -262,6 +289,7 @@ def _upload(args) -> int:
         version = args.version or "sha256-" + hashlib.sha256(Path(package).read_bytes()).hexdigest()[:12]
         conn = client.Connection.from_args(args)
         kfp_client = client.connect(conn)
+        check_server(kfp_client, conn, package, spec)
         query = json_lib.dumps({"predicates": [{"operation": "EQUALS", "key": "display_name", "stringValue": name}]})
         with client.api_errors(conn, f"looking up pipeline {name}"):
             found = kfp_client.list_pipelines(filter=query, namespace=conn.namespace or None).pipelines or []
@@ -371,7 +399,7 @@ def _print_summary(uri: str, experiment: str, parent: str | None) -> None:
 def _compare(args) -> int:
     from mlflow.tracking import MlflowClient
 
-    from .compare import comparison_rows, format_rows, load_variants, shared_inputs
+    from .compare import compare_hint, comparison_rows, format_rows, load_variants, shared_inputs
 
     _, variants = load_variants(args.config)
     params = parse_params(args.param)
@@ -396,7 +424,7 @@ def _compare(args) -> int:
     table = format_rows(comparison_rows(client, runs))
     print("\n" + table)
     (root / "comparison.txt").write_text(table + "\n")
-    print(f"\nwritten to {root / 'comparison.txt'}; compare the runs with: mlflow ui --backend-store-uri {uri}")
+    print(f"\nwritten to {root / 'comparison.txt'}\n{compare_hint(uri, runs)}")
     return 0
 
 

@@ -123,3 +123,15 @@ def effective_configs(sections: dict[str, dict[str, Any]]) -> dict[str, dict[str
         out[stage] = (config_lib.to_dict(config_lib.build(module.Config, config_lib.flatten(section or {}),
                                                           where=f"[{stage}]")) if module else dict(section or {}))
     return out
+
+
+def load_with_sets(config: str | None, sets: list[str]):
+    """The pipeline spec of `config` with --set applied (compile, plan, submit, upload, run-local): pipeline:
+    keys (iterations=3, cluster.kfp_version=2.17), and stage keys (ppo.optim.lr=1e-6) merged into their sections."""
+    from .settings import load_spec
+
+    pipeline, per_stage = split_sets(sets)
+    spec = load_spec(config, pipeline)
+    for stage, change in per_stage.items():
+        spec.stages[stage] = merge_section(stage, spec.stages.get(stage) or {}, change, "--set")
+    return spec

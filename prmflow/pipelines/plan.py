@@ -1,6 +1,6 @@
 """`prmflow pipeline plan --config FILE`: what a cluster run will hold and move, before a GPU is spent.
 
-    prmflow pipeline plan --config configs/cluster/qwen2.5-7b-gsm8k-math.yaml [--model-params 7.62e9]
+    prmflow pipeline plan --config configs/cluster/qwen2.5-7b-gsm8k-math.yaml [--model-params 7.62e9] [--set KEY=VALUE]
 
 The plan compiles the pipeline and walks the compiled spec with a model of the KFP launcher: every
 input artifact of a task is downloaded whole from the object store before the task starts
@@ -287,9 +287,9 @@ def model_params_of(spec: PipelineSpec, given: float = 0.0) -> float:
 
 
 def run(args) -> int:
-    from .settings import load_spec
+    from .params import load_with_sets
 
-    spec = load_spec(args.config)
+    spec = load_with_sets(args.config, args.set)
     print(render(spec, model_params_of(spec, args.model_params), parse_quantity(args.volume)))
     return 0
 
@@ -297,6 +297,8 @@ def run(args) -> int:
 def add_parser(psub) -> None:
     p = psub.add_parser("plan", help="pods, GPUs and bytes moved per task, and the storage a run needs, from the compiled spec")
     p.add_argument("--config", required=True, help="pipeline YAML")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a pipeline: key (rollout_shards=8, cluster.kfp_version=2.17) or a stage key (rollout.n_samples=16), as compile and submit take it")
     p.add_argument("--model-params", type=float, default=0.0, help="parameters of the policy (default: cluster.model_params or its config.json)")
     p.add_argument("--volume", default="", help="size of workspace_pvc, e.g. 2Ti (warns when the run needs more)")
     p.set_defaults(handler=run)

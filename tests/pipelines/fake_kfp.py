@@ -29,7 +29,8 @@ API = "/apis/v2beta1"
 
 class FakeKfp:
     def __init__(self, tokens: dict[str, str] | None = None, cookies: dict[str, str] | None = None,
-                 run_states: list[str] | None = None, run_details: dict | None = None, login_page: bool = False):
+                 run_states: list[str] | None = None, run_details: dict | None = None, login_page: bool = False,
+                 version: str = "2.15.0"):
         """tokens/cookies: {credential: identity}; None for both: no authentication (single-user KFP).
         An identity may use the namespaces in `namespaces` (identity -> set), default: all."""
         self.requests: list[dict] = []
@@ -42,6 +43,7 @@ class FakeKfp:
         self.run_states = run_states or ["PENDING", "RUNNING", "SUCCEEDED"]
         self.run_details = run_details or {}
         self.login_page = login_page  # Dex / oauth2-proxy in front: no identity -> 302 to an HTML login page
+        self.version = version  # healthz's tag_name (the API server's TAG_NAME; "unknown" when unset)
         self.lock = threading.Lock()
         fake = self
 
@@ -108,7 +110,8 @@ class FakeKfp:
                 if self._identity(namespace) is not None:
                     return
                 if path == f"{API}/healthz":
-                    return self._reply(200, {"multi_user": fake.tokens is not None or fake.cookies is not None})
+                    return self._reply(200, {"commit_sha": "unknown", "tag_name": fake.version, "pipeline_store": "database",
+                                             "multi_user": fake.tokens is not None or fake.cookies is not None})
                 if path == f"{API}/experiments":
                     return self._reply(200, fake.listed(fake.experiments, query))
                 if path.startswith(f"{API}/experiments/"):

@@ -168,3 +168,36 @@ def test_the_multi_node_recipe_trainjobs_pass_each_trainer_version(tmp_path_fact
     for body in bodies:
         for tag in TRAINER_TAGS:
             assert admitted(body, tag) == [], tag
+
+
+def test_plan_takes_set_like_compile_and_refuses_what_the_target_kfp_would(capsys):
+    """`pipeline plan` reads --set as compile and submit do, and checks the same target version: the
+    quickstart on KFP's per-run workspace has no storage class, which 2.15 refuses and 2.17 takes."""
+    args = ["pipeline", "plan", "--config", str(ROOT / "configs" / "quickstart.yaml"), "--model-params", "1e6",
+            "--set", "rollout_shards=3"]
+    assert cli.main(args) == 2
+    assert "would not run on Kubeflow Pipelines 2.15" in capsys.readouterr().err
+    assert cli.main([*args, "--set", "cluster.kfp_version=2.17", "--set", "rollout.n_samples=8"]) == 0
+    out = capsys.readouterr().out
+    assert "x 3 rollout shards" in out and "rollout-k" in out
+
+
+def test_submit_reads_the_servers_kfp_version_and_refuses_what_it_would_refuse(tmp_path, capsys):
+    """A package compiled for 2.17 (no storage class) is refused by submit on a 2.16.1 API server, naming the
+    keys, before any experiment or run is created; a 2.17.0 server gets it."""
+    from .fake_kfp import FakeKfp
+    from .test_compile_submit import IMAGES
+
+    package = tmp_path / "p.yaml"
+    assert cli.main(["pipeline", "compile", "--config", str(ROOT / "configs" / "quickstart.yaml"), "-o", str(package),
+                     *IMAGES, "--set", "cluster.kfp_version=2.17"]) == 0
+    for version, code in (("2.16.1", 2), ("2.17.0", 0)):
+        with FakeKfp(version=version) as server:
+            assert cli.main(["pipeline", "submit", "--host", server.url, "--package", str(package)]) == code
+        posted = [r["path"] for r in server.sent("POST")]
+        if code:
+            err = capsys.readouterr().err
+            assert "Kubeflow Pipelines 2.16.1" in err and "KFP at" in err and "is 2.16.1" in err
+            assert "pipeline.cluster.workspace_storage_class" in err and posted == []
+        else:
+            assert posted == ["/apis/v2beta1/experiments", "/apis/v2beta1/runs"]

@@ -239,8 +239,7 @@ def bench_gae(work: Path, args) -> None:
 
     def vectorized():  # with its layout: lengths from the Arrow column, the ragged layout, then GAE
         layout = estimators.Ragged.from_lengths(pc.list_value_length(table["response_ids"]).to_numpy())
-        return estimators.ESTIMATORS["gae"].fn(estimators.EstimatorInput(layout, rewards, gamma, lam, 1e-6,
-                                                                         values=values))
+        return estimators.gae(rewards, values, layout, gamma, lam)
 
     layout = estimators.Ragged.from_lengths(lengths)
     adv_loop = loop()[0].numpy()[np.repeat(np.arange(B), lengths), layout.pos]

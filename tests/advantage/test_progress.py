@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prmflow.components.advantage import stage
-from prmflow.components.advantage.estimators import ESTIMATORS, EstimatorInput, Ragged
+from prmflow.components.advantage.estimators import ESTIMATORS, Ragged
 from prmflow.components.advantage.progress import process_credit
 from prmflow.components.advantage.rewards import make_steps
 from prmflow.components.advantage.rewards import progress_rewards
@@ -508,12 +508,12 @@ def test_step_credit_sums_to_zero_per_response_and_never_flips_a_sign(batch):
                             np.full(n, float(n)), folds, "step", 1e-6)
     steps = make_steps(layout, np.array([e for row_ends in ends for e in row_ends], dtype=np.int64), counts,
                        credit.progress, to_end=True)
-    inp = EstimatorInput(layout, np.zeros(layout.n_tokens), 1.0, 1.0, 1e-6, outcome=outcome, steps=steps,
-                         group_mean=np.full(n, mean), group_std=np.full(n, std if std == std else 0.0),
-                         group_n=np.full(n, float(n)), group_sum=np.full(n, outcome.sum()),
-                         process_weight=weight, process_values=credit.credit, process_credit="step")
-    adv, _ = ESTIMATORS["grpo_progress"].fn(inp)
-    out = (outcome - inp.group_mean) / (inp.group_std + 1e-6)
+    group_std = np.full(n, std if std == std else 0.0)
+    adv, _ = ESTIMATORS["grpo_progress"].fn(
+        outcome=outcome, group_mean=np.full(n, mean), group_std=group_std, eps=1e-6, layout=layout, steps=steps,
+        process_values=credit.credit, process_weight=weight, process_credit="step",
+        token_rewards=np.zeros(layout.n_tokens), gamma=1.0)
+    out = (outcome - mean) / (group_std + 1e-6)
     for i in range(n):
         a = adv[layout.offsets[i]:layout.offsets[i + 1]]
         assert a.sum() == pytest.approx(out[i] * lengths[i], abs=1e-9 * (1 + np.abs(a).sum())), i

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 from ..common import schema
 from ...errors import DataError
 from .config import Plan
-from .estimators import EstimatorInput, Moments, Ragged
+from .estimators import Moments, Ragged
 from .rewards import (PROGRESS, STEPLESS_SCORE, clip_rewards, kl_per_token, make_steps, step_contributions,
                       token_rewards)
 
@@ -102,13 +102,14 @@ def compute_batch(t: pa.Table, group_rows: dict[str, np.ndarray], plan: Plan) ->
                            stepless=STEPLESS_SCORE if est.signal == "steps" else None)
     rewards = token_rewards(layout, kl if plan.beta > 0 else None, plan.beta, steps, at_last)
     values = flat_values(t, "values").astype(np.float64) if est.needs_values else None
-    process = {}
+    available = {"layout": layout, "token_rewards": rewards, "gamma": cfg.gamma, "lam": cfg.lam, "eps": cfg.norm_eps,
+                 "values": values, "outcome": outcome, "steps": steps, "group_n": group_rows["group_n"],
+                 "group_mean": group_rows["group_mean"], "group_std": group_rows["group_std"],
+                 "group_sum": group_rows["group_sum"]}
     if est.process:
-        process = {"process_weight": group_rows["process_weight"], "process_values": group_rows["process_values"],
-                   "process_credit": cfg.process_credit}
-    inp = EstimatorInput(layout, rewards, cfg.gamma, cfg.lam, cfg.norm_eps, values=values, outcome=outcome,
-                         steps=steps, **{k: v for k, v in group_rows.items() if k.startswith("group_")}, **process)
-    advantages, returns = est.fn(inp)
+        available.update(process_weight=group_rows["process_weight"], process_values=group_rows["process_values"],
+                         process_credit=cfg.process_credit)
+    advantages, returns = est.compute(available)
     return BatchResult(layout, rewards, advantages, returns, kl, kl_rows)
 
 

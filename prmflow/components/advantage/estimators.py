@@ -5,7 +5,12 @@ Every per-token quantity lives in a flat (N,) array holding the B responses of a
 quantities are (B,) arrays, per-step ones (S,) arrays. All math is float64; the stage casts to
 float32 when it writes.
 
-    ESTIMATORS["gae"].fn(EstimatorInput(...)) -> (advantages (N,), returns (N,))
+    ESTIMATORS["gae"].compute(available) -> (advantages (N,), returns (N,))
+
+Each estimator is one function whose arguments name exactly what it reads (veRL's model,
+volcengine/verl verl/trainer/ppo/core_algos.py: `compute_grpo_outcome_advantage(token_level_rewards,
+response_mask, index, epsilon, ...)`, registered by name); `Estimator.compute` passes it those
+entries of the batch's `available` inputs (INPUTS says what each one is) and nothing else.
 
 The definitions are those of docs/design.md "Token rewards" and "Advantage estimators"; each
 docstring names the slow loop it equals, and tests/advantage compares the two on random ragged batches.
@@ -13,6 +18,7 @@ docstring names the slow loop it equals, and tests/advantage compares the two on
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
@@ -149,40 +155,25 @@ class Steps:
     """(S,) float64 step reward after step_reward_mode and reward_clip."""
 
 
-@dataclass
-class EstimatorInput:
-    """Everything an estimator may read for one batch. Shapes: B rows, N tokens, S steps."""
+INPUTS = {
+    "layout": "Ragged: where each of the B rows starts in the flat (N,) arrays",
+    "token_rewards": "(N,) r_t = -beta*kl_t + step rewards at step ends + outcome at the last token",
+    "gamma": "discount per token", "lam": "GAE lambda",
+    "eps": "added to every std divided by, so equal-reward groups give 0, not NaN",
+    "values": "(N,) critic value V_t",
+    "outcome": "(B,) outcome reward R_i after reward_clip",
+    "steps": "Steps: the step rewards at their tokens (the step estimators': the last step runs to the last token)",
+    "group_n": "(B,) samples in the row's group",
+    "group_mean": "(B,) mean of the group signal (the outcome, or every step reward when outcome is off)",
+    "group_std": "(B,) std (ddof=1) of the group signal; 0 for equal-reward groups",
+    "group_sum": "(B,) sum of the group signal",
+    "process_weight": "grpo_progress: the process weight after the evidence gate",
+    "process_credit": "grpo_progress: 'step' or 'baseline'",
+    "process_values": "(S,) grpo_progress: each step's process term before the weight (progress.process_credit)",
+}
+"""What an estimator may name as an argument, and what it is."""
 
-    layout: Ragged
-    token_rewards: np.ndarray
-    """(N,) r_t = -beta*kl_t + step rewards at step ends + outcome at the last token."""
-    gamma: float
-    lam: float
-    eps: float
-    """Added to the std in group normalization, so equal-reward groups give 0, not NaN."""
-    values: np.ndarray | None = None
-    """(N,) critic value V_t (gae only)."""
-    outcome: np.ndarray | None = None
-    """(B,) outcome reward R_i after reward_clip."""
-    steps: Steps | None = None
-    group_n: np.ndarray | None = None
-    """(B,) number of samples in the row's group."""
-    group_mean: np.ndarray | None = None
-    """(B,) group mean of the group signal (outcome, or all step rewards when outcome is off)."""
-    group_std: np.ndarray | None = None
-    """(B,) group std (ddof=1) of the group signal; 0 for equal-reward groups."""
-    group_sum: np.ndarray | None = None
-    """(B,) group sum of the group signal."""
-    process_weight: float = 0.0
-    """Weight of the process advantage after the evidence gate (grpo_progress)."""
-    process_credit: str = "step"
-    """grpo_progress: 'step' (each step's own progress, ranked among same-outcome responses) or 'baseline'
-    (the PRM's value of the prefix as a baseline: unbiased)."""
-    process_values: np.ndarray | None = None
-    """(S,) grpo_progress: the process term of each step before the weight (progress.process_credit)."""
-
-
-EstimatorFn = Callable[[EstimatorInput], "tuple[np.ndarray, np.ndarray]"]
+EstimatorFn = Callable[..., "tuple[np.ndarray, np.ndarray]"]
 
 
 @dataclass(frozen=True)
@@ -191,6 +182,8 @@ class Estimator:
 
     name: str
     fn: EstimatorFn
+    inputs: tuple[str, ...] = ()
+    """The INPUTS its arguments name (read from its signature)."""
     needs_values: bool = False
     """Reads the critic's `values` column."""
     min_group_size: int = 1
@@ -204,96 +197,116 @@ class Estimator:
     process: bool = False
     """Adds a process advantage from step_reward_mode=progress step rewards to an outcome advantage."""
 
+    def compute(self, available: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(advantages (N,), returns (N,)) from the entries of `available` this estimator names."""
+        missing = [k for k in self.inputs if available.get(k) is None]
+        if missing:
+            raise ValueError(f"estimator {self.name} needs {missing}, which this batch does not provide")
+        return self.fn(**{k: available[k] for k in self.inputs})
+
 
 ESTIMATORS: dict[str, Estimator] = {}
 
 
 def register(name: str, **props) -> Callable[[EstimatorFn], EstimatorFn]:
-    """Add the decorated function to ESTIMATORS under `name`."""
+    """Add the decorated function to ESTIMATORS under `name`; its argument names must be INPUTS."""
     def wrap(fn: EstimatorFn) -> EstimatorFn:
-        ESTIMATORS[name] = Estimator(name, fn, **props)
+        inputs = tuple(inspect.signature(fn).parameters)
+        unknown = set(inputs) - set(INPUTS)
+        if unknown:
+            raise TypeError(f"estimator {name} names {sorted(unknown)}, which are not INPUTS")
+        ESTIMATORS[name] = Estimator(name, fn, inputs, **props)
         return fn
     return wrap
 
 
-def returns_to_go(inp: EstimatorInput) -> np.ndarray:
+def returns_to_go(token_rewards: np.ndarray, layout: Ragged, gamma: float) -> np.ndarray:
     """(N,) G_t = r_t + gamma * G_{t+1}: the `returns` column of every estimator but gae."""
-    return discounted_reverse_cumsum(inp.token_rewards, inp.layout, inp.gamma)
+    return discounted_reverse_cumsum(token_rewards, layout, gamma)
 
 
 # --- the estimators -------------------------------------------------------------------------------
 
 @register("gae", needs_values=True)
-def gae(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+def gae(token_rewards: np.ndarray, values: np.ndarray, layout: Ragged, gamma: float,
+        lam: float) -> tuple[np.ndarray, np.ndarray]:
     """GAE with a critic: A_t = delta_t + gamma*lambda*A_{t+1}, returns = A + V.
 
     delta_t = r_t + gamma*V_{t+1} - V_t with V = 0 after the last token (Schulman et al. 2015,
     https://arxiv.org/abs/1506.02438). Slow equivalent: the per-token reverse loop.
     """
-    v, gamma = inp.values, inp.gamma
-    delta = inp.token_rewards - v  # (N,) a fresh array, finished in place below
+    v = values
+    delta = token_rewards - v  # (N,) a fresh array, finished in place below
     delta[:-1] += gamma * v[1:] if gamma != 1.0 else v[1:]
-    ends = inp.layout.last[:-1]  # the episode ends with the response: no V from the next row
+    ends = layout.last[:-1]  # the episode ends with the response: no V from the next row
     delta[ends] -= gamma * v[ends + 1]
-    adv = discounted_reverse_cumsum(delta, inp.layout, gamma * inp.lam, overwrite_x=True)
+    adv = discounted_reverse_cumsum(delta, layout, gamma * lam, overwrite_x=True)
     # delta is spent: its memory takes the returns (a fresh (N,) array costs its page faults again)
     return adv, np.add(adv, v, out=delta if adv is not delta else None)
 
 
 @register("reinforce")
-def reinforce(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+def reinforce(token_rewards: np.ndarray, layout: Ragged, gamma: float) -> tuple[np.ndarray, np.ndarray]:
     """REINFORCE returns-to-go A_t = G_t (REINFORCE++ when whitened, whiten=true)."""
-    g = returns_to_go(inp)
+    g = returns_to_go(token_rewards, layout, gamma)
     return g, g
 
 
 @register("reinforce_baseline", min_group_size=2, signal="outcome", whiten=True)
-def reinforce_baseline(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+def reinforce_baseline(token_rewards: np.ndarray, group_mean: np.ndarray, layout: Ragged,
+                       gamma: float) -> tuple[np.ndarray, np.ndarray]:
     """REINFORCE++-baseline: returns-to-go after subtracting the group-mean outcome, whitened.
 
     The baseline replaces R_i by R_i - mean_group(R) at the last token before the discounted sum
     (Hu et al., https://arxiv.org/abs/2501.03262); `returns` stay those of the raw token rewards.
     """
-    shifted = inp.token_rewards.copy()
-    shifted[inp.layout.last] -= inp.group_mean[inp.layout.nonempty]
-    adv = discounted_reverse_cumsum(shifted, inp.layout, inp.gamma)
-    return adv, returns_to_go(inp)
+    shifted = token_rewards.copy()
+    shifted[layout.last] -= group_mean[layout.nonempty]
+    adv = discounted_reverse_cumsum(shifted, layout, gamma)
+    return adv, returns_to_go(token_rewards, layout, gamma)
 
 
 @register("grpo", min_group_size=2, uses_token_rewards=False, signal="outcome")
-def grpo(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+def grpo(outcome: np.ndarray, group_mean: np.ndarray, group_std: np.ndarray, eps: float, layout: Ragged,
+         token_rewards: np.ndarray, gamma: float) -> tuple[np.ndarray, np.ndarray]:
     """GRPO: A_i = (R_i - mean_group) / (std_group + eps) on every token of sample i."""
-    per_row = (inp.outcome - inp.group_mean) / (inp.group_std + inp.eps)
-    return inp.layout.broadcast(per_row), returns_to_go(inp)
+    per_row = (outcome - group_mean) / (group_std + eps)
+    return layout.broadcast(per_row), returns_to_go(token_rewards, layout, gamma)
 
 
 @register("dr_grpo", min_group_size=2, uses_token_rewards=False, signal="outcome")
-def dr_grpo(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+def dr_grpo(outcome: np.ndarray, group_mean: np.ndarray, layout: Ragged, token_rewards: np.ndarray,
+            gamma: float) -> tuple[np.ndarray, np.ndarray]:
     """Dr. GRPO: A_i = R_i - mean_group, no division by the std (https://arxiv.org/abs/2503.20783)."""
-    return inp.layout.broadcast(inp.outcome - inp.group_mean), returns_to_go(inp)
+    return layout.broadcast(outcome - group_mean), returns_to_go(token_rewards, layout, gamma)
 
 
 @register("rloo", min_group_size=2, uses_token_rewards=False, signal="outcome")
-def rloo(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+def rloo(outcome: np.ndarray, group_sum: np.ndarray, group_n: np.ndarray, layout: Ragged,
+         token_rewards: np.ndarray, gamma: float) -> tuple[np.ndarray, np.ndarray]:
     """RLOO: A_i = R_i - mean of the other samples' rewards in the group."""
-    others = (inp.group_sum - inp.outcome) / (inp.group_n - 1)
-    return inp.layout.broadcast(inp.outcome - others), returns_to_go(inp)
+    others = (group_sum - outcome) / (group_n - 1)
+    return layout.broadcast(outcome - others), returns_to_go(token_rewards, layout, gamma)
 
 
 @register("grpo_process", min_group_size=2, uses_token_rewards=False, signal="steps")
-def grpo_process(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+def grpo_process(steps: Steps, group_mean: np.ndarray, group_std: np.ndarray, eps: float, layout: Ragged,
+                 token_rewards: np.ndarray, gamma: float) -> tuple[np.ndarray, np.ndarray]:
     """Process-supervised GRPO: A_t = sum of group-normalized rewards of steps ending at or after t.
 
     Every step reward is normalized by the mean and std of all step rewards in its group
     (DeepSeekMath, https://arxiv.org/abs/2402.03300, section 4.1.3); the sum is undiscounted.
-    Slow equivalent: for each token, loop over the row's steps and add those with end >= t.
+    The last step runs to the row's last token; a row with no step end is one step scored
+    rewards.STEPLESS_SCORE (rewards.make_steps). Slow equivalent: for each token, loop over the row's
+    steps and add those with end >= t.
     """
-    st = inp.steps
-    normalized = (st.value - inp.group_mean[st.row]) / (inp.group_std[st.row] + inp.eps)
-    if inp.gamma != 1.0 or inp.outcome is not None:  # (the stage refuses an outcome or a KL penalty here)
-        return step_suffix_sums(st.token, st.row, inp.layout, normalized)[0], returns_to_go(inp)
-    # undiscounted, and the token rewards are the step rewards alone: the returns are their suffix sums too
-    advantages, returns = step_suffix_sums(st.token, st.row, inp.layout, normalized, st.value)
+    st = steps
+    normalized = (st.value - group_mean[st.row]) / (group_std[st.row] + eps)
+    if gamma != 1.0:
+        return step_suffix_sums(st.token, st.row, layout, normalized)[0], returns_to_go(token_rewards, layout, gamma)
+    # undiscounted, and the token rewards are the step rewards alone (the stage refuses an outcome or a KL
+    # penalty here): the returns are their suffix sums too
+    advantages, returns = step_suffix_sums(st.token, st.row, layout, normalized, st.value)
     return advantages, returns
 
 
@@ -360,7 +373,9 @@ def shrink_to_sign(outcome_adv: np.ndarray, process: np.ndarray, layout: Ragged)
 
 
 @register("grpo_progress", min_group_size=2, uses_token_rewards=False, signal="outcome", process=True)
-def grpo_progress(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
+def grpo_progress(outcome: np.ndarray, group_mean: np.ndarray, group_std: np.ndarray, eps: float, layout: Ragged,
+                  steps: Steps, process_values: np.ndarray, process_weight: float, process_credit: str,
+                  token_rewards: np.ndarray, gamma: float) -> tuple[np.ndarray, np.ndarray]:
     """Outcome GRPO plus a gated, outcome-anchored process advantage from the PRM's step progress.
 
     A^out_i = (R_i - mean_group) / (std_group + eps); the process term per step, process_values, comes from
@@ -374,16 +389,16 @@ def grpo_progress(inp: EstimatorInput) -> tuple[np.ndarray, np.ndarray]:
     value of the prefix as a baseline, unbiased. A row's last step runs to its last token.
     Slow equivalent: tests/advantage/advantage_reference.py `grpo_progress`.
     """
-    out = (inp.outcome - inp.group_mean) / (inp.group_std + inp.eps)  # (B,)
-    adv = inp.layout.broadcast(out)
-    st = inp.steps
-    if st is None or not len(st.value) or inp.process_weight == 0.0:
-        return adv, returns_to_go(inp)
-    credit = inp.process_values
-    if inp.process_credit == "baseline":
-        holds = np.zeros(len(credit), bool)  # of steps ending in the same token, the first holds it (its Phi before)
+    out = (outcome - group_mean) / (group_std + eps)  # (B,)
+    adv = layout.broadcast(out)
+    returns = returns_to_go(token_rewards, layout, gamma)
+    st = steps
+    if not len(st.value) or process_weight == 0.0:
+        return adv, returns
+    if process_credit == "baseline":
+        holds = np.zeros(len(process_values), bool)  # of steps ending in the same token, the first holds it
         holds[np.unique(st.token, return_index=True)[1]] = True
-        term = per_step_token_values(st, inp.layout, np.where(holds, credit, 0.0))
-        return adv + inp.process_weight * term, returns_to_go(inp)
-    process = inp.process_weight * balanced_token_values(st, inp.layout, credit)
-    return shrink_to_sign(out, process, inp.layout), returns_to_go(inp)
+        term = per_step_token_values(st, layout, np.where(holds, process_values, 0.0))
+        return adv + process_weight * term, returns
+    process = process_weight * balanced_token_values(st, layout, process_values)
+    return shrink_to_sign(out, process, layout), returns

@@ -1,8 +1,8 @@
 """The three streaming passes over the rollouts, each reading only the columns it needs.
 
 1. group pass over (prompt_id, iteration, outcome_reward | step_rewards) only -> group stats;
-   grpo_progress adds a progress pass over (outcome_reward, step_rewards): the scale of the process
-   advantage per (group, outcome) and the PRM's step AUC on this batch, which gates its weight;
+   grpo_progress adds a progress pass over (outcome_reward, step_rewards): its step credit for the whole
+   input, computed once (progress.py), and the PRM's step AUC on this batch, which gates its weight;
 2. whitening pass, only when whitening: mean/std of the advantages over all written tokens;
 3. write pass: token rewards, advantages, returns, kl -> schema.DatasetWriter (atomic: nothing
    appears at the output unless every row was computed), reading one batch ahead and writing one

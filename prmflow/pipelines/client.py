@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from ..errors import ConfigError, PrmflowError
+from .contracts import kfp_client as kfp_client_rules
 
 TOKEN_ENV, COOKIE_ENV = "PRMFLOW_KFP_TOKEN", "PRMFLOW_KFP_COOKIE"
 #: Run states after which a run changes no more (kfp_server_api.V2beta1RuntimeState).
@@ -181,14 +182,24 @@ def connect(conn: Connection):
             raise ConfigError(f"--sa-token: no token file at {path}. Mount the projected pipelines token "
                               "(Kubeflow PodDefault 'access-ml-pipeline') or name the file.")
         credentials = set_volume_credentials.ServiceAccountTokenVolumeCredentials(path=path)
-    # kfp.Client's `namespace` names the KFP deployment for the in-cluster address; a profile namespace given
-    # with an explicit host becomes the client's default namespace (and spares kfp its multi-user probe)
-    namespace = conn.namespace if conn.host and conn.namespace else conn.kfp_namespace
+    host = conn.host
+    if not host and in_cluster():
+        # kfp finds the in-cluster service only when given no token and no credentials, and then sends the
+        # default projected token whatever --sa-token named (contracts/kfp_client.py): name the service here
+        host = kfp_client_rules.in_cluster_url(conn.kfp_namespace)
+        if credentials is None and not conn.token and not conn.cookie and os.path.isfile(_default_sa_token_path()):
+            credentials = set_volume_credentials.ServiceAccountTokenVolumeCredentials()
+    # kfp.Client's `namespace` names the KFP deployment for its own in-cluster and kube-proxy addresses, and any
+    # value but 'kubeflow' becomes the user's namespace (kfp_client_rules.NAMESPACE_BECOMES_USERS): with a host,
+    # pass only the user's own namespace
+    namespace = (conn.namespace or "kubeflow") if host else conn.kfp_namespace
     with warnings.catch_warnings(), api_errors(conn, "the health check"):
         warnings.filterwarnings("ignore", message="This client only works with Kubeflow Pipeline")
         try:
-            client = kfp.Client(host=conn.host or None, namespace=namespace, existing_token=conn.token or None,
+            client = kfp.Client(host=host or None, namespace=namespace, existing_token=conn.token or None,
                                 cookies=conn.cookie or None, credentials=credentials, ui_host=conn.ui_host or None)
+            if not host and not conn.namespace and namespace != "kubeflow":  # kube-proxy: the KFP namespace, not ours
+                client._context_setting["namespace"] = ""
             # kfp found no namespace (none given, not a pod): a multi-user KFP would refuse every call for want of one
             if not conn.namespace and not client.get_user_namespace() and client.get_kfp_healthz().multi_user:
                 raise ConfigError(f"KFP at {conn.where()} is a multi-user install: pass --namespace "

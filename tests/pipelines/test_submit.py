@@ -105,9 +105,9 @@ def test_a_service_account_token_file_is_read_as_kfp_reads_it(package, tmp_path)
     assert sent_headers(ours) == {(ref["authorization"], None)}
 
 
-def test_inside_a_pod_no_host_is_needed(package, tmp_path, monkeypatch):
-    """kfp's in-cluster path: the in-cluster service address, the pod's projected pipelines token, and on a
-    multi-user install the pod's own namespace. The fake stands where ml-pipeline.kubeflow:8888 would be."""
+def in_a_pod(tmp_path, monkeypatch) -> None:
+    """This process as a pod in namespace team-a sees itself: the service env, the service account, the
+    projected pipelines token (projected-pipelines-token)."""
     import kfp
     from kubernetes.config import incluster_config
 
@@ -123,6 +123,14 @@ def test_inside_a_pod_no_host_is_needed(package, tmp_path, monkeypatch):
     monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(sa / "token"))
     monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(sa / "ca.crt"))
     monkeypatch.setattr(kfp.Client, "_NAMESPACE_PATH", str(sa / "namespace"))
+
+
+def test_inside_a_pod_no_host_is_needed(package, tmp_path, monkeypatch):
+    """kfp's in-cluster path: the in-cluster service address, the pod's projected pipelines token, and on a
+    multi-user install the pod's own namespace. The fake stands where ml-pipeline.kubeflow:8888 would be."""
+    import kfp
+
+    in_a_pod(tmp_path, monkeypatch)
     with FakeKfp(tokens={"projected-pipelines-token": "system:serviceaccount:team-a:default-editor"}) as fake:
         monkeypatch.setattr(kfp.Client, "_IN_CLUSTER_DNS_NAME", fake.url.removeprefix("http://"))
         assert submit("--package", str(package)) == 0
@@ -130,6 +138,44 @@ def test_inside_a_pod_no_host_is_needed(package, tmp_path, monkeypatch):
     assert fake.requests[0]["path"] == f"{API}/healthz"  # kfp asks whether KFP is multi-user ...
     (exp,) = [r for r in fake.requests if r["method"] == "POST" and r["path"] == f"{API}/experiments"]
     assert exp["body"]["namespace"] == "team-a"  # ... and files the run in the pod's namespace
+
+
+def test_inside_a_pod_a_token_or_token_file_without_host_reaches_the_in_cluster_service(package, tmp_path, monkeypatch):
+    """kfp 2.17 sends a --token given without --host to http://localhost, and replaces a --sa-token FILE with the
+    pod's default projected token (contracts/kfp_client.py): both must reach the in-cluster service, with
+    the credential the user named."""
+    import kfp
+
+    in_a_pod(tmp_path, monkeypatch)
+    (tmp_path / "other-token").write_text("token-of-the-file")
+    with FakeKfp(tokens={"tok-alice": "alice", "token-of-the-file": "system:serviceaccount:team-a:runner",
+                         "projected-pipelines-token": "system:serviceaccount:team-a:default-editor"}) as fake:
+        monkeypatch.setattr(kfp.Client, "_IN_CLUSTER_DNS_NAME", fake.url.removeprefix("http://"))
+        assert submit("--package", str(package), "--token", "tok-alice", "--namespace", "team-a") == 0
+        assert sent_headers(fake.requests) == {("Bearer tok-alice", None)}
+        fake.requests.clear()
+        assert submit("--package", str(package), "--sa-token", str(tmp_path / "other-token"), "--namespace", "team-a") == 0
+        assert sent_headers(fake.requests) == {("Bearer token-of-the-file", None)}
+    assert len(fake.runs) == 2
+
+
+def test_a_kfp_namespace_is_not_taken_for_the_users_namespace(package, tmp_path, monkeypatch, capsys):
+    """--kfp-namespace names where KFP is deployed; kfp 2.17 makes any value but 'kubeflow' the user's namespace
+    too. Inside a pod the run is still filed in the pod's namespace; outside, a multi-user KFP still asks for
+    --namespace."""
+    import kfp
+
+    with FakeKfp(cookies={"authservice_session=s3ss10n": "alice"}) as fake:
+        assert submit("--package", str(package), "--host", fake.url, "--cookie", "authservice_session=s3ss10n",
+                      "--kfp-namespace", "kf-system") == 2
+        assert fake.runs == {}
+    assert "is a multi-user install: pass --namespace YOUR_PROFILE_NAMESPACE" in capsys.readouterr().err
+    in_a_pod(tmp_path, monkeypatch)
+    with FakeKfp(tokens={"projected-pipelines-token": "system:serviceaccount:team-a:default-editor"}) as fake:
+        monkeypatch.setattr(kfp.Client, "_IN_CLUSTER_DNS_NAME", fake.url.removeprefix("http://"))
+        assert submit("--package", str(package), "--kfp-namespace", "kf-system") == 0
+    (exp,) = [r for r in fake.requests if r["method"] == "POST" and r["path"] == f"{API}/experiments"]
+    assert exp["body"]["namespace"] == "team-a"
 
 
 def test_a_multi_user_kfp_asks_for_the_namespace(package, capsys):

@@ -122,3 +122,36 @@ def test_readme_keys_take_the_quickstart_to_qwen_on_gsm8k(tmp_path):
     path.write_text(yaml.safe_dump(merged(quick, block)))
     assert cli.main(["pipeline", "compile", "--config", str(path), "-o", str(tmp_path / "compiled.yaml"), *IMAGES,
                      *STORAGE]) == 0
+
+
+def header_commands(name) -> list[list[str]]:
+    """The `prmflow pipeline ...` commands in a recipe's header comment, continuation lines joined."""
+    import shlex
+
+    text, commands = "", []
+    for line in (ROOT / "configs/cluster" / name).read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        body = line.lstrip("#").strip()
+        if text or body.startswith("prmflow pipeline "):
+            text += " " + body.rstrip("\\")
+            if not body.endswith("\\"):
+                commands.append(shlex.split(text))
+                text = ""
+    return commands
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs/cluster").glob("*.yaml")))
+def test_the_header_commands_work_once_the_registry_is_filled_in(name):
+    """A recipe's header shows how to compile it; that command, with the registry and digest filled in, gets
+    past the image check compile applies (images still placeholders are refused) and names this recipe."""
+    from prmflow.pipelines.params import load_with_sets
+
+    commands = header_commands(name)
+    assert any(c[:3] == ["prmflow", "pipeline", "compile"] for c in commands)
+    for command in commands:
+        filled = [a.replace("REGISTRY", "registry.example.com/ml").replace("DIGEST", "0" * 64) for a in command]
+        assert filled[filled.index("--config") + 1] == f"configs/cluster/{name}"
+        sets = [filled[i + 1] for i, a in enumerate(filled) if a == "--set"]
+        spec = load_with_sets(str(ROOT / "configs/cluster" / name), sets)
+        assert spec.pipeline.images.placeholders() == [], " ".join(command)

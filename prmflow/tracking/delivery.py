@@ -51,7 +51,18 @@ def experiment_id(client, name: str) -> str:
 
 
 def find_pipeline_run(client, experiment: str, pipeline_run_id: str) -> str | None:
-    """Id of the parent run that init_tracking created for KFP run `pipeline_run_id`, if any."""
+    """Id of the parent run that init_tracking created (or adopted: KFP >= 2.17's own run of the pipeline
+    run, in the backend's experiment) for KFP run `pipeline_run_id`, if any."""
+    import os
+
+    injected = os.environ.get("MLFLOW_RUN_ID", "")  # KFP's run of this task: its parent is KFP's pipeline run
+    if injected:
+        try:
+            parent = client.get_run(injected).data.tags.get("mlflow.parentRunId", "")
+            if parent and client.get_run(parent).data.tags.get(PIPELINE_TAG) == pipeline_run_id:
+                return parent
+        except Exception:  # noqa: BLE001 - another server, or gone: search by tag below
+            pass
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return None

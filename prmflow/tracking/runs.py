@@ -67,6 +67,48 @@ def mlflow_client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
+#: What Kubeflow Pipelines >= 2.17 with its MLflow integration sets in every task container: the task's own
+#: nested run (a child, tag mlflow.parentRunId, of the run the backend made for the pipeline run) and the
+#: server (kubeflow/pipelines@2.17.0 backend/src/v2/common/plugins/mlflow/handler.go:141-144).
+INJECTED_RUN_ENV, INJECTED_URI_ENV = "MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI"
+PARENT_TAG = "mlflow.parentRunId"
+
+
+def injected_run(uri: str) -> str:
+    """The run the KFP backend made for this task (MLFLOW_RUN_ID), when it is on the server we log to; ''
+    otherwise. prmflow itself never exports MLFLOW_RUN_ID (children point at their parent by tag)."""
+    run_id = os.environ.get(INJECTED_RUN_ENV, "")
+    same_server = os.environ.get(INJECTED_URI_ENV, "").rstrip("/") == uri.rstrip("/")
+    return run_id if run_id and same_server else ""
+
+
+def _adopt(cfg: TrackingConfig, uri: str, run_name: str, tags: dict[str, str], params: dict[str, Any] | None,
+           fallback: str | Path, pipeline: bool) -> MlflowTracker | None:
+    """Log into the runs the KFP backend made instead of making a second tree: a stage into its task's run,
+    the pipeline's parent into the backend's run of the pipeline (the task run's parent). None when the
+    backend made none here, or its parent cannot be read (then prmflow makes its own, as without it)."""
+    run_id = injected_run(uri)
+    if not run_id:
+        return None
+    client = mlflow_client(uri)
+    try:
+        parent = client.get_run(run_id).data.tags.get(PARENT_TAG, "")
+    except Exception as e:  # noqa: BLE001 - unreadable: fall back to prmflow's own runs
+        log.warning("cannot read the KFP-made MLflow run %s (%s); making prmflow's own", run_id, e)
+        return None
+    if pipeline:
+        if not parent:
+            return None
+        run_id, parent = parent, ""
+    tracker = MlflowTracker(client, run_id, uri, parent_run_id=parent, fallback_path=fallback,
+                            finish_wait_s=cfg.finish_wait_s)
+    # a stage's run gets prmflow's name (rollout-iter1 shard 0/2); the pipeline's keeps the one KFP gave it
+    tracker.set_tags({**tags, **({} if pipeline else {"mlflow.runName": run_name}), "prmflow.kfp_mlflow": "adopted"})
+    if params:
+        tracker.log_params(params)
+    return tracker
+
+
 def start_run(cfg: TrackingConfig, run_name: str, tags: dict[str, Any] | None = None,
               params: dict[str, Any] | None = None, fallback_path: str | Path | None = None,
               strict: bool = False) -> NullTracker:
@@ -83,6 +125,10 @@ def start_run(cfg: TrackingConfig, run_name: str, tags: dict[str, Any] | None = 
     if cfg.pipeline_run_id:
         all_tags[PIPELINE_TAG] = cfg.pipeline_run_id
     fallback = cfg.fallback_path or fallback_path or default_fallback_path(None, run_name)
+    adopted = _adopt(cfg, uri, cfg.run_name or run_name, all_tags, params, fallback,
+                     pipeline=all_tags.get(ROLE_TAG) == "pipeline")
+    if adopted is not None:
+        return adopted
     tracker = MlflowTracker(mlflow_client(uri), "", uri, fallback_path=fallback, finish_wait_s=cfg.finish_wait_s)
     create = {"op": "create_run", "experiment": cfg.experiment, "run_name": cfg.run_name or run_name, "tags": all_tags,
               "parent_run_id": cfg.parent_run_id, "pipeline_run_id": cfg.pipeline_run_id}

@@ -115,7 +115,7 @@ def _calibration_rows(prm: str) -> list[dict]:
             for j in range(20) for i, (a1, a2) in enumerate(paths)]
 
 
-def _expected_gradient(tmp_path, prm: str, calibration_rows: list[dict] = (), **options) -> np.ndarray:
+def _expected_gradient(tmp_path, prm: str, calibration_rows: list[dict] = (), size: int = G, **options) -> np.ndarray:
     """Every group of the enumerated prompt is one iteration of prompt 'target' (so all of them share a
     calibration fold); calibration_rows are other prompts' responses, in the data but not in the gradient."""
     import itertools
@@ -123,7 +123,7 @@ def _expected_gradient(tmp_path, prm: str, calibration_rows: list[dict] = (), **
     p2 = np.stack([_softmax(r) for r in LOGITS2])
     paths = [(a1, a2) for a1 in (0, 1) for a2 in (0, 1)]
     rows, weights = list(calibration_rows), {}
-    for g, combo in enumerate(itertools.product(paths, repeat=G)):
+    for g, combo in enumerate(itertools.product(paths, repeat=size)):
         weights[g] = float(np.prod([p1[a1] * p2[a1, a2] for a1, a2 in combo]))
         for i, (a1, a2) in enumerate(combo):
             rows.append(row(pid="target", idx=i, n=2, response_ids=[a1, a2], step_ends=[0, 1],
@@ -188,7 +188,7 @@ def test_calibrated_baseline_credit_leaves_the_expected_policy_gradient_grpos(tm
     # prefixes only, so it still depends on the prefix alone and the baseline stays unbiased; the map is
     # far from flat here (the other prompts bear the PRM's ranking out), so the baseline does move credit
     other = _calibration_rows(prm)
-    grpo = _expected_gradient_one_group_at_a_time(tmp_path / "grpo", "", other, 2, estimator="grpo")
+    grpo = _expected_gradient(tmp_path, "", size=2, estimator="grpo")  # (GRPO reads no fit: all groups at once)
     ungated = dict(**PROGRESS, process_weight=1.0, process_auc_min=0.0, process_auc_full=0.0)
     got = _expected_gradient_one_group_at_a_time(tmp_path, prm, other, 2, **ungated, process_credit="baseline",
                                                  process_calibration="isotonic")

@@ -95,3 +95,15 @@ def format_rows(rows: list[tuple[str, list[float]]]) -> str:
     for name, values in rows:
         lines.append(name.ljust(width) + "".join(f"  {'-' if math.isnan(v) else f'{v:.3f}':>17}" for v in values))
     return "\n".join(lines)
+
+
+def compare_hint(uri: str, runs: dict[str, str], port: int = 5000) -> str:
+    """How to see the variants' pipeline runs side by side in the MLflow UI: the command and the compare page."""
+    from mlflow.tracking import MlflowClient
+
+    from .summary import compare_url
+
+    client = MlflowClient(uri)
+    experiments = [client.get_run(run_id).info.experiment_id for run_id in runs.values()]
+    return (f"compare the runs with: mlflow ui --backend-store-uri {uri} --port {port}\n"
+            f"then open {compare_url(f'http://127.0.0.1:{port}', experiments, list(runs.values()))}")

@@ -18,6 +18,7 @@ reward per RL iteration; `register_models` puts the final policy and the PRM int
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections import defaultdict
@@ -214,14 +215,50 @@ def _register(client, tracking_uri: str, name: str, model, run, parent, scores: 
     return int(version.version)
 
 
-def ui_hint(uri: str, experiment: str, port: int = 5000) -> str:
-    """How to open the runs of `experiment` in the MLflow UI: the command and the page to open.
+#: The MLflow UI's query that opens a page in its "Model training" view. MLflow 3.17's UI takes the
+#: workflow type from the URL's `workflowType` (genai | machine_learning), else from the browser's
+#: localStorage key `mlflow.workflowType`, whose default is genai; in the open-source build the
+#: experiment's kind follows it (the `mlflow.experimentKind` tag is not read). Read in mlflow 3.17.0's
+#: bundle, mlflow/server/js/build/static/js/main.c2f5f8d4.js (the WorkflowType provider).
+TRAINING_VIEW = "workflowType=machine_learning"
+
+
+def compare_url(base: str, experiment_ids, run_ids) -> str:
+    """The MLflow UI's page comparing `run_ids` side by side (their params, metrics and plots), in its
+    training view. The route is the UI's own, `#/compare-runs?runs=[...]&experiments=[...]`
+    (Routes.getCompareRunPageRoute, mlflow/server/js/src/experiment-tracking/routes.tsx, mlflow 3.17)."""
+    from urllib.parse import quote
+
+    def as_json(ids) -> str:
+        return quote(json.dumps(list(ids), separators=(",", ":")), safe="")
+
+    return (f"{base}/#/compare-runs?runs={as_json(run_ids)}&experiments={as_json(sorted(set(experiment_ids)))}"
+            f"&{TRAINING_VIEW}")
+
+
+def iteration_runs(client, parent_run_id: str) -> list:
+    """The ppo runs of a pipeline run, one per RL iteration, in iteration order: the iterations to compare."""
+    runs = [r for r in child_runs(client, parent_run_id) if r.data.tags.get("prmflow.stage") == "ppo"]
+    return sorted(runs, key=lambda r: int(r.data.tags.get("prmflow.iteration", 0)))
+
+
+def ui_hint(uri: str, experiment: str, port: int = 5000, parent_run_id: str | None = None) -> str:
+    """How to open the runs of `experiment` in the MLflow UI: the command, the page to open, and the page
+    comparing the RL iterations of the pipeline run `parent_run_id` (default: the newest one).
 
     MLflow 3.17's UI opens every experiment in its GenAI view (traces, "Eval" runs) until the
     workflow switch at the top left is set to "Model training" (remembered by the browser); the
-    link sets it, so the page opens on the runs table."""
+    links set it (TRAINING_VIEW), so the page opens on the runs table."""
     from mlflow.tracking import MlflowClient
 
-    exp = MlflowClient(uri).get_experiment_by_name(experiment)
-    page = f"http://127.0.0.1:{port}/#/experiments/{exp.experiment_id if exp else ''}?workflowType=machine_learning"
-    return f"see the runs with: mlflow ui --backend-store-uri {uri} --port {port}\nthen open {page}"
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    base = f"http://127.0.0.1:{port}"
+    page = f"{base}/#/experiments/{exp.experiment_id if exp else ''}?{TRAINING_VIEW}"
+    lines = [f"see the runs with: mlflow ui --backend-store-uri {uri} --port {port}", f"then open {page}"]
+    parent = parent_run_id or (latest_pipeline_run(client, experiment) if exp else None)
+    iterations = iteration_runs(client, parent) if parent else []
+    if len(iterations) > 1:
+        lines.append(f"compare the {len(iterations)} RL iterations (their ppo runs) side by side: "
+                     f"{compare_url(base, [r.info.experiment_id for r in iterations], [r.info.run_id for r in iterations])}")
+    return "\n".join(lines)

@@ -345,3 +345,156 @@ def test_a_pipeline_run_as_the_mlflow_ui_shows_it(pipeline_run, page, tmp_path):
             except Exception:
                 pass
             raise
+
+
+# --- the compare links prmflow prints ---------------------------------------------------------------------
+
+def _open_compare(page, url: str, n: int) -> None:
+    """Open a printed compare link and wait for MLflow's comparison of `n` runs."""
+    from playwright.sync_api import expect
+
+    page.goto(url, wait_until="domcontentloaded")
+    expect(page.get_by_text(f"Comparing {n} Runs", exact=False)).to_be_visible(timeout=90_000)
+    _close_assistant(page)
+    # the training view: its side bar has the model registry; GenAI's has prompts and the AI gateway instead
+    expect(page.get_by_role("link", name="Model registry", exact=True)).to_be_visible()
+    expect(page.get_by_role("link", name="AI Gateway", exact=False)).to_have_count(0)
+
+
+def _format_metric(v: float) -> str:
+    """How MLflow 3.17's UI prints a metric (Utils.formatMetric in its bundle, main.c2f5f8d4.js)."""
+    if v == 0:
+        return "0"
+    if abs(v) < 1e-3:
+        mantissa, exp = f"{v:.3e}".split("e")
+        return f"{mantissa}e{int(exp):+d}"
+    digits = 3 if abs(v) < 10 else 2 if abs(v) < 100 else 1
+    return f"{round(v, digits):g}" if digits < 3 else f"{round(v, 3):.3f}".rstrip("0").rstrip(".")
+
+
+def _row_values(page, metric: str) -> list[str]:
+    """The texts on `metric`'s row of the comparison's metrics table, left to right (one per run column)."""
+    from playwright.sync_api import expect
+
+    label = page.locator("[role=rowgroup] > div", has=page.get_by_text(metric, exact=True))
+    expect(label).to_have_count(1)
+    label.scroll_into_view_if_needed()
+    return page.evaluate("""(label) => {
+        const top = label.style.top;
+        const cells = [...document.querySelectorAll('[role=rowgroup] > div')]
+            .filter(c => c !== label && c.style.top === top && c.parentElement !== label.parentElement);
+        return cells.sort((a, b) => a.getBoundingClientRect().x - b.getBoundingClientRect().x).map(c => c.innerText.trim());
+    }""", label.element_handle())
+
+
+def _metrics_row(page, metric: str, values: dict[str, str]) -> None:
+    """On the comparison page: each run's value of `metric` on that metric's row, in that run's column.
+    The metrics table is two virtualized grids side by side (metric names | one column per run); a cell
+    is a `[role=rowgroup] > div` placed by its inline `top`."""
+    from playwright.sync_api import expect
+
+    def cell(text: str):
+        found = page.locator("[role=rowgroup] > div", has=page.get_by_text(text, exact=True))
+        expect(found).to_have_count(1)
+        return found
+
+    label = cell(metric)
+    label.scroll_into_view_if_needed()
+    shown = {name: cell(text) for name, text in values.items()}
+    tops = {metric: label.evaluate("e => e.style.top"), **{n: c.evaluate("e => e.style.top") for n, c in shown.items()}}
+    assert len(set(tops.values())) == 1, f"the values are not on the {metric} row: {tops}"
+    for name, c in shown.items():
+        column = page.locator("td", has=page.get_by_text(name, exact=True))
+        expect(column).to_have_count(1)
+        col, val = column.bounding_box(), c.bounding_box()
+        assert col["x"] <= val["x"] + 1 and val["x"] + val["width"] <= col["x"] + col["width"] + 1, (name, col, val)
+
+
+@pytest.mark.slow
+def test_the_printed_compare_link_shows_two_pipeline_runs_side_by_side(store, mlflow_server, page, tmp_path):
+    """`prmflow pipeline compare` ends with a link; opened, it compares the variants' pipeline runs in the
+    training view, each run's accuracy under its own column."""
+    from prmflow.pipelines.compare import compare_hint
+
+    uri, _, ids = store
+    hint = compare_hint(uri, ids)
+    url = re.search(r"then open (http://\S+)", hint).group(1).replace("http://127.0.0.1:5000", mlflow_server)
+    try:
+        _open_compare(page, url, 2)
+        for run_id in ids.values():
+            assert run_id in page.url
+        _metrics_row(page, "eval/accuracy", {name: f"{RUNS[name]['metrics']['eval/accuracy']:.3f}" for name in RUNS})
+        page.get_by_text("Comparing 2 Runs", exact=False).scroll_into_view_if_needed()
+        page.wait_for_timeout(500)
+        _save(page, tmp_path, "mlflow-compare-pipeline-runs.png")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            _save(page, tmp_path, "mlflow-compare-pipeline-runs-FAILED.png")
+        raise
+
+
+@pytest.fixture
+def ppo_iterations(tmp_path, monkeypatch):
+    """Three real ppo runs, iterations 0-2 (each continuing the last one's policy and optimizer) under one
+    pipeline parent run, in a SQLite store: (uri, experiment, parent run id)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ppo"))
+    from ppo_helpers import FAST, build_rows, write_advantages
+
+    from prmflow import cli
+    from prmflow.components.common import config
+    from prmflow.components.ppo import stage
+
+    monkeypatch.chdir(tmp_path)
+    uri, experiment = f"sqlite:///{tmp_path / 'mlflow.db'}", "prmflow-iterations"
+    parent_cfg = tracking.TrackingConfig(uri=uri, experiment=experiment, pipeline_run_id="kfp-iterations",
+                                         run_name="pipeline", fallback_path=str(tmp_path / "parent.jsonl"))
+    parent = tracking.start_pipeline_run(parent_cfg, params={}).run_id
+    assert cli.main(["make-tiny-model", str(tmp_path / "sft")]) == 0
+    rows = build_rows(tmp_path / "sft", 8)
+    policy, optimizer = str(tmp_path / "sft"), ""
+    for k in range(3):
+        adv = write_advantages(tmp_path / f"adv-{k}", rows, lambda i, t, k=k: (-1) ** (i + k) * (1 + t / 10))
+        out = tmp_path / f"ppo-{k}"
+        stage.run(config.load(stage.Config, overrides={
+            **FAST, "policy": policy, "input": str(adv), "output": str(out), "iteration": k, "rl_iterations": 3,
+            "epochs": 2, "minibatch_size": 4, "micro_batch_size": 4, "optimizer_state": optimizer,
+            "tracking.enabled": True, "tracking.uri": uri, "tracking.experiment": experiment,
+            "tracking.parent_run_id": parent, "tracking.pipeline_run_id": "kfp-iterations",
+            "tracking.run_name": f"ppo-iter{k}"}))
+        policy, optimizer = str(out / "policy"), str(out / "optimizer")
+    assert tracking.finish_pipeline_run(parent_cfg, "FINISHED") == parent
+    return uri, experiment, parent
+
+
+@pytest.mark.slow
+def test_the_printed_compare_link_shows_the_rl_iterations_side_by_side(ppo_iterations, page, tmp_path):
+    """run-local's closing lines end with a link comparing the RL iterations' ppo runs; opened, it shows
+    the three runs in the training view, each iteration's clip fraction under its own column."""
+    from mlflow.tracking import MlflowClient
+
+    from prmflow.pipelines.summary import iteration_runs, ui_hint
+
+    uri, experiment, parent = ppo_iterations
+    hint = ui_hint(uri, experiment)  # as run-local prints it: the newest pipeline run
+    found = re.search(r"compare the 3 RL iterations \(their ppo runs\) side by side: (http://\S+)", hint)
+    assert found, hint
+    runs = iteration_runs(MlflowClient(uri), parent)
+    assert [r.info.run_name for r in runs] == ["ppo-iter0", "ppo-iter1", "ppo-iter2"]
+    with _serve(uri, tmp_path) as base:
+        try:
+            _open_compare(page, found.group(1).replace("http://127.0.0.1:5000", base), 3)
+            for r in runs:
+                assert r.info.run_id in page.url
+            assert "workflowType=machine_learning" in page.url
+            # the iterations' own numbers, each under its run, in iteration order
+            for metric in ("ppo/clip_frac", "ppo/entropy", "ppo/approx_kl"):
+                assert _row_values(page, metric) == [_format_metric(r.data.metrics[metric]) for r in runs], metric
+            # the picture: only the parameters that differ (the rest would fill pages), then the metrics
+            page.get_by_text("Show diff only", exact=True).first.click()
+            page.get_by_text("Parameters", exact=True).last.evaluate("e => e.scrollIntoView({block: 'start'})")
+            page.wait_for_timeout(1000)
+            _save(page, tmp_path, "mlflow-compare-rl-iterations.png")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                _save(page, tmp_path, "mlflow-compare-rl-iterations-FAILED.png")
+            raise

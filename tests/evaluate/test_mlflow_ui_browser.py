@@ -11,6 +11,10 @@ driven by Playwright with the system browser; no browser download) opens it.
   rollout shards): the page run-local prints opens on the runs table (not MLflow's GenAI overview)
   with every stage run under the parent, the parent charts reward per RL iteration, a stage run
   shows its datasets and the model it wrote, and the registered policy links its parent run.
+- The compare links prmflow prints (slow): run-local's last line, opened, compares three real ppo
+  iterations under one parent run in the training view, each iteration's clip fraction, entropy and
+  approximate KL under its own column; `pipeline compare`'s compares the two parent runs. Their
+  screenshots are the ones in docs/mlflow.md.
 
 Screenshots are saved in the test's tmp_path and copied to $PRMFLOW_TEST_ARTIFACTS (default:
 tests-output/ in the repository, git-ignored); their paths are printed.

@@ -268,7 +268,8 @@ def render(spec: PipelineSpec, params: float, volume_bytes: float = 0.0) -> str:
                  f"{sum(r.pods * r.workspace_read for r in it) / GB:.1f} GB read and "
                  f"{sum(r.pods * r.workspace_written for r in it) / GB:.1f} GB written on the workspace")
     lines.append(f"workspace needed for the run: {storage(spec, s) / GB:.0f} GB")
-    lines.append(f"backend floors: Kubeflow Pipelines >= {'.'.join(map(str, MIN_KFP_BACKEND))}"
+    lines.append(f"backend: checked against Kubeflow Pipelines {spec.pipeline.cluster.kfp_version} (pipeline.cluster.kfp_version); "
+                 f"floors: Kubeflow Pipelines >= {'.'.join(map(str, MIN_KFP_BACKEND))}"
                  + (f", Kubeflow Trainer >= {'.'.join(map(str, MIN_TRAINER))}" if spec.pipeline.cluster.trainer.stages() else ""))
     for w in warnings_of(spec, s, rows, volume_bytes):
         lines.append(f"warning: {w}")

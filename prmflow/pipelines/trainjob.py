@@ -49,10 +49,11 @@ from ..components.common import config as config_lib
 from ..components.common import io
 from ..errors import PrmflowError
 from .contracts import sdk as sdk_rules
+from .contracts import trainer as trainer_rules
 
 #: The pipeline sets this env var (JSON of TrainJobSpec) on a step that runs its stage as a TrainJob.
 ENV = "PRMFLOW_TRAINJOB"
-COMPLETE, FAILED = "Complete", "Failed"
+COMPLETE, FAILED = trainer_rules.COMPLETE, trainer_rules.FAILED
 #: How a node of a torch runtime starts its ranks (torchrun reads the PET_* env the Trainer's torch
 #: plugin sets: nnodes, nproc per node, node rank, master address and port).
 LAUNCHER = ["torchrun", "--no-python"]

@@ -204,11 +204,11 @@ class FakeK8s:
             phase = self.phase[name]
         conditions = []
         if phase == "Complete":
-            conditions = [{"type": "Complete", "status": "True", "reason": "JobsCompleted", "message": "jobset completed",
+            conditions = [{"type": trainer_rules.COMPLETE, "status": "True", "reason": "JobsCompleted", "message": "jobset completed",
                            "lastTransitionTime": CREATED_AT}]
         elif phase == "Failed":
             reason, message = self.failure[name]
-            conditions = [{"type": "Failed", "status": "True", "reason": reason, "message": message,
+            conditions = [{"type": trainer_rules.FAILED, "status": "True", "reason": reason, "message": message,
                            "lastTransitionTime": CREATED_AT}]
         job["status"] = {"conditions": conditions} if conditions else {}
         return job

@@ -36,6 +36,10 @@ TRAINER_ENV = {"2.2": Source(REPO, "v2.2.1", "pkg/apis/trainer/v1alpha1/trainjob
 CRD = {fam: Source(REPO, tag, "manifests/base/crds/trainer.kubeflow.org_trainjobs.yaml", "openAPIV3Schema")
        for fam, tag in TAGS.items()}
 
+#: The TrainJob condition types that end it (trainjob_types.go:61 and :64 at v2.2.1 and v2.3.0); the
+#: SDK reports the job's status as the type of its true condition.
+COMPLETE, FAILED = "Complete", "Failed"
+CONDITIONS = {fam: Source(REPO, tag, "pkg/apis/trainer/v1alpha1/trainjob_types.go", "61, 64") for fam, tag in TAGS.items()}
 #: constants.Node / DatasetInitializer / ModelInitializer (pkg/constants/constants.go).
 NODE, DATASET_INITIALIZER, MODEL_INITIALIZER = "node", "dataset-initializer", "model-initializer"
 #: constants.TorchRunReservedEnvNames (pkg/constants/constants.go:287 at v2.2.0, :300 at v2.3.0).

@@ -87,7 +87,8 @@ def vllm_module():
     import fake_vllm
 
     with pytest.MonkeyPatch.context() as mp:
-        for key in ("CUDA_VISIBLE_DEVICES", "PRMFLOW_RANK_GPU", "VLLM_WORKER_MULTIPROC_METHOD"):  # the adapter sets them
+        for key in ("CUDA_VISIBLE_DEVICES", "PRMFLOW_RANK_GPU", "VLLM_WORKER_MULTIPROC_METHOD",  # the adapter sets them
+                    "TRITON_F32_DEFAULT"):
             mp.setenv(key, os.environ.get(key, ""))
             if not os.environ[key]:
                 mp.delenv(key)

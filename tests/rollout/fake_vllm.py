@@ -18,12 +18,19 @@ and samples with the tiny HF model on CPU, so the rollout tests run over sampler
   at max_tokens / max_model_len ("length"); the stop token is kept in `token_ids`; `logprobs` is a
   list of {token: Logprob} of the raw distribution (logprobs_mode raw_logprobs); tokens are drawn
   as vLLM's sampler does (temperature, top-k, top-p, then probs / Exp(1) noise, argmax).
+- float32 attention: vLLM's TRITON_ATTN kernel takes `tl.dot(Q, K)` and `tl.dot(P, V)` with no input
+  precision (v0.24.0 vllm/v1/attention/ops/triton_unified_attention.py:520, 562), so on a GPU with tensor
+  cores Triton rounds float32 operands to TF32 (10-bit mantissa) unless $TRITON_F32_DEFAULT=ieee when the
+  engine starts; the torch matmuls stay float32 (vllm/v1/worker/gpu_worker.py:135-136, "highest" by
+  default). A float32 engine started without `ieee` here attends with Q, K and V rounded to TF32 (P, which
+  Triton rounds too, is left in float32: the stand-in under-states the error, it does not invent one).
 
 Everything an engine was given is recorded on the instance (`kwargs`, `env`, `sample_seeds`, ...).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import random
@@ -31,13 +38,35 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers import AttentionInterface
 
 _SAMPLING_EPS = 1e-5
 _MAX_TEMP = 1e-2
 
 #: EngineArgs keywords the adapter may pass (a subset of vLLM's; anything else is a TypeError there too)
 ENGINE_ARGS = {"model", "dtype", "seed", "gpu_memory_utilization", "tensor_parallel_size", "enforce_eager",
-               "max_model_len", "logprobs_mode", "quantization", "trust_remote_code", "enable_prefix_caching"}
+               "max_model_len", "logprobs_mode", "quantization", "trust_remote_code", "enable_prefix_caching",
+               "max_num_seqs", "compilation_config", "load_format"}
+#: CompilationConfig fields the adapter may set (vllm/config/compilation.py:428, 588, 629), and the cudagraph
+#: modes vLLM parses from a string (compilation.py:845-850)
+COMPILATION_KEYS = {"mode", "cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size"}
+CUDAGRAPH_MODES = {"NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"}
+
+def tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 rounded to TF32 (10 of its 23 mantissa bits, to nearest), as tensor cores read it."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def _tf32_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention on TF32-rounded Q, K, V: the float32 Triton attention without `ieee`."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, tf32(query), tf32(key), tf32(value), attention_mask, **kwargs)
+
+
+TF32_ATTENTION = "fake_vllm_triton_tf32"
+AttentionInterface.register(TF32_ATTENTION, _tf32_attention)
 
 #: physical GPU -> fraction of its memory held by live engines (the worker's free-memory check)
 GPU_USE: dict[str, float] = {}
@@ -183,7 +212,15 @@ class LLM:
         if unknown:
             raise TypeError(f"EngineArgs.__init__() got an unexpected keyword argument {sorted(unknown)[0]!r}")
         self.kwargs = {"model": model, **kwargs}
-        self.env = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "VLLM_WORKER_MULTIPROC_METHOD")}
+        compilation = kwargs.get("compilation_config") or {}
+        if set(compilation) - COMPILATION_KEYS or str(compilation.get("cudagraph_mode", "NONE")).upper() not in CUDAGRAPH_MODES:
+            raise ValueError(f"invalid compilation_config {compilation}")  # pydantic's validation error there
+        # the top-k/top-p sampler imports vLLM's FlashInfer backend unless VLLM_USE_FLASHINFER_SAMPLER=0
+        # (vllm/v1/sample/ops/topk_topp_sampler.py:38-44); no flashinfer here, as in an image without it
+        if os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "1") != "0" and importlib.util.find_spec("flashinfer") is None:
+            raise ModuleNotFoundError("No module named 'flashinfer'")
+        self.env = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "VLLM_WORKER_MULTIPROC_METHOD",
+                                                   "TRITON_F32_DEFAULT", "VLLM_USE_FLASHINFER_SAMPLER")}
         self.seed = kwargs.get("seed", 0)
         set_random_seed(self.seed)
         hf_config = AutoConfig.from_pretrained(model)
@@ -209,6 +246,9 @@ class LLM:
         self._want, self.alive = want, True
         dtype = kwargs.get("dtype", "auto")
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype) if dtype != "auto" else "auto").eval()
+        self.tf32_attention = self.model.dtype == torch.float32 and (self.env["TRITON_F32_DEFAULT"] or "tf32") != "ieee"
+        if self.tf32_attention:  # Triton's default for float32 dots (module docstring)
+            self.model.set_attn_implementation(TF32_ATTENTION)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         try:  # ModelConfig.try_get_generation_config
             generation = GenerationConfig.from_pretrained(model)
@@ -219,7 +259,27 @@ class LLM:
         self.requests: list[dict] = []
         self.params: list[SamplingParams] = []
         self.sample_seeds: list[int | None] = []
+        self.reloads: list[str] = []
+        self.prefix_cache_fresh = True  # false after a weight reload until reset_prefix_cache
         ENGINES.append(self)
+
+    def collective_rpc(self, method: str, timeout=None, args=(), kwargs=None):
+        """Only the worker method the adapter calls: reload_weights(weights_path=...) reads the new weights into
+        the running model (v1/worker/gpu_model_runner.py:5388-5430); the prefix cache is left as it was."""
+        if method != "reload_weights":
+            raise AttributeError(f"'Worker' object has no attribute {method!r}")
+        from transformers import AutoModelForCausalLM
+
+        path = (kwargs or {}).get("weights_path") or self.kwargs["model"]
+        fresh = AutoModelForCausalLM.from_pretrained(path, dtype=self.model.dtype)
+        self.model.load_state_dict(fresh.state_dict())
+        self.reloads.append(path)
+        self.prefix_cache_fresh = False
+        return [None]
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        self.prefix_cache_fresh = True
+        return True
 
     def _release(self) -> None:
         if self.alive:

@@ -66,7 +66,11 @@ def test_greedy_matches_model_generate(engine, policy, prompts):
 def test_behavior_logprobs_match_a_forward_pass(engine, policy, prompts):
     model, _ = policy
     out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=5))
-    tol = 2e-5 if isinstance(engine, HFEngine) else 2e-2  # KV-cache vs full pass in float32; vLLM kernels differ more
+    # float32 throughout: the HF engine's KV cache vs a full pass differ by summation order (2e-5); vLLM's kernels
+    # (other GEMMs, Triton attention) also only by summation order once its attention dots are IEEE float32
+    # (TRITON_F32_DEFAULT=ieee, vllm_engine.py), the bound the rollout stage's test uses. With TF32 attention a
+    # likely token is still right to 1e-5 but an unlikely sampled one carries the whole logit error (> 2e-2).
+    tol = 2e-5 if isinstance(engine, HFEngine) else 1e-4
     for p, group in zip(prompts, out):
         assert len(group) == 2
         for c in group:

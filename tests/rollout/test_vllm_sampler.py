@@ -35,7 +35,8 @@ def make_cfg(policy, output, **over):
 @pytest.fixture(autouse=True)
 def one_process(monkeypatch):
     """One process on a machine with 8 GPUs, whatever launched the tests (the stand-in reads the env)."""
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PRMFLOW_RANK_GPU", "VLLM_WORKER_MULTIPROC_METHOD"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PRMFLOW_RANK_GPU", "VLLM_WORKER_MULTIPROC_METHOD",
+                "TRITON_F32_DEFAULT", "VLLM_USE_FLASHINFER_SAMPLER"):
         monkeypatch.setenv(key, "")  # recorded, so what the adapter sets is undone after the test
         monkeypatch.delenv(key)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
@@ -226,3 +227,47 @@ def test_close_waits_for_the_engines_memory():
     with pytest.raises(RuntimeError, match=r"GPU 2 has 0.0 GiB free .* 60 s after the vLLM engine shut down"):
         vllm_engine.wait_for_free_memory(2, 90, timeout_s=60, mem_get_info=lambda d: (10, 100),
                                      clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_starts_uncompiled_with_decode_graphs_and_without_flashinfer(vllm_module, sft_policy, dtype):
+    """prmflow's start options reach vLLM as vLLM spells them (no torch.compile, full CUDA graphs for decode
+    batches of 1, 2, 4 ... 512); an image without flashinfer still starts (the adapter turns vLLM's FlashInfer
+    sampler off); only a float32 engine asks Triton for IEEE float32 attention dots; top_k 0 means off."""
+    _, tok = modeling.load_causal_lm(sft_policy)
+    eng = VLLMEngine(str(sft_policy), dtype, settings=VLLMSettings(gpu_memory_utilization=0.3))
+    llm = eng.llm
+    assert llm.kwargs["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                                "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]}
+    assert llm.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert llm.env["TRITON_F32_DEFAULT"] == ("ieee" if dtype == "float32" else None) and not llm.tf32_attention
+    eng.generate([tok("1+2=")["input_ids"]], SamplingParams(n=1, temperature=1.0, top_k=0, max_new_tokens=2, seed=0))
+    assert llm.params[-1].top_k == 0
+    eng.close()
+
+
+def test_load_weights_samples_the_new_policy_as_a_fresh_engine_would(vllm_module, sft_policy, tmp_path):
+    """A running engine given the next policy's directory samples (tokens and logprobs) exactly as an engine
+    started on it, and its prefix cache (KV of the old weights) is dropped."""
+    model, tok = modeling.load_causal_lm(sft_policy)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    other = tmp_path / "other"
+    modeling.save_pretrained(model, tok, other)
+    prompts = [tok(r.prompt)["input_ids"] for r in tasks.load("arithmetic", "eval", 3, seed=1)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=12)
+    settings = VLLMSettings(gpu_memory_utilization=0.3)
+    eng = VLLMEngine(str(sft_policy), "float32", settings=settings, stop_ids=[tok.eos_token_id])
+    before = eng.generate(prompts, greedy)
+    eng.load_weights(str(other))
+    after = eng.generate(prompts, greedy)
+    assert eng.llm.reloads == [str(other)] and eng.llm.prefix_cache_fresh
+    eng.close()
+    fresh = VLLMEngine(str(other), "float32", settings=settings, stop_ids=[tok.eos_token_id])
+    ref = fresh.generate(prompts, greedy)
+    fresh.close()
+    ids = lambda out: [c.token_ids for (c,) in out]  # noqa: E731
+    assert ids(after) == ids(ref) != ids(before)
+    assert [c.logprobs for (c,) in after] == [c.logprobs for (c,) in ref]

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,7 +34,26 @@ from .engines import LENGTH, STOP, Completion, SamplingParams
 #   _verify_args): `check_vllm_sampling` says so before any model loads;
 # - the uniproc executor puts its worker on cuda:<device index>, 0 unless told: under torchrun every
 #   rank's engine would share GPU 0. `rank_gpus` gives local rank r the GPUs r*tp ... r*tp + tp - 1
-#   through CUDA_VISIBLE_DEVICES, set before the engine starts.
+#   through CUDA_VISIBLE_DEVICES, set before the engine starts;
+# - a float32 engine is float32 in its torch matmuls (the worker sets torch's float32 matmul precision to
+#   $VLLM_FLOAT32_MATMUL_PRECISION, "highest" by default: v0.24.0 vllm/v1/worker/gpu_worker.py:135-136,
+#   vllm/envs.py:566), but its attention runs in Triton (FLASH_ATTN takes only fp16/bf16:
+#   vllm/v1/attention/backends/flash_attn.py:69; TRITON_ATTN takes float32: triton_attn.py:249), whose
+#   `tl.dot(Q, K)` and `tl.dot(P, V)` (vllm/v1/attention/ops/triton_unified_attention.py:520, 562) name no
+#   input precision, so Triton's default for float32 operands on a GPU with tensor cores applies: TF32
+#   (10-bit mantissa), unless $TRITON_F32_DEFAULT says `ieee`. A logit error of that size moves the
+#   log-prob of a likely token by (1 - p) x the error (nothing) but of an unlikely sampled token by the
+#   whole error, so a few positions of float32 behavior_logprobs miss a float32 forward by far more than
+#   the rest. A float32 engine therefore starts with TRITON_F32_DEFAULT=ieee;
+# - with $VLLM_USE_FLASHINFER_SAMPLER unset, the GPU model runner's top-k/top-p sampler imports vLLM's FlashInfer
+#   backend while the engine starts (vllm/v1/sample/ops/topk_topp_sampler.py:38-44, envs.py:796-800), so an
+#   image without flashinfer cannot start an engine: the adapter sets it to 0 there (the PyTorch-native sampler,
+#   which per-request seeds need anyway);
+# - top_k 0 is "off" (vllm/sampling_params.py:243, 542-545; -1 is still let through, quietly);
+# - a running engine takes new weights of the same architecture from a directory with
+#   `collective_rpc("reload_weights", kwargs={"weights_path": ...})` (v1/worker/gpu_worker.py:396-397 ->
+#   v1/worker/gpu_model_runner.py:5388); the prefix cache still holds KV computed with the old weights until
+#   `reset_prefix_cache()` (entrypoints/llm.py:800).
 
 NUMPY_SEED_LIMIT = 2**32  # np.random.seed accepts [0, 2^32)
 INT64_LIMIT = 2**63  # vLLM keeps request seeds as int64
@@ -131,6 +151,11 @@ def wait_for_free_memory(device: int, want_bytes: int, timeout_s: float = 120.0,
         sleep(poll_s)
 
 
+#: CUDA graph batch sizes prmflow captures by default: powers of two up to vLLM's own cap of 512
+#: (vLLM's default is 51 sizes: [1, 2, 4] + 8..248 by 8 + 256..512 by 16, v0.24.0 vllm/config/compilation.py:673-685)
+CUDAGRAPH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+
 @dataclass
 class VLLMSettings:
     gpu_memory_utilization: float = 0.85
@@ -140,11 +165,34 @@ class VLLMSettings:
     max_model_len: int = 0
     """Context window vLLM reserves cache for; 0 = the model's own. Prompts are cut (or refused, on_long_prompt) to fit it with sampling.max_new_tokens."""
     enforce_eager: bool = False
-    """Skip CUDA graph capture: slower decoding, faster start (small runs, debugging)."""
+    """No torch.compile and no CUDA graphs (vLLM then sets both off): the quickest start and the slowest decoding; for debugging and tiny runs."""
+    compile: bool = False
+    """torch.compile the model (vLLM's compilation mode 3) with piecewise CUDA graphs for prefill. Off (compilation mode 0): no compile at start, and decoding still replays full CUDA graphs (cudagraph_mode FULL_DECODE_ONLY), the part of generation graphs speed up most. Why off: a rollout pod starts one engine per iteration on a cold cache, so the compile is paid every time; turn on for long rollouts where faster prefill pays for it. Unmeasured on a GPU: benchmarks/rollout_stage_gpu.py measures both."""
+    cudagraph_capture_sizes: list[int] = field(default_factory=lambda: list(CUDAGRAPH_SIZES))
+    """Decode batch sizes vLLM captures a CUDA graph for (a batch between two sizes runs padded to the next one); each size costs capture time at start. Default: powers of two to 512 (10 graphs, against vLLM's 51); [] = vLLM's own list. Unmeasured on a GPU."""
+    max_num_seqs: int = 0
+    """Sequences vLLM decodes at once; 0 = vLLM's (1024 on an H100/H200 for offline use, 256 on smaller GPUs). It also sizes the start's memory-profiling batch and caps the graph sizes at 2 x max_num_seqs."""
     shutdown_timeout_s: float = 120.0
     """Seconds to wait, after the engine shuts down, for its GPU memory to come back before the scoring models load."""
     extra: dict = field(default_factory=dict)
-    """Further keyword arguments for vllm.LLM (e.g. {quantization: fp8})."""
+    """Further keyword arguments for vllm.LLM (e.g. {quantization: fp8, load_format: safetensors})."""
+
+    def engine_kwargs(self) -> dict:
+        """The start options for vllm.LLM that these settings choose (besides model, dtype and seed)."""
+        kwargs = dict(gpu_memory_utilization=self.gpu_memory_utilization, tensor_parallel_size=self.tensor_parallel_size,
+                      enforce_eager=self.enforce_eager)
+        if self.max_model_len:
+            kwargs["max_model_len"] = self.max_model_len
+        if self.max_num_seqs:
+            kwargs["max_num_seqs"] = self.max_num_seqs
+        if not self.enforce_eager:
+            # mode 0 turns vLLM's default FULL_AND_PIECEWISE graphs off altogether (piecewise graphs need the compile:
+            # vllm/config/vllm.py:1172-1183), so without the compile ask for full decode graphs only
+            compilation = {"mode": 3} if self.compile else {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+            if self.cudagraph_capture_sizes:
+                compilation["cudagraph_capture_sizes"] = sorted(set(self.cudagraph_capture_sizes))
+            kwargs["compilation_config"] = compilation
+        return {**kwargs, **self.extra}
 
 
 class VLLMEngine:
@@ -167,14 +215,15 @@ class VLLMEngine:
         if local_rank is not None:
             pin_rank_gpus(local_rank, s.tensor_parallel_size)
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if dtype == "float32":  # exact float32 attention dots, not TF32 (the rules above); read when the engine spawns
+            os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+        if importlib.util.find_spec("flashinfer") is None:  # else vLLM's sampler imports it and the start fails
+            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         self.gpu = rank_gpu_index()
         self.free_before = torch.cuda.mem_get_info(self.gpu)[0] if torch.cuda.is_available() else None
         from vllm import LLM  # the gpu extra
 
-        kwargs = dict(model=str(model_path), dtype=dtype, seed=engine_seed(seed), gpu_memory_utilization=s.gpu_memory_utilization,
-                      tensor_parallel_size=s.tensor_parallel_size, enforce_eager=s.enforce_eager, **s.extra)
-        if s.max_model_len:
-            kwargs["max_model_len"] = s.max_model_len
+        kwargs = dict(model=str(model_path), dtype=dtype, seed=engine_seed(seed), **s.engine_kwargs())
         kwargs.setdefault("logprobs_mode", "raw_logprobs")
         try:
             self.llm = LLM(**kwargs)
@@ -199,7 +248,7 @@ class VLLMEngine:
             if images is not None and images[i]:
                 req["multi_modal_data"] = {"image": [decode_image(b, f"prompt {i}") for b in images[i]]}
         sampling = [VSamplingParams(
-            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
+            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
             max_tokens=params.max_new_tokens, stop=list(params.stop) or None, include_stop_str_in_output=True,
             stop_token_ids=[] if params.ignore_eos else list(self.stop_ids),
             ignore_eos=params.ignore_eos, logprobs=0, seed=seeds[i], detokenize=bool(params.stop),
@@ -225,6 +274,13 @@ class VLLMEngine:
         if progress is not None:
             progress(len(prompts))
         return out
+
+    def load_weights(self, model_path: str) -> None:
+        """Read the weights of `model_path` (the same architecture, e.g. the next iteration's policy) into the
+        running engine instead of starting a new one, then drop the prefix cache, whose KV the old weights made.
+        For a process that samples several policies in turn; a rollout pod samples one (docs/real-models.md)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_path)})
+        self.llm.reset_prefix_cache()
 
     def close(self) -> None:
         """Shut the engine down and wait until its GPU memory is free again (the scoring models need it next).

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The GPU check: one script, one GPU machine, under 8 minutes, results in one folder (docs/testing.md, "On a GPU").
+#
+#   bash benchmarks/gpu_check.sh receive DIR   # copy payload parts that arrived in DIR to $PAYLOAD (one call per part)
+#   bash benchmarks/gpu_check.sh run           # install, then the checks below; results in $RESULTS
+#
+# The payload is ../shared/gpu (README there): vLLM 0.24.0 and what it needs, for CPython 3.12 with torch 2.11.0+cu130.
+# Parts, in order of what matters most, each given what is left of the 8 minutes (and its own cap):
+#   1. vllm-tests:     pytest tests/rollout -k vllm (the real engine: greedy = model.generate, seeds, stop ids,
+#                      the two logprob checks of issue 48, ranks and shards)
+#   2. rollout-stage:  benchmarks/rollout_stage_gpu.py: the rollout stage with the HF sampler, with vLLM's own
+#                      start defaults and with prmflow's, the engine start split into vLLM's logged parts
+#   3. gap:            benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm: a bf16 vLLM rollout
+#                      against the float32 trainer, with each rollout_correction mode
+#   4. ppo-sft-tests:  the quick ppo and sft tests on the GPU
+# RESULTS (default $OUT/gpu-check when $OUT is set, else /tmp/gpu-check) gets summary.md (machine, each part's
+# exit status and seconds, its key lines) and logs.tar.gz (every part's whole log).
+set -uo pipefail
+PAYLOAD=${PAYLOAD:-/tmp/gpu}
+RESULTS=${RESULTS:-${OUT:+$OUT/gpu-check}}
+RESULTS=${RESULTS:-/tmp/gpu-check}
+BUDGET_S=${BUDGET_S:-460}   # the whole run, install included; the machine's start and transfers come on top
+
+if [ "${1:-}" = "receive" ]; then
+  mkdir -p "$PAYLOAD" && cp -v "${2:?receive needs the folder the parts arrived in}"/* "$PAYLOAD"/ && ls -la "$PAYLOAD"
+  exit 0
+fi
+[ "${1:-}" = "run" ] || { echo "usage: $0 receive DIR | run"; exit 2; }
+
+T0=$(date +%s)
+mkdir -p "$RESULTS/logs"
+SUMMARY="$RESULTS/summary.md"
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+
+part() {  # part NAME CAP_S COMMAND...: run with what is left (at most CAP_S), log it, record status and seconds
+  local name=$1 cap=$2; shift 2
+  local t=$(left); [ "$t" -gt "$cap" ] && t=$cap
+  if [ "$t" -lt 20 ]; then echo "| $name | not run (out of time) | - |" >> "$SUMMARY"; return; fi
+  local s=$(date +%s)
+  timeout -k 10 "$t" "$@" > "$RESULTS/logs/$name.log" 2>&1
+  local rc=$?
+  local took=$(( $(date +%s) - s ))
+  [ $rc -eq 124 ] && rc="timeout after ${t} s"
+  echo "| $name | $rc | $took |" >> "$SUMMARY"
+  echo "[gpu-check] $name: $rc in $took s"
+}
+
+{
+  echo "# GPU check $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo
+  echo '```'
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+  python3 --version 2>&1
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null) $(git status --porcelain 2>/dev/null | grep -c . ) files changed"
+  echo '```'
+  echo
+  echo "| part | exit | seconds |"
+  echo "|---|---|---|"
+} > "$SUMMARY"
+
+part install 90 bash "$PAYLOAD/install.sh"
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# no VLLM_USE_FLASHINFER_SAMPLER here: the adapter sets it where flashinfer is missing (a check of that too)
+python3 -c 'import torch, transformers, vllm; print("torch", torch.__version__, "transformers", transformers.__version__, "vllm", vllm.__version__)' \
+  >> "$RESULTS/logs/install.log" 2>&1
+
+PYTEST="python3 -m pytest -p no:cacheprovider -q -rfE"
+part vllm-tests 200 $PYTEST tests/rollout -k vllm
+part rollout-stage 200 python3 benchmarks/rollout_stage_gpu.py --prompts 32 --samples 8 --max-new-tokens 128 \
+     --output "$RESULTS/rollout-stage"
+part gap 100 python3 benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm --output /tmp/gap
+part ppo-sft-tests 150 $PYTEST tests/ppo tests/sft -m "not slow and not real_model"
+
+{
+  echo
+  echo "whole run: $(( $(date +%s) - T0 )) s"
+  for f in vllm-tests ppo-sft-tests; do
+    echo; echo "## $f"; echo '```'; grep -E "passed|failed|error|FAILED|ERROR" "$RESULTS/logs/$f.log" 2>/dev/null | tail -25; echo '```'
+  done
+  echo; echo "## rollout-stage"; echo '```'; grep -E "^\||^stage wall|prompts x" "$RESULTS/logs/rollout-stage.log" 2>/dev/null; echo '```'
+  echo; echo "## gap"; echo '```'; grep -E "^\||^device|^bf16" "$RESULTS/logs/gap.log" 2>/dev/null; echo '```'
+} >> "$SUMMARY"
+cp "$RESULTS/rollout-stage/"*.log "$RESULTS/logs/" 2>/dev/null
+cp "$RESULTS/rollout-stage/results.json" "$RESULTS/rollout-stage.json" 2>/dev/null
+tar -czf "$RESULTS/logs.tar.gz" -C "$RESULTS" logs && rm -rf "$RESULTS/logs" "$RESULTS/rollout-stage"
+cat "$SUMMARY"

@@ -9,6 +9,11 @@ SubjectAccessReview refusal). Error bodies have grpc-gateway's shape: {error, co
 With `login_page`, a request without identity is redirected (302) to an HTML login page instead, as Dex
 or oauth2-proxy in front of a multi-user Kubeflow answer a client without a session.
 
+Run creation applies the Argo compiler's workspace-claim rule of the emulated KFP `version`
+(prmflow.pipelines.contracts.kfp): a run whose per-run workspace that version refuses gets the API
+server's 400 with the compiler's message. `tag_name` is what healthz states (default: the version;
+"unknown" as a server without TAG_NAME answers).
+
 A created run plays the backend's part: each GET of it advances through `run_states` (default PENDING,
 RUNNING, SUCCEEDED); `run_details` (task details, as the backend reports them) is returned with it.
 """
@@ -22,6 +27,8 @@ import threading
 from http.server import ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
+from prmflow.pipelines.contracts import kfp as kfp_rules
+
 from .fake_http import JsonHandler
 
 API = "/apis/v2beta1"
@@ -30,7 +37,7 @@ API = "/apis/v2beta1"
 class FakeKfp:
     def __init__(self, tokens: dict[str, str] | None = None, cookies: dict[str, str] | None = None,
                  run_states: list[str] | None = None, run_details: dict | None = None, login_page: bool = False,
-                 version: str = "2.15.0"):
+                 version: str = "2.15.0", tag_name: str | None = None):
         """tokens/cookies: {credential: identity}; None for both: no authentication (single-user KFP).
         An identity may use the namespaces in `namespaces` (identity -> set), default: all."""
         self.requests: list[dict] = []
@@ -43,7 +50,8 @@ class FakeKfp:
         self.run_states = run_states or ["PENDING", "RUNNING", "SUCCEEDED"]
         self.run_details = run_details or {}
         self.login_page = login_page  # Dex / oauth2-proxy in front: no identity -> 302 to an HTML login page
-        self.version = version  # healthz's tag_name (the API server's TAG_NAME; "unknown" when unset)
+        self.version = version  # the KFP release emulated at run creation
+        self.tag_name = version if tag_name is None else tag_name  # what healthz states
         self.lock = threading.Lock()
         fake = self
 
@@ -110,7 +118,7 @@ class FakeKfp:
                 if self._identity(namespace) is not None:
                     return
                 if path == f"{API}/healthz":
-                    return self._reply(200, {"commit_sha": "unknown", "tag_name": fake.version, "pipeline_store": "database",
+                    return self._reply(200, {"commit_sha": "unknown", "tag_name": fake.tag_name, "pipeline_store": "database",
                                              "multi_user": fake.tokens is not None or fake.cookies is not None})
                 if path == f"{API}/experiments":
                     return self._reply(200, fake.listed(fake.experiments, query))
@@ -139,6 +147,10 @@ class FakeKfp:
                     fake.experiments.append(exp)
                     return self._reply(200, exp)
                 if path == f"{API}/runs":
+                    refused = fake.compiler_errors(body)
+                    if refused:
+                        return self._error(400, "Failed to create a run: failed to compile the workflow: "
+                                                + "; ".join(refused), 3)
                     run_id = f"run-{42 + len(fake.runs)}"
                     fake.runs[run_id] = {**body, "run_id": run_id, "state": "PENDING"}
                     return self._reply(200, fake.runs[run_id])
@@ -165,6 +177,15 @@ class FakeKfp:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def compiler_errors(self, body: dict) -> list[str]:
+        """What the emulated version's compiler refuses in a run's platform spec (the workspace claim)."""
+        platform = ((body.get("pipeline_spec") or {}).get("platform_spec") or {}).get("platforms", {})
+        workspace = (platform.get("kubernetes", {}).get("pipelineConfig") or {}).get("workspace")
+        if workspace is None:
+            return []
+        patch = (workspace.get("kubernetes") or {}).get("pvcSpecPatch") or {}
+        return kfp_rules.workspace_pvc_errors(patch, self.version)
 
     def listed(self, items: list[dict], query: dict, key: str = "experiments") -> dict:
         """The items the query's filter (display_name EQUALS) and namespace select."""

@@ -201,3 +201,19 @@ def test_submit_reads_the_servers_kfp_version_and_refuses_what_it_would_refuse(t
             assert "pipeline.cluster.workspace_storage_class" in err and posted == []
         else:
             assert posted == ["/apis/v2beta1/experiments", "/apis/v2beta1/runs"]
+
+
+def test_a_server_that_does_not_state_its_version_refuses_the_run_as_its_compiler_does(tmp_path, capsys):
+    """TAG_NAME unset: healthz says 'unknown', so submit can only check the compiled-in version; a KFP 2.16
+    server's compiler then refuses the workspace at run creation, and submit reports its message."""
+    from .fake_kfp import FakeKfp
+    from .test_compile_submit import IMAGES
+
+    package = tmp_path / "p.yaml"
+    assert cli.main(["pipeline", "compile", "--config", str(ROOT / "configs" / "quickstart.yaml"), "-o", str(package),
+                     *IMAGES, "--set", "cluster.kfp_version=2.17"]) == 0
+    with FakeKfp(version="2.16.1", tag_name="unknown") as server:
+        assert cli.main(["pipeline", "submit", "--host", server.url, "--package", str(package)]) == 2
+    assert server.runs == {}
+    err = capsys.readouterr().err
+    assert "does not state its version" in err and "workspace PVC spec must specify storageClassName" in err

@@ -82,6 +82,42 @@ def held_out_pass1(model, tok, spec: dict) -> float:
     return sum(tasks.verify(r, t) for r, t in zip(records, texts)) / len(records)
 
 
+# --- the breakdown ---------------------------------------------------------------------------------
+# Per iteration and arm: load (model weights and optimizer moments read from disk), generate (sampling),
+# score (old log-probs, rewards, advantages), train (the policy updates), save (policy and moments written),
+# other (the rest of the iteration's wall: the hand-off files, stage set-up), wall and CPU seconds.
+
+PHASES = ("load_s", "generate_s", "score_s", "train_s", "save_s", "other_s")
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class PhaseClock:
+    """Seconds spent inside wrapped functions, by phase (for the stages, which time their parts only in part)."""
+
+    def __init__(self):
+        self.spent: dict[str, float] = {}
+
+    def wrap(self, owner, name: str, phase: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[phase] = self.spent.get(phase, 0.0) + time.perf_counter() - t
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, float]:
+        out, self.spent = self.spent, {}
+        return out
+
+
 # --- prmflow --------------------------------------------------------------------------------------
 
 def run_prmflow(spec: dict, work: Path, with_prm: bool) -> dict:
@@ -89,6 +125,11 @@ def run_prmflow(spec: dict, work: Path, with_prm: bool) -> dict:
     from prmflow.components.common import config, modeling, schema
     from prmflow.components.ppo import stage as ppo
     from prmflow.components.rollout import stage as rollout
+
+    clock = PhaseClock()  # every stage loads through modeling.load_causal_lm; ppo reads and writes the moments
+    clock.wrap(modeling, "load_causal_lm", "load")
+    clock.wrap(ppo, "_load_moments", "load")
+    clock.wrap(ppo, "_write_output", "save")
 
     t0 = time.perf_counter()
     model, tok = modeling.load_causal_lm(spec["model"])
@@ -108,9 +149,12 @@ def run_prmflow(spec: dict, work: Path, with_prm: bool) -> dict:
             "optim.warmup_steps": 2, "engine.backend": "torch", "tracking.enabled": False}))
         prm, prm_s = str(work / "prm"), time.perf_counter() - t
     for k in range(spec["iterations"]):
+        clock.take()
+        cpu0 = cpu_seconds()
         t = time.perf_counter()
         metrics = rollout.run(rollout_config(spec, k, policy, str(work / f"rollouts-{k}"), prm))
         t_roll = time.perf_counter() - t
+        roll_load = clock.take().get("load", 0.0)
         rows = schema.read_dataset(work / f"rollouts-{k}", "rollouts").to_pylist()
         t = time.perf_counter()
         over = {"estimator": "reinforce_baseline", "step_rewards": True, "step_reward_mode": "centered"} if with_prm \
@@ -128,12 +172,20 @@ def run_prmflow(spec: dict, work: Path, with_prm: bool) -> dict:
             "loss_agg": "token-mean", "optimizer_state": str(work / f"ppo-{k - 1}" / "optimizer") if k else "",
             "engine.backend": "torch", "tracking.enabled": False}))
         t_ppo = time.perf_counter() - t
+        cpu = cpu_seconds() - cpu0
+        ppo_parts = clock.take()
         policy = str(work / f"ppo-{k}" / "policy")
         model, tok = modeling.load_causal_lm(policy)
         evals.append(held_out_pass1(model, tok, spec))
         del model
+        wall = t_roll + t_adv + t_ppo
+        phases = {"load_s": roll_load + ppo_parts.get("load", 0.0), "generate_s": metrics["perf/generate_s"],
+                  "score_s": metrics["perf/score_s"] + metrics["perf/reward_s"] + t_adv,
+                  "train_s": t_ppo - ppo_parts.get("load", 0.0) - ppo_parts.get("save", 0.0),
+                  "save_s": ppo_parts.get("save", 0.0)}
+        phases["other_s"] = wall - sum(phases.values())
         iters.append({"rollout_s": t_roll, "generate_s": metrics["perf/generate_s"], "advantage_s": t_adv,
-                      "train_s": t_ppo, "iteration_s": t_roll + t_adv + t_ppo,
+                      "train_s": t_ppo, "iteration_s": wall, "cpu_s": cpu, "phases": phases,
                       "tokens": sum(len(r["response_ids"]) for r in rows), "reward": metrics["rollout/reward_mean"]})
     out = {"startup_s": startup, "model_load_s": load_s, "iterations": iters, "pass1": evals}
     if with_prm:
@@ -198,11 +250,11 @@ def run_trl(spec: dict, work: Path) -> dict:
             finally:
                 timing["gen_and_score"] += time.perf_counter() - t
 
-    iters, mark = [], {"t": None, "gen": 0.0, "gs": 0.0, "eval": 0.0}
+    iters, mark = [], {"t": None, "gen": 0.0, "gs": 0.0, "eval": 0.0, "cpu": 0.0}
 
     class PerIteration(TrainerCallback):
         def on_train_begin(self, args_, state, control, **kw):
-            mark["t"] = time.perf_counter()
+            mark["t"], mark["cpu"] = time.perf_counter(), cpu_seconds()
 
         def on_step_end(self, args_, state, control, model=None, **kw):
             if state.global_step % updates_per_iter:
@@ -210,12 +262,15 @@ def run_trl(spec: dict, work: Path) -> dict:
             now = time.perf_counter()
             wall = now - mark["t"]
             gen, gs = timing["generate"] - mark["gen"], timing["gen_and_score"] - mark["gs"]
+            # the model and the optimizer stay in memory: nothing is loaded or saved between iterations
+            phases = {"load_s": 0.0, "generate_s": gen, "score_s": gs - gen, "train_s": wall - gs, "save_s": 0.0,
+                      "other_s": 0.0}
             iters.append({"rollout_s": gs, "generate_s": gen, "advantage_s": 0.0, "train_s": wall - gs,
-                          "iteration_s": wall, "tokens": tokens[-1] if tokens else 0,
-                          "reward": rewards[-1] if rewards else float("nan")})
+                          "iteration_s": wall, "cpu_s": cpu_seconds() - mark["cpu"], "phases": phases,
+                          "tokens": tokens[-1] if tokens else 0, "reward": rewards[-1] if rewards else float("nan")})
             evals.append(held_out_pass1(model, tok, spec))
             model.train()
-            mark.update(t=time.perf_counter(), gen=timing["generate"], gs=timing["gen_and_score"])
+            mark.update(t=time.perf_counter(), gen=timing["generate"], gs=timing["gen_and_score"], cpu=cpu_seconds())
 
     trainer = Timed(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
                     processing_class=tok, callbacks=[PerIteration()])
@@ -245,6 +300,13 @@ def table(results: dict, spec: dict) -> str:
             lines.append(f"| | | {k} | {it['rollout_s']:.1f} ({it['generate_s']:.1f}) | {train:.1f} | "
                          f"{it['iteration_s']:.1f} | {it['tokens']} | {1000 * it['iteration_s'] / max(it['tokens'], 1):.1f} | "
                          f"{it.get('reward', float('nan')):.3f} | {r['pass1'][k + 1]:.3f} | |")
+    lines += ["", "| arm | iteration | " + " | ".join(p[:-2] for p in PHASES) + " | wall s | CPU s |",
+              "|---" * (len(PHASES) + 4) + "|"]
+    for arm, r in results.items():
+        for k, it in enumerate(r["iterations"]):
+            ph = it.get("phases", {})
+            lines.append(f"| {arm} | {k} | " + " | ".join(f"{ph.get(p, float('nan')):.1f}" for p in PHASES) +
+                         f" | {it['iteration_s']:.1f} | {it.get('cpu_s', float('nan')):.1f} |")
     return "\n".join(lines)
 
 

@@ -24,6 +24,13 @@ and samples with the tiny HF model on CPU, so the rollout tests run over sampler
   engine starts; the torch matmuls stay float32 (vllm/v1/worker/gpu_worker.py:135-136, "highest" by
   default). A float32 engine started without `ieee` here attends with Q, K and V rounded to TF32 (P, which
   Triton rounds too, is left in float32: the stand-in under-states the error, it does not invent one).
+- start: `compilation_config` keys and cudagraph modes as CompilationConfig parses them
+  (vllm/config/compilation.py:428, 588, 629, 845-850); with $VLLM_USE_FLASHINFER_SAMPLER unset the
+  sampler imports flashinfer (vllm/v1/sample/ops/topk_topp_sampler.py:38-44), absent here as in an image
+  without it, so the start fails with ModuleNotFoundError.
+- `collective_rpc("reload_weights", kwargs={"weights_path": ...})` reads new weights into the running model
+  (v1/worker/gpu_model_runner.py:5388-5430) and leaves the prefix cache as it was until
+  `reset_prefix_cache()` (recorded as `prefix_cache_fresh`; the stand-in keeps no cache to go stale).
 
 Everything an engine was given is recorded on the instance (`kwargs`, `env`, `sample_seeds`, ...).
 """

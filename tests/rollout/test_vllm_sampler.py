@@ -143,7 +143,8 @@ def test_local_rank_3_puts_the_engine_on_gpu_3(vllm_module, tmp_path, sft_policy
     monkeypatch.setenv("LOCAL_RANK", "3")
     stage.run(make_cfg(sft_policy, tmp_path / "out", num_prompts=8))
     llm = vllm_module.ENGINES[-1]
-    assert llm.env == {"CUDA_VISIBLE_DEVICES": "3", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert {k: llm.env[k] for k in ("CUDA_VISIBLE_DEVICES", "VLLM_WORKER_MULTIPROC_METHOD")} == {
+        "CUDA_VISIBLE_DEVICES": "3", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     assert llm.device == "3"
     assert [r["prompt_token_ids"] for r in llm.requests] and len(llm.requests) == 2  # prompts 3 and 7 of 8
     assert vllm_engine.rank_gpu_index() == 0  # this process now sees its one GPU as cuda:0 (for the scoring models)

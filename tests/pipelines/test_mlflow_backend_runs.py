@@ -19,7 +19,8 @@ def backend_runs(client, experiment: str) -> tuple[str, str]:
     return parent, task
 
 
-@pytest.mark.parametrize("injected", [True, False], ids=["kfp-2.17-mlflow", "no-backend-runs"])
+@pytest.mark.parametrize("injected", [True, pytest.param(False, marks=pytest.mark.slow)],  # False: as every run-local test
+                         ids=["kfp-2.17-mlflow", "no-backend-runs"])
 def test_stages_log_into_the_runs_the_kfp_backend_made(tmp_path, monkeypatch, injected):
     from mlflow.tracking import MlflowClient
 

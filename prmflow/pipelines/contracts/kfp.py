@@ -17,8 +17,6 @@ Read from kubeflow/pipelines at 2.15.0, 2.16.0/2.16.1 and 2.17.0 (the lines belo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
-
 from . import KFP_VERSIONS, Source, version_tuple
 
 REPO = "kubeflow/pipelines"
@@ -117,10 +115,11 @@ class ExecutorTask:
     """Input artifact name -> [(producer component, output key)] (a Collected list has several)."""
 
 
-def executor_tasks(ir: dict) -> Iterator[ExecutorTask]:
+def executor_tasks(ir: dict) -> list[ExecutorTask]:
     """Every container task of a compiled pipeline spec (inside loops and the exit handler too), with its
     constant parameters resolved through the DAGs that pass them down."""
     comps = ir["components"]
+    found: list[ExecutorTask] = []
 
     def dag_of(comp: str) -> dict:
         return ir["root"]["dag"] if comp == "__root__" else comps[comp]["dag"]
@@ -157,11 +156,10 @@ def executor_tasks(ir: dict) -> Iterator[ExecutorTask]:
             if "dag" in comps[ref]:
                 visit(ref, values, inputs)
             else:
-                yield_list.append(ExecutorTask(t["taskInfo"]["name"], ref, comps[ref].get("executorLabel", ""),
-                                               values, inputs))
+                found.append(ExecutorTask(t["taskInfo"]["name"], ref, comps[ref].get("executorLabel", ""),
+                                          values, inputs))
 
-    yield_list: list[ExecutorTask] = []
     root_params = {k: p.get("defaultValue") for k, p in
                    (ir["root"].get("inputDefinitions") or {}).get("parameters", {}).items()}
     visit("__root__", root_params, {})
-    yield from yield_list
+    return found

@@ -144,9 +144,10 @@ def ppo_step(tmp_path: Path, workspace: Path | None = None) -> Path:
     return Path(kfp_shim.located(outs["state"].path)) if workspace else Path(outs["state"].path)
 
 
+@pytest.mark.parametrize("trainer_version", ["v2.2.0", "v2.3.0"])  # the fake admits it past that version's webhook and CRD
 def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(tmp_path, monkeypatch, capsys,
-                                                                               compiled_ppo_step):
-    with FakeK8s(work=fake_ppo_output) as fake:
+                                                                               compiled_ppo_step, trainer_version):
+    with FakeK8s(work=fake_ppo_output, trainer_version=trainer_version) as fake:
         out, workspace = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-7f3a")
     (job,) = fake.posted()
     name = job["metadata"]["name"]

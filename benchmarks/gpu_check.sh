@@ -40,7 +40,7 @@ part() {  # part NAME CAP_S COMMAND...: run with what is left (at most CAP_S), l
   timeout -k 10 "$t" "$@" > "$RESULTS/logs/$name.log" 2>&1
   local rc=$?
   local took=$(( $(date +%s) - s ))
-  [ $rc -eq 124 ] && rc="timeout after ${t} s"
+  { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && rc="$rc: timeout after ${t} s"
   echo "| $name | $rc | $took |" >> "$SUMMARY"
   echo "[gpu-check] $name: $rc in $took s"
 }

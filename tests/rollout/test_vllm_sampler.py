@@ -272,3 +272,16 @@ def test_load_weights_samples_the_new_policy_as_a_fresh_engine_would(vllm_module
     ids = lambda out: [c.token_ids for (c,) in out]  # noqa: E731
     assert ids(after) == ids(ref) != ids(before)
     assert [c.logprobs for (c,) in after] == [c.logprobs for (c,) in ref]
+
+
+@pytest.mark.parametrize("settings,sizes", [
+    (VLLMSettings(), [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]),
+    (VLLMSettings(max_num_seqs=48), [1, 2, 4, 8, 16, 32, 64]),       # a batch of 33-48 runs padded to 64
+    (VLLMSettings(max_num_seqs=8, cudagraph_capture_sizes=[8, 1, 8, 300]), [1, 8]),  # sorted, once each
+    (VLLMSettings(max_num_seqs=1024), [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]),
+])
+def test_cuda_graphs_are_captured_only_for_decode_batches_that_can_occur(settings, sizes):
+    """vLLM decodes at most max_num_seqs sequences at once, so a graph for a larger batch is start time spent
+    for nothing; the first size that holds max_num_seqs stays, so the largest batch still replays a graph."""
+    assert settings.engine_kwargs()["compilation_config"]["cudagraph_capture_sizes"] == sizes
+    assert "compilation_config" not in VLLMSettings(enforce_eager=True, max_num_seqs=48).engine_kwargs()

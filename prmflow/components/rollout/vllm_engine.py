@@ -189,8 +189,11 @@ class VLLMSettings:
             # mode 0 turns vLLM's default FULL_AND_PIECEWISE graphs off altogether (piecewise graphs need the compile:
             # vllm/config/vllm.py:1172-1183), so without the compile ask for full decode graphs only
             compilation = {"mode": 3} if self.compile else {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
-            if self.cudagraph_capture_sizes:
-                compilation["cudagraph_capture_sizes"] = sorted(set(self.cudagraph_capture_sizes))
+            sizes = sorted(set(self.cudagraph_capture_sizes))
+            if sizes and self.max_num_seqs:  # no decode batch is larger: keep the sizes up to the first that holds it
+                sizes = [s for s in sizes if s < self.max_num_seqs] + [s for s in sizes if s >= self.max_num_seqs][:1]
+            if sizes:
+                compilation["cudagraph_capture_sizes"] = sizes
             kwargs["compilation_config"] = compilation
         return {**kwargs, **self.extra}
 

@@ -148,7 +148,8 @@ def ppo_step(tmp_path: Path, workspace: Path | None = None) -> Path:
 def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(tmp_path, monkeypatch, capsys,
                                                                                compiled_ppo_step, trainer_version):
     with FakeK8s(work=fake_ppo_output, trainer_version=trainer_version) as fake:
-        out, workspace = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, "run-7f3a")
+        run_id = f"run-7f3a-{trainer_version}"  # the compiled step's workspace is shared by the module
+        out, workspace = run_ppo_step(tmp_path, monkeypatch, fake, compiled_ppo_step, run_id)
     (job,) = fake.posted()
     name = job["metadata"]["name"]
     assert job["kind"] == "TrainJob" and job["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
@@ -160,7 +161,7 @@ def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(
     trainer = spec["trainer"]
     assert trainer["image"] == "registry.example.com/ml/prmflow-gpu:1.0" and trainer["numNodes"] == 2
     assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8, "cpu": "96", "memory": "1500G"}
-    config_path = workspace / "trainjobs" / "run-7f3a" / "ppo-it0" / "config.yaml"
+    config_path = workspace / "trainjobs" / run_id / "ppo-it0" / "config.yaml"
     assert trainer["command"] == ["torchrun", "--no-python", "prmflow", "ppo", "--config", str(config_path)]
     assert spec["activeDeadlineSeconds"] == 259200  # trainer.timeout_s: the job ends even if nobody waits for it
     (patch,) = spec["runtimePatches"]

@@ -273,7 +273,7 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
     calibration=isotonic: a row's scores read as `isotonic` of the (score, outcome) pairs of every step but the
     last of the rows of the other folds (`folds`; 0.5 when there are none); the process term ranks that
     calibrated Phi's own progress, from the mean over the group of its first-step Phi through the last
-    step's Phi (no outcome).
+    step's Phi (no outcome), over the std of all the batch's outcomes instead of its class's spread.
     credit=step: z_k spread over step k's tokens (the last step runs to the last token) as z_k x Lbar / L_k
     (L_k its tokens, Lbar their mean over the row's steps), times w, the row's whole term scaled down by the
     one factor that takes its most opposed token to 0 when a token would change sign.
@@ -331,6 +331,8 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
         a_out = (row["outcome_reward"] - mean) / (std + eps)
         members = by_class[(key, row["outcome_reward"])]
         scale = math.sqrt(sum(x * x for x in members) / len(members)) if members else 0.0
+        if calibrated:  # calibrated progress is read in outcome units: the std of the batch's outcomes
+            scale = statistics.pstdev([o["outcome_reward"] for o in rows])
         z = [x / (scale + eps) for x in centered[id(row)]]
         n, ends = len(row["response_ids"]), step_ends(row)
         spans = sorted(set(ends))  # steps ending in the same token are one span

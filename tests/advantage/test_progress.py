@@ -432,15 +432,23 @@ def test_a_constant_prm_moves_no_credit_once_calibrated(tmp_path):
     assert any(np.abs(np.subtract(raw[k], grpo[k])).max() > 0.05 for k in raw)
 
 
-def test_a_noise_prm_calibrates_nearly_flat(tmp_path):
+def test_a_noise_prm_calibrates_nearly_flat_and_moves_little(tmp_path):
     # scores that say nothing about the outcome: fitted on bins of >= sqrt(N) prefixes the map stays near
     # flat (fitted per distinct score, its extreme scores fit their own outcomes)
     rng = np.random.default_rng(3)
     rows = [row(pid=f"p{g}", idx=i, n=8, step_ends=[1, 3, 5, 7], step_rewards=rng.random(4).tolist(),
                 outcome_reward=float(rng.random() < 0.4)) for g in range(40) for i in range(8)]
-    _, summary = _advantages(tmp_path / "noise", rows, **UNGATED, process_calibration="isotonic")
+    noise, summary = _advantages(tmp_path / "noise", rows, **UNGATED, process_calibration="isotonic")
     # simulated over 8 seeds of this shape: 0.02-0.21 on bins, 0.5-1.0 per distinct score
-    assert summary["advantage/prm_calibrated_spread"] < 0.3
+    spread = summary["advantage/prm_calibrated_spread"]
+    assert spread < 0.3
+    # and a nearly flat map moves little: read in outcome units, a step's term is at most w x 2 x the map's
+    # range / std(R) (steps of equal length); rescaled to unit std within each (group, outcome) class, the
+    # same map moved unit-size credit (1.49 here) towards whatever the PRM likes
+    grpo, _ = _advantages(tmp_path / "grpo", rows, estimator="grpo")
+    moved = max(np.abs(np.subtract(noise[k], grpo[k])).max() for k in noise)
+    std = np.std([r["outcome_reward"] for r in rows])
+    assert moved <= 1.2 * UNGATED["process_weight"] * 2 * spread / std  # 1.2: the spread is a mean over folds
 
 
 def test_calibration_is_recorded_only_when_on(tmp_path):

@@ -103,7 +103,11 @@ def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, 
     'baseline'; eps: added to the class scale.
     step: c_k = the process progress minus its row's mean (the raw PRM's progress d, or with calibration the
     calibrated PRM's own progress, from the group's mean first-step Phi through the last step's: no
-    outcome in it), z_k = c_k / (its (group, outcome) class's scale + eps).
+    outcome in it); z_k = c_k / (its (group, outcome) class's scale + eps) for raw scores, and with
+    calibration c_k / (the std of the batch's outcomes + eps): calibrated Phi is a chance of success, so its
+    progress is read in outcome units (as GRPO's A_out is) and a nearly flat map moves nearly nothing.
+    Rescaled to unit std per class instead, a map fitted to noise (spread 0.002) moved unit-size credit
+    towards whatever the PRM likes, since a monotone fit can only lean its way.
     baseline: mean outcome of the group's other responses - Phi_{k-1} for k >= 1, 0 for a row's first step.
     """
     scores = np.asarray(scores, dtype=np.float64)
@@ -137,5 +141,8 @@ def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, 
             start = np.divide(total, seen, out=np.zeros(n_groups), where=seen > 0)[group]
             own = prm_progress(phi, counts, start)
         c = centered_by_row(own, row, n_rows)
-        credit = c / (class_scale(c, row, group, outcome) + eps)
+        if fold_of_row is None:  # raw scores: ranked at unit scale among the responses that ended alike
+            credit = c / (class_scale(c, row, group, outcome) + eps)
+        else:  # calibrated Phi is in outcome units: its progress is read in them, so a weak map moves little
+            credit = c / (float(np.std(outcome)) + eps)
     return ProcessCredit(progress, credit, auc, int(intermediate.sum()), spread)

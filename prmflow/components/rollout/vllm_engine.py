@@ -171,7 +171,7 @@ class VLLMSettings:
     cudagraph_capture_sizes: list[int] = field(default_factory=lambda: list(CUDAGRAPH_SIZES))
     """Decode batch sizes vLLM captures a CUDA graph for (a batch between two sizes runs padded to the next one); each size costs capture time at start. Default: powers of two to 512 (10 graphs, against vLLM's 51); [] = vLLM's own list. Unmeasured on a GPU."""
     max_num_seqs: int = 0
-    """Sequences vLLM decodes at once; 0 = vLLM's (1024 on an H100/H200 for offline use, 256 on smaller GPUs). It also sizes the start's memory-profiling batch and caps the graph sizes at 2 x max_num_seqs."""
+    """Sequences vLLM decodes at once; 0 = vLLM's (1024 on an H100/H200 for offline use, 256 on smaller GPUs). It also sizes the start's memory-profiling batch, and CUDA graphs are captured only up to the first size that holds it."""
     shutdown_timeout_s: float = 120.0
     """Seconds to wait, after the engine shuts down, for its GPU memory to come back before the scoring models load."""
     extra: dict = field(default_factory=dict)

@@ -101,12 +101,19 @@ class BenchConfig:
     """Seed that picks the held-out prompts."""
     eval_max_new_tokens: int = 96
     """Token budget of a greedy held-out answer."""
+    only: list[str] = field(default_factory=list)
+    """Run and tabulate only these variants (and `reference`), e.g. --set only=[outcome-only,random-units]; empty: all. Only their PRMs are trained."""
     run_missing: bool = True
     """Run every variant x seed not finished yet; false: only write the table, figure and MLflow runs of the finished ones (e.g. while other processes still run the rest)."""
     experiment: str = "prm-vs-outcome"
     """MLflow experiment of the parent (variant) and child (seed) runs in OUTPUT/mlflow.db."""
 
     def __post_init__(self):
+        unknown = sorted(set(self.only) - set(self.variants))
+        if unknown:
+            raise ConfigError(f"only names {unknown}, which are not variants; choose from {sorted(self.variants)}.")
+        if self.only:
+            self.variants = {k: v for k, v in self.variants.items() if k in self.only or k == self.reference}
         if self.reference not in self.variants:
             raise ConfigError(f"reference={self.reference!r} is not one of the variants {sorted(self.variants)}.")
         for name, v in self.variants.items():

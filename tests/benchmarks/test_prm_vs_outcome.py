@@ -227,6 +227,16 @@ def test_process_table_against_a_hand_computed_example():
     assert lines[3] == "The trained PRM's held-out step AUC on its own eval split: 0.857."
 
 
+def test_only_keeps_the_named_variants_and_the_reference():
+    variants = {"outcome-only": {"prm": "", "advantage": {"estimator": "grpo"}},
+                "oracle": {"prm": "oracle", "advantage": {"estimator": "grpo_process"}},
+                "trained": {"prm": "trained", "advantage": {"estimator": "grpo_process"}}}
+    cfg = bench.BenchConfig(variants=variants, only=["oracle"])
+    assert list(cfg.variants) == ["outcome-only", "oracle"]  # no trained PRM is made for it
+    with pytest.raises(bench.ConfigError, match=r"only names \['orcale'\], which are not variants"):
+        bench.BenchConfig(variants=variants, only=["orcale"])
+
+
 def test_an_update_needs_a_trained_prm():
     with pytest.raises(bench.ConfigError, match=r"variants.x.update keeps a trained PRM on-policy"):
         bench.BenchConfig(variants={"x": {"prm": "oracle", "update": {}}}, reference="x")

@@ -38,3 +38,12 @@ def version_tuple(version: str, what: str = "version") -> tuple[int, int]:
     if m is None:
         raise ValueError(f"{what} {version!r} is not a version like 2.15 or 2.15.0")
     return int(m.group(1)), int(m.group(2))
+
+
+def version_family(version: str, known: tuple[str, ...], what: str) -> str:
+    """'2.16.1' / 'v2.2.1' -> '2.16' / '2.2'; ValueError naming `what` for one we do not check against."""
+    major, minor = version_tuple(version, what)
+    fam = f"{major}.{minor}"
+    if fam not in known:
+        raise ValueError(f"{what} {version} is not one prmflow checks against ({', '.join(known)})")
+    return fam

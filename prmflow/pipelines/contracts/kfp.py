@@ -17,7 +17,7 @@ Read from kubeflow/pipelines at 2.15.0, 2.16.0/2.16.1 and 2.17.0 (the lines belo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from . import KFP_VERSIONS, Source, version_tuple
+from . import KFP_VERSIONS, Source, version_family, version_tuple
 
 REPO = "kubeflow/pipelines"
 #: kfp.dsl.WORKSPACE_PATH_PLACEHOLDER; the driver looks for it verbatim in parameter values.
@@ -61,11 +61,7 @@ HEALTHZ_TAG_NAME = Source(REPO, "2.15.0", "backend/src/apiserver/main.go", 364)
 
 def family(version: str) -> str:
     """'2.16.1' -> '2.16'; ValueError for a version we do not check against."""
-    major, minor = version_tuple(version, "KFP version")
-    fam = f"{major}.{minor}"
-    if fam not in KFP_VERSIONS:
-        raise ValueError(f"KFP version {version} is not one prmflow checks against ({', '.join(KFP_VERSIONS)})")
-    return fam
+    return version_family(version, KFP_VERSIONS, "KFP version")
 
 
 def driver_mounts_workspace(parameter_values: dict, input_artifacts_metadata: list[dict] | None = None) -> bool:

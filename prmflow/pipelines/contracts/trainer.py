@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from . import TRAINER_VERSIONS, Source, version_tuple
+from . import TRAINER_VERSIONS, Source, version_family
 
 REPO = "kubeflow/trainer"
 TAGS = {"2.2": "v2.2.1", "2.3": "v2.3.0"}
@@ -50,11 +50,7 @@ _DOMAIN_PREFIXED = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-
 
 def family(version: str) -> str:
     """'v2.2.1' -> '2.2'; ValueError for a Trainer we do not check against."""
-    major, minor = version_tuple(version, "Kubeflow Trainer version")
-    fam = f"{major}.{minor}"
-    if fam not in TRAINER_VERSIONS:
-        raise ValueError(f"Kubeflow Trainer {version} is not one prmflow checks against ({', '.join(TRAINER_VERSIONS)})")
-    return fam
+    return version_family(version, TRAINER_VERSIONS, "Kubeflow Trainer")
 
 
 def runtime_containers(runtime: dict) -> dict[str, set[str]]:

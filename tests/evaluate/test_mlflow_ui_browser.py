@@ -176,6 +176,17 @@ def _save(page, tmp_path: Path, name: str) -> Path:
     return shot
 
 
+@contextlib.contextmanager
+def _screenshot_on_failure(page, tmp_path: Path, name: str):
+    """On any failure inside, a screenshot `name` (best effort) before the failure goes on."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            _save(page, tmp_path, name)
+        raise
+
+
 def test_two_runs_compared_in_the_mlflow_ui(store, mlflow_server, page, tmp_path):
     from playwright.sync_api import expect
 
@@ -423,7 +434,7 @@ def test_the_printed_compare_link_shows_two_pipeline_runs_side_by_side(store, ml
     uri, _, ids = store
     hint = compare_hint(uri, ids)
     url = re.search(r"then open (http://\S+)", hint).group(1).replace("http://127.0.0.1:5000", mlflow_server)
-    try:
+    with _screenshot_on_failure(page, tmp_path, "mlflow-compare-pipeline-runs-FAILED.png"):
         _open_compare(page, url, 2)
         for run_id in ids.values():
             assert run_id in page.url
@@ -431,10 +442,6 @@ def test_the_printed_compare_link_shows_two_pipeline_runs_side_by_side(store, ml
         page.get_by_text("Comparing 2 Runs", exact=False).scroll_into_view_if_needed()
         page.wait_for_timeout(500)
         _save(page, tmp_path, "mlflow-compare-pipeline-runs.png")
-    except BaseException:
-        with contextlib.suppress(Exception):
-            _save(page, tmp_path, "mlflow-compare-pipeline-runs-FAILED.png")
-        raise
 
 
 @pytest.fixture
@@ -485,7 +492,7 @@ def test_the_printed_compare_link_shows_the_rl_iterations_side_by_side(ppo_itera
     runs = iteration_runs(MlflowClient(uri), parent)
     assert [r.info.run_name for r in runs] == ["ppo-iter0", "ppo-iter1", "ppo-iter2"]
     with _serve(uri, tmp_path) as base:
-        try:
+        with _screenshot_on_failure(page, tmp_path, "mlflow-compare-rl-iterations-FAILED.png"):
             _open_compare(page, found.group(1).replace("http://127.0.0.1:5000", base), 3)
             for r in runs:
                 assert r.info.run_id in page.url
@@ -498,7 +505,3 @@ def test_the_printed_compare_link_shows_the_rl_iterations_side_by_side(ppo_itera
             page.get_by_text("Parameters", exact=True).last.evaluate("e => e.scrollIntoView({block: 'start'})")
             page.wait_for_timeout(1000)
             _save(page, tmp_path, "mlflow-compare-rl-iterations.png")
-        except BaseException:
-            with contextlib.suppress(Exception):
-                _save(page, tmp_path, "mlflow-compare-rl-iterations-FAILED.png")
-            raise

@@ -123,8 +123,7 @@ def _inputs(cfg: Config) -> dict:
 
 #: Keys read only by a part of the stage that a setting turns off: (is the part on?, its keys).
 _PARTS = (
-    (lambda c: bool(c.ptx_coef), ("ptx_task", "ptx_batch_size", "ptx_num_prompts", "max_seq_len", "chat_template",
-                                  "arithmetic.")),
+    (lambda c: bool(c.ptx_coef), ("ptx_task", "ptx_batch_size", "ptx_num_prompts", "max_seq_len", "chat_template")),
     (lambda c: bool(c.ptx_coef) and c.ptx_task == "arithmetic", ("arithmetic.",)),
     (lambda c: c.train_critic, ("critic", "critic_init", "prm", "critic_lr", "value_clip")),
     (lambda c: c.kl_control == "adaptive", ("kl_target", "kl_horizon")),

@@ -6,14 +6,15 @@
 #
 # The payload is ../shared/gpu (README there): vLLM 0.24.0 and what it needs, for CPython 3.12 with torch 2.11.0+cu130.
 # Parts, in order of what matters most, each given what is left of the 8 minutes (and its own cap):
-#   1. vllm-tests:     pytest tests/rollout -k vllm (the real engine: greedy = model.generate, seeds, stop ids,
-#                      the two logprob checks of issue 48, ranks and shards)
-#   2. rollout-stage:  benchmarks/rollout_stage_gpu.py: the rollout stage with the HF sampler, with vLLM's own
-#                      start defaults and with prmflow's, the engine start split into vLLM's logged parts
-#   2b. rollout-recipe: the vLLM arm alone at the cluster recipe's per-shard size (64 prompts x 8, 1024 tokens)
-#   3. gap:            benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm: a bf16 vLLM rollout
+#   1. rollout-stage:  benchmarks/rollout_stage_gpu.py: the rollout stage with the HF sampler and with vLLM (prmflow's
+#                      start defaults, its engine core spawned and in-process), the start split into its parts
+#   2. rollout-recipe: the vLLM arms alone at the cluster recipe's per-shard size (64 prompts x 8, 1024 tokens)
+#   3. vllm-tests:     pytest tests/rollout -k vllm (the real engine: greedy = model.generate, seeds, stop ids,
+#                      the two logprob checks of issue 48, ranks and shards; all 12 passed on an H200, 2026-11-26)
+#   4. gap:               benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm: a bf16 vLLM rollout
 #                      against the float32 trainer, with each rollout_correction mode
-#   4. ppo-sft-tests:  the quick ppo and sft tests on the GPU
+#   5. ppo-sft-tests:  the quick ppo and sft tests on the GPU
+#   6. rollout-stock:  the vLLM arm with vLLM's own start defaults (torch.compile, its 51 CUDA graph sizes)
 # RESULTS (default $OUT/gpu-check when $OUT is set, else /tmp/gpu-check) gets summary.md (machine, each part's
 # exit status and seconds, its key lines) and logs.tar.gz (every part's whole log).
 set -uo pipefail
@@ -67,16 +68,20 @@ python3 -c 'import torch, transformers, vllm; print("torch", torch.__version__, 
   >> "$RESULTS/logs/install.log" 2>&1
 
 PYTEST="python3 -m pytest -p no:cacheprovider -q -rfE"
-part vllm-tests 200 $PYTEST tests/rollout -k vllm
-part rollout-stage 200 python3 benchmarks/rollout_stage_gpu.py --prompts 32 --samples 8 --max-new-tokens 128 \
-     --output "$RESULTS/rollout-stage"
+# the engine start first (2026-11-26 on an H200 the vLLM tests all passed and the start was the open question)
+part rollout-stage 220 python3 benchmarks/rollout_stage_gpu.py --prompts 32 --samples 8 --max-new-tokens 128 \
+     --arms hf,vllm,vllm-inproc --output "$RESULTS/rollout-stage"
 # the recipe's per-shard size (configs/cluster/qwen2.5-math-1.5b-gsm8k-math.yaml: 512 prompts / 8 shards x 8 samples,
-# up to 1024 new tokens) with prmflow's vLLM defaults only: the HF arm at this size would take ~10 minutes, so its
-# wall there is read from its tokens/s above (docs/testing.md says so)
-part rollout-recipe 120 python3 benchmarks/rollout_stage_gpu.py --policy "$RESULTS/rollout-stage/model-358m" --arms vllm \
-     --prompts 64 --samples 8 --max-new-tokens 1024 --output "$RESULTS/rollout-recipe"
+# up to 1024 new tokens), vLLM arms only: the HF arm at this size takes minutes, so its wall there is read from its
+# tokens/s above (docs/testing.md says so)
+part rollout-recipe 180 python3 benchmarks/rollout_stage_gpu.py --policy "$RESULTS/rollout-stage/model-358m" \
+     --arms vllm,vllm-inproc --prompts 64 --samples 8 --max-new-tokens 1024 --output "$RESULTS/rollout-recipe"
+part vllm-tests 200 $PYTEST tests/rollout -k vllm
 part gap 100 python3 benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm --output /tmp/gap
 part ppo-sft-tests 100 $PYTEST tests/ppo tests/sft -m "not slow and not real_model"
+# vLLM's own start defaults (torch.compile, 51 graphs) last: on a cold compile cache it ran past 126 s (2026-11-26)
+part rollout-stock 200 python3 benchmarks/rollout_stage_gpu.py --policy "$RESULTS/rollout-stage/model-358m" \
+     --arms vllm-stock --prompts 32 --samples 8 --max-new-tokens 128 --output "$RESULTS/rollout-stock"
 
 {
   echo
@@ -84,12 +89,14 @@ part ppo-sft-tests 100 $PYTEST tests/ppo tests/sft -m "not slow and not real_mod
   for f in vllm-tests ppo-sft-tests; do
     echo; echo "## $f"; echo '```'; grep -E "passed|failed|error|FAILED|ERROR" "$RESULTS/logs/$f.log" 2>/dev/null | tail -25; echo '```'
   done
-  echo; echo "## rollout-stage"; echo '```'; grep -E "^\||^stage wall|prompts x" "$RESULTS/logs/rollout-stage.log" 2>/dev/null; echo '```'
-  echo; echo "## rollout-recipe"; echo '```'; grep -E "^\||^stage wall|prompts x" "$RESULTS/logs/rollout-recipe.log" 2>/dev/null; echo '```'
+  for f in rollout-stage rollout-recipe rollout-stock; do
+    echo; echo "## $f"; echo '```'; grep -E "^\||^stage wall|prompts x" "$RESULTS/logs/$f.log" 2>/dev/null; echo '```'
+  done
   echo; echo "## gap"; echo '```'; grep -E "^\||^device|^bf16" "$RESULTS/logs/gap.log" 2>/dev/null; echo '```'
 } >> "$SUMMARY"
-cp "$RESULTS/rollout-stage/"*.log "$RESULTS/logs/" 2>/dev/null
-cp "$RESULTS/rollout-stage/results.json" "$RESULTS/rollout-stage.json" 2>/dev/null
-cp "$RESULTS/rollout-recipe/results.json" "$RESULTS/rollout-recipe.json" 2>/dev/null
-tar -czf "$RESULTS/logs.tar.gz" -C "$RESULTS" logs && rm -rf "$RESULTS/logs" "$RESULTS/rollout-stage" "$RESULTS/rollout-recipe"
+for f in rollout-stage rollout-recipe rollout-stock; do  # each arm's whole log (a part cut by its cap leaves its arm's log too)
+  for a in "$RESULTS/$f/"*.log; do [ -f "$a" ] && cp "$a" "$RESULTS/logs/$f-$(basename "$a")"; done
+  cp "$RESULTS/$f/results.json" "$RESULTS/$f.json" 2>/dev/null
+done
+tar -czf "$RESULTS/logs.tar.gz" -C "$RESULTS" logs && rm -rf "$RESULTS/logs" "$RESULTS/rollout-stage" "$RESULTS/rollout-recipe" "$RESULTS/rollout-stock"
 cat "$SUMMARY"

@@ -9,13 +9,16 @@ with it (a sample ends at EOS or --max-new-tokens, as in a rollout). Then `rollo
 (a fresh engine, as a pipeline pod starts it) once per arm:
 
 - hf:          sampler=hf (bf16 on the GPU);
+- vllm:        sampler=vllm with prmflow's defaults (vllm_engine.VLLMSettings);
+- vllm-inproc: the same with VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine core in the stage's process;
 - vllm-stock:  sampler=vllm with vLLM's own start defaults: torch.compile (compilation mode 3) and CUDA graphs
-               for vLLM's default list of batch sizes (vllm.compile=true, vllm.cudagraph_capture_sizes=[]);
-- vllm:        sampler=vllm with prmflow's defaults (vllm_engine.VLLMSettings).
+               for vLLM's default list of batch sizes (vllm.compile=true, vllm.cudagraph_capture_sizes=[]).
+               Last: on a cold compile cache it did not finish in 126 s on the H200 (2026-11-26).
 
 Per arm: the stage's wall, its perf/load_s (engine or model start), perf/generate_s, perf/score_s and
 tokens/s; for vLLM the start's parts as vLLM logs them (weights, model loading, memory profiling,
-compilation, CUDA graph capture, the whole engine init). Prints a markdown table and writes
+compilation, CUDA graph capture, the whole engine init) and, from the log's stamps, what vLLM does not time
+(the imports before its first line, the engine process's start, the shutdown). Prints a markdown table and writes
 OUTPUT/results.json. One run per arm on whatever GPU this is: compare arms of one run only.
 """
 
@@ -44,9 +47,40 @@ START_PARTS = {
 
 ARMS = {
     "hf": {"sampler": "hf"},
-    "vllm-stock": {"sampler": "vllm", "vllm.compile": True, "vllm.cudagraph_capture_sizes": []},
     "vllm": {"sampler": "vllm"},
+    # the engine core in the stage's own process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0): no second process that
+    # imports torch and vLLM again (21 s of the 40 s start on the H200, 2026-11-26; docs/testing.md)
+    "vllm-inproc": {"sampler": "vllm"},
+    "vllm-stock": {"sampler": "vllm", "vllm.compile": True, "vllm.cudagraph_capture_sizes": []},
 }
+#: environment of an arm's stage process, on top of this one's
+ARM_ENV = {"vllm-inproc": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+
+#: vLLM's log lines carry the wall clock to the second: "INFO 11-26 21:48:34 [file.py:N] ..."
+STAMP = re.compile(r"^(?:\(EngineCore[^)]*\) )?(?:INFO|WARNING|DEBUG|ERROR) (\d\d-\d\d \d\d:\d\d:\d\d) ", re.M)
+
+
+def timeline(log: str, started: float) -> dict:
+    """The start's parts that vLLM does not time itself, from its log's stamps (1 s resolution):
+    to_vllm_s (the stage process's start to vLLM's first line: Python, torch, prmflow and vLLM imported, the task
+    read), core_start_s (vLLM's last line in the stage process before the engine core's first: the engine
+    process spawned, importing torch and vLLM again; 0 with the core in-process), shutdown_s."""
+    import datetime as dt
+
+    year = dt.datetime.fromtimestamp(started).year
+    lines = [(dt.datetime.strptime(f"{year}-{m.group(1)}", "%Y-%m-%d %H:%M:%S").timestamp(), m.group(0).startswith("(Engine"))
+             for m in STAMP.finditer(log)]
+    if not lines:
+        return {}
+    out = {"to_vllm_s": lines[0][0] - started}
+    core = next((i for i, (_, c) in enumerate(lines) if c), None)
+    if core:
+        out["core_start_s"] = lines[core][0] - lines[core - 1][0]
+    stamps = {k: re.search(rf"^.*?(\d\d-\d\d \d\d:\d\d:\d\d) .*{k}", log, re.M) for k in ("MPClient: start", "MPClient: complete")}
+    if all(stamps.values()):
+        a, b = (dt.datetime.strptime(f"{year}-{m.group(1)}", "%Y-%m-%d %H:%M:%S").timestamp() for m in stamps.values())
+        out["shutdown_s"] = b - a
+    return out
 
 RUN = """
 import json, sys
@@ -82,20 +116,23 @@ def run_arm(name: str, over: dict, args, policy: str, out: Path) -> dict:
     overrides = {"policy": policy, "output": str(out / name), "overwrite": True, "tracking.enabled": False,
                  "num_prompts": args.prompts, "n_samples": args.samples, "sampling.max_new_tokens": args.max_new_tokens,
                  "chat_template": False, **over}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **ARM_ENV.get(name, {}))
+    started = time.time()
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(overrides)], capture_output=True, text=True, env=env)
+    with open(out / f"{name}.log", "w") as f:  # written as it runs: an arm cut short by a time limit leaves its log
+        proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(overrides)], stdout=f, stderr=subprocess.STDOUT,
+                              text=True, env=env)
     wall = time.perf_counter() - t0
-    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    log = (out / f"{name}.log").read_text()
     if proc.returncode:
         return {"arm": name, "error": f"exit {proc.returncode}; see {out / f'{name}.log'}", "wall_s": wall}
-    metrics = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("METRICS "))[8:])
+    metrics = json.loads(next(line for line in log.splitlines() if line.startswith("METRICS "))[8:])
     row = {"arm": name, "wall_s": wall, **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("perf/")}}
-    log = proc.stdout + proc.stderr
     for key, pattern in START_PARTS.items():
         found = re.findall(pattern, log)
         if found:
             row[key] = sum(float(x) for x in found)  # one per worker (tensor parallel) or per call
+    row.update(timeline(log, started))
     return row
 
 
@@ -121,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "results.json").write_text(json.dumps({"policy": policy, "prompts": args.prompts, "samples": args.samples,
                                                       "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=1))
     cols = ["wall_s", "load_s", "generate_s", "score_s", "tokens_per_s", "weights_s", "model_load_s", "profiling_s",
-            "compile_s", "graph_capture_s", "init_engine_s"]
+            "compile_s", "graph_capture_s", "init_engine_s", "to_vllm_s", "core_start_s", "shutdown_s"]
     print(f"\n{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} tokens, policy {policy}")
     print("| arm | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
@@ -130,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                                              for c in cols) + " |" + (f" {r['error']}" if "error" in r else ""))
     walls = {r["arm"]: r["wall_s"] for r in rows if "error" not in r}
     if "hf" in walls:
-        for arm in ("vllm-stock", "vllm"):
+        for arm in ("vllm-stock", "vllm", "vllm-inproc"):
             if arm in walls:
                 print(f"stage wall hf / {arm}: {walls['hf'] / walls[arm]:.2f}x")
     return 0 if all("error" not in r for r in rows) else 1

@@ -267,11 +267,38 @@ def folds(rows: list[dict], k: int = 5) -> dict[str, int]:
     return {p: i % k for i, p in enumerate(sorted({r["prompt_id"] for r in rows}))}
 
 
+def chosen_map(rows: list[dict], fold: dict[str, int], f: int) -> Callable[[float], float]:
+    """The map fold f's scores are read through: the isotonic fit of the (score, outcome) pairs of every step
+    but the last of the other folds' rows (0.5 everywhere when there are none), used only where it beats the
+    flat map (their mean outcome) on those folds by more than one standard error: each of the other folds
+    held out in turn, both maps fitted on the remaining ones, a held-out prompt's gain is the sum over its
+    pairs of the flat map's squared error minus the fitted map's; the map wins when the mean gain over the
+    held-out prompts is above 1 x its standard error (sample stdev / sqrt(count), at least 2 prompts)."""
+    def pairs(keep):
+        return [(x, o["outcome_reward"], o["prompt_id"]) for o in rows if keep(fold[o["prompt_id"]])
+                for x in o["step_rewards"][:-1]]
+    train = pairs(lambda k: k != f)
+    if not train:
+        return lambda v: 0.5
+    flat = statistics.fmean(y for _, y, _ in train)
+    gains = []
+    for g in sorted({fold[p] for _, _, p in train}):
+        inner = pairs(lambda k: k not in (f, g))
+        if not inner:
+            continue
+        fitted = isotonic([x for x, _, _ in inner], [y for _, y, _ in inner])
+        inner_flat = statistics.fmean(y for _, y, _ in inner)
+        for p in sorted({p for _, _, p in train if fold[p] == g}):
+            gains.append(sum((inner_flat - y) ** 2 - (fitted(x) - y) ** 2 for x, y, q in train if q == p))
+    if len(gains) >= 2 and statistics.fmean(gains) > statistics.stdev(gains) / math.sqrt(len(gains)):
+        return isotonic([x for x, _, _ in train], [y for _, y, _ in train])
+    return lambda v: flat
+
+
 def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: float,
                   eps: float = 1e-6, credit: str = "step", calibration: str = "none") -> tuple[dict[tuple, dict], float, float]:
     """({key: {token_rewards, advantages}}, step AUC, gated weight), straight from the definitions.
-    calibration=isotonic: a row's scores read as `isotonic` of the (score, outcome) pairs of every step but the
-    last of the rows of the other folds (`folds`; 0.5 when there are none); the process term ranks that
+    calibration=isotonic: a row's scores read through `chosen_map` of its fold (`folds`); the process term ranks that
     calibrated Phi's own progress, from the mean over the group of its first-step Phi through the last
     step's Phi (no outcome), over the std of all the batch's outcomes instead of its class's spread.
     credit=step: z_k spread over step k's tokens (the last step runs to the last token) as z_k x Lbar / L_k
@@ -292,9 +319,7 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
         if not calibrated:
             phi_of[id(row)] = lambda v: v
             continue
-        pairs = [(x, o["outcome_reward"]) for o in rows if fold[o["prompt_id"]] != fold[row["prompt_id"]]
-                 for x in o["step_rewards"][:-1]]
-        phi_of[id(row)] = isotonic(*zip(*pairs)) if pairs else (lambda v: 0.5)
+        phi_of[id(row)] = chosen_map(rows, fold, fold[row["prompt_id"]])
     first = defaultdict(list)  # calibrated: the PRM's Phi after the first step of each response of a group
     for row in rows:
         if row["step_rewards"]:

@@ -526,3 +526,45 @@ def test_step_credit_sums_to_zero_per_response_and_never_flips_a_sign(batch):
         a = adv[layout.offsets[i]:layout.offsets[i + 1]]
         assert a.sum() == pytest.approx(out[i] * lengths[i], abs=1e-9 * (1 + np.abs(a).sum())), i
         assert (a * out[i] >= 0).all(), i
+
+
+def _benchmark_batch(rng, prm: str) -> list[dict]:
+    """A batch the size of the benchmark's (32 prompts x 8 responses of 3-5 steps, as `_shortcut_rows`:
+    a shortcut line is right with chance 0.5, a single step with 0.95); prm: 'random' scores every prefix
+    uniformly, 'honest' scores a single step 0.8 and a shortcut line 0.2, each plus uniform noise of +-0.3."""
+    rows = []
+    for g in range(32):
+        for i in range(8):
+            kinds = rng.random(int(rng.integers(3, 6))) < 0.4
+            right = all(rng.random() < (0.5 if k else 0.95) for k in kinds)
+            ends = (np.arange(len(kinds)) * 4 + 3).tolist()
+            noise = rng.uniform(-0.3, 0.3, len(kinds))
+            scores = rng.random(len(kinds)) if prm == "random" else np.where(kinds, 0.2, 0.8) + noise
+            rows.append(row(pid=f"p{g:02d}", idx=i, n=ends[-1] + 1, step_ends=ends, step_rewards=scores.tolist(),
+                            outcome_reward=float(right)))
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_random_prm_leaves_outcome_only_grpo_and_an_informative_one_still_moves_credit(tmp_path, seed):
+    # without any gate, at the recommended weight: a fold reads its fitted map only where that map predicts
+    # held-out prompts' outcomes better than a flat map by more than one standard error (progress.py), so a
+    # PRM of pure noise, whose isotonic fit still leans its way, gets a flat Phi and the advantages are
+    # outcome-only GRPO's exactly; a PRM whose ranking carries to other prompts keeps its map and its credit.
+    # (Simulated over 30 other batches of this shape: the noise map won 0 of 150 folds, the honest map 83%.)
+    rng = np.random.default_rng(seed)
+    rows = _benchmark_batch(rng, "random")
+    noise, summary = _advantages(tmp_path / "random", rows, **UNGATED, process_calibration="isotonic")
+    grpo, _ = _advantages(tmp_path / "grpo", rows, estimator="grpo")
+    assert summary["advantage/process_weight"] == 0.5  # no gate
+    assert summary["advantage/prm_calibrated_spread"] == 0.0
+    for k in noise:
+        assert noise[k] == pytest.approx(grpo[k], abs=1e-6), k
+    honest_rows = _benchmark_batch(np.random.default_rng(seed), "honest")
+    honest, summary = _advantages(tmp_path / "honest", honest_rows, **UNGATED, process_calibration="isotonic")
+    grpo, _ = _advantages(tmp_path / "grpo-honest", honest_rows, estimator="grpo")
+    assert summary["advantage/prm_calibrated_spread"] > 0.05  # its map is read (0.09-0.26 here, its folds' mean)
+    by_row = by_key(honest_rows)  # and it moves credit off the shortcut lines of succeeding responses
+    lift = [honest[k][e] - grpo[k][e] for k, r in by_row.items() if r["outcome_reward"] == 1.0
+            for e, x in zip(r["step_ends"], r["step_rewards"]) if x < 0.5]
+    assert np.mean(lift) < -0.03  # -0.04 to -0.16 here; 0 were its map never read

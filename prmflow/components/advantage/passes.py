@@ -27,7 +27,7 @@ from ...errors import DataError
 from .batch import check_not_null, compute_batch, describe_row, finish_batch, flat_values
 from .config import Plan, recorded
 from .estimators import Moments, group_moments, merge_group_moments
-from .progress import process_credit, prompt_folds
+from .progress import process_credit, prompt_ranks
 from .rewards import STEPLESS_SCORE, clip_rewards, step_contributions
 
 
@@ -217,11 +217,11 @@ def progress_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Process:
         values_of.append(flat_values(t, "step_rewards").astype(np.float64))
         outcome_of.append(clip_rewards(t["outcome_reward"].to_numpy().astype(np.float64), cfg.reward_clip))
     g, outcome, counts = np.concatenate(group_of), np.concatenate(outcome_of), np.concatenate(steps_of)
-    folds = None
+    prompts = None
     if cfg.process_calibration == "isotonic":
-        folds = prompt_folds([pid for _, pid in groups.keys])[g]
+        prompts = prompt_ranks([pid for _, pid in groups.keys])[g]
     pc_ = process_credit(np.concatenate(values_of), counts, outcome, g, groups.stats["mean"][g],
-                         groups.stats["sum"][g], groups.n[g].astype(np.float64), folds, cfg.process_credit,
+                         groups.stats["sum"][g], groups.n[g].astype(np.float64), prompts, cfg.process_credit,
                          cfg.norm_eps)
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])

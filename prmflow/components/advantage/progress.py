@@ -13,6 +13,19 @@ the evidence gate). So (1) a PRM that judges final answers well earns nothing fr
 line never enters a fit, and its steps are worth what its ranking of steps is worth; (2) a response's
 Phi never depends on its own outcome (nor on its group's), so the baseline credit, whose Phi_{k-1}
 depends on the prefix alone, leaves the expected policy gradient GRPO's with calibration on too.
+
+A fold's fitted map is a model choice against the flat map (every prefix the mean outcome of the fit's
+data), made on held-out data the fold's own outcomes do not enter (`map_beats_flat`): the other folds
+cross-validate among themselves, and the map is used only where it predicts held-out prompts' outcomes
+better than flat by more than one standard error (the one-standard-error rule of cross-validated model
+choice, Hastie, Tibshirani & Friedman, The Elements of Statistical Learning, 2nd ed., sec. 7.10);
+otherwise Phi is flat, the process term 0, and the advantages are outcome-only GRPO's. Why: an isotonic
+fit can only lean the PRM's way, so a map fitted to a PRM of pure noise still had a spread (0.02-0.2 at
+the benchmark's batch) and moved credit towards whatever the PRM liked; in the shortcut regime a random
+PRM ended 2.2 points below outcome-only with it (docs/process-rewards.md 5b). No threshold on the PRM's
+quality is set: the flat map wins whenever the PRM's ranking does not carry to prompts it was not fitted
+on. Simulated at that batch (32 prompts x 8 responses, 3-5 steps), a noise PRM's map is used in about 1%
+of folds; a PRM whose step AUC against outcomes is about 0.6 in 97%.
 """
 
 from __future__ import annotations
@@ -31,6 +44,10 @@ CALIBRATION_FOLDS = 5
 NO_EVIDENCE_PHI = 0.5
 """Phi of every prefix of a fold whose fit has no data (a batch of one prompt): flat, so it moves no credit."""
 
+SELECTION_SE = 1.0
+"""A fold reads the fitted map only where its held-out gain over the flat map (mean over held-out prompts of
+the flat map's squared error minus the map's) exceeds this many standard errors of that mean."""
+
 
 @dataclass
 class ProcessCredit:
@@ -45,34 +62,65 @@ class ProcessCredit:
     steps: int
     """Steps that entered step_auc."""
     spread: float | None
-    """Calibration on: the mean over folds of the fitted map's range (max - min); None: off."""
+    """Calibration on: the mean over folds of the range (max - min) of the map read (0 where flat); None: off."""
 
 
-def prompt_folds(prompt_ids: list[str], folds: int = CALIBRATION_FOLDS) -> np.ndarray:
-    """(G,) fold of each group: the rank of its prompt_id among the sorted distinct prompt ids, mod folds.
-    All iterations of one prompt share a fold (a prompt seen twice is not independent of itself)."""
+def prompt_ranks(prompt_ids: list[str]) -> np.ndarray:
+    """(G,) each group's prompt: the rank of its prompt_id among the sorted distinct prompt ids. A prompt's
+    fold is its rank mod CALIBRATION_FOLDS, so all iterations of one prompt share a fold (a prompt seen twice
+    is not independent of itself), and the held-out gain is measured per prompt for the same reason."""
     distinct = sorted(set(prompt_ids))
     rank = {p: i for i, p in enumerate(distinct)}
-    return np.array([rank[p] % folds for p in prompt_ids], dtype=np.int64)
+    return np.array([rank[p] for p in prompt_ids], dtype=np.int64)
+
+
+def map_beats_flat(scores: np.ndarray, y: np.ndarray, fold: np.ndarray, prompt: np.ndarray,
+                   train: np.ndarray) -> bool:
+    """Whether the isotonic map fitted on `train` (a fold's fit data: the other folds' intermediate
+    prefixes) predicts outcomes better than the flat map, judged on `train` alone: each of its folds is held
+    out in turn, the map and the flat map (their mean outcome) fitted on the rest, and each held-out
+    prompt's gain is the flat map's squared error minus the map's over its prefixes. True when the mean
+    gain exceeds SELECTION_SE standard errors of it (over prompts); False with fewer than two prompts.
+    All arrays (S,) per step: its score, its row's outcome, fold and prompt; train a mask."""
+    gains = []
+    for g in np.unique(fold[train]):
+        inner, held = train & (fold != g), train & (fold == g)
+        knots = fit_calibration(scores[inner], y[inner])
+        if knots is None:
+            continue
+        gain = (y[inner].mean() - y[held]) ** 2 - (calibrate(scores[held], knots) - y[held]) ** 2
+        _, by_prompt = np.unique(prompt[held], return_inverse=True)
+        gains.append(np.bincount(by_prompt.reshape(-1), gain))
+    if not gains or sum(len(x) for x in gains) < 2:
+        return False
+    gains = np.concatenate(gains)
+    return bool(gains.mean() > SELECTION_SE * gains.std(ddof=1) / np.sqrt(len(gains)))
 
 
 def cross_fitted_phi(scores: np.ndarray, row: np.ndarray, outcome: np.ndarray, intermediate: np.ndarray,
-                     fold_of_row: np.ndarray) -> tuple[np.ndarray, float]:
+                     prompt_of_row: np.ndarray) -> tuple[np.ndarray, float]:
     """(S,) every score read through the isotonic fit (rewards.fit_calibration) of the intermediate
-    prefixes of the other folds' rows, and the mean range of those fits. row: (S,) each step's row."""
-    fold = fold_of_row[row]
+    prefixes of the other folds' rows where that map beats the flat one on them (`map_beats_flat`), else
+    the flat map (their mean outcome); and the mean over folds of the map's range (0 where flat).
+    row: (S,) each step's row; prompt_of_row (R,) `prompt_ranks` per row."""
+    prompt = prompt_of_row[row]
+    fold = prompt % CALIBRATION_FOLDS
+    y = outcome[row]
     phi = np.empty(len(scores), dtype=np.float64)
     spreads = []
     for f in np.unique(fold):
         mine = fold == f
         train = intermediate & ~mine
-        knots = fit_calibration(scores[train], outcome[row[train]])
+        knots = fit_calibration(scores[train], y[train])
         if knots is None:
             phi[mine] = NO_EVIDENCE_PHI
             spreads.append(0.0)
-        else:
+        elif map_beats_flat(scores, y, fold, prompt, train):
             phi[mine] = calibrate(scores[mine], knots)
             spreads.append(float(knots[1].max() - knots[1].min()))
+        else:
+            phi[mine] = float(y[train].mean())
+            spreads.append(0.0)
     return phi, float(np.mean(spreads)) if spreads else 0.0
 
 
@@ -95,11 +143,11 @@ def class_scale(centered: np.ndarray, row: np.ndarray, group: np.ndarray, outcom
 
 def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, group: np.ndarray,
                    group_mean: np.ndarray, group_sum: np.ndarray, group_n: np.ndarray,
-                   fold_of_row: np.ndarray | None, kind: str, eps: float) -> ProcessCredit:
+                   prompt_of_row: np.ndarray | None, kind: str, eps: float) -> ProcessCredit:
     """The per-step progress and process term of grpo_progress (module docstring).
 
     scores (S,); counts, outcome, group (R,); group_mean, group_sum, group_n (R,) the outcome statistics of
-    each row's group; fold_of_row (R,) with calibration (`prompt_folds`), None without; kind: 'step' or
+    each row's group; prompt_of_row (R,) with calibration (`prompt_ranks`), None without; kind: 'step' or
     'baseline'; eps: added to the class scale.
     step: c_k = the process progress minus its row's mean (the raw PRM's progress d, or with calibration the
     calibrated PRM's own progress, from the group's mean first-step Phi through the last step's: no
@@ -120,10 +168,10 @@ def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, 
     intermediate[(np.cumsum(counts) - 1)[has]] = False
     auc = roc_auc(scores[intermediate], outcome[row[intermediate]] >= 0.5)
     spread = None
-    if fold_of_row is None:
+    if prompt_of_row is None:
         phi = scores
     else:
-        phi, spread = cross_fitted_phi(scores, row, outcome, intermediate, fold_of_row)
+        phi, spread = cross_fitted_phi(scores, row, outcome, intermediate, prompt_of_row)
     progress = progress_rewards(phi, counts, outcome, group_mean)
     if kind == "baseline":
         others = (group_sum - outcome) / np.maximum(group_n - 1, 1)  # (R,) mean_{-i}
@@ -132,7 +180,7 @@ def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, 
         credit = others[row] - before
         credit[first] = 0.0
     else:
-        if fold_of_row is None:
+        if prompt_of_row is None:
             own = progress
         else:  # the calibrated PRM's own progress, from its group's mean first-step Phi
             n_groups = int(group.max()) + 1 if len(group) else 0
@@ -141,7 +189,7 @@ def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, 
             start = np.divide(total, seen, out=np.zeros(n_groups), where=seen > 0)[group]
             own = prm_progress(phi, counts, start)
         c = centered_by_row(own, row, n_rows)
-        if fold_of_row is None:  # raw scores: ranked at unit scale among the responses that ended alike
+        if prompt_of_row is None:  # raw scores: ranked at unit scale among the responses that ended alike
             credit = c / (class_scale(c, row, group, outcome) + eps)
         else:  # calibrated Phi is in outcome units: its progress is read in them, so a weak map moves little
             credit = c / (float(np.std(outcome)) + eps)

@@ -317,7 +317,8 @@ def _run_local(args) -> int:
     params = parse_params(args.param)
     uri, experiment, parent = run_local(spec, params, Path(args.root), verbose=args.verbose)
     _print_summary(uri, experiment, parent)
-    print(ui_hint(uri, experiment))  # the page opens on the runs table, not MLflow's GenAI view
+    if parent is not None:  # the page opens on the runs table, not MLflow's GenAI view
+        print(ui_hint(uri, experiment, parent_run_id=parent))
     return 0
 
 
@@ -332,10 +333,10 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     from mlflow.tracking import MlflowClient
 
     from .. import tracking
+    from ..tracking.delivery import find_pipeline_run
     from . import console
     from .kfp_shim import RUN_ID_ENV
     from .pipeline import build
-    from .summary import latest_pipeline_run
 
     # the tasks run as subprocesses: give them an absolute store so they all log to the same one
     params.setdefault("tracking_uri", tracking.resolve_uri(tracking.TrackingConfig(uri=spec.pipeline.tracking_uri)))
@@ -367,7 +368,9 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
                 os.environ[RUN_ID_ENV] = before
     print(f"pipeline finished in {time.monotonic() - t0:.0f} s; artifacts under {root}; runs in {params['tracking_uri']}"
           + ("" if verbose else f"; full log: {log_path}"))
-    parent = latest_pipeline_run(MlflowClient(params["tracking_uri"]), experiment)
+    # this run's own parent, found by the id its tasks were given: not the experiment's newest pipeline run, which
+    # may be another pipeline's logging to the same store
+    parent = find_pipeline_run(MlflowClient(params["tracking_uri"]), experiment, run_id)
     return params["tracking_uri"], experiment, parent
 
 

@@ -91,18 +91,6 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def latest_pipeline_run(client, experiment: str) -> str | None:
-    """Id of the newest pipeline (parent) run in `experiment`."""
-    from ..tracking import ROLE_TAG
-
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        return None
-    runs = client.search_runs([exp.experiment_id], max_results=1, order_by=["attributes.start_time DESC"],
-                              filter_string=f"tags.`{ROLE_TAG}` = 'pipeline'")
-    return runs[0].info.run_id if runs else None
-
-
 #: Parent-run metric (logged at step = RL iteration) <- summary table column.
 ITERATION_METRICS = {"pipeline/reward_mean": "reward", "pipeline/accuracy": "accuracy", "pipeline/kl_to_sft": "kl"}
 
@@ -242,9 +230,10 @@ def iteration_runs(client, parent_run_id: str) -> list:
     return sorted(runs, key=lambda r: int(r.data.tags.get("prmflow.iteration", 0)))
 
 
-def ui_hint(uri: str, experiment: str, port: int = 5000, parent_run_id: str | None = None) -> str:
+def ui_hint(uri: str, experiment: str, parent_run_id: str, port: int = 5000) -> str:
     """How to open the runs of `experiment` in the MLflow UI: the command, the page to open, and the page
-    comparing the RL iterations of the pipeline run `parent_run_id` (default: the newest one).
+    comparing the RL iterations of the pipeline run `parent_run_id` (the caller's own run: the experiment's
+    newest pipeline run may be another pipeline's logging to the same store).
 
     MLflow 3.17's UI opens every experiment in its GenAI view (traces, "Eval" runs) until the
     workflow switch at the top left is set to "Model training" (remembered by the browser); the
@@ -256,8 +245,7 @@ def ui_hint(uri: str, experiment: str, port: int = 5000, parent_run_id: str | No
     base = f"http://127.0.0.1:{port}"
     page = f"{base}/#/experiments/{exp.experiment_id if exp else ''}?{TRAINING_VIEW}"
     lines = [f"see the runs with: mlflow ui --backend-store-uri {uri} --port {port}", f"then open {page}"]
-    parent = parent_run_id or (latest_pipeline_run(client, experiment) if exp else None)
-    iterations = iteration_runs(client, parent) if parent else []
+    iterations = iteration_runs(client, parent_run_id)
     if len(iterations) > 1:
         lines.append(f"compare the {len(iterations)} RL iterations (their ppo runs) side by side: "
                      f"{compare_url(base, [r.info.experiment_id for r in iterations], [r.info.run_id for r in iterations])}")

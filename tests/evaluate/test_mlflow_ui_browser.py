@@ -486,7 +486,7 @@ def test_the_printed_compare_link_shows_the_rl_iterations_side_by_side(ppo_itera
     from prmflow.pipelines.summary import iteration_runs, ui_hint
 
     uri, experiment, parent = ppo_iterations
-    hint = ui_hint(uri, experiment)  # as run-local prints it: the newest pipeline run
+    hint = ui_hint(uri, experiment, parent)  # as run-local prints it for its own pipeline run
     found = re.search(r"compare the 3 RL iterations \(their ppo runs\) side by side: (http://\S+)", hint)
     assert found, hint
     runs = iteration_runs(MlflowClient(uri), parent)

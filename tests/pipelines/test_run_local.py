@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import sys
+import time
 
 import pytest
 import yaml
@@ -47,6 +48,16 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
 
+    # another pipeline logging to the same store, whose parent run is the experiment's newest: the closing table
+    # and the compare link must still be this run's own
+    other = MlflowClient(store)
+    other_parent = other.create_run(other.create_experiment("run-local-test"), start_time=int(time.time() * 1000) + 86_400_000,
+                                    tags={"prmflow.role": "pipeline", "prmflow.pipeline_run_id": "another-pipeline"},
+                                    run_name="another-pipeline").info
+    for k in (0, 1):
+        other.create_run(other_parent.experiment_id, run_name=f"ppo-iter{k}",
+                         tags={"mlflow.parentRunId": other_parent.run_id, "prmflow.stage": "ppo"})
+
     handlers, printer = logging.getLogger().handlers[:], builtins.print
     assert cli.main(["pipeline", "run-local", "--config", str(cfg), "--root", str(tmp_path / "root"),
                      "--param", f"tracking_uri={store}"]) == 0
@@ -56,7 +67,8 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
 
     client = MlflowClient(store)
     exp = client.get_experiment_by_name("run-local-test")
-    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    runs = [r for r in client.search_runs([exp.experiment_id], max_results=1000)
+            if other_parent.run_id not in (r.info.run_id, r.data.tags.get("mlflow.parentRunId"))]
     parents = [r for r in runs if r.data.tags.get("prmflow.role") == "pipeline"]
     assert len(parents) == 1, [r.data.tags for r in runs]
     parent = parents[0]
@@ -116,6 +128,10 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
         r.data.metrics["rollout/samples"] for r in shards)
     assert rows["iter 1"][1] == f"{reward:.3f}"  # the batch mean over both shards
     assert client.get_metric_history(parent.info.run_id, "pipeline/reward_mean")[-1].value == pytest.approx(reward)
+    # the compare link lists this run's two ppo runs, not the other pipeline's
+    link = re.search(r"compare the 2 RL iterations \(their ppo runs\) side by side: (\S+)", out)
+    assert link, out
+    assert all(by_name[f"ppo-iter{k}"].info.run_id in link.group(1) for k in (0, 1)) and other_parent.run_id not in out
 
 
 @pytest.mark.timeout(900)

@@ -134,6 +134,7 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     assert all(by_name[f"ppo-iter{k}"].info.run_id in link.group(1) for k in (0, 1)) and other_parent.run_id not in out
 
 
+@pytest.mark.slow  # ~100 s on 2 cores; the test above keeps the whole DAG in the quick suite
 @pytest.mark.timeout(900)
 def test_compare_runs_each_variant_on_one_shared_warm_up(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient

@@ -33,7 +33,9 @@ def init_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, sft_confi
             continue
         resolved = config_lib.build(available[section].Config, config_lib.flatten(dict(values or {})),
                                     where=f"pipeline config section '{section}'")
-        flat.update({f"{section}.{key}": value for key, value in config_lib.flat_dict(resolved).items()
+        # a stage that leaves the keys of its parts that are off out of its own run's params (ppo) does so here too
+        params_of = getattr(available[section], "used_params", config_lib.flat_dict)
+        flat.update({f"{section}.{key}": value for key, value in params_of(resolved).items()
                      if not key.startswith("tracking.")})
     run = tracking.start_pipeline_run(cfg, params=flat)
     return run.run_id

@@ -48,3 +48,26 @@ def test_stages_log_into_the_runs_the_kfp_backend_made(tmp_path, monkeypatch, in
     else:
         assert len(runs) == 2 and runs[stage.run_id].data.tags["mlflow.parentRunId"] == parent.run_id
         assert runs[stage.run_id].data.metrics["rollout/reward_mean"] == 0.5
+
+
+def test_the_parent_run_leaves_out_the_keys_of_ppo_parts_that_are_off_as_the_ppo_run_does(tmp_path):
+    """The pipeline's parent run logs every stage's resolved config, but not the keys of ppo's parts that
+    are off (the ptx loss and its arithmetic task, the critic): nothing reads them, and whoever compares
+    two pipeline runs in MLflow would see a prompt prefix no prompt of the run was built with."""
+    from mlflow.tracking import MlflowClient
+
+    from prmflow.components.ppo import stage as ppo_stage
+    from prmflow.components.common import config as config_lib
+    from prmflow.pipelines.lineage import init_tracking
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    params = {}
+    for name, ppo in (("off", {}), ("on", {"ptx_coef": 0.1, "train_critic": True})):
+        run_id = init_tracking(f"kfp-{name}", store, "parent-params", {}, {}, {}, {}, ppo, {})
+        params[name] = MlflowClient(store).get_run(run_id).data.params
+    assert not [k for k in params["off"] if k.startswith(("ppo.arithmetic.", "ppo.ptx_task", "ppo.critic_lr"))]
+    assert {"ppo.arithmetic.prompt_prefix", "ppo.ptx_task", "ppo.critic_lr"} <= set(params["on"])
+    # the same keys as the ppo stage's own run logs, and every other section as it was
+    ppo_off = ppo_stage.used_params(config_lib.build(ppo_stage.Config, {}))
+    assert {k for k in params["off"] if k.startswith("ppo.")} == {f"ppo.{k}" for k in ppo_off if not k.startswith("tracking.")}
+    assert "sft.max_steps" in params["off"] and "rollout.sampling.max_new_tokens" in params["off"]

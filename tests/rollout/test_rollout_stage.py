@@ -76,6 +76,34 @@ def test_old_logprobs_equal_a_fresh_forward_pass(scored_run, sft_policy):
         assert torch.allclose(torch.tensor(r["ref_logprobs"]), ref, atol=LOGPROB_ATOL)
 
 
+def fresh_logprobs(model, r) -> torch.Tensor:
+    """log p of each response token under `model`'s raw distribution, the row alone in one full forward."""
+    ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
+    p = len(r["prompt_ids"])
+    with torch.no_grad():
+        return torch.log_softmax(model(ids).logits[0].float(), -1)[p - 1:-1].gather(-1, ids[0, p:, None])[:, 0]
+
+
+def test_old_logprobs_from_the_hf_sampler_are_the_policys_own(tmp_path, sft_policy):
+    """With the HF sampler in float32 (auto), old_logprobs are the sampler's own numbers and no scoring pass
+    runs; they are the policy's raw log-probs (not the temperature-0.7 ones it sampled from), and they agree with
+    what a scoring forward (old_logprobs=forward) writes for the same samples. 1e-4: the KV cache only reorders
+    float32 sums (~2e-5 here), while a tempered distribution or a shifted position is off by 1e-1 or more."""
+    over = {"dtype": "float32", "sampling.temperature": 0.7, "num_prompts": 4}
+    auto = stage.run(make_cfg(sft_policy, tmp_path / "auto", **over))
+    forward = stage.run(make_cfg(sft_policy, tmp_path / "forward", old_logprobs="forward", **over))
+    assert auto["rollout/logprob_gap"] == 0.0 < forward["rollout/logprob_gap"]  # the second pass ran only there
+    a, f = (schema.read_dataset(tmp_path / d, "rollouts").to_pylist() for d in ("auto", "forward"))
+    assert [r["response_ids"] for r in a] == [r["response_ids"] for r in f]  # the same samples
+    model, _ = modeling.load_causal_lm(sft_policy)
+    model.eval()
+    for ra, rf in zip(a, f):
+        assert ra["old_logprobs"] == ra["behavior_logprobs"]
+        ref = fresh_logprobs(model, ra)
+        assert torch.allclose(torch.tensor(ra["old_logprobs"]), ref, atol=1e-4)
+        assert torch.allclose(torch.tensor(rf["old_logprobs"]), ref, atol=LOGPROB_ATOL)
+
+
 def test_values_are_the_critic_at_the_position_before_each_token(scored_run, random_critic):
     _, _, rows = scored_run
     critic, _ = modeling.load_scalar_model(random_critic)

@@ -1,8 +1,8 @@
 """The model passes of a rollout: sample with the engine, then score what was sampled.
 
 Sampling (engines.py) gives token ids, behavior_logprobs and finish_reason per sample. Scoring
-(scoring.py) recomputes old_logprobs with a fresh full forward of the policy (never copied from
-behavior_logprobs), ref_logprobs from `ref` (the KL term), values from `critic`, and step_rewards
+(scoring.py) recomputes old_logprobs with a fresh full forward of the policy, unless the sampler's
+own numbers are that policy's (`old_from_sampler`: the HF sampler in float32), ref_logprobs from `ref` (the KL term), values from `critic`, and step_rewards
 from the PRM on the re-tokenized text. One model is on the device at a time.
 """
 
@@ -13,6 +13,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -39,6 +40,16 @@ def model_dtype(cfg: Config) -> str:
     if cfg.dtype != "auto":
         return cfg.dtype
     return "bfloat16" if cfg.sampler == "vllm" or device(cfg).type == "cuda" else "float32"
+
+
+def old_from_sampler(cfg: Config) -> bool:
+    """cfg.old_logprobs resolved: take old_logprobs from the sampler's own log-probs (no scoring
+    forward)? auto: only for the HF sampler in float32, where the sampling forward is the policy's
+    own forward at the weights and dtype a fresh pass would use (the KV cache changes only the
+    order of float32 sums); vLLM and bf16 numbers are another engine's, so auto scores again."""
+    if cfg.old_logprobs != "auto":
+        return cfg.old_logprobs == "sampler"
+    return cfg.sampler == "hf" and model_dtype(cfg) == "float32"
 
 
 def local_rank(cfg: Config) -> int | None:
@@ -130,9 +141,12 @@ def score(cfg: Config, policy, tokenizer, records: list[tasks.PromptRecord], row
         per_prompt = [vis.pixels(r.images or [], f"{cfg.task}, prompt_id={r.prompt_id!r}") for r in records]
         pixels = [per_prompt[i] for i, _, _ in rows]
         images = [records[i].images or [] for i, _, _ in rows]
-    bar = progress(total, "rollout: old logprobs", "resp")
-    old = scoring.forward_logprobs(policy, p_ids, r_ids, bs, pad, progress=bar.update, pixels=pixels)
-    bar.close()
+    if old_from_sampler(cfg):  # the sampling forward already gave them (cfg.old_logprobs)
+        old = [np.asarray(c.logprobs, np.float32) for _, _, c in rows]
+    else:
+        bar = progress(total, "rollout: old logprobs", "resp")
+        old = scoring.forward_logprobs(policy, p_ids, r_ids, bs, pad, progress=bar.update, pixels=pixels)
+        bar.close()
     ref = values = step_rewards = None
     if cfg.ref:
         ref_model = load_scorer_model(cfg.ref, cfg, scalar=False)

@@ -13,8 +13,8 @@ Phases, in one process:
    finish_reason per sample.
 3. outcome reward (rewards.py): the recipe of each row's `source`, a weighted sum of components,
    computed before the model passes so a broken reward fails fast.
-4. score (passes.py, with scoring.py): old_logprobs from a fresh full forward of the policy (never
-   copied from behavior_logprobs), ref_logprobs from `ref` when set (KL term), values from `critic`
+4. score (passes.py, with scoring.py): old_logprobs from a fresh full forward of the policy, or,
+   with the HF sampler in float32, its own log-probs of the tokens it drew (key old_logprobs), ref_logprobs from `ref` when set (KL term), values from `critic`
    when set, step_ends from the policy's tokens, step_rewards from the PRM on the re-tokenized text.
 5. write (output.py): DatasetWriter into a temporary sibling, validated, renamed at the end; the
    manifest keeps the config and the metrics, so a re-run with the same config returns at once.

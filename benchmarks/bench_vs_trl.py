@@ -14,7 +14,8 @@ constant, no warm-up, grad-norm clip 1.0, clipped ratio 0.2, no KL term, loss = 
 minibatch: TRL's "dapo"; AdamW betas 0.9/0.95, prmflow's). prmflow runs its stages in one process (rollout -> advantage grpo -> ppo, the
 optimizer moments carried from one iteration to the next as the pipeline does); TRL runs `GRPOTrainer.train`.
 The differences that remain are written out in benchmarks/README.md (eps 1e-6 vs 1e-4 in the normalization;
-prmflow re-scores old log-probs in its rollout, TRL in its generation step).
+prmflow's old log-probs are its HF sampler's own (rollout key old_logprobs, auto), TRL re-scores them with a forward
+in its generation step whenever a generation batch spans more than one optimizer step).
 
 What is timed, per iteration: rollout (sampling alone, and sampling + scoring), training (advantage + policy
 updates), and, once per arm, process start-up (interpreter, imports, first model load). The held-out pass@1
@@ -95,6 +96,15 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def bytes_written() -> int:
+    """Bytes this process has passed to write calls so far (/proc/self/io `wchar`: files and pipes, page cache
+    or not; 0 where /proc is missing)."""
+    try:
+        return int(next(line.split()[1] for line in open("/proc/self/io") if line.startswith("wchar:")))
+    except (OSError, StopIteration):
+        return 0
+
+
 class PhaseClock:
     """Seconds spent inside wrapped functions, by phase (for the stages, which time their parts only in part)."""
 
@@ -150,7 +160,7 @@ def run_prmflow(spec: dict, work: Path, with_prm: bool) -> dict:
         prm, prm_s = str(work / "prm"), time.perf_counter() - t
     for k in range(spec["iterations"]):
         clock.take()
-        cpu0 = cpu_seconds()
+        cpu0, wrote0 = cpu_seconds(), bytes_written()
         t = time.perf_counter()
         metrics = rollout.run(rollout_config(spec, k, policy, str(work / f"rollouts-{k}"), prm))
         t_roll = time.perf_counter() - t
@@ -172,7 +182,7 @@ def run_prmflow(spec: dict, work: Path, with_prm: bool) -> dict:
             "loss_agg": "token-mean", "optimizer_state": str(work / f"ppo-{k - 1}" / "optimizer") if k else "",
             "engine.backend": "torch", "tracking.enabled": False}))
         t_ppo = time.perf_counter() - t
-        cpu = cpu_seconds() - cpu0
+        cpu, wrote = cpu_seconds() - cpu0, bytes_written() - wrote0
         ppo_parts = clock.take()
         policy = str(work / f"ppo-{k}" / "policy")
         model, tok = modeling.load_causal_lm(policy)
@@ -185,7 +195,7 @@ def run_prmflow(spec: dict, work: Path, with_prm: bool) -> dict:
                   "save_s": ppo_parts.get("save", 0.0)}
         phases["other_s"] = wall - sum(phases.values())
         iters.append({"rollout_s": t_roll, "generate_s": metrics["perf/generate_s"], "advantage_s": t_adv,
-                      "train_s": t_ppo, "iteration_s": wall, "cpu_s": cpu, "phases": phases,
+                      "train_s": t_ppo, "iteration_s": wall, "cpu_s": cpu, "written_mb": wrote / 1e6, "phases": phases,
                       "tokens": sum(len(r["response_ids"]) for r in rows), "reward": metrics["rollout/reward_mean"]})
     out = {"startup_s": startup, "model_load_s": load_s, "iterations": iters, "pass1": evals}
     if with_prm:
@@ -250,11 +260,11 @@ def run_trl(spec: dict, work: Path) -> dict:
             finally:
                 timing["gen_and_score"] += time.perf_counter() - t
 
-    iters, mark = [], {"t": None, "gen": 0.0, "gs": 0.0, "eval": 0.0, "cpu": 0.0}
+    iters, mark = [], {"t": None, "gen": 0.0, "gs": 0.0, "eval": 0.0, "cpu": 0.0, "wrote": 0}
 
     class PerIteration(TrainerCallback):
         def on_train_begin(self, args_, state, control, **kw):
-            mark["t"], mark["cpu"] = time.perf_counter(), cpu_seconds()
+            mark["t"], mark["cpu"], mark["wrote"] = time.perf_counter(), cpu_seconds(), bytes_written()
 
         def on_step_end(self, args_, state, control, model=None, **kw):
             if state.global_step % updates_per_iter:
@@ -266,11 +276,13 @@ def run_trl(spec: dict, work: Path) -> dict:
             phases = {"load_s": 0.0, "generate_s": gen, "score_s": gs - gen, "train_s": wall - gs, "save_s": 0.0,
                       "other_s": 0.0}
             iters.append({"rollout_s": gs, "generate_s": gen, "advantage_s": 0.0, "train_s": wall - gs,
-                          "iteration_s": wall, "cpu_s": cpu_seconds() - mark["cpu"], "phases": phases,
+                          "iteration_s": wall, "cpu_s": cpu_seconds() - mark["cpu"],
+                          "written_mb": (bytes_written() - mark["wrote"]) / 1e6, "phases": phases,
                           "tokens": tokens[-1] if tokens else 0, "reward": rewards[-1] if rewards else float("nan")})
             evals.append(held_out_pass1(model, tok, spec))
             model.train()
-            mark.update(t=time.perf_counter(), gen=timing["generate"], gs=timing["gen_and_score"], cpu=cpu_seconds())
+            mark.update(t=time.perf_counter(), gen=timing["generate"], gs=timing["gen_and_score"], cpu=cpu_seconds(),
+                        wrote=bytes_written())
 
     trainer = Timed(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
                     processing_class=tok, callbacks=[PerIteration()])
@@ -300,13 +312,14 @@ def table(results: dict, spec: dict) -> str:
             lines.append(f"| | | {k} | {it['rollout_s']:.1f} ({it['generate_s']:.1f}) | {train:.1f} | "
                          f"{it['iteration_s']:.1f} | {it['tokens']} | {1000 * it['iteration_s'] / max(it['tokens'], 1):.1f} | "
                          f"{it.get('reward', float('nan')):.3f} | {r['pass1'][k + 1]:.3f} | |")
-    lines += ["", "| arm | iteration | " + " | ".join(p[:-2] for p in PHASES) + " | wall s | CPU s |",
-              "|---" * (len(PHASES) + 4) + "|"]
+    lines += ["", "| arm | iteration | " + " | ".join(p[:-2] for p in PHASES) + " | wall s | CPU s | written MB |",
+              "|---" * (len(PHASES) + 5) + "|"]
     for arm, r in results.items():
         for k, it in enumerate(r["iterations"]):
             ph = it.get("phases", {})
             lines.append(f"| {arm} | {k} | " + " | ".join(f"{ph.get(p, float('nan')):.1f}" for p in PHASES) +
-                         f" | {it['iteration_s']:.1f} | {it.get('cpu_s', float('nan')):.1f} |")
+                         f" | {it['iteration_s']:.1f} | {it.get('cpu_s', float('nan')):.1f} | "
+                         f"{it.get('written_mb', float('nan')):.0f} |")
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ with it (a sample ends at EOS or --max-new-tokens, as in a rollout). Then `rollo
 
 - hf:          sampler=hf (bf16 on the GPU);
 - vllm:        sampler=vllm with prmflow's defaults (vllm_engine.VLLMSettings);
-- vllm-inproc: the same with VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine core in the stage's process;
+- vllm-inproc: the same with vllm.in_process=true: vLLM's engine core in the stage's process;
 - vllm-stock:  sampler=vllm with vLLM's own start defaults: torch.compile (compilation mode 3) and CUDA graphs
                for vLLM's default list of batch sizes (vllm.compile=true, vllm.cudagraph_capture_sizes=[]).
                Last: on a cold compile cache it did not finish in 126 s on the H200 (2026-11-26).
@@ -48,13 +48,11 @@ START_PARTS = {
 ARMS = {
     "hf": {"sampler": "hf"},
     "vllm": {"sampler": "vllm"},
-    # the engine core in the stage's own process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0): no second process that
-    # imports torch and vLLM again (21 s of the 40 s start on the H200, 2026-11-26; docs/testing.md)
-    "vllm-inproc": {"sampler": "vllm"},
+    # the engine core in the stage's own process (vllm.in_process): no second process that imports torch and vLLM
+    # again (21 s of the 40 s start on the H200, 2026-11-26; docs/testing.md)
+    "vllm-inproc": {"sampler": "vllm", "vllm.in_process": True},
     "vllm-stock": {"sampler": "vllm", "vllm.compile": True, "vllm.cudagraph_capture_sizes": []},
 }
-#: environment of an arm's stage process, on top of this one's
-ARM_ENV = {"vllm-inproc": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
 
 #: vLLM's log lines carry the wall clock to the second: "INFO 11-26 21:48:34 [file.py:N] ..."
 STAMP = re.compile(r"^(?:\(EngineCore[^)]*\) )?(?:INFO|WARNING|DEBUG|ERROR) (\d\d-\d\d \d\d:\d\d:\d\d) ", re.M)
@@ -116,7 +114,7 @@ def run_arm(name: str, over: dict, args, policy: str, out: Path) -> dict:
     overrides = {"policy": policy, "output": str(out / name), "overwrite": True, "tracking.enabled": False,
                  "num_prompts": args.prompts, "n_samples": args.samples, "sampling.max_new_tokens": args.max_new_tokens,
                  "chat_template": False, **over}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **ARM_ENV.get(name, {}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     started = time.time()
     t0 = time.perf_counter()
     with open(out / f"{name}.log", "w") as f:  # written as it runs: an arm cut short by a time limit leaves its log

@@ -88,7 +88,7 @@ def vllm_module():
 
     with pytest.MonkeyPatch.context() as mp:
         for key in ("CUDA_VISIBLE_DEVICES", "PRMFLOW_RANK_GPU", "VLLM_WORKER_MULTIPROC_METHOD",  # the adapter sets them
-                    "TRITON_F32_DEFAULT"):
+                    "TRITON_F32_DEFAULT", "VLLM_ENABLE_V1_MULTIPROCESSING"):
             mp.setenv(key, os.environ.get(key, ""))
             if not os.environ[key]:
                 mp.delenv(key)

@@ -28,6 +28,8 @@ and samples with the tiny HF model on CPU, so the rollout tests run over sampler
   (vllm/config/compilation.py:428, 588, 629, 845-850); with $VLLM_USE_FLASHINFER_SAMPLER unset the
   sampler imports flashinfer (vllm/v1/sample/ops/topk_topp_sampler.py:38-44), absent here as in an image
   without it, so the start fails with ModuleNotFoundError.
+- the engine core runs in a process of its own unless $VLLM_ENABLE_V1_MULTIPROCESSING is 0 when the engine is made
+  (vllm/envs.py; v1/engine/llm_engine.py from_engine_args): recorded as `core_in_process`.
 - `collective_rpc("reload_weights", kwargs={"weights_path": ...})` reads new weights into the running model
   (v1/worker/gpu_model_runner.py:5388-5430) and leaves the prefix cache as it was until
   `reset_prefix_cache()` (recorded as `prefix_cache_fresh`; the stand-in keeps no cache to go stale).
@@ -227,7 +229,11 @@ class LLM:
         if os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "1") != "0" and importlib.util.find_spec("flashinfer") is None:
             raise ModuleNotFoundError("No module named 'flashinfer'")
         self.env = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "VLLM_WORKER_MULTIPROC_METHOD",
-                                                   "TRITON_F32_DEFAULT", "VLLM_USE_FLASHINFER_SAMPLER")}
+                                                   "TRITON_F32_DEFAULT", "VLLM_USE_FLASHINFER_SAMPLER",
+                                                   "VLLM_ENABLE_V1_MULTIPROCESSING")}
+        # where the engine core runs: $VLLM_ENABLE_V1_MULTIPROCESSING read as the engine is made (vllm/envs.py,
+        # default "1": a process of its own)
+        self.core_in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
         self.seed = kwargs.get("seed", 0)
         set_random_seed(self.seed)
         hf_config = AutoConfig.from_pretrained(model)

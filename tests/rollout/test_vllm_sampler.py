@@ -36,7 +36,7 @@ def make_cfg(policy, output, **over):
 def one_process(monkeypatch):
     """One process on a machine with 8 GPUs, whatever launched the tests (the stand-in reads the env)."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PRMFLOW_RANK_GPU", "VLLM_WORKER_MULTIPROC_METHOD",
-                "TRITON_F32_DEFAULT", "VLLM_USE_FLASHINFER_SAMPLER"):
+                "TRITON_F32_DEFAULT", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ENABLE_V1_MULTIPROCESSING"):
         monkeypatch.setenv(key, "")  # recorded, so what the adapter sets is undone after the test
         monkeypatch.delenv(key)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
@@ -245,6 +245,21 @@ def test_engine_starts_uncompiled_with_decode_graphs_and_without_flashinfer(vllm
     eng.generate([tok("1+2=")["input_ids"]], SamplingParams(n=1, temperature=1.0, top_k=0, max_new_tokens=2, seed=0))
     assert llm.params[-1].top_k == 0
     eng.close()
+
+
+def test_in_process_runs_the_engine_core_in_the_stages_process_and_only_when_asked(vllm_module, sft_policy):
+    """`vllm.in_process: true` makes the engine core run in the stage's process (no second import of torch
+    and vLLM); by default vLLM keeps its own choice (a process of its own), and the two sample alike."""
+    _, tok = modeling.load_causal_lm(sft_policy)
+    prompt = [tok("1+2=")["input_ids"]]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=3)
+    out = {}
+    for in_process in (False, True):
+        eng = VLLMEngine(str(sft_policy), "float32", settings=VLLMSettings(gpu_memory_utilization=0.3, in_process=in_process))
+        assert eng.llm.core_in_process is in_process
+        out[in_process] = [c.token_ids for c in eng.generate(prompt, params)[0]]
+        eng.close()
+    assert out[True] == out[False]
 
 
 def test_load_weights_samples_the_new_policy_as_a_fresh_engine_would(vllm_module, sft_policy, tmp_path):

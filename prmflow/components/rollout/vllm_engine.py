@@ -53,7 +53,11 @@ from .engines import LENGTH, STOP, Completion, SamplingParams
 # - a running engine takes new weights of the same architecture from a directory with
 #   `collective_rpc("reload_weights", kwargs={"weights_path": ...})` (v1/worker/gpu_worker.py:396-397 ->
 #   v1/worker/gpu_model_runner.py:5388); the prefix cache still holds KV computed with the old weights until
-#   `reset_prefix_cache()` (entrypoints/llm.py:800).
+#   `reset_prefix_cache()` (entrypoints/llm.py:800);
+# - `vllm.LLM` runs its engine core in a process of its own unless $VLLM_ENABLE_V1_MULTIPROCESSING is 0 (vllm/envs.py,
+#   default "1"; v1/engine/llm_engine.py `from_engine_args` -> EngineCoreClient.make_client: SyncMPClient, or the
+#   in-process InprocClient); it is read when the engine is made. The spawned core imports torch and vLLM again
+#   before anything else: 21 s of a 40 s start on an H200 (docs/testing.md).
 
 NUMPY_SEED_LIMIT = 2**32  # np.random.seed accepts [0, 2^32)
 INT64_LIMIT = 2**63  # vLLM keeps request seeds as int64
@@ -167,11 +171,13 @@ class VLLMSettings:
     enforce_eager: bool = False
     """No torch.compile and no CUDA graphs (vLLM then sets both off): the quickest start and the slowest decoding; for debugging and tiny runs."""
     compile: bool = False
-    """torch.compile the model (vLLM's compilation mode 3) with piecewise CUDA graphs for prefill. Off (compilation mode 0): no compile at start, and decoding still replays full CUDA graphs (cudagraph_mode FULL_DECODE_ONLY), the part of generation graphs speed up most. Why off: a rollout pod starts one engine per iteration on a cold cache, so the compile is paid every time; turn on for long rollouts where faster prefill pays for it. Unmeasured on a GPU: benchmarks/rollout_stage_gpu.py measures both."""
+    """torch.compile the model (vLLM's compilation mode 3) with piecewise CUDA graphs for prefill. Off (compilation mode 0): no compile at start, and decoding still replays full CUDA graphs (cudagraph_mode FULL_DECODE_ONLY), the part of generation graphs speed up most. Why off: a rollout pod starts one engine per iteration on a cold cache, so the compile is paid every time: on an H200 vLLM's own start (compile, 51 graph sizes) had not finished after 126 s, against 5.6 s for the whole engine init without it (docs/testing.md); turn on for long rollouts where faster prefill pays for it."""
     cudagraph_capture_sizes: list[int] = field(default_factory=lambda: list(CUDAGRAPH_SIZES))
-    """Decode batch sizes vLLM captures a CUDA graph for (a batch between two sizes runs padded to the next one); each size costs capture time at start. Default: powers of two to 512 (10 graphs, against vLLM's 51); [] = vLLM's own list. Unmeasured on a GPU."""
+    """Decode batch sizes vLLM captures a CUDA graph for (a batch between two sizes runs padded to the next one); each size costs capture time at start. Default: powers of two to 512 (10 graphs, against vLLM's 51), captured in 1-2 s on an H200; [] = vLLM's own list."""
     max_num_seqs: int = 0
     """Sequences vLLM decodes at once; 0 = vLLM's (1024 on an H100/H200 for offline use, 256 on smaller GPUs). It also sizes the start's memory-profiling batch, and CUDA graphs are captured only up to the first size that holds it."""
+    in_process: bool = False
+    """Run vLLM's engine core in the stage's own process ($VLLM_ENABLE_V1_MULTIPROCESSING=0) rather than a process it spawns, which imports torch and vLLM again before it starts: 21 s of the 40 s start on an H200 (docs/testing.md). Off by default until measured on a GPU (benchmarks/rollout_stage_gpu.py, arm vllm-inproc); on: the engine's memory is given back by this process at close, not by a process that exits."""
     shutdown_timeout_s: float = 120.0
     """Seconds to wait, after the engine shuts down, for its GPU memory to come back before the scoring models load."""
     extra: dict = field(default_factory=dict)
@@ -218,6 +224,8 @@ class VLLMEngine:
         if local_rank is not None:
             pin_rank_gpus(local_rank, s.tensor_parallel_size)
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if s.in_process:  # else vLLM's default (its own process) or whatever the pod's environment says
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if dtype == "float32":  # exact float32 attention dots, not TF32 (the rules above); read when the engine spawns
             os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
         if importlib.util.find_spec("flashinfer") is None:  # else vLLM's sampler imports it and the start fails
@@ -301,6 +309,13 @@ class VLLMEngine:
             core.shutdown()
         del self.llm
         gc.collect()
+        if self.settings.in_process:  # the core lived here: its process group and memory go with this process's
+            try:                      # objects (what vLLM's own tests call between two in-process engines)
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+            except ImportError:  # an older vLLM, or the CPU stand-in
+                pass
+            else:
+                cleanup_dist_env_and_memory()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             if self.free_before is not None:

@@ -419,7 +419,7 @@ def test_next_iteration_continues_the_optimizer(sft_policy, rows16, tmp_path):
     small = dict(epochs=1, minibatch_size=4, micro_batch_size=4, rl_iterations=2)
     out0 = tmp_path / "it0"
     stage.run(make_cfg(sft_policy, adv, out0, **small))
-    assert (out0 / "optimizer" / "actor" / "optimizer.pt").is_file()
+    assert (out0 / "optimizer" / "actor" / "optimizer.safetensors").is_file()
     carried = stage.run(make_cfg(out0 / "policy", adv, tmp_path / "it1", iteration=1,
                                  optimizer_state=str(out0 / "optimizer"), **small))
     fresh = stage.run(make_cfg(out0 / "policy", adv, tmp_path / "fresh", iteration=1, **small))

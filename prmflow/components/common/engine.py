@@ -111,6 +111,49 @@ def init_distributed(cfg: EngineConfig | None = None) -> None:
     distributed.init((cfg or EngineConfig()).collective_timeout_s)
 
 
+#: The torch backend's moments (`save_optimizer`): tensors in safetensors, the rest (param_groups) in JSON.
+MOMENTS_TENSORS, MOMENTS_REST, MOMENTS_LEGACY = "optimizer.safetensors", "optimizer.json", "optimizer.pt"
+
+
+def save_moments(state_dict: dict, directory: Path) -> None:
+    """An optimizer's state_dict as `optimizer.safetensors` (every tensor, named `<param index>.<key>`) and
+    `optimizer.json` (param_groups and any non-tensor state). Why not torch.save: PPO writes and reads the
+    moments (twice the trainable weights in float32) every RL iteration, and torch.save's zip runs a CRC32
+    over every byte on write and again on read, then unpickles into fresh memory; safetensors is raw bytes
+    behind a header (the timings: benchmarks/README.md, "prmflow vs TRL"). The output's manifest holds the
+    file's sha256, as it does for the weights' safetensors."""
+    from safetensors.torch import save_file
+
+    tensors, rest = {}, {}
+    for index, entries in state_dict["state"].items():
+        for key, value in entries.items():
+            if torch.is_tensor(value):
+                tensors[f"{index}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                rest.setdefault(str(index), {})[key] = value
+    save_file(tensors, str(directory / MOMENTS_TENSORS))
+    (directory / MOMENTS_REST).write_text(json.dumps({"param_groups": state_dict["param_groups"], "state": rest}))
+
+
+def load_moments(directory: Path) -> tuple[Path, dict]:
+    """(the file read, the optimizer state_dict) that `save_moments` wrote, or an earlier `optimizer.pt`."""
+    tensors = directory / MOMENTS_TENSORS
+    if tensors.is_file() and (directory / MOMENTS_REST).is_file():
+        from safetensors.torch import load_file
+
+        meta = json.loads((directory / MOMENTS_REST).read_text())
+        state: dict[int, dict] = {int(i): dict(v) for i, v in meta["state"].items()}
+        for name, value in load_file(str(tensors)).items():  # memory-mapped: copied out, so the file is left alone
+            index, key = name.split(".", 1)
+            state.setdefault(int(index), {})[key] = value.clone()
+        return tensors, {"state": state, "param_groups": meta["param_groups"]}
+    legacy = directory / MOMENTS_LEGACY
+    if legacy.is_file():
+        return legacy, torch.load(legacy, weights_only=True)
+    raise ModelLoadError(f"'{directory}' holds no optimizer state ({MOMENTS_TENSORS} with {MOMENTS_REST}, or "
+                         f"{MOMENTS_LEGACY}); written by the deepspeed backend?")
+
+
 def _rng_file() -> str:
     """rng.pt for one process (as before ranks existed), rng-RANK.pt for each of N ranks."""
     return "rng.pt" if distributed.world_size() == 1 else f"rng-{distributed.rank()}.pt"
@@ -308,7 +351,7 @@ class TrainEngine:
             # DeepSpeed keeps the moments in its own (possibly partitioned) layout: its checkpoint is the format
             self.model.save_checkpoint(str(directory / "deepspeed"), tag="moments", save_latest=False)
         else:
-            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+            save_moments(self.optimizer.state_dict(), directory)
 
     def load_optimizer(self, directory: Path) -> None:
         """Continue from the moments `save_optimizer` wrote (for the same parameters, on the same backend)."""
@@ -320,10 +363,7 @@ class TrainEngine:
             self.model.load_checkpoint(str(directory / "deepspeed"), tag="moments", load_optimizer_states=True,
                                        load_lr_scheduler_states=False)
         else:
-            path = directory / "optimizer.pt"
-            if not path.is_file():
-                raise ModelLoadError(f"'{directory}' holds no optimizer.pt (written by the deepspeed backend?).")
-            state = torch.load(path, weights_only=True)
+            path, state = load_moments(directory)
             shapes = [tuple(p.shape) for g in self.optimizer.param_groups for p in g["params"]]
             sizes = [len(g["params"]) for g in state["param_groups"]]
             wrong = sizes != [len(g["params"]) for g in self.optimizer.param_groups] or any(

@@ -236,9 +236,11 @@ def _load_vl_tokenizer(p: Path, trust_remote_code: bool):
     return tok
 
 
-def load_causal_lm(model_path: str | Path, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False):
+def load_causal_lm(model_path: str | Path, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False,
+                   tokenizer=None):
     """(model, tokenizer) from a model directory or a tiny preset name. A vision-language directory
-    gives an image-text-to-text model and a tokenizer carrying its processor."""
+    gives an image-text-to-text model and a tokenizer carrying its processor. `tokenizer`: one the caller
+    already loaded from the same directory (`load_tokenizer`), returned instead of loading it again."""
     if str(model_path) in TINY_VL_PRESETS:
         model, tok = build_tiny_vl_model(str(model_path), seed=seed)
         return model.to(torch_dtype(dtype)), tok
@@ -255,7 +257,7 @@ def load_causal_lm(model_path: str | Path, dtype: str = "float32", seed: int = 0
                                          use_safetensors=True)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"Cannot load a causal LM from '{p}': {e}") from None
-    tok = load_tokenizer(p, trust_remote_code=trust_remote_code)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(p, trust_remote_code=trust_remote_code)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok

@@ -107,7 +107,7 @@ def generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: Sampli
     t0 = time.perf_counter()
     dtype = model_dtype(cfg)
     if cfg.sampler == "hf":
-        policy, _ = modeling.load_causal_lm(cfg.policy, dtype, seed=cfg.seed)
+        policy, _ = modeling.load_causal_lm(cfg.policy, dtype, seed=cfg.seed, tokenizer=tokenizer)
         engine = HFEngine(policy, tokenizer, cfg.batch_sequences, device(cfg))
     else:  # the engine's GPUs are chosen before anything here asks CUDA a question
         engine = VLLMEngine(cfg.policy, dtype, seed=sampling_seed(cfg), settings=cfg.vllm,
@@ -121,7 +121,7 @@ def generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: Sampli
     bar.close()
     if cfg.sampler == "vllm":
         engine.close()  # shut down, and wait for the GPU memory to come back, before the scoring models load
-        policy, _ = modeling.load_causal_lm(cfg.policy, dtype, seed=cfg.seed)
+        policy, _ = modeling.load_causal_lm(cfg.policy, dtype, seed=cfg.seed, tokenizer=tokenizer)
         policy.to(device(cfg))
     return completions, policy, {"perf/load_s": load_s, "perf/generate_s": generate_s}
 

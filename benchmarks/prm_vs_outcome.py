@@ -30,7 +30,8 @@ Writes OUTPUT/results.json, OUTPUT/table.md (final pass@1 over seeds, McNemar ov
 seed and a paired t-test over seeds against `reference`), OUTPUT/curves.png, OUTPUT/benchmark.log
 (the stages' own output) and an MLflow store OUTPUT/mlflow.db: a parent run per variant (seed-mean
 curves, the table and the PNG as artifacts) with one child run per seed. A finished variant x seed
-(OUTPUT/runs/VARIANT/seed-S/result.json) is not run again, so an interrupted run resumes.
+(OUTPUT/runs/VARIANT/seed-S/result.json, made by the same config: its digest; a calibrated variant's also by the
+same advantage.progress.CALIBRATION_REVISION) is not run again, so an interrupted run resumes.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import prm_vs_outcome_stats as bench_stats  # noqa: E402
 
 from prmflow.components.advantage import stage as advantage  # noqa: E402
+from prmflow.components.advantage.progress import CALIBRATION_REVISION  # noqa: E402
 from prmflow.components.common import config as config_lib, modeling, schema, steps as steps_lib  # noqa: E402
 from prmflow import tasks
 from prmflow.errors import ConfigError  # noqa: E402
@@ -273,6 +275,8 @@ def run_digest(cfg: BenchConfig, name: str | None) -> str:
         picked["variant"] = c["variants"][name]
         if picked["variant"].get("prm") == "trained-implicit":  # only its runs depend on the implicit PRM's keys
             picked["implicit_prm"] = c["implicit_prm"]
+        if picked["variant"].get("advantage", {}).get("process_calibration") == "isotonic":  # code, not config
+            picked["calibration_revision"] = CALIBRATION_REVISION
     return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -44,6 +44,11 @@ CALIBRATION_FOLDS = 5
 NO_EVIDENCE_PHI = 0.5
 """Phi of every prefix of a fold whose fit has no data (a batch of one prompt): flat, so it moves no credit."""
 
+CALIBRATION_REVISION = 2
+"""Raised whenever a change alters what process_calibration=isotonic computes (2: the map chosen against a flat
+one, a flat group's credit exactly 0). benchmarks/prm_vs_outcome.py puts it in the digest of every calibrated
+run, so a finished run made by earlier code is not taken for one of today's."""
+
 SELECTION_SE = 1.0
 """A fold reads the fitted map only where its held-out gain over the flat map (mean over held-out prompts of
 the flat map's squared error minus the map's) exceeds this many standard errors of that mean."""
@@ -186,7 +191,13 @@ def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, 
             n_groups = int(group.max()) + 1 if len(group) else 0
             total = np.bincount(group[has], phi[first], n_groups)
             seen = np.bincount(group[has], minlength=n_groups)
-            start = np.divide(total, seen, out=np.zeros(n_groups), where=seen > 0)[group]
+            start = np.divide(total, seen, out=np.zeros(n_groups), where=seen > 0)
+            low, high = np.full(n_groups, np.inf), np.full(n_groups, -np.inf)
+            np.minimum.at(low, group[has], phi[first])
+            np.maximum.at(high, group[has], phi[first])
+            # a group whose first-step Phi are all equal (a flat map) starts at that value exactly: the mean of
+            # 8 equal floats can be 1 ulp off, which left ~1e-17 credit where GRPO's advantage is exactly 0
+            start = np.where(low == high, low, start)[group]
             own = prm_progress(phi, counts, start)
         c = centered_by_row(own, row, n_rows)
         if prompt_of_row is None:  # raw scores: ranked at unit scale among the responses that ended alike

@@ -237,6 +237,24 @@ def test_only_keeps_the_named_variants_and_the_reference():
         bench.BenchConfig(variants=variants, only=["orcale"])
 
 
+def test_a_calibrated_run_made_by_earlier_calibration_code_is_not_taken_as_finished(tmp_path, monkeypatch):
+    # the run digest is of the config; a change to what process_calibration computes raises
+    # CALIBRATION_REVISION, and a calibrated variant's finished result of the earlier code must run again
+    # (outcome-only's, which the change cannot touch, stays finished)
+    calibrated = {"estimator": "grpo_progress", "step_reward_mode": "progress", "process_calibration": "isotonic"}
+    cfg = bench.BenchConfig(output=str(tmp_path), variants={
+        "outcome-only": {"prm": "", "advantage": {"estimator": "grpo"}},
+        "random-cal": {"prm": "random", "advantage": calibrated}})
+    for name in cfg.variants:
+        done = tmp_path / "runs" / name / "seed-0" / "result.json"
+        done.parent.mkdir(parents=True)
+        done.write_text(json.dumps({"config_digest": bench.run_digest(cfg, name)}))
+    assert bench.finished(cfg, tmp_path, "random-cal", 0) and bench.finished(cfg, tmp_path, "outcome-only", 0)
+    monkeypatch.setattr(bench, "CALIBRATION_REVISION", bench.CALIBRATION_REVISION + 1)
+    assert not bench.finished(cfg, tmp_path, "random-cal", 0)
+    assert bench.finished(cfg, tmp_path, "outcome-only", 0)
+
+
 def test_an_update_needs_a_trained_prm():
     with pytest.raises(bench.ConfigError, match=r"variants.x.update keeps a trained PRM on-policy"):
         bench.BenchConfig(variants={"x": {"prm": "oracle", "update": {}}}, reference="x")

@@ -323,6 +323,25 @@ def table(results: dict, spec: dict) -> str:
     return "\n".join(lines)
 
 
+def summary(dirs: list[str]) -> str:
+    """Mean and range over repeats (each a directory a run wrote, with <arm>.json) of every arm's per-iteration
+    phases, wall and CPU seconds and bytes written: the table benchmarks/README.md quotes."""
+    runs = [{arm.stem: json.loads(arm.read_text()) for arm in sorted(Path(d).glob("*.json")) if arm.stem != "spec"}
+            for d in dirs]
+    cols = [*PHASES, "iteration_s", "cpu_s", "written_mb"]
+    lines = [f"{len(runs)} repeats: mean (min-max)", "",
+             "| arm | iteration | " + " | ".join(c.rsplit("_", 1)[0] for c in cols) + " |", "|---" * (len(cols) + 2) + "|"]
+    for arm in sorted({a for r in runs for a in r}):
+        for k in range(len(runs[0][arm]["iterations"])):
+            cells = []
+            for c in cols:
+                its = [r[arm]["iterations"][k] for r in runs if arm in r]
+                xs = [it["phases"][c] if c in PHASES else it[c] for it in its if c in PHASES or c in it]
+                cells.append(f"{sum(xs) / len(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})" if xs else "n/a")
+            lines.append(f"| {arm} | {k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="", help="HF model directory (default: SmolLM2-135M-Instruct from the wheel)")
@@ -339,12 +358,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prm-steps", type=int, default=30, help="prmflow-prm: PRM training steps on the backbone")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="outputs/bench_vs_trl")
+    parser.add_argument("--summary", nargs="+", metavar="DIR", help="print mean and range over these runs' --out "
+                        "directories (the repeats) and exit")
     parser.add_argument("--arm", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.arm:
         arm_main(args.arm, args.spec, args.result)
+        return 0
+    if args.summary:
+        print(summary(args.summary))
         return 0
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -86,7 +86,9 @@ def format_table(rows: list[Row]) -> str:
         cells = []
         for _, key in COLUMNS:
             v = r.values.get(key)
-            cells.append(f"  {'-' if v is None or math.isnan(v) else f'{v:.3f}':>15}")
+            # + 0.0 after rounding: a value that rounds to zero from below (the KL of a policy to itself, float
+            # noise of -1e-6) prints 0.000, not -0.000
+            cells.append(f"  {'-' if v is None or math.isnan(v) else f'{round(v, 3) + 0.0:.3f}':>15}")
         lines.append(r.stage.ljust(width) + "".join(cells))
     return "\n".join(lines)
 

@@ -20,3 +20,16 @@ def test_compare_url_is_mlflows_own_compare_route_in_the_training_view():
     assert json.loads(q["experiments"][0]) == ["3", "7"]
     assert q["workflowType"] == ["machine_learning"]
     assert not set('"[] ') & set(url)  # nothing a terminal would cut the link at
+
+
+def test_the_closing_table_prints_a_kl_of_float_noise_below_zero_as_zero():
+    """The first RL iteration's KL to the SFT policy is the policy's KL to itself: float noise either side
+    of 0 (the sampler's log-probs against a fresh forward). The table prints it as the quickstart's README
+    shows it, 0.000, never -0.000; a value that is really below zero still shows its sign."""
+    from prmflow.pipelines.summary import Row, format_table
+
+    table = format_table([Row("iter 0", {"reward": 0.475, "accuracy": 0.475, "kl": -2.4e-7}),
+                          Row("iter 1", {"kl": -0.0123})])
+    first, second = table.splitlines()[1:]
+    assert first.split()[2:] == ["-", "0.475", "0.475", "0.000"], table
+    assert second.split()[-1] == "-0.012", table

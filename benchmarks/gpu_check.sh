@@ -8,7 +8,8 @@
 # Parts, in order of what matters most, each given what is left of the 8 minutes (and its own cap):
 #   1. rollout-stage:  benchmarks/rollout_stage_gpu.py: the rollout stage with the HF sampler and with vLLM (prmflow's
 #                      start defaults, its engine core spawned and in-process), the start split into its parts
-#   2. rollout-recipe: the vLLM arms alone at the cluster recipe's per-shard size (64 prompts x 8, 1024 tokens)
+#   2. rollout-recipe: the vLLM arms alone at the cluster recipe's per-shard size (64 prompts x 8, 1024 tokens),
+#                      then the HF arm at that batch with 128 tokens (its tokens/s at 512 sequences)
 #   3. vllm-tests:     pytest tests/rollout -k vllm (the real engine: greedy = model.generate, seeds, stop ids,
 #                      the two logprob checks of issue 48, ranks and shards; all 12 passed on an H200, 2026-11-26)
 #   4. gap:               benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm: a bf16 vLLM rollout
@@ -76,6 +77,10 @@ part rollout-stage 220 python3 benchmarks/rollout_stage_gpu.py --prompts 32 --sa
 # tokens/s above (docs/testing.md says so)
 part rollout-recipe 180 python3 benchmarks/rollout_stage_gpu.py --policy "$RESULTS/rollout-stage/model-358m" \
      --arms vllm,vllm-inproc --prompts 64 --samples 8 --max-new-tokens 1024 --output "$RESULTS/rollout-recipe"
+# the HF sampler at the shard's 512 sequences, 128 tokens: its tokens/s at that batch, from which its wall at 1024 tokens
+# is read (2026-11-26 only its 256-sequence rate was known, so the recipe ratio was a range, 1x-2.3x)
+part rollout-recipe-hf 120 python3 benchmarks/rollout_stage_gpu.py --policy "$RESULTS/rollout-stage/model-358m" \
+     --arms hf --prompts 64 --samples 8 --max-new-tokens 128 --output "$RESULTS/rollout-recipe-hf"
 part vllm-tests 200 $PYTEST tests/rollout -k vllm
 part gap 100 python3 benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm --output /tmp/gap
 part ppo-sft-tests 100 $PYTEST tests/ppo tests/sft -m "not slow and not real_model"
@@ -89,14 +94,14 @@ part rollout-stock 200 python3 benchmarks/rollout_stage_gpu.py --policy "$RESULT
   for f in vllm-tests ppo-sft-tests; do
     echo; echo "## $f"; echo '```'; grep -E "passed|failed|error|FAILED|ERROR" "$RESULTS/logs/$f.log" 2>/dev/null | tail -25; echo '```'
   done
-  for f in rollout-stage rollout-recipe rollout-stock; do
+  for f in rollout-stage rollout-recipe rollout-recipe-hf rollout-stock; do
     echo; echo "## $f"; echo '```'; grep -E "^\||^stage wall|prompts x" "$RESULTS/logs/$f.log" 2>/dev/null; echo '```'
   done
   echo; echo "## gap"; echo '```'; grep -E "^\||^device|^bf16" "$RESULTS/logs/gap.log" 2>/dev/null; echo '```'
 } >> "$SUMMARY"
-for f in rollout-stage rollout-recipe rollout-stock; do  # each arm's whole log (a part cut by its cap leaves its arm's log too)
+for f in rollout-stage rollout-recipe rollout-recipe-hf rollout-stock; do  # each arm's whole log (a part cut by its cap leaves its arm's log too)
   for a in "$RESULTS/$f/"*.log; do [ -f "$a" ] && cp "$a" "$RESULTS/logs/$f-$(basename "$a")"; done
   cp "$RESULTS/$f/results.json" "$RESULTS/$f.json" 2>/dev/null
 done
-tar -czf "$RESULTS/logs.tar.gz" -C "$RESULTS" logs && rm -rf "$RESULTS/logs" "$RESULTS/rollout-stage" "$RESULTS/rollout-recipe" "$RESULTS/rollout-stock"
+tar -czf "$RESULTS/logs.tar.gz" -C "$RESULTS" logs && rm -rf "$RESULTS/logs" "$RESULTS/rollout-stage" "$RESULTS/rollout-recipe" "$RESULTS/rollout-recipe-hf" "$RESULTS/rollout-stock"
 cat "$SUMMARY"

@@ -121,7 +121,11 @@ def test_outcome_advantages_reach_the_eos_token(chain):
 def test_ppo_first_update_sees_ratio_one_on_this_model(chain):
     updates = [json.loads(line) for line in (chain["ppo"] / "updates.jsonl").read_text().splitlines()]
     first = updates[0]
-    assert abs(first["ratio_max"] - 1) < 1e-5 and abs(first["ratio_min"] - 1) < 1e-5
+    # old_logprobs are the HF sampler's own (rollout.old_logprobs: auto), read from its KV-cache forward; ppo's
+    # fresh forward differs only in float32 summation order: 1.4e-5 in the ratio on this model (2026-11-26),
+    # where a real mistake (a bf16 rollout read as is, log-probs at the sampling temperature, another template)
+    # moves it by 1e-2 or more (docs/testing.md: 0.90-1.19 for the bf16 case)
+    assert abs(first["ratio_max"] - 1) < 1e-4 and abs(first["ratio_min"] - 1) < 1e-4
     assert first["clip_frac"] == 0.0
     model, tok = modeling.load_causal_lm(chain["ppo"] / "policy")
     assert tok.pad_token_id == tok.eos_token_id

@@ -62,23 +62,26 @@ def timeline(log: str, started: float) -> dict:
     """The start's parts that vLLM does not time itself, from its log's stamps (1 s resolution):
     to_vllm_s (the stage process's start to vLLM's first line: Python, torch, prmflow and vLLM imported, the task
     read), core_start_s (vLLM's last line in the stage process before the engine core's first: the engine
-    process spawned, importing torch and vLLM again; 0 with the core in-process), shutdown_s."""
+    process spawned, importing torch and vLLM again; absent with the core in-process), shutdown_s."""
     import datetime as dt
 
     year = dt.datetime.fromtimestamp(started).year
-    lines = [(dt.datetime.strptime(f"{year}-{m.group(1)}", "%Y-%m-%d %H:%M:%S").timestamp(), m.group(0).startswith("(Engine"))
-             for m in STAMP.finditer(log)]
+
+    def when(stamp: str) -> float:
+        return dt.datetime.strptime(f"{year}-{stamp}", "%Y-%m-%d %H:%M:%S").timestamp()
+
+    lines = [(when(m.group(1)), m.group(0).startswith("(Engine")) for m in STAMP.finditer(log)]
     if not lines:
         return {}
     out = {"to_vllm_s": lines[0][0] - started}
     core = next((i for i, (_, c) in enumerate(lines) if c), None)
     if core:
         out["core_start_s"] = lines[core][0] - lines[core - 1][0]
-    stamps = {k: re.search(rf"^.*?(\d\d-\d\d \d\d:\d\d:\d\d) .*{k}", log, re.M) for k in ("MPClient: start", "MPClient: complete")}
-    if all(stamps.values()):
-        a, b = (dt.datetime.strptime(f"{year}-{m.group(1)}", "%Y-%m-%d %H:%M:%S").timestamp() for m in stamps.values())
-        out["shutdown_s"] = b - a
+    ends = [re.search(rf"^.*?(\d\d-\d\d \d\d:\d\d:\d\d) .*{k}", log, re.M) for k in ("MPClient: start", "MPClient: complete")]
+    if all(ends):
+        out["shutdown_s"] = when(ends[1].group(1)) - when(ends[0].group(1))
     return out
+
 
 RUN = """
 import json, sys

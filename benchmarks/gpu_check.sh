@@ -10,7 +10,7 @@
 #                      start defaults, its engine core spawned and in-process), the start split into its parts
 #   2. rollout-recipe: the vLLM arms alone at the cluster recipe's per-shard size (64 prompts x 8, 1024 tokens),
 #                      then the HF arm at that batch with 128 tokens (its tokens/s at 512 sequences)
-#   3. vllm-tests:     pytest tests/rollout -k vllm (the real engine: greedy = model.generate, seeds, stop ids,
+#   3. vllm-tests:     pytest tests/rollout -k vllm (the real engine: greedy = model.generate, seeds, stop ids, new weights,
 #                      the two logprob checks of issue 48, ranks and shards; all 12 passed on an H200, 2026-11-26)
 #   4. gap:               benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm: a bf16 vLLM rollout
 #                      against the float32 trainer, with each rollout_correction mode

@@ -96,6 +96,36 @@ def test_max_new_tokens_and_ignore_eos(engine, prompts):
             assert len(c.token_ids) == 7 and c.finish_reason == "length"
 
 
+def test_vllm_engine_given_new_weights_samples_as_a_fresh_engine_would(vllm_module, policy, prompts, sft_policy, tmp_path):
+    """`load_weights` (vLLM's reload_weights, then a prefix-cache reset) makes a running engine sample the next
+    policy's tokens and log-probs as an engine started on it does: what a pod that samples several policies in
+    turn relies on. On a GPU this runs the real engine (the stand-in's own test checks the calls it records)."""
+    model, tok = policy
+    other = tmp_path / "other"
+    shifted = type(model)(model.config)
+    shifted.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in shifted.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    modeling.save_pretrained(shifted, tok, other)
+    greedy = SamplingParams(temperature=0, max_new_tokens=12)
+    settings = VLLMSettings(gpu_memory_utilization=0.25, enforce_eager=True)
+    stop = engines.eos_token_ids(model, tok)
+    eng = VLLMEngine(str(sft_policy), dtype="float32", settings=settings, stop_ids=stop)
+    before = eng.generate(prompts, greedy)
+    eng.load_weights(str(other))
+    after = eng.generate(prompts, greedy)
+    eng.close()
+    fresh = VLLMEngine(str(other), dtype="float32", settings=settings, stop_ids=stop)
+    ref = fresh.generate(prompts, greedy)
+    fresh.close()
+    ids = lambda out: [c.token_ids for (c,) in out]  # noqa: E731
+    assert ids(after) == ids(ref) != ids(before)
+    for a, r in zip(after, ref):  # the same kernels on the same batch: the bound of the log-prob checks above
+        assert torch.allclose(torch.tensor(a[0].logprobs), torch.tensor(r[0].logprobs), atol=1e-4)
+
+
 def test_stop_strings_end_the_sample_where_they_appear(engine, policy, prompts):
     """A stop string ends the response at the token that completes it; it stays in the text."""
     _, tok = policy

@@ -262,6 +262,24 @@ def test_in_process_runs_the_engine_core_in_the_stages_process_and_only_when_ask
     assert out[True] == out[False]
 
 
+def test_in_process_is_refused_where_the_rank_gpu_is_not_this_process_cuda_0(vllm_module, sft_policy, monkeypatch):
+    """vLLM's in-process core runs on this process's cuda:0 (uniproc_executor.py `_distributed_args`). Local rank 1
+    is cuda:0 here only when its CUDA_VISIBLE_DEVICES was pinned before CUDA started; after, the engine would land on
+    rank 0's GPU: refused with the key to change, before any engine starts. A fresh rank and the spawned core are fine."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    made = len(vllm_module.ENGINES)
+    with pytest.raises(ConfigError, match=r"rollout.vllm.in_process=true: this rank's GPU is cuda:1 .*vllm.in_process=false"):
+        VLLMEngine(str(sft_policy), "float32", settings=VLLMSettings(in_process=True), local_rank=1)
+    assert len(vllm_module.ENGINES) == made
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")  # each call below is a fresh rank of 8
+    VLLMEngine(str(sft_policy), "float32", settings=VLLMSettings(in_process=False), local_rank=1).close()
+    assert vllm_module.ENGINES[-1].device == "1" and not vllm_module.ENGINES[-1].core_in_process
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a torchrun rank that starts CUDA after the pin
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    VLLMEngine(str(sft_policy), "float32", settings=VLLMSettings(in_process=True), local_rank=1).close()
+    assert vllm_module.ENGINES[-1].core_in_process and vllm_engine.rank_gpu_index() == 0
+
+
 def test_load_weights_samples_the_new_policy_as_a_fresh_engine_would(vllm_module, sft_policy, tmp_path):
     """A running engine given the next policy's directory samples (tokens and logprobs) exactly as an engine
     started on it, and its prefix cache (KV of the old weights) is dropped."""

@@ -177,7 +177,7 @@ class VLLMSettings:
     max_num_seqs: int = 0
     """Sequences vLLM decodes at once; 0 = vLLM's (1024 on an H100/H200 for offline use, 256 on smaller GPUs). It also sizes the start's memory-profiling batch, and CUDA graphs are captured only up to the first size that holds it."""
     in_process: bool = False
-    """Run vLLM's engine core in the stage's own process ($VLLM_ENABLE_V1_MULTIPROCESSING=0) rather than a process it spawns, which imports torch and vLLM again before it starts: 21 s of the 40 s start on an H200 (docs/testing.md). Off by default until measured on a GPU (benchmarks/rollout_stage_gpu.py, arm vllm-inproc); on: the engine's memory is given back by this process at close, not by a process that exits."""
+    """Run vLLM's engine core in the stage's own process ($VLLM_ENABLE_V1_MULTIPROCESSING=0) rather than a process it spawns, which imports torch and vLLM again before it starts. On an H200 at the cluster recipe's shard it cut the stage's load from 42.6 s to 20.1 s and its wall from 69.8 s to 52.9 s (docs/testing.md); the 1.5B cluster recipe turns it on. Off by default, as it ran once: the engine's memory is then given back by this process at close, not by a process that exits, and a rank whose GPU is not this process's cuda:0 is refused."""
     shutdown_timeout_s: float = 120.0
     """Seconds to wait, after the engine shuts down, for its GPU memory to come back before the scoring models load."""
     extra: dict = field(default_factory=dict)
@@ -225,6 +225,14 @@ class VLLMEngine:
             pin_rank_gpus(local_rank, s.tensor_parallel_size)
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         if s.in_process:  # else vLLM's default (its own process) or whatever the pod's environment says
+            if rank_gpu_index() != 0:
+                # an in-process core is a single-process executor on this process's cuda:0 (vllm/v1/executor/
+                # uniproc_executor.py `_distributed_args`: the device's index, else 0), which is this rank's GPU
+                # only if CUDA_VISIBLE_DEVICES was pinned before CUDA started here
+                raise ConfigError(f"rollout.vllm.in_process=true: this rank's GPU is cuda:{rank_gpu_index()} in this "
+                                  f"process (CUDA started here before the rank's GPU was chosen), and vLLM's in-process "
+                                  f"engine runs on cuda:0, rank 0's GPU. Set rollout.vllm.in_process=false (the engine "
+                                  f"core then starts in its own process on this rank's GPU).")
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if dtype == "float32":  # exact float32 attention dots, not TF32 (the rules above); read when the engine spawns
             os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")

@@ -6,15 +6,16 @@
 #
 # The payload is ../shared/gpu (README there): vLLM 0.24.0 and what it needs, for CPython 3.12 with torch 2.11.0+cu130.
 # Parts, in order of what matters most, each given what is left of the 8 minutes (and its own cap):
-#   1. rollout-stage:  benchmarks/rollout_stage_gpu.py: the rollout stage with the HF sampler and with vLLM (prmflow's
-#                      start defaults, its engine core spawned and in-process), the start split into its parts
-#   2. rollout-recipe: the vLLM arms alone at the cluster recipe's per-shard size (64 prompts x 8, 1024 tokens),
-#                      then the HF arm at that batch with 128 tokens (its tokens/s at 512 sequences)
-#   3. vllm-tests:     pytest tests/rollout -k vllm (the real engine: greedy = model.generate, seeds, stop ids, new weights,
+#   1. rollout-recipe: benchmarks/rollout_stage_gpu.py, the rollout stage with vLLM (prmflow's start defaults, its
+#                      engine core spawned, then in-process) at the cluster recipe's per-shard size (64 prompts x 8,
+#                      1024 tokens), the start split into its parts; then the HF sampler at that batch with 128 tokens
+#                      (its tokens/s at 512 sequences)
+#   2. vllm-tests:     pytest tests/rollout -k vllm (the real engine: greedy = model.generate, seeds, stop ids, new weights,
 #                      the two logprob checks of issue 48, ranks and shards; all 12 passed on an H200, 2026-11-26)
-#   4. gap:               benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm: a bf16 vLLM rollout
+#   3. gap:            benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm: a bf16 vLLM rollout
 #                      against the float32 trainer, with each rollout_correction mode
-#   5. ppo-sft-tests:  the quick ppo and sft tests on the GPU
+#   4. ppo-sft-tests:  the quick ppo and sft tests on the GPU
+#   5. rollout-stage:  the HF sampler and in-process vLLM at 32 prompts x 8 x 128 tokens
 #   6. rollout-stock:  the vLLM arm with vLLM's own start defaults (torch.compile, its 51 CUDA graph sizes)
 # RESULTS (default $OUT/gpu-check when $OUT is set, else /tmp/gpu-check) gets summary.md (machine, each part's
 # exit status and seconds, its key lines) and logs.tar.gz (every part's whole log).
@@ -69,23 +70,24 @@ python3 -c 'import torch, transformers, vllm; print("torch", torch.__version__, 
   >> "$RESULTS/logs/install.log" 2>&1
 
 PYTEST="python3 -m pytest -p no:cacheprovider -q -rfE"
-# the engine start first (2026-11-26 on an H200 the vLLM tests all passed and the start was the open question)
-part rollout-stage 220 python3 benchmarks/rollout_stage_gpu.py --prompts 32 --samples 8 --max-new-tokens 128 \
-     --arms hf,vllm,vllm-inproc --output "$RESULTS/rollout-stage"
-# the recipe's per-shard size (configs/cluster/qwen2.5-math-1.5b-gsm8k-math.yaml: 512 prompts / 8 shards x 8 samples,
-# up to 1024 new tokens), vLLM arms only: the HF arm at this size takes minutes, so its wall there is read from its
-# tokens/s above (docs/testing.md says so)
-part rollout-recipe 180 python3 benchmarks/rollout_stage_gpu.py --policy "$RESULTS/rollout-stage/model-358m" \
-     --arms vllm,vllm-inproc --prompts 64 --samples 8 --max-new-tokens 1024 --output "$RESULTS/rollout-recipe"
+# the recipe's per-shard size first (configs/cluster/qwen2.5-math-1.5b-gsm8k-math.yaml: 512 prompts / 8 shards x 8
+# samples, up to 1024 new tokens), vLLM in-process and spawned; the machine's first engine start is slower (2026-11-27:
+# load 77 s against 43 s, Triton kernels compiled cold), so the in-process arm, which is measured against 2026-11-27's
+# 20.1 s, comes second, after a warm-up arm of the spawned core
+part rollout-recipe 200 python3 benchmarks/rollout_stage_gpu.py --arms vllm,vllm-inproc --prompts 64 --samples 8 \
+     --max-new-tokens 1024 --output "$RESULTS/rollout-recipe"
+MODEL="$RESULTS/rollout-recipe/model-358m"
 # the HF sampler at the shard's 512 sequences, 128 tokens: its tokens/s at that batch, from which its wall at 1024 tokens
-# is read (2026-11-26 only its 256-sequence rate was known, so the recipe ratio was a range, 1x-2.3x)
-part rollout-recipe-hf 120 python3 benchmarks/rollout_stage_gpu.py --policy "$RESULTS/rollout-stage/model-358m" \
+# is read (at 1024 tokens the HF arm takes minutes)
+part rollout-recipe-hf 120 python3 benchmarks/rollout_stage_gpu.py --policy "$MODEL" \
      --arms hf --prompts 64 --samples 8 --max-new-tokens 128 --output "$RESULTS/rollout-recipe-hf"
 part vllm-tests 200 $PYTEST tests/rollout -k vllm
 part gap 100 python3 benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm --output /tmp/gap
 part ppo-sft-tests 100 $PYTEST tests/ppo tests/sft -m "not slow and not real_model"
+part rollout-stage 200 python3 benchmarks/rollout_stage_gpu.py --policy "$MODEL" --prompts 32 --samples 8 \
+     --max-new-tokens 128 --arms hf,vllm-inproc --output "$RESULTS/rollout-stage"
 # vLLM's own start defaults (torch.compile, 51 graphs) last: on a cold compile cache it ran past 126 s (2026-11-26)
-part rollout-stock 200 python3 benchmarks/rollout_stage_gpu.py --policy "$RESULTS/rollout-stage/model-358m" \
+part rollout-stock 200 python3 benchmarks/rollout_stage_gpu.py --policy "$MODEL" \
      --arms vllm-stock --prompts 32 --samples 8 --max-new-tokens 128 --output "$RESULTS/rollout-stock"
 
 {

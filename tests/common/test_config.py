@@ -196,3 +196,30 @@ def test_engine_is_always_the_training_backend():
         for f in dataclasses.fields(module.Config):
             if f.name == "engine":
                 assert typing.get_type_hints(module.Config)["engine"] is EngineConfig, name
+
+
+@dataclass
+class WithMapping:
+    ppo: dict = field(default_factory=lambda: {"epochs": 2, "optim": {"lr": 1e-4, "warmup_steps": 4}})
+    """Keys handed on to another stage."""
+
+
+def test_dotted_keys_inside_a_mapping_field_are_laid_over_it_not_dropped():
+    """`--set ppo.optim.lr=3e-5` on a dict-typed field (the benchmark's stage sections, rollout's vllm.extra)
+    changes that one key and keeps the rest, from a file's mapping or the field's default; it was accepted and
+    silently ignored before."""
+    assert config.build(WithMapping, {"ppo.optim.lr": 3e-5}).ppo == {"epochs": 2, "optim": {"lr": 3e-5, "warmup_steps": 4}}
+    # load() lays the command line over the file's config flattened: the override must beat the whole mapping
+    # and the file's own dotted copy of the key it holds
+    assert config.load(WithMapping, overrides={"ppo.optim.lr": 3e-5, "ppo.new.deep": 1}).ppo == {
+        "epochs": 2, "optim": {"lr": 3e-5, "warmup_steps": 4}, "new": {"deep": 1}}
+    assert config.build(WithMapping, {"ppo": {"epochs": 5}}).ppo == {"epochs": 5}  # a whole mapping still replaces
+    # a key holding dots (a Kubernetes label) stays one key, from a file and from the command line
+    sel = {"ppo": {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}}
+    assert config.build(WithMapping, config.flatten(sel)).ppo == sel["ppo"]
+    assert config.build(WithMapping, {**config.flatten(sel), "ppo.cloud.google.com/gke-accelerator": "h200"}).ppo == {
+        "cloud.google.com/gke-accelerator": "h200"}
+    from prmflow.components.rollout import stage
+
+    cfg = config.load(stage.Config, overrides={"vllm.extra.load_format": "safetensors", "vllm.extra.quantization": "fp8"})
+    assert cfg.vllm.extra == {"load_format": "safetensors", "quantization": "fp8"}

@@ -202,11 +202,23 @@ def _unknown_key(key: str, valid: typing.Iterable[str], where: str) -> ConfigErr
     return ConfigError(f"{where}: '{key}' is not a config key.{hint} `--help` lists the keys.")
 
 
+def _set_path(node: dict, rest: str, value: Any) -> None:
+    """node[rest] = value, where `rest` is a dotted path into nested mappings; a key that itself holds dots
+    (a node selector's `cloud.google.com/gke-accelerator`) is matched whole first."""
+    while rest not in node and "." in rest:
+        head, tail = rest.split(".", 1)
+        if not isinstance(node.get(head), dict):
+            node[head] = {}
+        node, rest = node[head], tail
+    node[rest] = value
+
+
 def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
     """Make a `cls` from a flat {dotted key: value} mapping, coercing and checking every value."""
     leaves = flat_fields(cls)
     prefixes = {".".join(k.split(".")[:i]) for k in leaves for i in range(1, k.count(".") + 1)}  # every section
     mappings = [k for k, (t, _, _) in leaves.items() if t is dict or typing.get_origin(t) is dict]
+    mapping_set = set(mappings)
 
     def expand(key: str, value: Any) -> dict[str, Any]:  # {"engine": {"backend": ...}} -> {"engine.backend": ...}
         if key in prefixes and key not in leaves and isinstance(value, dict):
@@ -239,6 +251,21 @@ def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
                 else:
                     sub = None
                 kwargs[f.name] = make(typ, key + ".", sub)
+            elif key in mapping_set and any(k.startswith(key + ".") for k in values):
+                # a dict field given dotted keys of its own (`--set ppo.optim.lr=3e-5`): laid over the mapping
+                # (the one given, else the default), shallower keys first, so the most specific key wins
+                if key in values:
+                    base = values[key]
+                elif defaults is not None and f.name in defaults:
+                    base = defaults[f.name]
+                elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                    base = f.default_factory()  # type: ignore[misc]
+                else:
+                    base = f.default if f.default is not dataclasses.MISSING else {}
+                merged = copy.deepcopy(base) if isinstance(base, dict) else {}
+                for k in sorted((k for k in values if k.startswith(key + ".")), key=lambda k: k.count(".")):
+                    _set_path(merged, k[len(key) + 1:], copy.deepcopy(values[k]))
+                kwargs[f.name] = coerce(merged, typ, key, where)
             elif key in values:
                 kwargs[f.name] = coerce(values[key], typ, key, where)
             elif defaults is not None and f.name in defaults:

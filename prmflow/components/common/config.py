@@ -254,14 +254,7 @@ def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
             elif key in mapping_set and any(k.startswith(key + ".") for k in values):
                 # a dict field given dotted keys of its own (`--set ppo.optim.lr=3e-5`): laid over the mapping
                 # (the one given, else the default), shallower keys first, so the most specific key wins
-                if key in values:
-                    base = values[key]
-                elif defaults is not None and f.name in defaults:
-                    base = defaults[f.name]
-                elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-                    base = f.default_factory()  # type: ignore[misc]
-                else:
-                    base = f.default if f.default is not dataclasses.MISSING else {}
+                base = values[key] if key in values else leaves[key][2]
                 merged = copy.deepcopy(base) if isinstance(base, dict) else {}
                 for k in sorted((k for k in values if k.startswith(key + ".")), key=lambda k: k.count(".")):
                     _set_path(merged, k[len(key) + 1:], copy.deepcopy(values[k]))

@@ -224,12 +224,14 @@ class VLLMEngine:
         if local_rank is not None:
             pin_rank_gpus(local_rank, s.tensor_parallel_size)
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        self.gpu = rank_gpu_index()
         if s.in_process:  # else vLLM's default (its own process) or whatever the pod's environment says
-            if rank_gpu_index() != 0:
-                # an in-process core is a single-process executor on this process's cuda:0 (vllm/v1/executor/
-                # uniproc_executor.py `_distributed_args`: the device's index, else 0), which is this rank's GPU
-                # only if CUDA_VISIBLE_DEVICES was pinned before CUDA started here
-                raise ConfigError(f"rollout.vllm.in_process=true: this rank's GPU is cuda:{rank_gpu_index()} in this "
+            if self.gpu != 0:
+                # an in-process core is a single-process executor on this process's cuda:0 (vllm-project/vllm,
+                # commit 01e4fce, vllm/v1/executor/uniproc_executor.py `UniProcExecutor._distributed_args`: local
+                # rank = the device's index, else 0), which is this rank's GPU only if CUDA_VISIBLE_DEVICES was
+                # pinned before CUDA started here
+                raise ConfigError(f"rollout.vllm.in_process=true: this rank's GPU is cuda:{self.gpu} in this "
                                   f"process (CUDA started here before the rank's GPU was chosen), and vLLM's in-process "
                                   f"engine runs on cuda:0, rank 0's GPU. Set rollout.vllm.in_process=false (the engine "
                                   f"core then starts in its own process on this rank's GPU).")
@@ -238,7 +240,6 @@ class VLLMEngine:
             os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
         if importlib.util.find_spec("flashinfer") is None:  # else vLLM's sampler imports it and the start fails
             os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        self.gpu = rank_gpu_index()
         self.free_before = torch.cuda.mem_get_info(self.gpu)[0] if torch.cuda.is_available() else None
         from vllm import LLM  # the gpu extra
 

@@ -31,13 +31,18 @@ seed and a paired t-test over seeds against `reference`), OUTPUT/curves.png, OUT
 (the stages' own output) and an MLflow store OUTPUT/mlflow.db: a parent run per variant (seed-mean
 curves, the table and the PNG as artifacts) with one child run per seed. A finished variant x seed
 (OUTPUT/runs/VARIANT/seed-S/result.json, made by the same config: its digest; a calibrated variant's also by the
-same advantage.progress.CALIBRATION_REVISION) is not run again, so an interrupted run resumes.
+same advantage.progress.CALIBRATION_REVISION) is not run again, so an interrupted run resumes. Processes
+started on the same OUTPUT share the work: the SFT policy and PRMs are trained by one while the others wait, a
+variant x seed is run by whichever takes its lock first (OUTPUT/runs/VARIANT/seed-S.lock), and a process leaves a
+run another holds to the end of its list, then waits for it and reads its result (OMP_NUM_THREADS=1 in each on a
+small machine; the MLflow runs and table are best written by one more call with --set run_missing=false).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -286,8 +291,32 @@ def finished(cfg: BenchConfig, out: Path, name: str, seed: int) -> bool:
     return done.exists() and json.loads(done.read_text()).get("config_digest") == run_digest(cfg, name)
 
 
-def run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict, records) -> dict:
-    """One RL run; its result (points 0..iterations, final per-prompt correctness) is saved and returned."""
+@contextlib.contextmanager
+def locked(path: Path, wait: bool = True):
+    """Hold an exclusive lock on `path` (flock: the kernel drops it when the holder dies); yields False, holding
+    nothing, when `wait` is false and another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict, records, wait: bool = True) -> dict | None:
+    """One RL run; its result (points 0..iterations, final per-prompt correctness) is saved and returned. Another
+    process running it holds its lock: wait for it and return its result, or with `wait` false return None at once
+    (its unfinished directory is never removed from under it)."""
+    with locked(out / "runs" / name / f"seed-{seed}.lock", wait) as held:
+        return _run_one(cfg, out, name, seed, sft_point, records) if held else None
+
+
+def _run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict, records) -> dict:
     variant = cfg.variants[name]
     work = out / "runs" / name / f"seed-{seed}"
     done = work / "result.json"
@@ -443,28 +472,35 @@ def run(cfg: BenchConfig, console=None) -> dict:
     try:
         with contextlib.redirect_stdout(logfile), contextlib.redirect_stderr(logfile):
             t0 = time.perf_counter()
-            prm_metrics = train_shared(cfg, out)
             records = heldout_records(cfg)
             sft_eval = out / "sft-eval.json"
             key = run_digest(cfg, None)
-            if not sft_eval.exists() or json.loads(sft_eval.read_text()).get("config_digest") != key:
-                ev = evaluate(out / "sft", records, cfg.eval_max_new_tokens)
-                sft_eval.write_text(json.dumps({"rollouts": 0, "iteration": 0, **ev, "config_digest": key}))
+            with locked(out / "shared.lock"):  # one process trains what every run shares; the others wait for it
+                prm_metrics = train_shared(cfg, out)
+                if not sft_eval.exists() or json.loads(sft_eval.read_text()).get("config_digest") != key:
+                    ev = evaluate(out / "sft", records, cfg.eval_max_new_tokens)
+                    sft_eval.write_text(json.dumps({"rollouts": 0, "iteration": 0, **ev, "config_digest": key}))
             sft_point = {k: v for k, v in json.loads(sft_eval.read_text()).items() if k != "config_digest"}
         say(f"shared SFT policy and PRM ready ({time.perf_counter() - t0:.0f} s): SFT held-out pass@1 {sft_point['pass1']:.3f}"
             + (f", PRM held-out step AUC {prm_metrics['eval/step_auc']:.3f}" if "eval/step_auc" in prm_metrics else ""))
         results: dict = {name: {} for name in cfg.variants}
         jobs = [(name, seed) for seed in cfg.seeds for name in cfg.variants
                 if cfg.run_missing or finished(cfg, out, name, int(seed))]
-        for i, (name, seed) in enumerate(jobs):
+        queue, count = [(name, seed, False) for name, seed in jobs], 0
+        while queue:
+            name, seed, wait = queue.pop(0)
             with contextlib.redirect_stdout(logfile), contextlib.redirect_stderr(logfile):
-                r = run_one(cfg, out, name, int(seed), sft_point, records)
+                r = run_one(cfg, out, name, int(seed), sft_point, records, wait=wait)
+            if r is None:  # another process is running it: take it last, then wait for its result
+                queue.append((name, seed, True))
+                continue
             results[name][int(seed)] = r
+            count += 1
             pts = r["points"]
-            say(f"[{i + 1}/{len(jobs)}] {name} seed {seed}: held-out pass@1 {pts[0]['pass1']:.3f} -> {pts[-1]['pass1']:.3f}, "
+            say(f"[{count}/{len(jobs)}] {name} seed {seed}: held-out pass@1 {pts[0]['pass1']:.3f} -> {pts[-1]['pass1']:.3f}, "
                 f"train reward {pts[0]['train_reward']:.3f} -> {pts[-2]['train_reward']:.3f}, "
                 f"shortcut steps {pts[0]['eval/shortcut_share']:.3f} -> {pts[-1]['eval/shortcut_share']:.3f} ({r['seconds']:.0f} s)")
-        results = {name: runs for name, runs in results.items() if runs}
+        results = {name: dict(sorted(runs.items())) for name, runs in results.items() if runs}
         rows = bench_stats.summarize(results, cfg.reference)
         table = bench_stats.format_table(rows, cfg.reference)
         aucs = process_table(results, prm_metrics)

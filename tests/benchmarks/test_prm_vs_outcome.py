@@ -286,3 +286,34 @@ def test_an_implicit_prm_starts_as_the_sft_policy_and_follows_it(tmp_path):
     second = [x for row in schema.read_dataset(run / "iter1" / "rollouts", "rollouts").column("step_rewards").to_pylist()
               for x in row or []]
     assert second and any(abs(x - 0.5) > 1e-4 for x in second)  # scored by the updated PRM
+
+
+def test_a_run_another_process_holds_is_left_alone_then_its_result_is_read(tmp_path):
+    # two benchmark processes on one OUTPUT: the second must neither start over (rmtree) the run the first is
+    # writing nor run it twice; it defers it, then waits for the holder's result and takes it
+    import threading
+
+    cfg = bench.BenchConfig(output=str(tmp_path))
+    work = tmp_path / "runs" / "outcome-only" / "seed-0"
+    (work / "iter0").mkdir(parents=True)
+    partial = work / "iter0" / "written-by-the-holder"
+    partial.write_text("in progress")
+    lock = tmp_path / "runs" / "outcome-only" / "seed-0.lock"
+    holding, release = threading.Event(), threading.Event()
+
+    def holder():  # another open file description: flock conflicts with it as with another process
+        with bench.locked(lock):
+            holding.set()
+            release.wait(30)
+            (work / "result.json").write_text(json.dumps({"config_digest": bench.run_digest(cfg, "outcome-only"),
+                                                          "points": [], "by": "holder"}))
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert holding.wait(30)
+    assert bench.run_one(cfg, tmp_path, "outcome-only", 0, {}, [], wait=False) is None
+    assert partial.read_text() == "in progress"  # not removed from under the holder
+    release.set()
+    got = bench.run_one(cfg, tmp_path, "outcome-only", 0, {}, [], wait=True)  # blocks until the holder is done
+    t.join()
+    assert got["by"] == "holder"

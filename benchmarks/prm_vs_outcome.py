@@ -35,7 +35,7 @@ same advantage.progress.CALIBRATION_REVISION) is not run again, so an interrupte
 started on the same OUTPUT share the work: the SFT policy and PRMs are trained by one while the others wait, a
 variant x seed is run by whichever takes its lock first (OUTPUT/runs/VARIANT/seed-S.lock), and a process leaves a
 run another holds to the end of its list, then waits for it and reads its result (OMP_NUM_THREADS=1 in each on a
-small machine; the MLflow runs and table are best written by one more call with --set run_missing=false).
+small machine); the table, figure and MLflow runs are written by one process at a time.
 """
 
 from __future__ import annotations
@@ -506,13 +506,15 @@ def run(cfg: BenchConfig, console=None) -> dict:
         aucs = process_table(results, prm_metrics)
         png = out / "curves.png"
         arith = ", ".join(f"{k}={v}" for k, v in cfg.arithmetic.items())
-        bench_stats.plot_curves(results, png, title=f"{arith}; {cfg.rollout.get('num_prompts')} prompts x "
-                                                   f"{cfg.rollout.get('n_samples')} samples per iteration")
         text = table + ("\n\n" + aucs if aucs else "") + "\n"
-        (out / "table.md").write_text(text)
-        (out / "results.json").write_text(json.dumps({"rows": rows, "results": results, "prm_metrics": prm_metrics}, indent=1))
-        with contextlib.redirect_stdout(logfile), contextlib.redirect_stderr(logfile):
-            log_mlflow(cfg, out, results, text, png)
+        with locked(out / "shared.lock"):  # one writer at a time of the table, the figure and OUTPUT/mlflow.db
+            bench_stats.plot_curves(results, png, title=f"{arith}; {cfg.rollout.get('num_prompts')} prompts x "
+                                                       f"{cfg.rollout.get('n_samples')} samples per iteration")
+            (out / "table.md").write_text(text)
+            (out / "results.json").write_text(json.dumps({"rows": rows, "results": results, "prm_metrics": prm_metrics},
+                                                         indent=1))
+            with contextlib.redirect_stdout(logfile), contextlib.redirect_stderr(logfile):
+                log_mlflow(cfg, out, results, text, png)
         say("\n" + text + f"\nwritten: {out / 'table.md'}, {png}, {out / 'results.json'}; "
             f"mlflow ui --backend-store-uri sqlite:///{(out / 'mlflow.db').resolve()}")
         return {"rows": rows, "results": results, "table": text}

@@ -501,6 +501,10 @@ def run(cfg: BenchConfig, console=None) -> dict:
                 f"train reward {pts[0]['train_reward']:.3f} -> {pts[-2]['train_reward']:.3f}, "
                 f"shortcut steps {pts[0]['eval/shortcut_share']:.3f} -> {pts[-1]['eval/shortcut_share']:.3f} ({r['seconds']:.0f} s)")
         results = {name: dict(sorted(runs.items())) for name, runs in results.items() if runs}
+        if cfg.reference not in results:  # only with run_missing false: the table is left as it was
+            raise ConfigError(f"run_missing=false and no run of the reference variant '{cfg.reference}' is finished "
+                              f"under {out / 'runs'} for seeds {cfg.seeds} with this config: nothing to tabulate. "
+                              f"Run without --set run_missing=false to run them.")
         rows = bench_stats.summarize(results, cfg.reference)
         table = bench_stats.format_table(rows, cfg.reference)
         aucs = process_table(results, prm_metrics)
@@ -535,7 +539,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    run(cfg)
+    try:
+        run(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -166,6 +166,12 @@ def test_a_toy_run_writes_the_mlflow_runs_the_png_and_the_table(tmp_path, monkey
     assert again["table"] == table
     assert len(client.search_runs([exp.experiment_id])) == len(runs)
 
+    # the table asked of seeds none of whose runs finished: an error that says so, the table left as it was
+    cfg.run_missing, cfg.seeds = False, [7]
+    with open(console, "w") as f, pytest.raises(bench.ConfigError, match=r"no run of the reference variant 'outcome-only'"):
+        bench.run(cfg, console=f)
+    assert (out / "table.md").read_text() == table
+
 
 # --- issue 36: do-no-harm PRMs, the process table, the variant checks -----------------------------
 

@@ -173,3 +173,39 @@ def plot_curves(results: dict, path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+# --- is the shortcut a risky habit? (issue 46's regimes: a habit is only worth unlearning where merging loses) ---
+
+def step_failures(prompts: list[str], responses: list[str], outcomes: list[float], positions: int = 5) -> dict:
+    """How a batch of arithmetic responses fails, by the checker's first error.
+
+    Returns {"success_by_merged": {m: (responses, success rate)} for m = 0, 1, 2 and "3+" merged lines,
+    "single_by_position": {k: (steps reached, share failing)} for single-operation lines at line k (the last
+    bucket "K+" pools the later lines), "merged": (merged lines reached, share failing)}. A step is "reached"
+    when no earlier line of its response is wrong, and "failing" when it is the first wrong one: the rate at
+    which a policy that got that far makes its first mistake on that kind of line.
+    """
+    by_merged: dict = {}
+    single: dict = {}
+    merged = [0, 0]
+    for prompt, response, outcome in zip(prompts, responses, outcomes):
+        steps = arithmetic.split_steps(response)
+        m = sum(arithmetic.is_shortcut(s) for s in steps)
+        key = m if m < 3 else "3+"
+        n, ok = by_merged.get(key, (0, 0))
+        by_merged[key] = (n + 1, ok + outcome)
+        err = arithmetic.first_error(prompt, response)
+        for k, step in enumerate(steps[:len(steps) if err is None else err + 1]):
+            failed = int(k == err)
+            if arithmetic.is_shortcut(step):
+                merged[0] += 1
+                merged[1] += failed
+            elif arithmetic.STEP_RE.match(step):
+                slot = k if k < positions - 1 else f"{positions - 1}+"
+                reached, fails = single.get(slot, (0, 0))
+                single[slot] = (reached + 1, fails + failed)
+    order = lambda d: dict(sorted(d.items(), key=lambda kv: (isinstance(kv[0], str), str(kv[0]))))  # noqa: E731
+    return {"success_by_merged": order({k: (n, ok / n) for k, (n, ok) in by_merged.items()}),
+            "single_by_position": order({k: (n, f / n) for k, (n, f) in single.items()}),
+            "merged": (merged[0], merged[1] / merged[0] if merged[0] else 0.0)}

@@ -323,3 +323,20 @@ def test_a_run_another_process_holds_is_left_alone_then_its_result_is_read(tmp_p
     got = bench.run_one(cfg, tmp_path, "outcome-only", 0, {}, [], wait=True)  # blocks until the holder is done
     t.join()
     assert got["by"] == "holder"
+
+
+def test_step_failures_against_hand_counts():
+    p = "Compute left to right: 7+5*3-4\n"
+    responses = ["7+5=12\n12*3=36\n36-4=32\nanswer: 32",   # right, no merged line
+                 "7+5*3=36\n36-4=32\nanswer: 32",         # right, one merged line
+                 "7+5=12\n12*3=35\n35-4=31\nanswer: 31",  # a single line (line 1) is the first mistake
+                 "7+5*3=37\n37-4=33\nanswer: 33"]         # the merged line (line 0) is the first mistake
+    outcomes = [1.0, 1.0, 0.0, 0.0]
+    got = bs.step_failures([p] * 4, responses, outcomes)
+    assert got["success_by_merged"] == {0: (2, 0.5), 1: (2, 0.5)}
+    # line 0: reached as a single line by responses 1 and 3; line 1 by 1, 2 and 3 (3 fails); line 2 by 1;
+    # nothing after a first mistake is counted, nor answer lines
+    assert got["single_by_position"] == {0: (2, 0.0), 1: (3, pytest.approx(1 / 3)), 2: (1, 0.0)}
+    assert got["merged"] == (2, 0.5)
+    pooled = bs.step_failures([p] * 4, responses, outcomes, positions=2)["single_by_position"]
+    assert pooled == {0: (2, 0.0), "1+": (4, 0.25)}

@@ -109,3 +109,19 @@ def test_stage_learns_and_adds_best_of_n_to_a_finished_prm(tmp_path, sft_policy,
     greedy = generate_texts(policy, tok, [r.prompt for r in records], 40)
     assert m["eval/pass1"] == pytest.approx(sum(tasks.verify(r, g) for r, g in zip(records, greedy)) / 12)
     assert stage.run(config.load(stage.Config, overrides={**base, **bon})) == manifest["metrics"]  # now complete
+
+
+def test_the_policy_samples_where_and_in_the_dtype_the_config_says(monkeypatch):
+    # evaluate and the prm stage's best-of-N sample with this loader: on a GPU pod the policy must leave the
+    # CPU (it once stayed there: sampling a 7B policy on CPU in float32), in bfloat16 unless told otherwise
+    from prmflow.components.common import modeling
+
+    monkeypatch.setattr(modeling.torch.cuda, "is_available", lambda: True)
+    assert modeling.placement() == (modeling.torch.device("cuda"), "bfloat16")
+    assert modeling.placement("cuda:1", "float32") == (modeling.torch.device("cuda", 1), "float32")
+    monkeypatch.setattr(modeling.torch.cuda, "is_available", lambda: False)
+    assert modeling.placement() == (modeling.torch.device("cpu"), "float32")
+    # "meta" stands in for a GPU here: a real device the weights must be moved to
+    cfg = bestofn.BestOfNConfig(device="meta", dtype="bfloat16")
+    policy, *_ = bestofn._load("tiny-llama", [_record()], True, cfg)
+    assert {(p.device.type, p.dtype) for p in policy.parameters()} == {("meta", modeling.torch.bfloat16)}

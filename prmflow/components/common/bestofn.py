@@ -18,7 +18,7 @@ import collections
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 from . import config as config_lib, modeling, steps as steps_lib
 from ... import tasks
@@ -63,6 +63,10 @@ class BestOfNConfig:
     """Sequences (a prompt and one response) per generation batch and per PRM scoring batch."""
     seed: int = 0
     """Sampling seed."""
+    device: str = ""
+    """Where the policy samples and the PRM scores (cuda, cuda:1, cpu); empty = cuda when available, else cpu."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of the policy and the PRM; auto = bfloat16 on a GPU (half the memory of float32), float32 on CPU (exact)."""
 
     def __post_init__(self):
         if self.n_samples < 1 or self.num_prompts < 1:
@@ -123,7 +127,7 @@ def score_table(records: list[tasks.PromptRecord], candidates: list[list[str]], 
 def sample(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConfig,
            chat_template: bool = True) -> tuple[list[list[str]], list[str], list[str]]:
     """(N sampled solutions per prompt, one greedy solution per prompt, rendered prompts)."""
-    policy, tok, prompts, special = _load(policy_path, records, chat_template)
+    policy, tok, prompts, special = _load(policy_path, records, chat_template, cfg)
     flat = [p for p in prompts for _ in range(cfg.n_samples)]
     images = prompt_images(records)
     flat_images = [im for im in images for _ in range(cfg.n_samples)] if images else None
@@ -137,13 +141,16 @@ def sample(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConf
 
 def greedy(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConfig, chat_template: bool = True) -> list[str]:
     """One greedy solution per prompt, the same as `sample`'s, without drawing any samples."""
-    policy, tok, prompts, special = _load(policy_path, records, chat_template)
+    policy, tok, prompts, special = _load(policy_path, records, chat_template, cfg)
     return _greedy(policy, tok, prompts, special, prompt_images(records), cfg)
 
 
-def _load(policy_path: str, records: list[tasks.PromptRecord], chat_template: bool):
-    """(policy, tokenizer, rendered prompts, whether the tokenizer adds its special tokens to them)."""
-    policy, tok = modeling.load_causal_lm(policy_path)
+def _load(policy_path: str, records: list[tasks.PromptRecord], chat_template: bool, cfg: BestOfNConfig):
+    """(policy on cfg's device in cfg's dtype, tokenizer, rendered prompts, whether the tokenizer adds its
+    special tokens to them)."""
+    device, dtype = modeling.placement(cfg.device, cfg.dtype)
+    policy, tok = modeling.load_causal_lm(policy_path, dtype=dtype)
+    policy.to(device)
     prompts = [tasks.render_prompt(tok, r, chat_template) for r in records]
     return policy, tok, prompts, not any(tasks.templated(tok, r, chat_template) for r in records)
 
@@ -179,7 +186,9 @@ def evaluate(prm_path: str, cfg: BestOfNConfig, arithmetic_cfg: arithmetic.Arith
     """
     records = load_prompts(cfg, arithmetic_cfg, seed)
     candidates, greedy, _ = sample(cfg.policy, records, cfg, chat_template)
-    scorer = PRMScorer(prm_path, batch_size=cfg.batch_sequences, step_separator=step_separator)
+    device, dtype = modeling.placement(cfg.device, cfg.dtype)
+    scorer = PRMScorer(prm_path, batch_size=cfg.batch_sequences, step_separator=step_separator, device=str(device),
+                       dtype=dtype)
     images = prompt_images(records)
     # the prompts as written: the scorer renders them the way its PRM was trained
     flat = scorer.score([r.prompt for r in records for _ in range(cfg.n_samples)], [c for cs in candidates for c in cs],

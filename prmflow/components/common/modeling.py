@@ -276,6 +276,13 @@ def freeze(model, prefixes: list[str]) -> None:
                 p.requires_grad_(False)
 
 
+def placement(device: str = "", dtype: str = "auto") -> tuple[torch.device, str]:
+    """(device, dtype) of a model that only runs forward passes (sampling, scoring): device empty = cuda when
+    available, else cpu; dtype auto = bfloat16 on a GPU (half the memory of float32), float32 on CPU (exact)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return dev, dtype if dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
+
+
 def torch_dtype(name: str) -> torch.dtype:
     try:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..common import config as config_lib, io, modeling
 from ... import tasks, tracking
@@ -60,6 +61,10 @@ class Config:
     """Responses shown in the per-step HTML view (logged as an MLflow artifact)."""
     seed: int = 0
     """Sampling seed."""
+    device: str = ""
+    """Where the policy samples and the PRM scores (cuda, cuda:1, cpu); empty = cuda when available, else cpu."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of the policy, the baseline and the PRM; auto = bfloat16 on a GPU (half the memory of float32), float32 on CPU (exact)."""
     iteration: int = -1
     """RL iteration of the evaluated policy (-1: not part of an RL loop)."""
     overwrite: bool = False
@@ -81,7 +86,7 @@ def run(cfg: Config) -> dict:
     bon_cfg = bestofn.BestOfNConfig(policy=cfg.policy, n_samples=cfg.n_samples, num_prompts=cfg.num_prompts, task=cfg.task,
                                     sampling=dataclasses.replace(cfg.sampling),
                                     aggregations=cfg.aggregations if cfg.prm else [], batch_sequences=cfg.batch_sequences,
-                                    seed=cfg.seed)
+                                    seed=cfg.seed, device=cfg.device, dtype=cfg.dtype)
     modeling.check_model_dir(cfg.policy, "policy")
     if cfg.prm:
         modeling.check_model_dir(cfg.prm, "prm")
@@ -95,7 +100,8 @@ def run(cfg: Config) -> dict:
     with tracker:
         candidates, greedy, _ = bestofn.sample(cfg.policy, records, bon_cfg, cfg.chat_template)
         if cfg.prm:
-            scorer = PRMScorer(cfg.prm, step_separator=cfg.step_separator)
+            device, dtype = modeling.placement(cfg.device, cfg.dtype)
+            scorer = PRMScorer(cfg.prm, step_separator=cfg.step_separator, device=str(device), dtype=dtype)
             prompts = [r.prompt for r in records]  # as written: the scorer renders them as its PRM was trained
             images = bestofn.prompt_images(records)
             flat = scorer.score([p for p in prompts for _ in range(cfg.n_samples)], [c for cs in candidates for c in cs],

@@ -127,7 +127,7 @@ def score_table(records: list[tasks.PromptRecord], candidates: list[list[str]], 
 def sample(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConfig,
            chat_template: bool = True) -> tuple[list[list[str]], list[str], list[str]]:
     """(N sampled solutions per prompt, one greedy solution per prompt, rendered prompts)."""
-    policy, tok, prompts, special = _load(policy_path, records, chat_template, cfg)
+    policy, tok, prompts, special = load_policy(policy_path, records, chat_template, cfg)
     flat = [p for p in prompts for _ in range(cfg.n_samples)]
     images = prompt_images(records)
     flat_images = [im for im in images for _ in range(cfg.n_samples)] if images else None
@@ -141,11 +141,11 @@ def sample(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConf
 
 def greedy(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConfig, chat_template: bool = True) -> list[str]:
     """One greedy solution per prompt, the same as `sample`'s, without drawing any samples."""
-    policy, tok, prompts, special = _load(policy_path, records, chat_template, cfg)
+    policy, tok, prompts, special = load_policy(policy_path, records, chat_template, cfg)
     return _greedy(policy, tok, prompts, special, prompt_images(records), cfg)
 
 
-def _load(policy_path: str, records: list[tasks.PromptRecord], chat_template: bool, cfg: BestOfNConfig):
+def load_policy(policy_path: str, records: list[tasks.PromptRecord], chat_template: bool, cfg: BestOfNConfig):
     """(policy on cfg's device in cfg's dtype, tokenizer, rendered prompts, whether the tokenizer adds its
     special tokens to them)."""
     device, dtype = modeling.placement(cfg.device, cfg.dtype)

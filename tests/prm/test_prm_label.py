@@ -158,3 +158,29 @@ def test_prompts_without_answers_are_a_data_error_and_nothing_is_written(tmp_pat
     with pytest.raises(DataError, match=r"prompt 'b' has no reference answer"):
         label.run(cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy", "prompts.jsonl"]
+
+
+def test_prm_label_and_the_prm_stage_sample_the_policy_where_placement_puts_it(tmp_path, monkeypatch):
+    # on a GPU pod both once sampled on the CPU in float32 (the policy was loaded and never moved); "meta"
+    # stands in for the GPU placement picks there, and the policy each samples with must be on it in bfloat16
+    import torch
+
+    model, tok = modeling.build_tiny_model()
+    modeling.save_pretrained(model, tok, tmp_path / "policy")
+    monkeypatch.setattr(modeling, "placement", lambda device="", dtype="auto": (torch.device("meta"), "bfloat16"))
+    problems = {p.prompt: p for p in arithmetic.generate(2, seed=0, split="train")}
+    seen = []
+
+    def fake_generate(model, tokenizer, prompts, *args, **kwargs):
+        seen.append({(p.device.type, p.dtype) for p in model.parameters()})
+        return [problems[c].solution if c in problems else _perfect_completion(c) for c in prompts]
+
+    monkeypatch.setattr(label, "generate_texts", fake_generate)
+    cfg = config.load(label.Config, overrides={"policy": str(tmp_path / "policy"), "output": str(tmp_path / "labels"),
+                                               "num_prompts": 2, "n_samples": 1, "completions": 1,
+                                               "tracking.enabled": False})
+    label.run(cfg)
+    monkeypatch.setattr(data, "generate_texts", fake_generate)
+    records = tasks.load("arithmetic", "train", 2, 0)
+    data.policy_examples(str(tmp_path / "policy"), records, 1)
+    assert len(seen) >= 3 and all(s == {("meta", torch.bfloat16)} for s in seen)

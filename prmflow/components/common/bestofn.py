@@ -148,9 +148,7 @@ def greedy(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConf
 def load_policy(policy_path: str, records: list[tasks.PromptRecord], chat_template: bool, cfg: BestOfNConfig):
     """(policy on cfg's device in cfg's dtype, tokenizer, rendered prompts, whether the tokenizer adds its
     special tokens to them)."""
-    device, dtype = modeling.placement(cfg.device, cfg.dtype)
-    policy, tok = modeling.load_causal_lm(policy_path, dtype=dtype)
-    policy.to(device)
+    policy, tok = modeling.load_for_sampling(policy_path, cfg.device, cfg.dtype)
     prompts = [tasks.render_prompt(tok, r, chat_template) for r in records]
     return policy, tok, prompts, not any(tasks.templated(tok, r, chat_template) for r in records)
 

@@ -283,6 +283,14 @@ def placement(device: str = "", dtype: str = "auto") -> tuple[torch.device, str]
     return dev, dtype if dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
 
 
+def load_for_sampling(model_path: str | Path, device: str = "", dtype: str = "auto"):
+    """(model, tokenizer) for generation: loaded in `dtype` and moved to `device`, both resolved by `placement`
+    (a GPU in bfloat16 when there is one, else the CPU in float32). `generate_texts` runs where the model is."""
+    dev, dt = placement(device, dtype)
+    model, tok = load_causal_lm(model_path, dtype=dt)
+    return model.to(dev), tok
+
+
 def torch_dtype(name: str) -> torch.dtype:
     try:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -373,9 +373,10 @@ def policy_examples(policy_path: str, records: list[tasks.PromptRecord], samples
     """The policy's own solutions to built-in task prompts (arithmetic, visual), labelled by the exact checker.
 
     A PRM is used on the policy's mistakes (best-of-N, RL); training on them, not only on synthetic
-    corruptions, matches that distribution (the PRM800K recipe, with the checker as the labeller).
+    corruptions, matches that distribution (the PRM800K recipe, with the checker as the labeller). The policy
+    samples on a GPU in bfloat16 when there is one (`modeling.load_for_sampling`), else on the CPU in float32.
     """
-    policy, tok = modeling.load_causal_lm(policy_path)
+    policy, tok = modeling.load_for_sampling(policy_path)
     rendered = [tasks.render_prompt(tok, r, chat_template) for r in records]
     special = not (chat_template and getattr(tok, "chat_template", None))
     owners = [r for r in records for _ in range(samples)]

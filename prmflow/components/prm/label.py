@@ -140,7 +140,7 @@ def run(cfg: Config) -> dict:
                             f"(its labels file has no images column). For the visual task the PRM stage labels exactly "
                             f"with the checker: prmflow prm --task visual.")
     torch.manual_seed(cfg.seed)
-    policy, tok = modeling.load_causal_lm(cfg.policy)
+    policy, tok = modeling.load_for_sampling(cfg.policy)  # a GPU in bfloat16 when there is one, else CPU float32
     special = not (cfg.chat_template and getattr(tok, "chat_template", None))
     gen = dict(max_new_tokens=cfg.sampling.max_new_tokens, batch_size=cfg.batch_sequences, do_sample=True,
                temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,

@@ -19,6 +19,7 @@ import torch
 
 from ...errors import DataError
 from ...tasks import PromptRecord, render_prompt
+from . import modeling
 from .vision import batch_pixels, processor_of
 from .prm_model import PRM, HeadConfig, encode, has_shared_readout, saved_chat_template, saved_separator
 
@@ -36,7 +37,7 @@ class PRMScorer:
     def __init__(self, path: str, batch_size: int = 32, device: str | None = None, step_separator: str = "\n",
                  max_length: int | None = None, head: HeadConfig | None = None, dtype: str = "float32"):
         self.prm = PRM.load(path, head, dtype)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = modeling.placement(device or "")[0]  # empty: cuda when available, else cpu
         self.prm.model.to(self.device).eval()
         self.chat_template = saved_chat_template(path)  # prompts are rendered as in training
         saved = saved_separator(path)

@@ -6,15 +6,15 @@ head's output (Gemma 2's soft-cap) falls back to the plain computation."""
 from __future__ import annotations
 
 import copy
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from prmflow.components.common.prm_model import PRM, HeadConfig, implicit_step_logits
 from prmflow.components.prm.data import step_bce
+
+from live_logits import LiveLogits
 
 V = 1000  # a vocabulary much wider than the model, as Qwen2.5's 151,936 against 1,536
 H = 32  # the models' hidden size
@@ -78,32 +78,9 @@ def test_chunked_step_logits_loss_and_gradients_equal_the_plain_computation(tie)
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-5, msg=name)
 
 
-class LiveLogits(TorchDispatchMode):
-    """Sees every tensor any aten op returns, forward and backward, and keeps the peak of the rows of
-    vocabulary-wide tensors alive at once (logits, their float32 copy, the log-softmax, its gradient,
-    and whatever autograd keeps of them for the backward pass): elements / V, summed over the live
-    tensors (a view counts again: an upper bound). (H, V) matrices are left out: the head's
-    weight, seen transposed, and its gradient are the same in any computation (a (B, H, V) copy of
-    the head is not)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == V and tuple(t.shape) != (H, V):
-                self.live[id(t)] = t.numel() // V
-                weakref.finalize(t, self.live.pop, id(t), None)
-                self.peak = max(self.peak, sum(self.live.values()))
-        return out
-
-
 def peak_live_logits(prm: PRM, chunked: bool) -> int:
     """Peak rows of live vocabulary-wide tensors in a training step's forward and backward pass."""
-    with LiveLogits() as seen:
+    with LiveLogits(V, H) as seen:
         z = prm(BATCH["input_ids"], BATCH["attention_mask"], response_start=BATCH["response_start"]) if chunked \
             else plain(prm)
         step_bce(z, TARGETS, STEP_MASK)[0].backward()

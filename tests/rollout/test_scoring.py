@@ -93,6 +93,39 @@ def test_forward_logprobs_match_one_row_at_a_time(tiny):
         assert torch.allclose(torch.from_numpy(lp), ref, atol=1e-5)
 
 
+def test_forward_logprobs_read_the_head_chunk_by_chunk_never_whole_logits(monkeypatch):
+    """A vocabulary much wider than the model, as Qwen2.5's 151,936 against 1,536: the head read 5 response
+    positions at a time gives each row's log-probs as the whole-logits path and each row alone do, and no
+    more than one chunk's rows of vocabulary-wide tensors are ever alive (the whole path: every position
+    of the batch, prompts and padding included)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from live_logits import LiveLogits
+
+    V, H = 1000, 32
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    monkeypatch.setattr(scoring, "LOGIT_CHUNK_BYTES", 4 * V * 5)
+    g = random.Random(2)
+    prompts = [[g.randrange(1, V) for _ in range(g.randint(3, 12))] for _ in range(7)]
+    responses = [[g.randrange(1, V) for _ in range(g.randint(1, 15))] for _ in range(7)]
+    with LiveLogits(V, H) as chunked_probe:
+        got = scoring.forward_logprobs(model, prompts, responses, batch_size=3, pad_id=0)
+    with LiveLogits(V, H) as whole_probe:
+        whole = scoring.forward_logprobs(model, prompts, responses, batch_size=3, pad_id=0, chunked=False)
+    for p, r, lp, w in zip(prompts, responses, got, whole):
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([p + r])).logits[0], -1)[len(p) - 1:-1].gather(
+                -1, torch.tensor(r)[:, None])[:, 0]
+        assert lp.shape == w.shape == (len(r),)
+        torch.testing.assert_close(torch.from_numpy(lp), ref, rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.from_numpy(lp), torch.from_numpy(w), rtol=0, atol=1e-5)
+    longest = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    assert whole_probe.peak >= 3 * (longest - 1)  # the probe sees the whole path's (B, T, V) logits
+    assert chunked_probe.peak <= 3 * 5  # one chunk: its logits, the log-softmax, what cross-entropy keeps
+
+
 def test_forward_values_read_the_position_before_each_response_token(tmp_path, tiny, scalar_dir):
     model, tok = tiny
     modeling.save_pretrained(model, tok, tmp_path / "lm")

@@ -2,9 +2,10 @@
 
 Every per-token quantity is aligned with response_ids (see the rollouts contract):
 - `forward_logprobs`: entry t = log p(response token t | prompt + response[:t]), from one full
-  forward pass of prompt + response (right-padded, position ids from the attention mask:
-  `tensor_ops.sequence_logprobs`, the function the PPO stage trains with). This is the training
-  engine's view of the tokens; the sampling engine's own numbers stay in behavior_logprobs.
+  forward pass of prompt + response (right-padded, position ids from the attention mask, as
+  `tensor_ops.sequence_logprobs`, the function the PPO stage trains with, places them), the LM head
+  read at the response positions only. This is the training engine's view of the tokens; the
+  sampling engine's own numbers stay in behavior_logprobs.
 - `forward_values`: entry t = the critic's scalar at sequence index prompt_len - 1 + t, the
   position whose hidden state predicts response token t.
 - `step_ends`: the index in response_ids of the last token of each step, placed by
@@ -23,6 +24,8 @@ import numpy as np
 import torch
 
 from ..common import steps as steps_lib
+from ..common.modeling import own_positions
+from ..common.prm_model import LOGIT_CHUNK_BYTES, selected_logprobs
 from ..common.tensor_ops import sequence_logprobs
 from ..common.vision import batch_pixels
 from ..common.prm_scoring import PRMScorer, right_pad
@@ -112,21 +115,40 @@ def _batches(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]
 @torch.no_grad()
 def forward_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], batch_size: int = 32,
                      pad_id: int = 0, progress: Callable[[int], None] | None = None,
-                     pixels: Sequence[dict] | None = None) -> list[np.ndarray]:
+                     pixels: Sequence[dict] | None = None, chunked: bool = True) -> list[np.ndarray]:
     """log p(response token t | prompt + response[:t]) under `model`: one (R_i,) float32 array per row.
 
     The slow equivalent: for each row alone, log_softmax(model(prompt + response).logits[0, :-1])
     gathered at the next tokens, then entries prompt_len - 1 ... prompt_len + R - 2. `pixels`: per
     row the pixel inputs of its prompt's images (vision-language), fed with its batch.
+
+    The LM head reads the response positions only, LOGIT_CHUNK_BYTES of float32 logits at a time
+    (`prm_model.selected_logprobs`, the implicit PRM's pass): the (B, T, V) logits and their float32
+    log-softmax never exist. At Qwen2.5's 151,936 tokens and the 1.5B recipe's 32 sequences of up to
+    ~1,200 tokens those were 11 GiB in bfloat16 plus 22 GiB for each float32 copy. `chunked=False`, or a
+    model whose logits are not its head's output (a soft-cap), computes the whole logits instead.
     """
     model.eval()
     device = next(model.parameters()).device
+    chunk_rows = max(1, LOGIT_CHUNK_BYTES // (4 * model.config.get_text_config().vocab_size))
     out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(prompts)
     for idx, ids, mask, p_lens, r_lens in _batches(prompts, responses, batch_size, pad_id, device):
         extra = batch_pixels([pixels[i] for i in idx], device) if pixels is not None else {}
-        lp = sequence_logprobs(model, ids, mask, **extra).float().cpu().numpy()  # (B, T-1): entry j scores token j+1
-        for r, i in enumerate(idx):
-            out[i] = lp[r, p_lens[r] - 1:p_lens[r] - 1 + r_lens[r]].astype(np.float32)
+        lp = None
+        if chunked:
+            # right-padded rows: row r's response tokens sit at p_lens[r] ... p_lens[r] + r_lens[r] - 1
+            rows = torch.repeat_interleave(torch.arange(len(idx)), torch.tensor(r_lens)).to(device)
+            positions = torch.cat([torch.arange(p, p + n) for p, n in zip(p_lens, r_lens)]).to(device)
+            kwargs = extra if own_positions(model) else {"position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0), **extra}
+            flat = selected_logprobs(model, model, ids, mask, rows, positions, chunk_rows, **kwargs)
+            if flat is not None:
+                lp = flat.float().cpu().numpy()
+                for i, part in zip(idx, np.split(lp, np.cumsum(r_lens)[:-1])):
+                    out[i] = part.astype(np.float32)
+        if lp is None:
+            lp = sequence_logprobs(model, ids, mask, **extra).float().cpu().numpy()  # (B, T-1): entry j scores token j+1
+            for r, i in enumerate(idx):
+                out[i] = lp[r, p_lens[r] - 1:p_lens[r] - 1 + r_lens[r]].astype(np.float32)
         if progress is not None:
             progress(len(idx))
     return out

@@ -41,6 +41,13 @@ def test_metrics_against_independent_recomputation(sft_policy, flat_prm, tmp_pat
     assert m["eval/format_errors"] == pytest.approx(answered.count(False) / 24)
     assert m["eval/response_length"] == pytest.approx(
         sum(len(tok(g, add_special_tokens=False)["input_ids"]) for g in greedy) / 24)
+    # perf: the tokens it sampled (4 per prompt, drawn again here with the stage's seed) and its greedy ones
+    sampled = generate_texts(model, tok, [r.prompt for r in records for _ in range(4)], 40, batch_size=256,
+                             do_sample=True, temperature=1.0, top_p=1.0, top_k=0, seed=0)
+    tokens = sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in sampled + greedy)
+    assert m["perf/sample_tokens"] == tokens
+    assert m["perf/tokens_per_s"] == pytest.approx(tokens / m["perf/sample_s"])
+    assert m["perf/score_s"] > 0 and m["perf/baseline_s"] > 0
     out = tmp_path / "eval"
     assert json.loads((out / "metrics.json").read_text()) == pytest.approx(m)
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]

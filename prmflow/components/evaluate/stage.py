@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -98,7 +99,10 @@ def run(cfg: Config) -> dict:
     tracker = tracking.start_stage_run(cfg.tracking, "evaluate", params=config_lib.flat_dict(cfg),
                                        iteration=cfg.iteration if cfg.iteration >= 0 else None)
     with tracker:
+        t0 = time.perf_counter()
         candidates, greedy, _ = bestofn.sample(cfg.policy, records, bon_cfg, cfg.chat_template)
+        sample_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
         if cfg.prm:
             device, dtype = modeling.placement(cfg.device, cfg.dtype)
             scorer = PRMScorer(cfg.prm, step_separator=cfg.step_separator, device=str(device), dtype=dtype)
@@ -111,6 +115,7 @@ def run(cfg: Config) -> dict:
         else:
             scores = [[[] for _ in cs] for cs in candidates]
             greedy_scores = [None] * len(records)
+        score_s = time.perf_counter() - t0
         metrics = bestofn.score_table(records, candidates, scores, greedy, bon_cfg.aggregations)
         metrics["eval/accuracy"] = metrics.pop("eval/pass1")
         metrics[f"eval/pass_at_{cfg.n_samples}"] = metrics.pop("eval/pass_at_n")
@@ -118,9 +123,17 @@ def run(cfg: Config) -> dict:
         tok = modeling.load_tokenizer(cfg.policy)
         lengths = [len(tok(g, add_special_tokens=False)["input_ids"]) for g in greedy]
         metrics["eval/response_length"] = sum(lengths) / len(lengths)
+        sampled_tokens = sum(len(ids) for ids in tok([c for cs in candidates for c in cs], add_special_tokens=False)["input_ids"])
+        # the policy's load, its k samples and greedy responses (the tokens as the tokenizer reads the decoded text back)
+        metrics.update({"perf/sample_s": sample_s, "perf/sample_tokens": float(sampled_tokens + sum(lengths)),
+                        "perf/tokens_per_s": (sampled_tokens + sum(lengths)) / max(sample_s, 1e-9)})
+        if cfg.prm:
+            metrics["perf/score_s"] = score_s
         metrics["eval/format_errors"] = sum(bestofn.extract_answer(r, g) is None for r, g in zip(records, greedy)) / len(records)
         if cfg.baseline:
+            t0 = time.perf_counter()
             base_greedy = bestofn.greedy(cfg.baseline, records, bon_cfg, cfg.chat_template)
+            metrics["perf/baseline_s"] = time.perf_counter() - t0
             metrics["eval/baseline_accuracy"] = sum(tasks.verify(r, g) for r, g in zip(records, base_greedy)) / len(records)
         rows = [{"prompt_id": r.prompt_id, "prompt": r.prompt, "response": g, "correct": tasks.verify(r, g),
                  "step_scores": s, "source": r.source} for r, g, s in zip(records, greedy, greedy_scores)]

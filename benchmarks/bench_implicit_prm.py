@@ -22,6 +22,10 @@ memory is the pass's own: on CPU the process's resident high-water mark (VmHWM, 
 /proc/self/clear_refs just before the pass) minus its resident size then; on a GPU
 torch.cuda.max_memory_allocated minus what was allocated before. Wall time is the measured pass.
 Both exclude the two models' weights, which the table prints apart.
+
+`--what logprobs` measures rollout's old / ref log-probs instead (`rollout.scoring.forward_logprobs` of the
+policy, one model): chunked reads the head at the response positions only (the same `selected_logprobs`), plain
+(`chunked=False`) makes the (B, T, V) logits of the whole batch and their float32 log-softmax, as before 2026-11-27.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +65,8 @@ def build(layers: int, dtype: torch.dtype, device: str) -> PRM:
                       num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
                       max_position_embeddings=32_768)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(dtype=dtype, device=device)
+    with torch.device(device):  # initialised where it runs: a 28-layer body on a GPU in seconds, not a minute of CPU
+        model = Qwen2ForCausalLM(cfg).to(dtype=dtype)
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     return PRM(model, None, HeadConfig("implicit", beta=0.05), reference)
 
@@ -72,7 +78,8 @@ def one(args) -> dict:
     prm = build(args.layers, dtype, device)
     prm.chunked = args.paths == "chunked"
     prm.model.train(args.train)
-    weights = sum(p.numel() * p.element_size() for m in (prm.model, prm.reference) for p in m.parameters())
+    models = (prm.model,) if args.what == "logprobs" else (prm.model, prm.reference)
+    weights = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
 
     def batch(B: int, T: int, start: int):
         g = torch.Generator().manual_seed(1)
@@ -83,6 +90,14 @@ def one(args) -> dict:
         return ids, torch.ones_like(ids), torch.full((B,), start, device=device), steps
 
     def run(ids, mask, start, steps):
+        if args.what == "logprobs":  # rollout's scoring pass: lists of token ids in, one array per row out
+            from prmflow.components.rollout import scoring
+
+            rows = ids.tolist()
+            cut = int(start[0])
+            return torch.from_numpy(np.concatenate(scoring.forward_logprobs(
+                prm.model, [r[:cut] for r in rows], [r[cut:] for r in rows], batch_size=len(rows),
+                chunked=args.paths == "chunked")))
         if not args.train:
             with torch.no_grad():
                 return prm(ids, mask, response_start=start)
@@ -108,7 +123,7 @@ def one(args) -> dict:
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else rss_kib("VmHWM") * 1024
     return {"path": args.paths, "batch": args.batch, "tokens": args.tokens,
             "response_tokens": args.batch * (args.tokens - args.prompt_tokens), "dtype": args.dtype,
-            "pass": "train" if args.train else "score", "device": device, "layers": args.layers,
+            "pass": "logprobs" if args.what == "logprobs" else "train" if args.train else "score", "device": device, "layers": args.layers,
             "peak_bytes": peak - before, "btv_float32_bytes": args.batch * args.tokens * VOCAB * 4,
             "weights_bytes": weights, "wall_s": round(wall, 2), "z_finite": bool(torch.isfinite(z).all())}
 
@@ -122,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--paths", default="chunked,plain", help="comma-separated: chunked, plain")
     parser.add_argument("--train", action="store_true", help="measure a training step (forward + backward) instead")
+    parser.add_argument("--what", default="prm", choices=["prm", "logprobs"],
+                        help="prm: the implicit PRM's pass; logprobs: rollout's old/ref log-probs of one model")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -131,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.paths.split(","):
         cmd = [sys.executable, __file__, "--child", "--paths", path, "--batch", str(args.batch), "--tokens",
                str(args.tokens), "--prompt_tokens", str(args.prompt_tokens), "--layers", str(args.layers),
-               "--dtype", args.dtype] + (["--train"] if args.train else [])
+               "--dtype", args.dtype, "--what", args.what] + (["--train"] if args.train else [])
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         if out.returncode:
             print(out.stderr[-2000:], file=sys.stderr)
@@ -144,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['path']} | {r['pass']} | {r['dtype']} | {r['batch']} x {r['tokens']} ({r['response_tokens']}) | "
               f"{r['peak_bytes'] / gib:.2f} GiB | {r['btv_float32_bytes'] / gib:.2f} GiB | {r['wall_s']:.1f} s |")
-    print(f"\nweights of the PRM and its reference, not counted above: {rows[0]['weights_bytes'] / gib:.2f} GiB "
+    print(f"\nweights of the {'policy' if args.what == 'logprobs' else 'PRM and its reference'}, not counted above: "
+          f"{rows[0]['weights_bytes'] / gib:.2f} GiB "
           f"({rows[0]['layers']} decoder layer(s), {rows[0]['device']})")
     return 0
 

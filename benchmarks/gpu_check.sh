@@ -3,6 +3,18 @@
 #
 #   bash benchmarks/gpu_check.sh receive DIR   # copy payload parts that arrived in DIR to $PAYLOAD (one call per part)
 #   bash benchmarks/gpu_check.sh run           # install, then the checks below; results in $RESULTS
+#   bash benchmarks/gpu_check.sh pack-slim DIR # here: ../shared/gpu's packages less vLLM and what only vLLM imports,
+#                                              # DIR/site-slim.tar.gz (~22 MB: one carry) + the protobuf wheel
+#   bash benchmarks/gpu_check.sh stages DIR    # there, DIR the carried folder: the checks that need no vLLM (below)
+#
+# `stages` (no vLLM; each part given what is left of BUDGET_S):
+#   1. sampling-stages: benchmarks/sampling_stages_gpu.py: evaluate and prm-label sampling on the GPU (their default)
+#                       against on the CPU in float32 (where both sampled on a GPU pod before 4b5553a / 4a58755), and
+#                       evaluate at the 1.5B recipe's evaluate shapes
+#   2. stage-tests:     the quick tests of evaluate and the prm stages with CUDA present (the policy and PRM on it)
+#   3. implicit-prm:    benchmarks/bench_implicit_prm.py at Qwen2.5-1.5B's whole shapes (28 layers), chunked vs plain:
+#                       rollout's old/ref log-probs at the 1.5B recipe's 32 sequences x (150 + 1024) tokens, the implicit
+#                       PRM's scoring pass at 32 x 600 and its training step at the prm recipe's micro batch 8 x 1024
 #
 # The payload is ../shared/gpu (README there): vLLM 0.24.0 and what it needs, for CPython 3.12 with torch 2.11.0+cu130.
 # Parts, in order of what matters most, each given what is left of the 8 minutes (and its own cap):
@@ -29,7 +41,25 @@ if [ "${1:-}" = "receive" ]; then
   mkdir -p "$PAYLOAD" && cp -v "${2:?receive needs the folder the parts arrived in}"/* "$PAYLOAD"/ && ls -la "$PAYLOAD"
   exit 0
 fi
-[ "${1:-}" = "run" ] || { echo "usage: $0 receive DIR | run"; exit 2; }
+if [ "${1:-}" = "pack-slim" ]; then  # vLLM and the packages only vLLM's engine imports stay out (MANIFEST.txt lists all)
+  dest=${2:?pack-slim needs a folder}; src=${SHARED_GPU:-$(dirname "$0")/../../shared/gpu}; tmp=$(mktemp -d)
+  cat "$src"/site.tar.gz.part-0* | tar -xzf - -C "$tmp" || exit 1
+  mkdir -p "$dest" && tar -czf "$dest/site-slim.tar.gz" -C "$tmp" --exclude='./vllm' --exclude='./vllm-*' \
+    --exclude='./xgrammar*' --exclude='./llguidance*' --exclude='./openai*' --exclude='./tvm_ffi' --exclude='./apache_tvm_ffi*' \
+    --exclude='./cbor2*' --exclude='./blake3*' --exclude='./pybase64*' --exclude='./msgspec*' --exclude='./partial_json_parser*' \
+    --exclude='./jiter*' --exclude='./zmq' --exclude='./pyzmq*' . || exit 1
+  cp "$src"/protobuf-*.whl "$dest"/ && rm -rf "$tmp" && ls -la "$dest"
+  exit 0
+fi
+if [ "${1:-}" = "install-slim" ]; then  # stages' install: the slim site into /tmp/site, protobuf as install.sh does it
+  rm -rf /tmp/site && mkdir -p /tmp/site && tar -xzf "${2:?}/site-slim.tar.gz" -C /tmp/site || exit 1
+  python3 -c 'import google.protobuf as p; from packaging.version import Version as V; import sys; sys.exit(V(p.__version__) < V("6.33.5"))' \
+    || { rm -rf /tmp/site/google/protobuf /tmp/site/protobuf-*.dist-info
+         python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall("/tmp/site")' "$2"/protobuf-*.whl || exit 1; }
+  exit 0
+fi
+[ "${1:-}" = "run" ] || [ "${1:-}" = "stages" ] || { echo "usage: $0 receive DIR | run | pack-slim DIR | stages DIR"; exit 2; }
+MODE=$1
 
 T0=$(date +%s)
 mkdir -p "$RESULTS/logs"
@@ -61,6 +91,32 @@ part() {  # part NAME CAP_S COMMAND...: run with what is left (at most CAP_S), l
   echo "| part | exit | seconds |"
   echo "|---|---|---|"
 } > "$SUMMARY"
+
+if [ "$MODE" = "stages" ]; then
+  SLIM=${2:?stages needs the folder site-slim.tar.gz arrived in}
+  part install 90 bash "$0" install-slim "$SLIM"
+  export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+  python3 -c 'import torch, transformers, mlflow, prmflow; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())' \
+    >> "$RESULTS/logs/install.log" 2>&1
+  part sampling-stages 240 python3 benchmarks/sampling_stages_gpu.py --output "$RESULTS/sampling-stages"
+  part stage-tests 150 python3 -m pytest -p no:cacheprovider -q -rfE tests/evaluate tests/prm -m "not slow and not real_model"
+  part implicit-prm 240 bash -c "python3 benchmarks/bench_implicit_prm.py --layers 28 --dtype bfloat16 --batch 32 --tokens 1174 \
+      --prompt_tokens 150 --what logprobs; \
+    python3 benchmarks/bench_implicit_prm.py --layers 28 --dtype bfloat16 --batch 32 --tokens 600; \
+    python3 benchmarks/bench_implicit_prm.py --layers 28 --dtype bfloat16 --batch 8 --tokens 1024 --train"
+  {
+    echo; echo "whole run: $(( $(date +%s) - T0 )) s"
+    for f in install stage-tests; do echo; echo "## $f"; echo '```'; tail -15 "$RESULTS/logs/$f.log"; echo '```'; done
+    for f in sampling-stages implicit-prm; do
+      echo; echo "## $f"; echo '```'; grep -E "^\||x$|weights of|^\{" "$RESULTS/logs/$f.log" 2>/dev/null; echo '```'
+    done
+  } >> "$SUMMARY"
+  for a in "$RESULTS/sampling-stages/"*.log; do [ -f "$a" ] && cp "$a" "$RESULTS/logs/sampling-stages-$(basename "$a")"; done
+  cp "$RESULTS/sampling-stages/results.json" "$RESULTS/sampling-stages.json" 2>/dev/null
+  tar -czf "$RESULTS/logs.tar.gz" -C "$RESULTS" logs && rm -rf "$RESULTS/logs" "$RESULTS/sampling-stages"
+  cat "$SUMMARY"
+  exit 0
+fi
 
 part install 90 bash "$PAYLOAD/install.sh"
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \

@@ -1,0 +1,154 @@
+"""evaluate and prm-label on one GPU machine: sampling on its GPU against sampling on its CPU, as both stages did on a
+GPU pod before 4b5553a / 4a58755 (the policy loaded in float32 on the CPU and never moved).
+
+    python benchmarks/sampling_stages_gpu.py --output /tmp/sampling-stages
+    python benchmarks/sampling_stages_gpu.py --arms evaluate-gpu,evaluate-cpu --prompts 32
+
+The policy: the random 358M Qwen2-shaped model of benchmarks/rollout_stage_gpu.py (the character tokenizer; a
+response ends at a random EOS, ~88 tokens on average, or at max_new_tokens). Each arm runs the stage in its own
+process, as a pod starts it:
+
+- evaluate-gpu / prm-label-gpu: the stage's defaults: the GPU, bfloat16 (modeling.placement);
+- evaluate-cpu / prm-label-cpu: the same stage and sizes with CUDA_VISIBLE_DEVICES empty and 12 threads (the
+  recipe's gpu_pool has 12 cores): the CPU in float32, where the policy sampled on a GPU pod before the fix;
+- evaluate-1.5b: evaluate on the GPU only, a random model of Qwen2.5-1.5B's body (28 layers, hidden 1,536, MLP
+  8,960, 12 / 2 heads; the character vocabulary) at the cluster recipe's batch_sequences 128, its 4 samples and
+  max_new_tokens 1024: the HF sampler's rate at the recipe's evaluate shapes.
+
+evaluate also greedy-decodes the baseline (the same policy again, as the recipe compares against the SFT policy).
+Per arm: the stage's wall, its perf/* metrics, and the GPU memory its process allocated at peak (0 = it never
+used the GPU). Prints a markdown table and writes OUTPUT/results.json. One run per arm: compare arms of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rollout_stage_gpu import write_model  # noqa: E402
+
+RUN = """
+import json, sys, torch
+from prmflow.components.common import config
+from prmflow.components.{module} import {stage} as stage
+m = stage.run(config.load(stage.Config, overrides=json.loads(sys.argv[1])))
+peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+print("METRICS " + json.dumps({{**m, "cuda_peak_bytes": peak}}), flush=True)
+"""
+
+STAGES = {"evaluate": ("evaluate", "stage"), "prm-label": ("prm", "label")}
+CPU = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "12", "MKL_NUM_THREADS": "12"}
+ARMS = {  # name -> (stage, environment, model), in the order they run: the GPU arms first (the CPU ones take longest)
+    "evaluate-gpu": ("evaluate", {}, "358m"),
+    "prm-label-gpu": ("prm-label", {}, "358m"),
+    "evaluate-1.5b": ("evaluate", {}, "1.5b"),
+    "evaluate-cpu": ("evaluate", CPU, "358m"),
+    "prm-label-cpu": ("prm-label", CPU, "358m"),
+}
+
+
+def write_body_1p5b(path: Path) -> str:
+    """A random model of Qwen2.5-1.5B's body (bf16 weights) with the character tokenizer."""
+    from prmflow.components.common import modeling
+
+    if not (path / "config.json").exists():
+        _, tok = modeling.load_causal_lm("tiny-qwen2", seed=0)
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.for_model("qwen2", vocab_size=len(tok), hidden_size=1536, intermediate_size=8960,
+                                   num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                   max_position_embeddings=4096, tie_word_embeddings=True,
+                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                   pad_token_id=tok.pad_token_id)
+        torch.manual_seed(0)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # 1.5B initialised in seconds on a GPU
+            model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+        modeling.save_pretrained(model, tok, path)
+    return str(path)
+
+
+def overrides(stage: str, model: str, policy: str, args, out: Path) -> dict:
+    common = {"policy": policy, "output": str(out), "overwrite": True, "tracking.enabled": False, "chat_template": False}
+    if stage == "prm-label":
+        return {**common, "num_prompts": args.label_prompts, "n_samples": args.label_samples,
+                "completions": args.completions, "sampling.max_new_tokens": args.max_new_tokens}
+    if model == "1.5b":
+        return {**common, "baseline": policy, "num_prompts": args.big_prompts, "n_samples": 4,
+                "sampling.max_new_tokens": 1024, "batch_sequences": 128}
+    return {**common, "baseline": policy, "num_prompts": args.prompts, "n_samples": args.samples,
+            "sampling.max_new_tokens": args.max_new_tokens, "batch_sequences": 128}
+
+
+def run_arm(name: str, args, models: dict, out: Path) -> dict:
+    stage, env_over, model = ARMS[name]
+    module, attr = STAGES[stage]
+    over = overrides(stage, model, models[model], args, out / name)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **env_over)
+    t0 = time.perf_counter()
+    with open(out / f"{name}.log", "w") as f:  # written as it runs: an arm cut short leaves its log
+        proc = subprocess.run([sys.executable, "-c", RUN.format(module=module, stage=attr), json.dumps(over)],
+                              stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
+    wall = time.perf_counter() - t0
+    log = (out / f"{name}.log").read_text()
+    if proc.returncode:
+        return {"arm": name, "error": f"exit {proc.returncode}; see {out / f'{name}.log'}", "wall_s": wall}
+    m = json.loads(next(line for line in log.splitlines() if line.startswith("METRICS "))[8:])
+    return {"arm": name, "wall_s": wall, "cuda_peak_gib": m["cuda_peak_bytes"] / 2**30,
+            **{k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("perf/")},
+            **{k: v for k, v in m.items() if k in ("label/solutions", "label/steps", "eval/response_length")}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    ap.add_argument("--prompts", type=int, default=16, help="evaluate's prompts in the gpu / cpu arms")
+    ap.add_argument("--samples", type=int, default=4, help="evaluate's samples per prompt in the gpu / cpu arms")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="every response's budget in the gpu / cpu arms")
+    ap.add_argument("--label-prompts", type=int, default=8)
+    ap.add_argument("--label-samples", type=int, default=2)
+    ap.add_argument("--completions", type=int, default=4)
+    ap.add_argument("--big-prompts", type=int, default=64, help="evaluate-1.5b's prompts (4 samples + greedy + baseline)")
+    ap.add_argument("--output", default="outputs/sampling-stages-gpu")
+    args = ap.parse_args(argv)
+
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        ap.error(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
+    models = {}
+    if any(ARMS[a][2] == "358m" for a in arms):
+        models["358m"] = write_model(out / "model-358m")
+    if any(ARMS[a][2] == "1.5b" for a in arms):
+        models["1.5b"] = write_body_1p5b(out / "model-1.5b-body")
+    rows = []
+    for name in arms:
+        rows.append(run_arm(name, args, models, out))
+        print(json.dumps(rows[-1]), flush=True)
+        (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    cols = ["wall_s", "sample_s", "baseline_s", "sample_tokens", "tokens_per_s", "sequences_per_s", "cuda_peak_gib"]
+    print("\n| arm | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for r in rows:
+        print(f"| {r['arm']} | " + " | ".join(f"{r[c]:.1f}" if isinstance(r.get(c), float) else str(r.get(c, "-"))
+                                             for c in cols) + " |" + (f" {r['error']}" if "error" in r else ""))
+    by = {r["arm"]: r for r in rows if "error" not in r}
+    for stage in ("evaluate", "prm-label"):
+        g, c = by.get(f"{stage}-gpu"), by.get(f"{stage}-cpu")
+        if g and c:
+            print(f"{stage}: stage wall cpu / gpu {c['wall_s'] / g['wall_s']:.2f}x")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,7 @@
 #   1. sampling-stages: benchmarks/sampling_stages_gpu.py: evaluate and prm-label sampling on the GPU (their default)
 #                       against on the CPU in float32 (where both sampled on a GPU pod before 4b5553a / 4a58755), and
 #                       evaluate at the 1.5B recipe's evaluate shapes
-#   2. stage-tests:     the quick tests of evaluate and the prm stages with CUDA present (the policy and PRM on it)
+#   2. stage-tests:     the quick tests of evaluate, the prm stages and rollout with CUDA present (models on it)
 #   3. implicit-prm:    benchmarks/bench_implicit_prm.py at Qwen2.5-1.5B's whole shapes (28 layers), chunked vs plain:
 #                       rollout's old/ref log-probs at the 1.5B recipe's 32 sequences x (150 + 1024) tokens, the implicit
 #                       PRM's scoring pass at 32 x 600 and its training step at the prm recipe's micro batch 8 x 1024
@@ -98,9 +98,9 @@ if [ "$MODE" = "stages" ]; then
   export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   python3 -c 'import torch, transformers, mlflow, prmflow; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())' \
     >> "$RESULTS/logs/install.log" 2>&1
-  part sampling-stages 240 python3 benchmarks/sampling_stages_gpu.py --output "$RESULTS/sampling-stages"
-  part stage-tests 150 python3 -m pytest -p no:cacheprovider -q -rfE tests/evaluate tests/prm -m "not slow and not real_model"
-  part implicit-prm 240 bash -c "python3 benchmarks/bench_implicit_prm.py --layers 28 --dtype bfloat16 --batch 32 --tokens 1174 \
+  part sampling-stages 200 python3 benchmarks/sampling_stages_gpu.py --output "$RESULTS/sampling-stages"
+  part stage-tests 150 python3 -m pytest -p no:cacheprovider -q -rfE tests/evaluate tests/prm tests/rollout -m "not slow and not real_model"
+  part implicit-prm 200 bash -c "python3 benchmarks/bench_implicit_prm.py --layers 28 --dtype bfloat16 --batch 32 --tokens 1174 \
       --prompt_tokens 150 --what logprobs; \
     python3 benchmarks/bench_implicit_prm.py --layers 28 --dtype bfloat16 --batch 32 --tokens 600; \
     python3 benchmarks/bench_implicit_prm.py --layers 28 --dtype bfloat16 --batch 8 --tokens 1024 --train"

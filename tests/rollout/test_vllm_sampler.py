@@ -267,6 +267,9 @@ def test_in_process_is_refused_where_the_rank_gpu_is_not_this_process_cuda_0(vll
     is cuda:0 here only when its CUDA_VISIBLE_DEVICES was pinned before CUDA started; after, the engine would land on
     rank 0's GPU: refused with the key to change, before any engine starts. A fresh rank and the spawned core are fine."""
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    # the 8 GPUs are the stand-in's: the engine's free-memory probe must not ask this machine's real GPU 1, which
+    # a one-GPU machine has not (an H200, 2026-11-27: "invalid device ordinal")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     made = len(vllm_module.ENGINES)
     with pytest.raises(ConfigError, match=r"rollout.vllm.in_process=true: this rank's GPU is cuda:1 .*vllm.in_process=false"):
         VLLMEngine(str(sft_policy), "float32", settings=VLLMSettings(in_process=True), local_rank=1)

@@ -15,6 +15,10 @@ process, as a pod starts it:
   8,960, 12 / 2 heads; the character vocabulary) at the cluster recipe's batch_sequences 128, its 4 samples and
   max_new_tokens 1024: the HF sampler's rate at the recipe's evaluate shapes.
 
+- decode-1.5b: no stage: `generate`'s time per decode step for that body at batch 128 (30-token prompts, every
+  sequence kept to the end), on the GPU in bf16 (a first call over new shapes, then a second) and on 12 CPU threads
+  in float32 (8 steps): what a recipe-sized evaluate costs a step where it samples.
+
 evaluate also greedy-decodes the baseline (the same policy again, as the recipe compares against the SFT policy).
 Per arm: the stage's wall, its perf/* metrics, and the GPU memory its process allocated at peak (0 = it never
 used the GPU). Prints a markdown table and writes OUTPUT/results.json. One run per arm: compare arms of one run.
@@ -46,12 +50,13 @@ print("METRICS " + json.dumps({{**m, "cuda_peak_bytes": peak}}), flush=True)
 
 STAGES = {"evaluate": ("evaluate", "stage"), "prm-label": ("prm", "label")}
 CPU = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "12", "MKL_NUM_THREADS": "12"}
-ARMS = {  # name -> (stage, environment, model), in the order they run: the GPU arms first (the CPU ones take longest)
+ARMS = {  # name -> (stage, environment, model), in the order they run: the whole 1.5B evaluate, the longest, last
     "evaluate-gpu": ("evaluate", {}, "358m"),
     "prm-label-gpu": ("prm-label", {}, "358m"),
-    "evaluate-1.5b": ("evaluate", {}, "1.5b"),
     "evaluate-cpu": ("evaluate", CPU, "358m"),
     "prm-label-cpu": ("prm-label", CPU, "358m"),
+    "decode-1.5b": ("", {}, "1.5b"),
+    "evaluate-1.5b": ("evaluate", {}, "1.5b"),
 }
 
 
@@ -74,6 +79,43 @@ def write_body_1p5b(path: Path) -> str:
             model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
         modeling.save_pretrained(model, tok, path)
     return str(path)
+
+
+DECODE = """
+import json, sys, time, torch
+from transformers import AutoModelForCausalLM
+path = sys.argv[1]
+ids = torch.randint(4, 88, (128, 30), generator=torch.Generator().manual_seed(0))
+def per_step(model, device, steps):
+    x = ids.to(device)
+    if device == "cuda": torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=steps, min_new_tokens=steps,
+                   do_sample=True, pad_token_id=0)
+    if device == "cuda": torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+row = {}
+if torch.cuda.is_available():
+    gpu = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    row["gpu_first_s_per_step"] = per_step(gpu, "cuda", 64)
+    row["gpu_s_per_step"] = per_step(gpu, "cuda", 64)
+    del gpu
+torch.set_num_threads(12)
+row["cpu_s_per_step"] = per_step(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), "cpu", 8)
+print("METRICS " + json.dumps(row), flush=True)
+"""
+
+
+def decode_arm(name: str, model: str, out: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.perf_counter()
+    with open(out / f"{name}.log", "w") as f:
+        proc = subprocess.run([sys.executable, "-c", DECODE, model], stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
+    log = (out / f"{name}.log").read_text()
+    if proc.returncode:
+        return {"arm": name, "error": f"exit {proc.returncode}; see {out / f'{name}.log'}", "wall_s": time.perf_counter() - t0}
+    return {"arm": name, "wall_s": time.perf_counter() - t0,
+            **json.loads(next(line for line in log.splitlines() if line.startswith("METRICS "))[8:])}
 
 
 def overrides(stage: str, model: str, policy: str, args, out: Path) -> dict:
@@ -133,14 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         models["1.5b"] = write_body_1p5b(out / "model-1.5b-body")
     rows = []
     for name in arms:
-        rows.append(run_arm(name, args, models, out))
+        rows.append(decode_arm(name, models["1.5b"], out) if name == "decode-1.5b" else run_arm(name, args, models, out))
         print(json.dumps(rows[-1]), flush=True)
         (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    cols = ["wall_s", "sample_s", "baseline_s", "sample_tokens", "tokens_per_s", "sequences_per_s", "cuda_peak_gib"]
+    cols = ["wall_s", "sample_s", "baseline_s", "sample_tokens", "tokens_per_s", "sequences_per_s", "cuda_peak_gib",
+            "gpu_first_s_per_step", "gpu_s_per_step", "cpu_s_per_step"]
     print("\n| arm | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     for r in rows:
-        print(f"| {r['arm']} | " + " | ".join(f"{r[c]:.1f}" if isinstance(r.get(c), float) else str(r.get(c, "-"))
+        print(f"| {r['arm']} | " + " | ".join(f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "-"))
                                              for c in cols) + " |" + (f" {r['error']}" if "error" in r else ""))
     by = {r["arm"]: r for r in rows if "error" not in r}
     for stage in ("evaluate", "prm-label"):

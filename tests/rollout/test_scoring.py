@@ -10,6 +10,8 @@ import torch
 from prmflow.components.common import modeling, steps
 from prmflow.components.rollout import scoring
 
+scoring_selected = scoring.selected_logprobs  # the real one, for the tests that count its calls
+
 TEXTS = ["7+5=12\n12*3=36\n36-4=32\nanswer: 32", "first step\n\nsecond: é ∑ 😀 done\nthird\n", "\n\nlead\n",
          "no separator at all", "ünïcödé\n∫x dx = x²/2\nanswer: \\boxed{\\frac{1}{2}}"]
 
@@ -124,6 +126,27 @@ def test_forward_logprobs_read_the_head_chunk_by_chunk_never_whole_logits(monkey
     longest = max(len(p) + len(r) for p, r in zip(prompts, responses))
     assert whole_probe.peak >= 3 * (longest - 1)  # the probe sees the whole path's (B, T, V) logits
     assert chunked_probe.peak <= 3 * 5  # one chunk: its logits, the log-softmax, what cross-entropy keeps
+
+
+def test_forward_logprobs_of_a_soft_capped_model_take_the_whole_path_after_one_look(monkeypatch):
+    """Gemma 2 soft-caps its logits after the head, so the head alone would give other log-probs: the first
+    batch's check sees it and that batch and every later one take the whole path (one look, not one a batch)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                           final_logit_softcapping=0.5)).eval()
+    looks = []
+    monkeypatch.setattr(scoring, "selected_logprobs", lambda *a, **k: looks.append(scoring_selected(*a, **k)) or looks[-1])
+    prompts, responses = random_rows(n=7, seed=3)
+    got = scoring.forward_logprobs(model, prompts, responses, batch_size=3, pad_id=0)  # 3 batches
+    assert looks == [None]
+    for p, r, lp in zip(prompts, responses, got):
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([p + r])).logits[0], -1)[len(p) - 1:-1].gather(
+                -1, torch.tensor(r)[:, None])[:, 0]
+        torch.testing.assert_close(torch.from_numpy(lp), ref, rtol=0, atol=1e-5)
 
 
 def test_forward_values_read_the_position_before_each_response_token(tmp_path, tiny, scalar_dir):

@@ -125,8 +125,9 @@ def forward_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequenc
     The LM head reads the response positions only, LOGIT_CHUNK_BYTES of float32 logits at a time
     (`prm_model.selected_logprobs`, the implicit PRM's pass): the (B, T, V) logits and their float32
     log-softmax never exist. At Qwen2.5's 151,936 tokens and the 1.5B recipe's 32 sequences of up to
-    ~1,200 tokens those were 11 GiB in bfloat16 plus 22 GiB for each float32 copy. `chunked=False`, or a
-    model whose logits are not its head's output (a soft-cap), computes the whole logits instead.
+    ~1,200 tokens those were 11 GiB in bfloat16 plus 22 GiB for each float32 copy (54 GiB at peak, 3.3 GiB
+    chunked, on an H200). `chunked=False`, or a model whose logits are not its head's output (a soft-cap:
+    seen on the first batch), computes the whole logits instead.
     """
     model.eval()
     device = next(model.parameters()).device
@@ -145,6 +146,8 @@ def forward_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequenc
                 lp = flat.float().cpu().numpy()
                 for i, part in zip(idx, np.split(lp, np.cumsum(r_lens)[:-1])):
                     out[i] = part.astype(np.float32)
+            else:  # this model's logits are not its head's output: every batch takes the whole path, once
+                chunked = False
         if lp is None:
             lp = sequence_logprobs(model, ids, mask, **extra).float().cpu().numpy()  # (B, T-1): entry j scores token j+1
             for r, i in enumerate(idx):

@@ -5,16 +5,15 @@ GPU pod before 4b5553a / 4a58755 (the policy loaded in float32 on the CPU and ne
     python benchmarks/sampling_stages_gpu.py --arms evaluate-gpu,evaluate-cpu --prompts 32
 
 The policy: the random 358M Qwen2-shaped model of benchmarks/rollout_stage_gpu.py (the character tokenizer; a
-response ends at a random EOS, ~88 tokens on average, or at max_new_tokens). Each arm runs the stage in its own
-process, as a pod starts it:
+response ends at EOS, which this random model seldom draws: its greedy responses averaged 127 of 128 tokens on the
+H200, or at max_new_tokens). Each arm runs the stage in its own process, as a pod starts it:
 
 - evaluate-gpu / prm-label-gpu: the stage's defaults: the GPU, bfloat16 (modeling.placement);
 - evaluate-cpu / prm-label-cpu: the same stage and sizes with CUDA_VISIBLE_DEVICES empty and 12 threads (the
   recipe's gpu_pool has 12 cores): the CPU in float32, where the policy sampled on a GPU pod before the fix;
 - evaluate-1.5b: evaluate on the GPU only, a random model of Qwen2.5-1.5B's body (28 layers, hidden 1,536, MLP
   8,960, 12 / 2 heads; the character vocabulary) at the cluster recipe's batch_sequences 128, its 4 samples and
-  max_new_tokens 1024: the HF sampler's rate at the recipe's evaluate shapes.
-
+  max_new_tokens 1024: the HF sampler's rate at the recipe's evaluate shapes;
 - decode-1.5b: no stage: `generate`'s time per decode step for that body at batch 128 (30-token prompts, every
   sequence kept to the end), on the GPU in bf16 (a first call over new shapes, then a second) and on 12 CPU threads
   in float32 (8 steps): what a recipe-sized evaluate costs a step where it samples.

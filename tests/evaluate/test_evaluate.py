@@ -56,7 +56,9 @@ def test_metrics_against_independent_recomputation(sft_policy, flat_prm, tmp_pat
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(sqlite_store)
-    assert client.get_run(parent.run_id).data.metrics["final/accuracy"] == pytest.approx(m["eval/accuracy"])
+    on_parent = client.get_run(parent.run_id).data.metrics
+    assert on_parent["final/accuracy"] == pytest.approx(m["eval/accuracy"])
+    assert not [k for k in on_parent if k.startswith("perf/")]  # the stage's timings stay on the stage's run
 
 
 def test_per_step_view_marks_the_first_wrong_step():

@@ -148,6 +148,6 @@ def run(cfg: Config) -> dict:
         step = max(cfg.iteration, 0)
         tracker.log_metrics(metrics, step=step)
         tracker.log_text(page, "per_step.html")
-        tracker.log_parent_metrics(metrics, step=step)
+        tracker.log_parent_metrics({k: v for k, v in metrics.items() if k.startswith("eval/")}, step=step)  # as final/*
     print("evaluate: " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in sorted(metrics.items()) if k.startswith("eval/")))
     return metrics

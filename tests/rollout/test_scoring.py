@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from prmflow.components.common import modeling, steps
+from prmflow.components.common import modeling, prm_model, steps
 from prmflow.components.rollout import scoring
 
 scoring_selected = scoring.selected_logprobs  # the real one, for the tests that count its calls
@@ -108,7 +108,7 @@ def test_forward_logprobs_read_the_head_chunk_by_chunk_never_whole_logits(monkey
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1)).eval()
-    monkeypatch.setattr(scoring, "LOGIT_CHUNK_BYTES", 4 * V * 5)
+    monkeypatch.setattr(prm_model, "LOGIT_CHUNK_BYTES", 4 * V * 5)
     g = random.Random(2)
     prompts = [[g.randrange(1, V) for _ in range(g.randint(3, 12))] for _ in range(7)]
     responses = [[g.randrange(1, V) for _ in range(g.randint(1, 15))] for _ in range(7)]

@@ -190,6 +190,11 @@ def response_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return keep.nonzero(as_tuple=True)
 
 
+def logit_chunk_rows(lm: torch.nn.Module) -> int:
+    """Positions whose float32 logits over `lm`'s vocabulary fill LOGIT_CHUNK_BYTES (at least one)."""
+    return max(1, LOGIT_CHUNK_BYTES // (4 * lm.config.get_text_config().vocab_size))
+
+
 def selected_logprobs(call, lm: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       rows: torch.Tensor, positions: torch.Tensor, chunk_rows: int, **pixels) -> torch.Tensor | None:
     """log p(input_ids[r, t] | input_ids[r, :t]) for each (r, t) of (rows, positions): (N,) float32,
@@ -320,7 +325,7 @@ class PRM:
         self._move_reference(input_ids.device)
         if self.chunked:
             rows, positions = response_positions(input_ids, attention_mask, response_start)
-            chunk = self.logit_chunk_rows or max(1, LOGIT_CHUNK_BYTES // (4 * self.model.config.get_text_config().vocab_size))
+            chunk = self.logit_chunk_rows or logit_chunk_rows(self.model)
             logp = selected_logprobs(call, self.model, input_ids, attention_mask, rows, positions, chunk, **pixels)
             with torch.no_grad():
                 ref = None if logp is None else selected_logprobs(self.reference, self.reference, input_ids, attention_mask,

@@ -77,6 +77,14 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return masked_sum(x, mask, dim) / count.clamp(min=1)
 
 
+def mask_positions(model: torch.nn.Module, attention_mask: torch.Tensor, **model_kwargs) -> dict:
+    """`model_kwargs` plus position ids that follow the attention mask (so a padded row's tokens sit where
+    they would alone), unless the model places its tokens itself (multimodal rope, Qwen2-VL)."""
+    if own_positions(model):
+        return model_kwargs
+    return {"position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0), **model_kwargs}
+
+
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       **model_kwargs) -> torch.Tensor:
     """log p(input_ids[:, t] | input_ids[:, :t]) for t >= 1, under `model`.
@@ -86,7 +94,5 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
     `model_kwargs`: e.g. a vision-language batch's pixel inputs; a model with multimodal rope
     (Qwen2-VL) places its tokens itself and must get a right-padded batch.
     """
-    if not own_positions(model):
-        model_kwargs = {"position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0), **model_kwargs}
-    out = model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, **mask_positions(model, attention_mask, **model_kwargs))
     return token_logprobs(out.logits[:, :-1], input_ids[:, 1:])

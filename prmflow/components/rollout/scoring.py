@@ -24,9 +24,8 @@ import numpy as np
 import torch
 
 from ..common import steps as steps_lib
-from ..common.modeling import own_positions
-from ..common.prm_model import LOGIT_CHUNK_BYTES, selected_logprobs
-from ..common.tensor_ops import sequence_logprobs
+from ..common.prm_model import logit_chunk_rows, response_positions, selected_logprobs
+from ..common.tensor_ops import mask_positions, sequence_logprobs
 from ..common.vision import batch_pixels
 from ..common.prm_scoring import PRMScorer, right_pad
 
@@ -122,7 +121,7 @@ def forward_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequenc
     gathered at the next tokens, then entries prompt_len - 1 ... prompt_len + R - 2. `pixels`: per
     row the pixel inputs of its prompt's images (vision-language), fed with its batch.
 
-    The LM head reads the response positions only, LOGIT_CHUNK_BYTES of float32 logits at a time
+    The LM head reads the response positions only, prm_model.LOGIT_CHUNK_BYTES of float32 logits at a time
     (`prm_model.selected_logprobs`, the implicit PRM's pass): the (B, T, V) logits and their float32
     log-softmax never exist. At Qwen2.5's 151,936 tokens and the 1.5B recipe's 32 sequences of up to
     ~1,200 tokens those were 11 GiB in bfloat16 plus 22 GiB for each float32 copy (54 GiB at peak, 3.3 GiB
@@ -131,24 +130,19 @@ def forward_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequenc
     """
     model.eval()
     device = next(model.parameters()).device
-    chunk_rows = max(1, LOGIT_CHUNK_BYTES // (4 * model.config.get_text_config().vocab_size))
     out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(prompts)
     for idx, ids, mask, p_lens, r_lens in _batches(prompts, responses, batch_size, pad_id, device):
         extra = batch_pixels([pixels[i] for i in idx], device) if pixels is not None else {}
-        lp = None
-        if chunked:
-            # right-padded rows: row r's response tokens sit at p_lens[r] ... p_lens[r] + r_lens[r] - 1
-            rows = torch.repeat_interleave(torch.arange(len(idx)), torch.tensor(r_lens)).to(device)
-            positions = torch.cat([torch.arange(p, p + n) for p, n in zip(p_lens, r_lens)]).to(device)
-            kwargs = extra if own_positions(model) else {"position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0), **extra}
-            flat = selected_logprobs(model, model, ids, mask, rows, positions, chunk_rows, **kwargs)
-            if flat is not None:
-                lp = flat.float().cpu().numpy()
-                for i, part in zip(idx, np.split(lp, np.cumsum(r_lens)[:-1])):
-                    out[i] = part.astype(np.float32)
-            else:  # this model's logits are not its head's output: every batch takes the whole path, once
-                chunked = False
-        if lp is None:
+        flat = None
+        if chunked:  # every row's response tokens, row by row: the rows start their responses at p_lens
+            rows, positions = response_positions(ids, mask, torch.tensor(p_lens, device=device))
+            flat = selected_logprobs(model, model, ids, mask, rows, positions, logit_chunk_rows(model),
+                                     **mask_positions(model, mask, **extra))
+            chunked = flat is not None  # a model whose logits are not its head's output: the whole path from now on
+        if flat is not None:
+            for i, part in zip(idx, np.split(flat.float().cpu().numpy(), np.cumsum(r_lens)[:-1])):
+                out[i] = part
+        else:
             lp = sequence_logprobs(model, ids, mask, **extra).float().cpu().numpy()  # (B, T-1): entry j scores token j+1
             for r, i in enumerate(idx):
                 out[i] = lp[r, p_lens[r] - 1:p_lens[r] - 1 + r_lens[r]].astype(np.float32)

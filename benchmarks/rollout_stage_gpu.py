@@ -92,23 +92,26 @@ print("METRICS " + json.dumps(m), flush=True)
 """
 
 
-def write_model(path: Path, layers: int = 24) -> str:
-    """The random 358M Qwen2-shaped model (bf16 weights) with the character tokenizer."""
+def write_model(path: Path, layers: int = 24, hidden: int = 896, intermediate: int = 4864, heads: int = 14,
+                kv_heads: int = 2, init_device: str = "cpu") -> str:
+    """A random Qwen2-shaped model (bf16 weights) with the character tokenizer; by default the 358M one.
+    `init_device`: where its weights are drawn (a GPU draws a 1.5B body in seconds; other numbers than the CPU's)."""
     from prmflow.components.common import modeling
 
     if not (path / "config.json").exists():
         model, tok = modeling.load_causal_lm("tiny-qwen2", seed=0)
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        cfg = AutoConfig.for_model("qwen2", vocab_size=model.config.vocab_size, hidden_size=896, intermediate_size=4864,
-                                   num_hidden_layers=layers, num_attention_heads=14, num_key_value_heads=2,
-                                   max_position_embeddings=2048, tie_word_embeddings=True,
+        cfg = AutoConfig.for_model("qwen2", vocab_size=model.config.vocab_size, hidden_size=hidden,
+                                   intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+                                   num_key_value_heads=kv_heads, max_position_embeddings=2048, tie_word_embeddings=True,
                                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                    pad_token_id=tok.pad_token_id)
         import torch
 
         torch.manual_seed(0)
-        big = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+        with torch.device(init_device):
+            big = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
         modeling.save_pretrained(big, tok, path)
     return str(path)
 

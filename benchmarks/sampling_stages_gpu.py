@@ -61,23 +61,10 @@ ARMS = {  # name -> (stage, environment, model), in the order they run: the whol
 
 def write_body_1p5b(path: Path) -> str:
     """A random model of Qwen2.5-1.5B's body (bf16 weights) with the character tokenizer."""
-    from prmflow.components.common import modeling
+    import torch
 
-    if not (path / "config.json").exists():
-        _, tok = modeling.load_causal_lm("tiny-qwen2", seed=0)
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        cfg = AutoConfig.for_model("qwen2", vocab_size=len(tok), hidden_size=1536, intermediate_size=8960,
-                                   num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                                   max_position_embeddings=4096, tie_word_embeddings=True,
-                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                   pad_token_id=tok.pad_token_id)
-        torch.manual_seed(0)
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # 1.5B initialised in seconds on a GPU
-            model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
-        modeling.save_pretrained(model, tok, path)
-    return str(path)
+    return write_model(path, layers=28, hidden=1536, intermediate=8960, heads=12, kv_heads=2,
+                       init_device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 DECODE = """
@@ -105,16 +92,23 @@ print("METRICS " + json.dumps(row), flush=True)
 """
 
 
-def decode_arm(name: str, model: str, out: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+def child(name: str, code: str, argv: list[str], out: Path, env_over: dict | None = None) -> tuple[dict, dict | None]:
+    """Run `code` in its own process, logged to OUT/NAME.log as it runs (an arm cut short leaves its log): (the
+    arm's row so far, the METRICS line's dict or None when the process failed)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env_over or {}))
     t0 = time.perf_counter()
     with open(out / f"{name}.log", "w") as f:
-        proc = subprocess.run([sys.executable, "-c", DECODE, model], stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
-    log = (out / f"{name}.log").read_text()
+        proc = subprocess.run([sys.executable, "-c", code, *argv], stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
+    row = {"arm": name, "wall_s": time.perf_counter() - t0}
     if proc.returncode:
-        return {"arm": name, "error": f"exit {proc.returncode}; see {out / f'{name}.log'}", "wall_s": time.perf_counter() - t0}
-    return {"arm": name, "wall_s": time.perf_counter() - t0,
-            **json.loads(next(line for line in log.splitlines() if line.startswith("METRICS "))[8:])}
+        return {**row, "error": f"exit {proc.returncode}; see {out / f'{name}.log'}"}, None
+    log = (out / f"{name}.log").read_text()
+    return row, json.loads(next(line for line in log.splitlines() if line.startswith("METRICS "))[8:])
+
+
+def decode_arm(name: str, model: str, out: Path) -> dict:
+    row, m = child(name, DECODE, [model], out)
+    return {**row, **(m or {})}
 
 
 def overrides(stage: str, model: str, policy: str, args, out: Path) -> dict:
@@ -133,17 +127,10 @@ def run_arm(name: str, args, models: dict, out: Path) -> dict:
     stage, env_over, model = ARMS[name]
     module, attr = STAGES[stage]
     over = overrides(stage, model, models[model], args, out / name)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **env_over)
-    t0 = time.perf_counter()
-    with open(out / f"{name}.log", "w") as f:  # written as it runs: an arm cut short leaves its log
-        proc = subprocess.run([sys.executable, "-c", RUN.format(module=module, stage=attr), json.dumps(over)],
-                              stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
-    wall = time.perf_counter() - t0
-    log = (out / f"{name}.log").read_text()
-    if proc.returncode:
-        return {"arm": name, "error": f"exit {proc.returncode}; see {out / f'{name}.log'}", "wall_s": wall}
-    m = json.loads(next(line for line in log.splitlines() if line.startswith("METRICS "))[8:])
-    return {"arm": name, "wall_s": wall, "cuda_peak_gib": m["cuda_peak_bytes"] / 2**30,
+    row, m = child(name, RUN.format(module=module, stage=attr), [json.dumps(over)], out, env_over)
+    if m is None:
+        return row
+    return {**row, "cuda_peak_gib": m["cuda_peak_bytes"] / 2**30,
             **{k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("perf/")},
             **{k: v for k, v in m.items() if k in ("label/solutions", "label/steps", "eval/response_length")}}
 

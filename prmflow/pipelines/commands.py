@@ -325,6 +325,7 @@ def _run_local(args) -> int:
 def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str, str, str | None]:
     """Run the pipeline of `spec` through kfp.local; returns (tracking URI, experiment, parent run id).
     verbose=False: the tasks' output goes to ROOT/run-local.log, the terminal gets one line per task."""
+    import shutil
     import time
     import uuid
     import warnings
@@ -346,8 +347,13 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     # ROOT/workspace stands in for the ReadWriteMany volume. It is passed to the steps as a path, not as
     # kfp.local's workspace_root, which kfp.local (2.17) deletes at the end of every run
     # (pipeline_orchestrator.py); ROOT/cache is kfp.local's cache: a re-run skips the finished steps.
+    # kfp.local's own workspace_root (unused by our steps) is named here, under ROOT: left to kfp.local it is a
+    # fresh /tmp/kfp-workspace-* per init (config.py), removed only once a pipeline has started, so a run that
+    # stopped before that (a bad --param, Ctrl-C while building) left one behind in /tmp every time
+    kfp_workspace = root / ".kfp-workspace"
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True,
-               enable_caching=spec.pipeline.cluster.cache, cache_root=str(root / "cache"))
+               enable_caching=spec.pipeline.cluster.cache, cache_root=str(root / "cache"),
+               workspace_root=str(kfp_workspace))
     run_id = uuid.uuid4().hex
     before, os.environ[RUN_ID_ENV] = os.environ.get(RUN_ID_ENV), run_id  # the steps' parent run; not a cache-key input
     t0 = time.monotonic()
@@ -362,6 +368,7 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
             defaults = {name: inp.default for name, inp in pipeline_fn.component_spec.inputs.items()}
             pipeline_fn(**run_arguments(defaults, params))  # a stage's --param merges into its section, as on a cluster
         finally:
+            shutil.rmtree(kfp_workspace, ignore_errors=True)
             if before is None:
                 os.environ.pop(RUN_ID_ENV, None)
             else:

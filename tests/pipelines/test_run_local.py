@@ -116,6 +116,7 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     before_table = out.split(f"MLflow run {parent.info.run_id}")[0]
     assert "executor" not in before_table.lower() and len(before_table.splitlines()) <= 3, before_table
     assert re.search(r"^pipeline finished in \d+ s", out, re.M), out  # not indented by kfp.local's print
+    assert not (tmp_path / "root" / ".kfp-workspace").exists()  # kfp.local's own workspace is not left behind
     log = re.sub(r"\x1b\[[0-9;]*m", "", (tmp_path / "root" / "run-local.log").read_text())  # kfp colors the status
     assert log.count("finished with status SUCCESS") >= len(expected) and "rollout: " in log
     # the closing table: one row per stage/iteration, numbers as MLflow has them
@@ -167,3 +168,29 @@ def test_compare_runs_each_variant_on_one_shared_warm_up(tmp_path, monkeypatch):
     assert base["outcome-only"] == base["grpo_process"]
     table = (tmp_path / "runs" / "comparison.txt").read_text()
     assert "outcome-only" in table and "grpo_process" in table and "PRM best-of-k" in table
+
+
+def test_a_run_that_stops_before_its_pipeline_leaves_no_kfp_workspace_in_tmp(tmp_path, monkeypatch, capsys):
+    """kfp.local.init makes a workspace directory; left to kfp.local it is a new /tmp/kfp-workspace-* that only a
+    started pipeline removes, so every run stopped before that (here: the DAG cannot be built) leaked one."""
+    import tempfile
+
+    from prmflow.errors import ConfigError
+    from prmflow.pipelines import pipeline
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where kfp.local's mkdtemp would put it
+
+    def stopped(*args, **kwargs):
+        raise ConfigError("stopped while building the DAG")
+
+    monkeypatch.setattr(pipeline, "build", stopped)
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_text(yaml.safe_dump(TINY))
+    root = tmp_path / "root"
+    assert cli.main(["pipeline", "run-local", "--config", str(cfg), "--root", str(root),
+                     "--param", f"tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]) != 0
+    assert "stopped while building the DAG" in capsys.readouterr().err
+    assert list(scratch.iterdir()) == []
+    assert not (root / ".kfp-workspace").exists()

@@ -130,7 +130,7 @@ def summarize(results: dict, reference: str) -> list[dict]:
     return rows
 
 
-def _p(p: float) -> str:
+def format_p(p: float) -> str:
     return "n/a" if p is None or math.isnan(p) else f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
 
 
@@ -142,10 +142,10 @@ def format_table(rows: list[dict], reference: str) -> str:
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         reach = "-" if r["rollouts_to_reference"] is None else f"{r['rollouts_to_reference']} of {r['rollouts']}"
-        tests = "; ".join(f"s{s}: {a}/{b}, p={_p(p)}" for s, a, b, p in r["mcnemar"]) or "(reference)"
+        tests = "; ".join(f"s{s}: {a}/{b}, p={format_p(p)}" for s, a, b, p in r["mcnemar"]) or "(reference)"
         lines.append(f"| {r['variant']} | {r['pass1_mean']:.3f} ({r['pass1_min']:.3f}-{r['pass1_max']:.3f}) "
-                     f"| {r['half_pass1_mean']:.3f} ({r['half_rollouts']}{'; p=' + _p(r['half_seed_p']) if r['mcnemar'] else ''}) | {reach} "
-                     f"| {tests} | {_p(r['seed_p']) if r['mcnemar'] else '-'} | {r['steps_per_response']:.2f} "
+                     f"| {r['half_pass1_mean']:.3f} ({r['half_rollouts']}{'; p=' + format_p(r['half_seed_p']) if r['mcnemar'] else ''}) | {reach} "
+                     f"| {tests} | {format_p(r['seed_p']) if r['mcnemar'] else '-'} | {r['steps_per_response']:.2f} "
                      f"| {r['shortcut_share']:.3f} | {r['no_separator']:.3f} | {r['format_errors']:.3f} |")
     return "\n".join(lines)
 
@@ -209,3 +209,35 @@ def step_failures(prompts: list[str], responses: list[str], outcomes: list[float
     return {"success_by_merged": order({k: (n, ok / n) for k, (n, ok) in by_merged.items()}),
             "single_by_position": order({k: (n, f / n) for k, (n, f) in single.items()}),
             "merged": (merged[0], merged[1] / merged[0] if merged[0] else 0.0)}
+
+
+# --- after half the budget: still climbing, or one plateau reached sooner? (issue 46's late-run question) ---
+
+def second_half(results: dict, variant: str, reference: str) -> dict:
+    """How `variant` and `reference` move from half the rollouts (the point summarize calls half) to the end,
+    over the seeds both have: {"seeds", "half": (variant, reference) seed means there, "end": the same at the
+    last point, "change": {arm: (mean end - half, paired t-test p)}, "variant_half_vs_reference_end": (variant's
+    mean at half, reference's at the end, paired p), "best": (each arm's best point from half on, seed mean)}.
+    Neither arm moving after half, and the variant's half equal to the reference's end, reads as one level
+    that the variant reached sooner; an arm still climbing reads as a budget that ended first."""
+    runs, ref = results[variant], results[reference]
+    seeds = sorted(set(runs) & set(ref))
+    if not seeds:
+        raise ValueError(f"{variant} and {reference} share no seed")
+
+    def pass1(arm: dict) -> list[list[float]]:
+        return [[p["pass1"] for p in arm[s]["points"]] for s in seeds]
+
+    a, b = pass1(runs), pass1(ref)
+    n = min(len(c) for c in a + b)
+    half = (n - 1) // 2
+    mean = lambda vals: sum(vals) / len(vals)  # noqa: E731
+    col = lambda curves, k: [c[k] for c in curves]  # noqa: E731
+    return {"seeds": len(seeds),
+            "half": (mean(col(a, half)), mean(col(b, half))),
+            "end": (mean(col(a, n - 1)), mean(col(b, n - 1))),
+            "change": {name: (mean(col(c, n - 1)) - mean(col(c, half)), paired_seed_test(col(c, n - 1), col(c, half)))
+                       for name, c in ((variant, a), (reference, b))},
+            "variant_half_vs_reference_end": (mean(col(a, half)), mean(col(b, n - 1)),
+                                              paired_seed_test(col(a, half), col(b, n - 1))),
+            "best": (mean([max(c[half:n]) for c in a]), mean([max(c[half:n]) for c in b]))}

@@ -340,3 +340,34 @@ def test_step_failures_against_hand_counts():
     assert got["merged"] == (2, 0.5)
     pooled = bs.step_failures([p] * 4, responses, outcomes, positions=2)["single_by_position"]
     assert pooled == {0: (2, 0.0), "1+": (4, 0.25)}
+
+
+def test_second_half_against_a_hand_computed_example(tmp_path, capsys):
+    from scipy import stats
+
+    import prm_vs_outcome_late as late
+
+    c = [1, 0]
+    results = {"outcome-only": {"0": _run([0.2, 0.4, 0.6, 0.8, 0.8], c), "1": _run([0.2, 0.5, 0.6, 0.7, 0.8], c)},
+               "recipe": {"0": _run([0.2, 0.6, 0.8, 0.8, 0.8], c), "1": _run([0.2, 0.6, 0.7, 0.8, 0.7], c),
+                          "2": _run([0.9, 0.9, 0.9, 0.9, 0.1], c)}}  # a seed the reference lacks: left out
+    got = bs.second_half(results, "recipe", "outcome-only")
+    assert got["seeds"] == 2
+    # half = the third of five points (200 rollouts), as summarize's
+    assert got["half"] == (pytest.approx(0.75), pytest.approx(0.6))
+    assert got["end"] == (pytest.approx(0.75), pytest.approx(0.8))
+    assert got["change"]["recipe"] == (pytest.approx(0.0), 1.0)  # no seed moved
+    assert got["change"]["outcome-only"] == (pytest.approx(0.2), 0.0)  # every seed moved by the same +0.2
+    vh, rend, p = got["variant_half_vs_reference_end"]
+    assert (vh, rend) == (pytest.approx(0.75), pytest.approx(0.8))
+    assert p == pytest.approx(stats.ttest_rel([0.8, 0.7], [0.8, 0.8]).pvalue)
+    assert got["best"] == (pytest.approx(0.8), pytest.approx(0.8))
+
+    out = tmp_path / "regime"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"results": results}))
+    assert late.main([str(out)]) == 0
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert row.startswith(f"| {out} | recipe | 2 | 0.750 / 0.600 | 0.750 / 0.800 | +0.000 (p=1.000) / +0.200 (p=0.0e+00) |")
+    assert late.main([str(tmp_path / "missing")]) == 2
+    assert "results.json: no results" in capsys.readouterr().err

@@ -331,9 +331,14 @@ def compile_to(spec: PipelineSpec, path: str) -> str:
 
     from . import compat
 
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{os.getpid()}-{os.path.basename(path)}")
     if not path.endswith((".yaml", ".yml")):
-        tmp = path  # the compiler refuses the name itself (it writes by suffix), naming the user's path
+        # KFP writes by suffix, and a spec with platform features (node pools, volumes, secrets: every prmflow
+        # pipeline) only as YAML: for another suffix it opens the path for writing, then raises
+        # (kfp 2.17 kfp/compiler/pipeline_spec_builder.py write_pipeline_spec_to_file), so refuse the name first
+        raise ConfigError(f"{path}: a compiled pipeline is written as YAML only (KFP keeps its Kubernetes settings, "
+                          f"node pools, volumes and secrets, only in YAML); name the output .yaml or .yml. "
+                          f"{path} is left as it is.")
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{os.getpid()}-{os.path.basename(path)}")
     try:
         compiler.Compiler().compile(build(spec), package_path=tmp)
         with open(tmp) as f:

@@ -311,3 +311,16 @@ def test_prm_trains_on_the_sft_policy_and_imported_models_replace_their_stages(t
     # (KFP hoists the rollout's dependency onto its ParallelFor)
     loops = [t for t in all_tasks(spec).values() if "parameterIterator" in t]
     assert len(loops) == 3 and all("init-tracking" in t.get("dependentTasks", []) for t in loops)
+
+
+def test_compile_to_a_name_kfp_cannot_write_is_refused_and_the_file_there_is_kept(tmp_path, capsys):
+    """KFP writes platform settings only to YAML: for `-o notes.json` it opened the path, then raised, and the
+    clean-up removed what was there, a file of the user's."""
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_text(CLUSTER_YAML)
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}\n')
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(notes)]) == 2
+    err = capsys.readouterr().err
+    assert "name the output .yaml or .yml" in err and "Traceback" not in err
+    assert notes.read_text() == '{"mine": 1}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["notes.json", "pipeline.yaml"]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 
 import pytest
+import torch
 from sft_cache import cached_sft
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -99,3 +102,30 @@ MIXED_POLICY_OVERRIDES = {"max_steps": 2000, "eval_every": 2000, "save_every": 0
 def mixed_sft_policy():
     """Path of a tiny SFT policy trained on MIXED_POLICY_OVERRIDES' mix."""
     return cached_sft("mixed-sft-policy", MIXED_POLICY_OVERRIDES)
+
+
+#: the real vLLM runs where it is installed and a GPU exists; elsewhere tests/fake_vllm.py stands in for it
+REAL_VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def vllm_module():
+    """The `vllm` package the adapter imports: the real one on a GPU machine with the gpu extra, else the
+    CPU stand-in (tests/fake_vllm.py) put in sys.modules for the module's tests."""
+    if REAL_VLLM:
+        import vllm
+
+        yield vllm
+        return
+    import fake_vllm
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key in ("CUDA_VISIBLE_DEVICES", "PRMFLOW_RANK_GPU", "VLLM_WORKER_MULTIPROC_METHOD",  # the adapter sets them
+                    "TRITON_F32_DEFAULT", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+            mp.setenv(key, os.environ.get(key, ""))
+            if not os.environ[key]:
+                mp.delenv(key)
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # one process: what an earlier in-process DeepSpeed run
+            mp.delenv(key, raising=False)               # left behind would make the engine pin a rank's GPUs
+        mp.setitem(sys.modules, "vllm", fake_vllm)
+        yield fake_vllm

@@ -1,12 +1,9 @@
-"""Fixtures for the rollout tests: scalar-head model directories (PRM, critic) built locally, and
-the `vllm` package (the real one where it and a GPU exist, else tests/rollout/fake_vllm.py)."""
+"""Fixtures for the rollout tests: scalar-head model directories (PRM, critic) built locally. The `vllm`
+package (the real one where it and a GPU exist, else tests/fake_vllm.py) is tests/conftest.py's `vllm_module`."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
-import sys
 
 import pytest
 import torch
@@ -69,30 +66,3 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-#: the real vLLM runs where it is installed and a GPU exists; elsewhere fake_vllm.py stands in for it
-REAL_VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
-
-
-@pytest.fixture(scope="module")
-def vllm_module():
-    """The `vllm` package the adapter imports: the real one on a GPU machine with the gpu extra, else the
-    CPU stand-in (fake_vllm.py) put in sys.modules for the module's tests."""
-    if REAL_VLLM:
-        import vllm
-
-        yield vllm
-        return
-    import fake_vllm
-
-    with pytest.MonkeyPatch.context() as mp:
-        for key in ("CUDA_VISIBLE_DEVICES", "PRMFLOW_RANK_GPU", "VLLM_WORKER_MULTIPROC_METHOD",  # the adapter sets them
-                    "TRITON_F32_DEFAULT", "VLLM_ENABLE_V1_MULTIPROCESSING"):
-            mp.setenv(key, os.environ.get(key, ""))
-            if not os.environ[key]:
-                mp.delenv(key)
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # one process: what an earlier in-process DeepSpeed run
-            mp.delenv(key, raising=False)               # left behind would make the engine pin a rank's GPUs
-        mp.setitem(sys.modules, "vllm", fake_vllm)
-        yield fake_vllm

@@ -1,5 +1,5 @@
 """Generation engines: one interface test suite that the HF engine and the vLLM adapter pass; the adapter
-runs the real vLLM where it and a GPU exist, else the CPU stand-in tests/rollout/fake_vllm.py."""
+runs the real vLLM where it and a GPU exist, else the CPU stand-in tests/fake_vllm.py."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from prmflow.components.common import modeling
 from prmflow import tasks
-from prmflow.components.rollout import engines
-from prmflow.components.rollout.engines import HFEngine, SamplingParams
-from prmflow.components.rollout.vllm_engine import VLLMEngine, VLLMSettings
+from prmflow.components.common import engines
+from prmflow.components.common.engines import HFEngine, SamplingParams
+from prmflow.components.common.vllm_engine import VLLMEngine, VLLMSettings
 
 
 

@@ -28,7 +28,7 @@ def make_cfg(policy, output, **over):
 @pytest.fixture(scope="module", params=["hf", "vllm"])
 def scored_run(request, tmp_path_factory, sft_policy, shuffled_prm, random_critic):
     """One rollout with every scorer on: PRM (other tokenizer), ref (the policy itself), critic; sampled by
-    the HF engine and by vLLM (on CPU its stand-in, tests/rollout/fake_vllm.py)."""
+    the HF engine and by vLLM (on CPU its stand-in, tests/fake_vllm.py)."""
     sampler = {"dtype": "float32"}  # checked against float32 references (auto is bf16 on a GPU)
     if request.param == "vllm":
         request.getfixturevalue("vllm_module")

@@ -1,4 +1,4 @@
-"""The rollout on sampler=vllm, against the stand-in tests/rollout/fake_vllm.py (vLLM's observable
+"""The rollout on sampler=vllm, against the stand-in tests/fake_vllm.py (vLLM's observable
 behaviour, from its source) where no GPU is, or the real vLLM where one is: the engine starts for any
 seed, every (prompt, sample) has its own seed, both samplers stop at the same token, each rank's
 engine sits on its own GPU, the prompt limit follows vllm.max_model_len, settings vLLM refuses are
@@ -16,9 +16,10 @@ import torch
 from prmflow.components.common import config, modeling, schema
 from prmflow import tasks
 from prmflow.errors import ConfigError
-from prmflow.components.rollout import engines, passes, stage, vllm_engine
-from prmflow.components.rollout.engines import SamplingParams
-from prmflow.components.rollout.vllm_engine import VLLMEngine, VLLMSettings
+from prmflow.components.common import engines, vllm_engine
+from prmflow.components.rollout import passes, stage
+from prmflow.components.common.engines import SamplingParams
+from prmflow.components.common.vllm_engine import VLLMEngine, VLLMSettings
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None and torch.cuda.is_available(),
                                 reason="these tests read what the CPU stand-in (fake_vllm.py) recorded; tests/rollout/"

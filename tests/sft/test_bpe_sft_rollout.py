@@ -69,7 +69,7 @@ def test_ppo_trains_on_im_end_and_never_on_pad(bpe_run):
 
 def test_evaluation_stops_where_the_rollout_engine_stops(bpe_run):
     """Greedy evaluation text (generate_texts) = the HF engine's greedy sample, cut at <|im_end|>."""
-    from prmflow.components.rollout.engines import HFEngine, SamplingParams
+    from prmflow.components.common.engines import HFEngine, SamplingParams
 
     policy, rows = bpe_run
     model, tok = modeling.load_causal_lm(policy)

@@ -12,7 +12,7 @@ from ...errors import ConfigError
 from ..common.sampling import SamplingConfig
 from ...tasks.arithmetic import ArithmeticConfig
 from . import rewards as rewards_lib
-from .vllm_engine import VLLMSettings, check_vllm_sampling
+from ..common.vllm_engine import VLLMSettings, check_vllm_sampling
 
 
 @dataclass

@@ -17,7 +17,7 @@ from ... import tasks
 from ...errors import OutputExistsError
 from . import rewards as rewards_lib
 from .config import Config
-from .engines import Completion
+from ..common.engines import Completion
 
 
 def output_dir(cfg: Config) -> Path:

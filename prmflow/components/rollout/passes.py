@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -22,8 +21,8 @@ from ... import tasks
 from ...errors import ConfigError
 from . import oracle, scoring
 from .config import Config
-from .engines import Completion, HFEngine, SamplingParams, eos_token_ids
-from .vllm_engine import VLLMEngine, rank_gpu_index
+from ..common.engines import Completion, HFEngine, SamplingParams
+from ..common.vllm_engine import VLLMEngine, rank_gpu_index, stop_ids
 
 
 def device(cfg: Config) -> torch.device:
@@ -59,18 +58,6 @@ def local_rank(cfg: Config) -> int | None:
         return int(os.environ["LOCAL_RANK"])
     rank, world = cfg.ranks()
     return rank if world > 1 else None
-
-
-def stop_ids(path: str, tokenizer) -> list[int]:
-    """The ids the HF engine stops at for the model at `path` (generation config, eos, the chat
-    template's end of turn), read without loading its weights: what vLLM is told to stop at."""
-    from transformers import AutoConfig, GenerationConfig
-
-    try:
-        generation = GenerationConfig.from_pretrained(path)
-    except OSError:  # no generation_config.json: transformers derives it from the model config
-        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
-    return eos_token_ids(SimpleNamespace(generation_config=generation), tokenizer)
 
 
 def sampling_seed(cfg: Config) -> int:

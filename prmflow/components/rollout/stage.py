@@ -39,7 +39,7 @@ from . import passes, prompts
 from . import rewards as rewards_lib
 from . import scoring
 from .config import Config
-from .engines import SamplingParams
+from ..common.engines import SamplingParams
 from .output import (existing_output, identity, input_digests, output_dir, rollout_metrics, rollouts_table,
                      sample_table)
 

@@ -18,8 +18,8 @@ from typing import Callable, Sequence
 import torch
 
 from ...errors import ConfigError
-from ..common.vision import decode_image
-from .engines import LENGTH, STOP, Completion, SamplingParams
+from .vision import decode_image
+from .engines import LENGTH, STOP, Completion, SamplingParams, eos_token_ids
 
 # What the adapter must respect, read from vLLM's own source (0.10 ... 0.33):
 # - the engine seed goes to `np.random.seed` (vllm/utils/torch_utils.py `set_random_seed`), which takes
@@ -101,6 +101,20 @@ def check_vllm_sampling(n: int, temperature: float, where: str = "sampling") -> 
         raise ConfigError(f"{where}.temperature={temperature} (greedy) with n_samples={n}: vLLM refuses greedy "
                           f"decoding with n > 1, and n copies of one response are not a group to compare; set "
                           f"n_samples=1 or a temperature > 0.")
+
+
+def stop_ids(path: str, tokenizer) -> list[int]:
+    """The ids the HF engine stops at for the model at `path` (generation config, eos, the chat
+    template's end of turn), read without loading its weights: what vLLM is told to stop at."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: transformers derives it from the model config
+        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+    return eos_token_ids(SimpleNamespace(generation_config=generation), tokenizer)
 
 
 def rank_gpus(local_rank: int, tensor_parallel_size: int, visible: str | None, count: int) -> str:

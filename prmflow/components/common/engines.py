@@ -33,9 +33,9 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..common.chat import stop_token_ids
-from ..common.modeling import own_positions
-from ..common.vision import Vision, batch_pixels
+from .chat import stop_token_ids
+from .modeling import own_positions
+from .vision import Vision, batch_pixels
 
 log = logging.getLogger(__name__)
 

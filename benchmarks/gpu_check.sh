@@ -24,6 +24,7 @@
 #                      (its tokens/s at 512 sequences)
 #   2. vllm-tests:     pytest tests/rollout -k vllm (the real engine: greedy = model.generate, seeds, stop ids, new weights,
 #                      the two logprob checks of issue 48, ranks and shards; all 12 passed on an H200, 2026-11-26)
+#   2b. stages-vllm:   benchmarks/sampling_stages_gpu.py: evaluate and prm-label with sampler=vllm against their HF default
 #   3. gap:            benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm: a bf16 vLLM rollout
 #                      against the float32 trainer, with each rollout_correction mode
 #   4. ppo-sft-tests:  the quick ppo and sft tests on the GPU
@@ -138,6 +139,9 @@ MODEL="$RESULTS/rollout-recipe/model-358m"
 part rollout-recipe-hf 120 python3 benchmarks/rollout_stage_gpu.py --policy "$MODEL" \
      --arms hf --prompts 64 --samples 8 --max-new-tokens 128 --output "$RESULTS/rollout-recipe-hf"
 part vllm-tests 200 $PYTEST tests/rollout -k vllm
+# evaluate and prm-label with sampler=vllm (the rollout's engine) against their HF default, same sizes: never yet on a GPU
+part stages-vllm 150 python3 benchmarks/sampling_stages_gpu.py --policy-358m "$MODEL" \
+     --arms evaluate-gpu,evaluate-vllm,prm-label-gpu,prm-label-vllm --output "$RESULTS/stages-vllm"
 part gap 100 python3 benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm --output /tmp/gap
 part ppo-sft-tests 100 $PYTEST tests/ppo tests/sft -m "not slow and not real_model"
 part rollout-stage 200 python3 benchmarks/rollout_stage_gpu.py --policy "$MODEL" --prompts 32 --samples 8 \
@@ -152,14 +156,14 @@ part rollout-stock 200 python3 benchmarks/rollout_stage_gpu.py --policy "$MODEL"
   for f in vllm-tests ppo-sft-tests; do
     echo; echo "## $f"; echo '```'; grep -E "passed|failed|error|FAILED|ERROR" "$RESULTS/logs/$f.log" 2>/dev/null | tail -25; echo '```'
   done
-  for f in rollout-stage rollout-recipe rollout-recipe-hf rollout-stock; do
+  for f in rollout-stage rollout-recipe rollout-recipe-hf rollout-stock stages-vllm; do
     echo; echo "## $f"; echo '```'; grep -E "^\||^stage wall|prompts x" "$RESULTS/logs/$f.log" 2>/dev/null; echo '```'
   done
   echo; echo "## gap"; echo '```'; grep -E "^\||^device|^bf16" "$RESULTS/logs/gap.log" 2>/dev/null; echo '```'
 } >> "$SUMMARY"
-for f in rollout-stage rollout-recipe rollout-recipe-hf rollout-stock; do  # each arm's whole log (a part cut by its cap leaves its arm's log too)
+for f in rollout-stage rollout-recipe rollout-recipe-hf rollout-stock stages-vllm; do  # each arm's whole log (a part cut by its cap leaves its arm's log too)
   for a in "$RESULTS/$f/"*.log; do [ -f "$a" ] && cp "$a" "$RESULTS/logs/$f-$(basename "$a")"; done
   cp "$RESULTS/$f/results.json" "$RESULTS/$f.json" 2>/dev/null
 done
-tar -czf "$RESULTS/logs.tar.gz" -C "$RESULTS" logs && rm -rf "$RESULTS/logs" "$RESULTS/rollout-stage" "$RESULTS/rollout-recipe" "$RESULTS/rollout-recipe-hf" "$RESULTS/rollout-stock"
+tar -czf "$RESULTS/logs.tar.gz" -C "$RESULTS" logs && rm -rf "$RESULTS/logs" "$RESULTS/rollout-stage" "$RESULTS/rollout-recipe" "$RESULTS/rollout-recipe-hf" "$RESULTS/rollout-stock" "$RESULTS/stages-vllm"
 cat "$SUMMARY"

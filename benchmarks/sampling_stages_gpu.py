@@ -14,6 +14,8 @@ H200, or at max_new_tokens). Each arm runs the stage in its own process, as a po
 - evaluate-1.5b: evaluate on the GPU only, a random model of Qwen2.5-1.5B's body (28 layers, hidden 1,536, MLP
   8,960, 12 / 2 heads; the character vocabulary) at the cluster recipe's batch_sequences 128, its 4 samples and
   max_new_tokens 1024: the HF sampler's rate at the recipe's evaluate shapes;
+- evaluate-vllm / prm-label-vllm / evaluate-1.5b-vllm: the gpu arms with sampler=vllm (the rollout's engine; they
+  need the vLLM payload, so they are not in the default --arms);
 - decode-1.5b: no stage: `generate`'s time per decode step for that body at batch 128 (30-token prompts, every
   sequence kept to the end), on the GPU in bf16 (a first call over new shapes, then a second) and on 12 CPU threads
   in float32 (8 steps): what a recipe-sized evaluate costs a step where it samples.
@@ -57,6 +59,9 @@ ARMS = {  # name -> (stage, environment, model), in the order they run: the whol
     "decode-1.5b": ("", {}, "1.5b"),
     "evaluate-1.5b": ("evaluate", {}, "1.5b"),
 }
+#: the same stages with sampler=vllm (the vLLM payload, not pack-slim's: not in the default --arms)
+VLLM_ARMS = {"evaluate-vllm": ("evaluate", {}, "358m"), "prm-label-vllm": ("prm-label", {}, "358m"),
+             "evaluate-1.5b-vllm": ("evaluate", {}, "1.5b")}
 
 
 def write_body_1p5b(path: Path) -> str:
@@ -124,9 +129,11 @@ def overrides(stage: str, model: str, policy: str, args, out: Path) -> dict:
 
 
 def run_arm(name: str, args, models: dict, out: Path) -> dict:
-    stage, env_over, model = ARMS[name]
+    stage, env_over, model = {**ARMS, **VLLM_ARMS}[name]
     module, attr = STAGES[stage]
     over = overrides(stage, model, models[model], args, out / name)
+    if name in VLLM_ARMS:
+        over["sampler"] = "vllm"
     row, m = child(name, RUN.format(module=module, stage=attr), [json.dumps(over)], out, env_over)
     if m is None:
         return row
@@ -137,7 +144,8 @@ def run_arm(name: str, args, models: dict, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join({**ARMS, **VLLM_ARMS})} "
+                                                          f"(default: all but the -vllm ones, which need vLLM)")
     ap.add_argument("--prompts", type=int, default=16, help="evaluate's prompts in the gpu / cpu arms")
     ap.add_argument("--samples", type=int, default=4, help="evaluate's samples per prompt in the gpu / cpu arms")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="every response's budget in the gpu / cpu arms")
@@ -145,19 +153,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label-samples", type=int, default=2)
     ap.add_argument("--completions", type=int, default=4)
     ap.add_argument("--big-prompts", type=int, default=32, help="evaluate-1.5b's prompts: 32 x 4 samples = one batch of the recipe's 128, then greedy and baseline (64 did not finish in 200 s on an H200)")
+    ap.add_argument("--policy-358m", default="", help="an existing 358M model directory (benchmarks/rollout_stage_gpu.py's) "
+                                                        "instead of writing one")
     ap.add_argument("--output", default="outputs/sampling-stages-gpu")
     args = ap.parse_args(argv)
 
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     arms = [a for a in args.arms.split(",") if a]
-    unknown = [a for a in arms if a not in ARMS]
+    known = {**ARMS, **VLLM_ARMS}
+    unknown = [a for a in arms if a not in known]
     if unknown:
-        ap.error(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
+        ap.error(f"unknown arms {unknown}; known: {', '.join(known)}")
     models = {}
-    if any(ARMS[a][2] == "358m" for a in arms):
-        models["358m"] = write_model(out / "model-358m")
-    if any(ARMS[a][2] == "1.5b" for a in arms):
+    if any(known[a][2] == "358m" for a in arms):
+        models["358m"] = args.policy_358m or write_model(out / "model-358m")
+    if any(known[a][2] == "1.5b" for a in arms):
         models["1.5b"] = write_body_1p5b(out / "model-1.5b-body")
     rows = []
     for name in arms:

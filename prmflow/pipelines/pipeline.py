@@ -80,6 +80,11 @@ def gpu_counts(spec: PipelineSpec) -> dict[str, int]:
     tp = roll.vllm.tensor_parallel_size if roll is not None and roll.sampler == "vllm" else 1
     counts = {"sft": g.sft or pool, "prm": g.prm or pool, "ppo": g.ppo or pool, "rollout": tp * g.rollout_engines,
               "evaluate": g.evaluate, "prm-update": g.prm_update}
+    ev = resolved(spec, "evaluate")
+    if ev is not None and ev.sampler == "vllm" and g.evaluate < ev.vllm.tensor_parallel_size:
+        raise ConfigError(f"evaluate.sampler is vllm, whose engine takes {ev.vllm.tensor_parallel_size} GPU(s) "
+                          f"(evaluate.vllm.tensor_parallel_size), but pipeline.cluster.gpus.evaluate is {g.evaluate}; "
+                          f"raise it, or set evaluate.sampler: hf.")
     if pool:
         for stage, n in counts.items():
             if n > pool:

@@ -1,7 +1,9 @@
+import importlib.util
 import json
 import re
 
 import pytest
+import torch
 
 from prmflow.components.common import config, modeling
 from prmflow import tasks, tracking
@@ -81,3 +83,51 @@ def test_missing_policy_is_a_clear_error(tmp_path):
     code = cli.main(["evaluate", "--policy", str(tmp_path / "none"), "--output", str(tmp_path / "e"),
                      "--tracking.enabled", "false"])
     assert code == 2 and not (tmp_path / "e").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None and torch.cuda.is_available(),
+                    reason="reads what the CPU stand-in (tests/fake_vllm.py) recorded")
+def test_sampler_vllm_samples_through_one_engine_per_policy_and_frees_it_before_the_prm(
+        vllm_module, sft_policy, flat_prm, tmp_path, monkeypatch):
+    from prmflow.components.common import prm_scoring
+
+    made = len(vllm_module.ENGINES)
+    alive_when_the_prm_loaded = []
+    scorer_init = prm_scoring.PRMScorer.__init__
+
+    def recording_init(self, *args, **kwargs):
+        alive_when_the_prm_loaded.append([e.alive for e in vllm_module.ENGINES[made:]])
+        scorer_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(prm_scoring.PRMScorer, "__init__", recording_init)
+    # 0.6 of the GPU each: the stand-in refuses the baseline's engine while the policy's still holds its memory
+    cfg = config.load(stage.Config, overrides={
+        "policy": str(sft_policy), "prm": str(flat_prm), "baseline": str(sft_policy), "output": str(tmp_path / "eval"),
+        "num_prompts": 6, "n_samples": 3, "sampling.max_new_tokens": 24, "tracking.enabled": False,
+        "sampler": "vllm", "dtype": "float32", "vllm.gpu_memory_utilization": 0.6})
+    m = stage.run(cfg)
+    engines = vllm_module.ENGINES[made:]
+    assert len(engines) == 2 and not any(e.alive for e in engines)  # the policy's, then the baseline's; both shut down
+    assert alive_when_the_prm_loaded == [[False]]  # the policy's engine was gone before the PRM loaded
+    policy_engine = engines[0]
+    # 6 x 3 sampled requests, each its own seed, then 6 greedy ones
+    sampled, greedy_params = policy_engine.params[:18], policy_engine.params[18:]
+    assert len(greedy_params) == 6 and all(p.temperature == 0 for p in greedy_params)
+    assert all(p.temperature == 1.0 and p.n == 1 for p in sampled) and len({p.seed for p in sampled}) == 18
+    # independent reference: HF's own greedy generation of the same model gives the same texts and the same accuracy
+    records = tasks.load("arithmetic", "test", 6, 0)
+    model, tok = modeling.load_causal_lm(sft_policy)
+    hf_greedy = generate_texts(model, tok, [r.prompt for r in records], 24)
+    assert [r["prompt_token_ids"] for r in policy_engine.requests[18:]] == [tok(r.prompt)["input_ids"] for r in records]
+    rows = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert [r["response"] for r in rows] == hf_greedy
+    assert m["eval/accuracy"] == pytest.approx(sum(tasks.verify(r, g) for r, g in zip(records, hf_greedy)) / 6)
+    assert m["eval/baseline_accuracy"] == m["eval/accuracy"]
+
+
+def test_sampler_vllm_refuses_what_vllm_would_before_a_model_loads(tmp_path):
+    from prmflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"sampling.temperature=2.5: vLLM accepts temperatures in \[0, 2\]"):
+        config.load(stage.Config, overrides={"policy": "nowhere", "sampler": "vllm", "sampling.temperature": 2.5})
+    config.load(stage.Config, overrides={"policy": "nowhere", "sampling.temperature": 2.5})  # hf takes it

@@ -313,6 +313,20 @@ def test_prm_trains_on_the_sft_policy_and_imported_models_replace_their_stages(t
     assert len(loops) == 3 and all("init-tracking" in t.get("dependentTasks", []) for t in loops)
 
 
+def test_evaluate_on_vllm_gets_the_gpus_its_engine_takes_or_compile_refuses(tmp_path, capsys):
+    spec, _, _ = compile_spec(tmp_path, CLUSTER_YAML + "evaluate:\n  sampler: vllm\n")
+    res = spec["deploymentSpec"]["executors"]["exec-evaluate"]["container"]["resources"]
+    assert int(res["accelerator"]["resourceCount"]) == 1 and spec["deploymentSpec"]["executors"]["exec-evaluate"][
+        "container"]["image"] == GPU_IMAGE  # the image with vLLM
+    cfg = tmp_path / "two.yaml"
+    cfg.write_text(CLUSTER_YAML + "evaluate:\n  sampler: vllm\n  vllm: {tensor_parallel_size: 2}\n")
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(tmp_path / "two-compiled.yaml")]) == 2
+    assert "pipeline.cluster.gpus.evaluate is 1" in capsys.readouterr().err and not (tmp_path / "two-compiled.yaml").exists()
+    cfg.write_text(CLUSTER_YAML.replace("  cluster:\n", "  cluster:\n    gpus: {evaluate: 2}\n")
+                   + "evaluate:\n  sampler: vllm\n  vllm: {tensor_parallel_size: 2}\n")
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(tmp_path / "two-compiled.yaml")]) == 0
+
+
 def test_compile_to_a_name_kfp_cannot_write_is_refused_and_the_file_there_is_kept(tmp_path, capsys):
     """KFP writes platform settings only to YAML: for `-o notes.json` it opened the path, then raised, and the
     clean-up removed what was there, a file of the user's."""

@@ -123,5 +123,5 @@ def test_the_policy_samples_where_and_in_the_dtype_the_config_says(monkeypatch):
     assert modeling.placement() == (modeling.torch.device("cpu"), "float32")
     # "meta" stands in for a GPU here: a real device the weights must be moved to
     cfg = bestofn.BestOfNConfig(device="meta", dtype="bfloat16")
-    policy, *_ = bestofn.load_policy("tiny-llama", [_record()], True, cfg)
+    policy = bestofn.open_sampler("tiny-llama", cfg).model
     assert {(p.device.type, p.dtype) for p in policy.parameters()} == {("meta", modeling.torch.bfloat16)}

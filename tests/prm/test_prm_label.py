@@ -3,13 +3,15 @@ agreement with the exact checker is reported; the output is the stepwise format 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import re
 
 import pytest
+import torch
 
-from prmflow.components.common import config, modeling
+from prmflow.components.common import config, modeling, text_sampling
 from prmflow import tasks
 from prmflow.errors import ModelLoadError
 from prmflow.tasks import arithmetic
@@ -51,7 +53,7 @@ def test_with_a_perfect_completer_labels_equal_the_exact_checker(tmp_path, monke
         return [(problems[c].solution if rng.random() < 0.4 else arithmetic.corrupt(problems[c], rng)[0])
                 if c in problems else _perfect_completion(c) for c in prompts]
 
-    monkeypatch.setattr(label, "generate_texts", fake_generate)
+    monkeypatch.setattr(text_sampling, "generate_texts", fake_generate)
     cfg = config.load(label.Config, overrides={"policy": str(tmp_path / "policy"), "output": str(tmp_path / "labels"),
                                                "num_prompts": 12, "n_samples": 3, "completions": 2,
                                                "tracking.enabled": False})
@@ -122,7 +124,7 @@ def test_soft_labels_are_the_fraction_of_continuations_that_reach_the_answer(tmp
             out.append(_perfect_completion(c) if (k - 1) % completions < good else "answer: -1")
         return out
 
-    monkeypatch.setattr(label, "generate_texts", fake_generate)
+    monkeypatch.setattr(text_sampling, "generate_texts", fake_generate)
     cfg = config.load(label.Config, overrides={"policy": str(tmp_path / "policy"), "output": str(tmp_path / "labels"),
                                                "num_prompts": 10, "n_samples": 2, "completions": completions,
                                                "label": "soft", "tracking.enabled": False})
@@ -175,7 +177,7 @@ def test_prm_label_and_the_prm_stage_sample_the_policy_where_placement_puts_it(t
         seen.append({(p.device.type, p.dtype) for p in model.parameters()})
         return [problems[c].solution if c in problems else _perfect_completion(c) for c in prompts]
 
-    monkeypatch.setattr(label, "generate_texts", fake_generate)
+    monkeypatch.setattr(text_sampling, "generate_texts", fake_generate)
     cfg = config.load(label.Config, overrides={"policy": str(tmp_path / "policy"), "output": str(tmp_path / "labels"),
                                                "num_prompts": 2, "n_samples": 1, "completions": 1,
                                                "tracking.enabled": False})
@@ -184,3 +186,28 @@ def test_prm_label_and_the_prm_stage_sample_the_policy_where_placement_puts_it(t
     records = tasks.load("arithmetic", "train", 2, 0)
     data.policy_examples(str(tmp_path / "policy"), records, 1)
     assert len(seen) >= 3 and all(s == {("meta", torch.bfloat16)} for s in seen)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None and torch.cuda.is_available(),
+                    reason="reads what the CPU stand-in (tests/fake_vllm.py) recorded")
+def test_sampler_vllm_draws_every_solution_and_continuation_from_one_engine(vllm_module, sft_policy, tmp_path):
+    made = len(vllm_module.ENGINES)
+    cfg = config.load(label.Config, overrides={"policy": str(sft_policy), "output": str(tmp_path / "labels"),
+                                               "num_prompts": 3, "n_samples": 2, "completions": 2,
+                                               "sampling.max_new_tokens": 40, "tracking.enabled": False,
+                                               "sampler": "vllm", "vllm.gpu_memory_utilization": 0.5})
+    label.run(cfg)
+    engines = vllm_module.ENGINES[made:]
+    assert len(engines) == 1 and not engines[0].alive  # shut down when the stage ended
+    engine = engines[0]
+    assert engine.kwargs["dtype"] == "bfloat16" and engine.kwargs["gpu_memory_utilization"] == 0.5  # auto, the settings
+    rows = [json.loads(line) for line in (tmp_path / "labels" / "labels.jsonl").read_text().splitlines()]
+    tok = modeling.load_tokenizer(sft_policy)
+    # 3 x 2 solutions first, then `completions` continuations from every step prefix but the last of each kept one
+    assert len(engine.requests) == 6 + 2 * sum(len(r["steps"]) - 1 for r in rows)
+    solution_ids = {tuple(tok(r.prompt)["input_ids"]) for r in tasks.load("arithmetic", "train", 3, 0)}
+    assert {tuple(r["prompt_token_ids"]) for r in engine.requests[:6]} == solution_ids
+    contexts = [tok(row["prompt"] + "\n".join(row["steps"][:k + 1]) + "\n")["input_ids"]
+                for row in rows for k in range(len(row["steps"]) - 1) for _ in range(2)]
+    assert sorted(r["prompt_token_ids"] for r in engine.requests[6:]) == sorted(contexts)
+    assert len({p.seed for p in engine.params}) == len(engine.params)  # no two draws share a seed

@@ -23,8 +23,9 @@ from typing import Callable, Literal
 from . import config as config_lib, modeling, steps as steps_lib
 from ... import tasks
 from ...errors import ConfigError
-from .generation import generate_texts
 from .sampling import SamplingConfig
+from .text_sampling import Sampler, TextSampler, check_sampling
+from .vllm_engine import VLLMSettings
 from ...tasks import arithmetic, grader
 from .prm_metrics import roc_auc
 from .prm_scoring import PRMScorer
@@ -66,9 +67,14 @@ class BestOfNConfig:
     device: str = ""
     """Where the policy samples and the PRM scores (cuda, cuda:1, cpu); empty = cuda when available, else cpu."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype of the policy and the PRM; auto = bfloat16 on a GPU (half the memory of float32), float32 on CPU (exact)."""
+    """Dtype of the policy and the PRM; auto = bfloat16 on a GPU (half the memory of float32) and for vLLM, float32 on CPU (exact)."""
+    sampler: Sampler = "hf"
+    """Sampling engine: hf (transformers, CPU or GPU) or vllm (a GPU with the gpu extra; its engine is shut down, and its memory waited for, before the PRM loads)."""
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
+    """vLLM engine settings (sampler=vllm only)."""
 
     def __post_init__(self):
+        check_sampling(self.sampler, self.sampling.temperature, "bon.sampling")
         if self.n_samples < 1 or self.num_prompts < 1:
             raise ConfigError(f"bon.n_samples ({self.n_samples}) and bon.num_prompts ({self.num_prompts}) must be at least 1.")
         unknown = [a for a in self.aggregations if a not in AGGREGATIONS]
@@ -124,38 +130,45 @@ def score_table(records: list[tasks.PromptRecord], candidates: list[list[str]], 
     return {k: v / len(records) for k, v in acc.items()}
 
 
+def open_sampler(policy_path: str, cfg: BestOfNConfig) -> TextSampler:
+    """The policy at `policy_path`, ready to sample with cfg's engine, device and dtype (close it, or use `with`)."""
+    return TextSampler(policy_path, cfg.sampler, cfg.device, cfg.dtype, cfg.vllm, seed=cfg.seed,
+                       batch_size=cfg.batch_sequences)
+
+
+def render(tokenizer, records: list[tasks.PromptRecord], chat_template: bool) -> tuple[list[str], bool]:
+    """(the prompts as the policy reads them, whether the tokenizer adds its special tokens to them)."""
+    prompts = [tasks.render_prompt(tokenizer, r, chat_template) for r in records]
+    return prompts, not any(tasks.templated(tokenizer, r, chat_template) for r in records)
+
+
 def sample(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConfig,
            chat_template: bool = True) -> tuple[list[list[str]], list[str], list[str]]:
-    """(N sampled solutions per prompt, one greedy solution per prompt, rendered prompts)."""
-    policy, tok, prompts, special = load_policy(policy_path, records, chat_template, cfg)
-    flat = [p for p in prompts for _ in range(cfg.n_samples)]
-    images = prompt_images(records)
-    flat_images = [im for im in images for _ in range(cfg.n_samples)] if images else None
-    sampled = generate_texts(policy, tok, flat, cfg.sampling.max_new_tokens, batch_size=cfg.batch_sequences, do_sample=True,
-                             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-                             seed=cfg.seed, add_special_tokens=special,
-                             images=flat_images, progress=f"sampling {cfg.n_samples} per prompt")
-    greedy = _greedy(policy, tok, prompts, special, images, cfg)
+    """(N sampled solutions per prompt, one greedy solution per prompt, rendered prompts). The policy is
+    freed before this returns (with vLLM: its engine shut down and its GPU memory back)."""
+    with open_sampler(policy_path, cfg) as sampler:
+        prompts, special = render(sampler.tokenizer, records, chat_template)
+        flat = [p for p in prompts for _ in range(cfg.n_samples)]
+        images = prompt_images(records)
+        flat_images = [im for im in images for _ in range(cfg.n_samples)] if images else None
+        sampled = sampler.generate(flat, cfg.sampling.max_new_tokens, do_sample=True, temperature=cfg.sampling.temperature,
+                                   top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, seed=cfg.seed,
+                                   add_special_tokens=special, images=flat_images,
+                                   progress=f"sampling {cfg.n_samples} per prompt")
+        greedy = _greedy(sampler, prompts, special, images, cfg)
     return [sampled[i * cfg.n_samples:(i + 1) * cfg.n_samples] for i in range(len(records))], greedy, prompts
 
 
 def greedy(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConfig, chat_template: bool = True) -> list[str]:
     """One greedy solution per prompt, the same as `sample`'s, without drawing any samples."""
-    policy, tok, prompts, special = load_policy(policy_path, records, chat_template, cfg)
-    return _greedy(policy, tok, prompts, special, prompt_images(records), cfg)
+    with open_sampler(policy_path, cfg) as sampler:
+        prompts, special = render(sampler.tokenizer, records, chat_template)
+        return _greedy(sampler, prompts, special, prompt_images(records), cfg)
 
 
-def load_policy(policy_path: str, records: list[tasks.PromptRecord], chat_template: bool, cfg: BestOfNConfig):
-    """(policy on cfg's device in cfg's dtype, tokenizer, rendered prompts, whether the tokenizer adds its
-    special tokens to them)."""
-    policy, tok = modeling.load_for_sampling(policy_path, cfg.device, cfg.dtype)
-    prompts = [tasks.render_prompt(tok, r, chat_template) for r in records]
-    return policy, tok, prompts, not any(tasks.templated(tok, r, chat_template) for r in records)
-
-
-def _greedy(policy, tok, prompts: list[str], special: bool, images, cfg: BestOfNConfig) -> list[str]:
-    return generate_texts(policy, tok, prompts, cfg.sampling.max_new_tokens, batch_size=cfg.batch_sequences,
-                          add_special_tokens=special, images=images, progress="greedy")
+def _greedy(sampler: TextSampler, prompts: list[str], special: bool, images, cfg: BestOfNConfig) -> list[str]:
+    return sampler.generate(prompts, cfg.sampling.max_new_tokens, add_special_tokens=special, images=images,
+                            progress="greedy")
 
 
 def prompt_images(records: list[tasks.PromptRecord]) -> list[list[bytes]] | None:

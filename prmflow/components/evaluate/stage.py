@@ -9,6 +9,8 @@ reranking for each aggregation (min, product, last, mean); ties count as a rando
 the tied. Also the mean response length (tokens) and the share of greedy responses with no final
 answer (format errors). Metrics go to the stage's MLflow run and are copied to the pipeline's parent
 run, so runs compare side by side; the per-step HTML view is logged as an artifact.
+Sampling runs on transformers (`sampler: hf`, the GPU when there is one) or on the rollout's vLLM engine
+(`sampler: vllm`, a GPU with the gpu extra), one engine per policy, shut down before the PRM loads.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from ..common.sampling import SamplingConfig
 from ...tasks import arithmetic
 from ..common import bestofn
 from ..common.prm_scoring import PRMScorer
+from ..common.text_sampling import check_sampling
+from ..common.vllm_engine import VLLMSettings
 from . import report
 
 log = logging.getLogger(__name__)
@@ -65,7 +69,11 @@ class Config:
     device: str = ""
     """Where the policy samples and the PRM scores (cuda, cuda:1, cpu); empty = cuda when available, else cpu."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype of the policy, the baseline and the PRM; auto = bfloat16 on a GPU (half the memory of float32), float32 on CPU (exact)."""
+    """Dtype of the policy, the baseline and the PRM; auto = bfloat16 on a GPU (half the memory of float32) and for vLLM, float32 on CPU (exact)."""
+    sampler: Literal["hf", "vllm"] = "hf"
+    """Sampling engine for the policy and the baseline: hf (transformers, CPU or GPU) or vllm (a GPU with the gpu extra). With vllm each policy gets its own engine, shut down (and its GPU memory waited for) before the PRM or the next policy loads."""
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
+    """vLLM engine settings (sampler=vllm only)."""
     iteration: int = -1
     """RL iteration of the evaluated policy (-1: not part of an RL loop)."""
     overwrite: bool = False
@@ -80,6 +88,7 @@ class Config:
             raise ConfigError(f"num_prompts ({self.num_prompts}) and n_samples ({self.n_samples}) must be at least 1.")
         if not self.policy:
             raise ConfigError("policy is empty; point it at the policy directory to evaluate.")
+        check_sampling(self.sampler, self.sampling.temperature, "sampling")
 
 
 def run(cfg: Config) -> dict:
@@ -87,7 +96,8 @@ def run(cfg: Config) -> dict:
     bon_cfg = bestofn.BestOfNConfig(policy=cfg.policy, n_samples=cfg.n_samples, num_prompts=cfg.num_prompts, task=cfg.task,
                                     sampling=dataclasses.replace(cfg.sampling),
                                     aggregations=cfg.aggregations if cfg.prm else [], batch_sequences=cfg.batch_sequences,
-                                    seed=cfg.seed, device=cfg.device, dtype=cfg.dtype)
+                                    seed=cfg.seed, device=cfg.device, dtype=cfg.dtype, sampler=cfg.sampler,
+                                    vllm=dataclasses.replace(cfg.vllm))
     modeling.check_model_dir(cfg.policy, "policy")
     if cfg.prm:
         modeling.check_model_dir(cfg.prm, "prm")

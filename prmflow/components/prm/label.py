@@ -27,8 +27,9 @@ from tqdm.auto import tqdm
 from ..common import checkpoint, config as config_lib, io, modeling, steps as steps_lib
 from ... import tasks, tracking
 from ...errors import ConfigError, DataError
-from ..common.generation import generate_texts
 from ..common.sampling import SamplingConfig
+from ..common.text_sampling import TextSampler, check_sampling
+from ..common.vllm_engine import VLLMSettings
 from ...tasks import arithmetic
 from ...tasks.arithmetic import ArithmeticConfig
 from .data import StepExample, write_jsonl
@@ -61,6 +62,10 @@ class Config:
     """Text between steps (the same segmentation as the prm stage and rollout)."""
     batch_sequences: int = 256
     """Sequences per generation batch."""
+    sampler: Literal["hf", "vllm"] = "hf"
+    """Sampling engine: hf (transformers; a GPU in bfloat16 when there is one, else the CPU in float32) or vllm (a GPU with the gpu extra, bfloat16), which batches the many continuations itself."""
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
+    """vLLM engine settings (sampler=vllm only)."""
     chat_template: bool = True
     """Wrap prompts in the policy's chat template when it has one (the tiny tokenizer has none)."""
     seed: int = 0
@@ -78,6 +83,7 @@ class Config:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must be at least 1.")
         if not self.step_separator:
             raise ConfigError("step_separator is empty; steps need a separator (the default is a newline).")
+        check_sampling(self.sampler, self.sampling.temperature, "sampling")
 
 
 def step_prefixes(response: str, separator: str) -> list[str]:
@@ -140,20 +146,22 @@ def run(cfg: Config) -> dict:
                             f"(its labels file has no images column). For the visual task the PRM stage labels exactly "
                             f"with the checker: prmflow prm --task visual.")
     torch.manual_seed(cfg.seed)
-    policy, tok = modeling.load_for_sampling(cfg.policy)  # a GPU in bfloat16 when there is one, else CPU float32
+    # hf: a GPU in bfloat16 when there is one, else CPU float32; vllm: an engine on this process's GPU
+    sampler = TextSampler(cfg.policy, cfg.sampler, vllm=cfg.vllm, seed=cfg.seed, batch_size=cfg.batch_sequences)
+    tok = sampler.tokenizer
     special = not (cfg.chat_template and getattr(tok, "chat_template", None))
-    gen = dict(max_new_tokens=cfg.sampling.max_new_tokens, batch_size=cfg.batch_sequences, do_sample=True,
+    gen = dict(max_new_tokens=cfg.sampling.max_new_tokens, do_sample=True,
                temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                add_special_tokens=special)
     tracker = tracking.start_stage_run(cfg.tracking, "prm-label", params=config_lib.flat_dict(cfg),
                                        tags={"prmflow.output": str(Path(cfg.output).resolve())})
-    with tracker:
+    with tracker, sampler:
         t0 = time.perf_counter()
         # 1. solutions
         rendered = [tasks.render_prompt(tok, r, cfg.chat_template) for r in records]
         owners = [i for i in range(len(records)) for _ in range(cfg.n_samples)]
-        solutions = generate_texts(policy, tok, [rendered[i] for i in owners], seed=cfg.seed, **gen,
-                                   progress="prm-label: solutions")
+        solutions = sampler.generate([rendered[i] for i in owners], seed=cfg.seed, **gen,
+                                     progress="prm-label: solutions")
         kept = [(i, s) for i, s in zip(owners, solutions) if steps_lib.steps(s, cfg.step_separator)]
         # 2. continuations from every step prefix but the last, all in one batched pass
         jobs = [(j, k, prefix) for j, (i, s) in enumerate(kept) for k, prefix in enumerate(step_prefixes(s, cfg.step_separator))]
@@ -162,7 +170,7 @@ def run(cfg: Config) -> dict:
         bar = tqdm(total=len(contexts), desc="prm-label", unit="seq", dynamic_ncols=True, mininterval=10.0)
         chunk = cfg.batch_sequences * 8
         for c in range(0, len(contexts), chunk):
-            conts += generate_texts(policy, tok, contexts[c:c + chunk], seed=cfg.seed + 1 + c, **gen)
+            conts += sampler.generate(contexts[c:c + chunk], seed=cfg.seed + 1 + c, **gen)
             bar.update(len(contexts[c:c + chunk]))
         bar.close()
         # 3. labels

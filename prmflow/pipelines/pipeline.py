@@ -343,7 +343,11 @@ def compile_to(spec: PipelineSpec, path: str) -> str:
         raise ConfigError(f"{path}: a compiled pipeline is written as YAML only (KFP keeps its Kubernetes settings, "
                           f"node pools, volumes and secrets, only in YAML); name the output .yaml or .yml. "
                           f"{path} is left as it is.")
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{os.getpid()}-{os.path.basename(path)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        what = "is a directory" if os.path.isdir(path) else f"is in {folder}, which is not a directory here"
+        raise ConfigError(f"{path} {what}; name a .yaml file in an existing directory.")
+    tmp = os.path.join(folder, f".tmp-{os.getpid()}-{os.path.basename(path)}")
     try:
         compiler.Compiler().compile(build(spec), package_path=tmp)
         with open(tmp) as f:

@@ -338,3 +338,10 @@ def test_compile_to_a_name_kfp_cannot_write_is_refused_and_the_file_there_is_kep
     err = capsys.readouterr().err
     assert "name the output .yaml or .yml" in err and "Traceback" not in err
     assert notes.read_text() == '{"mine": 1}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["notes.json", "pipeline.yaml"]
+    (tmp_path / "made.yaml").mkdir()  # a directory by that name, and a folder that is not there: one line each
+    for out, says in ((tmp_path / "made.yaml", "made.yaml is a directory"), (tmp_path / "nowhere" / "p.yaml", "which is not a directory")):
+        assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["made.yaml", "notes.json", "pipeline.yaml"]
+    assert list((tmp_path / "made.yaml").iterdir()) == []

@@ -77,6 +77,7 @@ def _make_tiny(args) -> int:
         known = sorted([*modeling.TINY_PRESETS, *modeling.TINY_VL_PRESETS])
         print(f"error: unknown preset '{args.preset}'; known presets: {', '.join(known)}.", file=sys.stderr)
         return 2
+    io.check_creatable(args.output, "make-tiny-model", "output")  # before the model is built
     model, tok = modeling.load_causal_lm(args.preset, seed=args.seed)
     with io.atomic_output_dir(args.output, "policy", manifest={"config": {"preset": args.preset, "seed": args.seed}}) as tmp:
         modeling.save_pretrained(model, tok, tmp)

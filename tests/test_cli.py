@@ -18,3 +18,23 @@ def test_top_level_help_gives_every_stage_summary_whole(capsys):
         first_paragraph = " ".join(stages.load(name).__doc__.strip().split("\n\n")[0].split())
         assert re.search(rf"\b{re.escape(name)}\s+{re.escape(first_paragraph)}", shown), (name, first_paragraph)
     assert "label a step by what the policy can still reach from it." in shown
+
+
+def test_make_tiny_model_under_a_file_is_one_line_and_the_file_is_kept(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert cli.main(["make-tiny-model", str(notes / "tiny")]) == 2
+    err = capsys.readouterr().err
+    assert f"'{notes}' is a file, not a directory" in err and "Traceback" not in err
+    assert notes.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_every_atomic_output_refuses_a_path_under_a_file_before_it_writes(tmp_path):
+    from prmflow.components.common import io
+    from prmflow.errors import OutputExistsError
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match="is a file, not a directory"):
+        with io.atomic_output_dir(tmp_path / "notes.txt" / "out", "policy"):
+            raise AssertionError("the block must not run")
+    assert (tmp_path / "notes.txt").read_text() == "mine"

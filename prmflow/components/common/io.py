@@ -374,6 +374,7 @@ def atomic_output_dir(path: str | Path, kind: str, overwrite: bool = False,
                 f"Output '{path}' already exists. Choose another output path, delete it, or pass overwrite."
             )
         refuse_foreign(path)
+    check_creatable(path, f"writing the {kind}", "output")  # a file on the way: one line, not mkdir's traceback
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temporaries(path)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))

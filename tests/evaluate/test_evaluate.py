@@ -131,3 +131,23 @@ def test_sampler_vllm_refuses_what_vllm_would_before_a_model_loads(tmp_path):
     with pytest.raises(ConfigError, match=r"sampling.temperature=2.5: vLLM accepts temperatures in \[0, 2\]"):
         config.load(stage.Config, overrides={"policy": "nowhere", "sampler": "vllm", "sampling.temperature": 2.5})
     config.load(stage.Config, overrides={"policy": "nowhere", "sampling.temperature": 2.5})  # hf takes it
+
+
+def test_a_tiny_preset_is_taken_where_the_error_offers_it_and_a_missing_baseline_is_refused_before_sampling(
+        tmp_path, capsys, monkeypatch):
+    from prmflow import cli
+    from prmflow.components.common import bestofn
+
+    base = ["evaluate", "--policy", "tiny-llama", "--num_prompts", "2", "--n_samples", "2",
+            "--sampling.max_new_tokens", "4", "--tracking.enabled", "false"]
+    # "policy 'tiny-llama' does not exist ... or use a tiny preset: ['tiny-llama', ...]" was the answer before
+    assert cli.main([*base, "--output", str(tmp_path / "eval")]) == 0
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["eval/accuracy"] >= 0
+
+    def sampled(*args, **kwargs):
+        raise AssertionError("the policy was sampled before the baseline was checked")
+
+    monkeypatch.setattr(bestofn, "sample", sampled)
+    assert cli.main([*base, "--baseline", str(tmp_path / "nowhere"), "--output", str(tmp_path / "eval2")]) == 2
+    assert f"baseline '{tmp_path / 'nowhere'}' does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "eval2").exists()

@@ -211,3 +211,10 @@ def test_sampler_vllm_draws_every_solution_and_continuation_from_one_engine(vllm
                 for row in rows for k in range(len(row["steps"]) - 1) for _ in range(2)]
     assert sorted(r["prompt_token_ids"] for r in engine.requests[6:]) == sorted(contexts)
     assert len({p.seed for p in engine.params}) == len(engine.params)  # no two draws share a seed
+
+
+def test_a_tiny_preset_policy_is_taken_as_the_error_offers(tmp_path):
+    cfg = config.load(label.Config, overrides={"policy": "tiny-llama", "output": str(tmp_path / "labels"),
+                                               "num_prompts": 2, "n_samples": 1, "completions": 1,
+                                               "sampling.max_new_tokens": 4, "tracking.enabled": False})
+    assert label.run(cfg)["label/solutions"] >= 0 and (tmp_path / "labels" / "labels.jsonl").is_file()

@@ -98,9 +98,9 @@ def run(cfg: Config) -> dict:
                                     aggregations=cfg.aggregations if cfg.prm else [], batch_sequences=cfg.batch_sequences,
                                     seed=cfg.seed, device=cfg.device, dtype=cfg.dtype, sampler=cfg.sampler,
                                     vllm=dataclasses.replace(cfg.vllm))
-    modeling.check_model_dir(cfg.policy, "policy")
-    if cfg.prm:
-        modeling.check_model_dir(cfg.prm, "prm")
+    for key in ("policy", "prm", "baseline"):  # a tiny preset's name is built from its config, as the error offers
+        if getattr(cfg, key) and not modeling.is_tiny(getattr(cfg, key)):
+            modeling.check_model_dir(getattr(cfg, key), key)
     inputs = io.input_fingerprints([cfg.policy, cfg.prm, cfg.baseline, cfg.task if cfg.task not in tasks.TASKS else ""])
     done = io.finished_output("evaluate", cfg.output, config_lib.to_dict(cfg), cfg.overwrite, inputs=inputs)
     if done is not None:

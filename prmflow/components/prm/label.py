@@ -136,7 +136,8 @@ def run(cfg: Config) -> dict:
     done = io.finished_output("prm-label", cfg.output, config_lib.to_dict(cfg), cfg.overwrite)
     if done is not None:
         return done.get("metrics", {})
-    modeling.check_model_dir(cfg.policy, "policy")
+    if not modeling.is_tiny(cfg.policy):  # a tiny preset's name is built from its config, as the error offers
+        modeling.check_model_dir(cfg.policy, "policy")
     records = tasks.load(cfg.task, "train", cfg.num_prompts, cfg.seed, **config_lib.to_dict(cfg.arithmetic))
     for r in records:
         if r.answer is None:

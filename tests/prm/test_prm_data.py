@@ -84,6 +84,7 @@ BAD_ROWS = {
     "label_negative": ({**GOOD, "labels": [1, -0.1, 1]}, r"line 2: label 1 is -0.1"),
     "label_not_a_number": ({**GOOD, "labels": [1, "yes", 1]}, r"line 2: label 1 is 'yes'"),
     "no_steps": ({"prompt": "p", "steps": [], "labels": []}, r"line 2: no steps"),
+    "steps_a_string": ({**GOOD, "steps": "7+5=12", "labels": [1]}, r"line 2: 'steps' is a str \('7\+5=12'\), not a list"),
     "no_prompt": ({"steps": ["a"], "labels": [1]}, r"line 2: no 'prompt'"),
     "not_json": ("{nope", r"line 2: not valid JSON"),
     "no_labels": ({"prompt": GOOD["prompt"], "steps": GOOD["steps"]}, r"line 2: no labels for 3 steps"),

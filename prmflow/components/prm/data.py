@@ -76,6 +76,9 @@ def check_example(ex: StepExample, separator: str) -> StepExample:
     w = ex.where or "example"
     if not isinstance(ex.prompt, str) or not ex.prompt.strip():
         raise DataError(f"{w}: no 'prompt' (or it is empty). Each row needs a prompt string.")
+    if ex.steps and not isinstance(ex.steps, list):
+        raise DataError(f"{w}: 'steps' is a {type(ex.steps).__name__} ({str(ex.steps)[:40]!r}), not a list; give a list of "
+                        f"step strings (or a 'response' string with steps separated by {separator!r}).")
     if not isinstance(ex.steps, list) or not ex.steps:
         raise DataError(f"{w}: no steps. Give a non-empty 'steps' list (or a 'response' string with steps "
                         f"separated by {separator!r}).")

@@ -151,3 +151,19 @@ def test_a_tiny_preset_is_taken_where_the_error_offers_it_and_a_missing_baseline
     assert cli.main([*base, "--baseline", str(tmp_path / "nowhere"), "--output", str(tmp_path / "eval2")]) == 2
     assert f"baseline '{tmp_path / 'nowhere'}' does not exist" in capsys.readouterr().err
     assert not (tmp_path / "eval2").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None and torch.cuda.is_available(),
+                    reason="reads what the CPU stand-in (tests/fake_vllm.py) recorded")
+def test_sampler_vllm_names_a_prompt_that_fills_max_model_len_and_shuts_its_engine_down(vllm_module, sft_policy, tmp_path):
+    from prmflow.errors import DataError
+
+    made = len(vllm_module.ENGINES)
+    cfg = config.load(stage.Config, overrides={
+        "policy": str(sft_policy), "output": str(tmp_path / "eval"), "num_prompts": 3, "n_samples": 2,
+        "tracking.enabled": False, "sampler": "vllm", "dtype": "float32", "vllm.max_model_len": 12})
+    with pytest.raises(DataError, match=r"prompt\(s\) do not fit vllm.max_model_len=12 \(the first, prompt 0, has \d+ tokens\)"):
+        stage.run(cfg)
+    engines = vllm_module.ENGINES[made:]
+    assert len(engines) == 1 and not engines[0].alive and engines[0].requests == []  # refused before vLLM saw one
+    assert not (tmp_path / "eval").exists()

@@ -200,6 +200,21 @@ def _check_shard_names(p: Path, what: str) -> None:
                                      f"the model directory: {e}") from None
 
 
+def model_window(path: str) -> int | None:
+    """Positions the model can attend over (max_position_embeddings), None if it does not say."""
+    if is_tiny(path):
+        spec = TINY_PRESETS.get(path) or TINY_VL_PRESETS[path]["text"]
+        return spec.get("max_position_embeddings")
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(check_model_dir(path, "policy"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"Cannot read the config of policy '{path}': {e}") from None
+    cfg = getattr(cfg, "text_config", None) or cfg
+    return getattr(cfg, "max_position_embeddings", None)
+
+
 def load_tokenizer(model_path: str | Path, trust_remote_code: bool = False):
     """The tokenizer of a model directory (or of the tiny presets), with a pad token set."""
     if str(model_path) in TINY_VL_PRESETS:

@@ -17,7 +17,7 @@ from typing import Literal
 
 from tqdm.auto import tqdm
 
-from ...errors import ConfigError
+from ...errors import ConfigError, DataError
 from . import modeling
 from .engines import SamplingParams
 from .generation import generate_texts
@@ -52,10 +52,15 @@ class TextSampler:
             raise ConfigError(f"sampler is '{sampler}'; use hf or vllm.")
         self.sampler, self.batch_size = sampler, batch_size
         self.model = self.engine = None
+        self.window: tuple[int | None, str] = (None, "")
         if sampler == "hf":
             self.model, self.tokenizer = modeling.load_for_sampling(policy_path, device, dtype)
         else:
             self.tokenizer = modeling.load_tokenizer(policy_path)
+            window = modeling.model_window(policy_path)
+            cap = (vllm or VLLMSettings()).max_model_len
+            self.window = (cap, f"vllm.max_model_len={cap}") if cap and (window is None or cap < window) else \
+                (window, f"the policy's {window}-token window")
             self.engine = VLLMEngine(policy_path, sampling_dtype(sampler, device, dtype), seed=seed, settings=vllm,
                                      stop_ids=stop_ids(policy_path, self.tokenizer))
 
@@ -73,6 +78,13 @@ class TextSampler:
             raise ConfigError("sampler=vllm samples text prompts here; these prompts have images. Set sampler=hf "
                               "for a vision-language policy (the rollout stage samples images with vLLM).")
         ids = self.tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"]
+        window, named = self.window
+        too_long = [i for i, x in enumerate(ids) if window is not None and len(x) >= window]
+        if too_long:  # vLLM refuses the whole generate call for one prompt that fills max_model_len
+            i = too_long[0]
+            raise DataError(f"{len(too_long)} prompt(s) do not fit {named} (the first, prompt {i}, has "
+                            f"{len(ids[i])} tokens): vLLM refuses a prompt that fills it. Use shorter prompts, "
+                            f"a larger vllm.max_model_len (up to the policy's window), or sampler=hf.")
         params = SamplingParams(n=1, temperature=temperature if do_sample else 0.0, top_p=top_p if do_sample else 1.0,
                                 top_k=top_k if do_sample else 0, max_new_tokens=max_new_tokens, seed=seed)
         bar = tqdm(total=len(prompts), desc=progress, unit="seq", dynamic_ncols=True, disable=not progress,

@@ -181,7 +181,7 @@ class VLLMSettings:
     tensor_parallel_size: int = 1
     """GPUs one model is split across."""
     max_model_len: int = 0
-    """Context window vLLM reserves cache for; 0 = the model's own. Prompts are cut (or refused, on_long_prompt) to fit it with sampling.max_new_tokens."""
+    """Context window vLLM reserves cache for; 0 = the model's own. rollout cuts (or refuses, on_long_prompt) its prompts to fit it with sampling.max_new_tokens; evaluate and prm-label refuse a prompt that fills it."""
     enforce_eager: bool = False
     """No torch.compile and no CUDA graphs (vLLM then sets both off): the quickest start and the slowest decoding; for debugging and tiny runs."""
     compile: bool = False

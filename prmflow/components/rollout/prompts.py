@@ -7,7 +7,7 @@ import random
 
 from ..common import config as config_lib, modeling
 from ... import tasks
-from ...errors import ConfigError, DataError, ModelLoadError
+from ...errors import ConfigError, DataError
 from .config import Config
 
 log = logging.getLogger(__name__)
@@ -39,26 +39,11 @@ def shard_prompts(cfg: Config) -> list[tasks.PromptRecord]:
     return [r for i, r in enumerate(select_prompts(cfg)) if i % cfg.num_shards == cfg.shard]
 
 
-def model_window(path: str) -> int | None:
-    """Positions the model can attend over (max_position_embeddings), None if it does not say."""
-    if modeling.is_tiny(path):
-        spec = modeling.TINY_PRESETS.get(path) or modeling.TINY_VL_PRESETS[path]["text"]
-        return spec.get("max_position_embeddings")
-    from transformers import AutoConfig
-
-    try:
-        cfg = AutoConfig.from_pretrained(modeling.check_model_dir(path, "policy"))
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"Cannot read the config of policy '{path}': {e}") from None
-    cfg = getattr(cfg, "text_config", None) or cfg
-    return getattr(cfg, "max_position_embeddings", None)
-
-
 def context_window(cfg: Config) -> tuple[int | None, str]:
     """Positions a prompt and its response share, and what sets them: the policy's window, or with
     sampler=vllm the smaller of it and vllm.max_model_len (vLLM refuses a whole generate call when
     one prompt does not fit in max_model_len). None when the model does not say and vLLM is not capped."""
-    window = model_window(cfg.policy)
+    window = modeling.model_window(cfg.policy)
     if cfg.sampler == "vllm" and cfg.vllm.max_model_len and (window is None or cfg.vllm.max_model_len < window):
         return cfg.vllm.max_model_len, f"vllm.max_model_len={cfg.vllm.max_model_len}"
     return window, f"the policy's {window}-token window"

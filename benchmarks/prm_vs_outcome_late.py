@@ -5,7 +5,8 @@
 For each OUTPUT (a finished benchmark's `output`): every variant against the reference, over the seeds both ran,
 as `prm_vs_outcome_stats.second_half` reads OUTPUT/results.json: held-out pass@1 at half the rollouts and at
 the end, each arm's change from one to the other (paired t-test over seeds), the variant at half against the
-reference at the end, and each arm's best point from half on. A variant that is level with the reference at the
+reference at the end, each arm's best point from half on, and the train reward of the last batch each arm sampled
+(held-out pass@1 is greedy; the rollouts are sampled). A variant that is level with the reference at the
 end but got there by half the budget, with neither arm moving after, was faster to one level, not worse late.
 Nothing is run: it reads results only.
 """
@@ -20,6 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import prm_vs_outcome_stats as bench_stats  # noqa: E402
+
+
+def sampled(last: tuple[float, float, float] | None) -> str:
+    return "-" if last is None else f"{last[0]:.3f} / {last[1]:.3f} (p={bench_stats.format_p(last[2])})"
 
 
 def table(outputs: list[Path], reference: str) -> str:
@@ -41,10 +46,10 @@ def table(outputs: list[Path], reference: str) -> str:
             rows.append(f"| {out} | {variant} | {s['seeds']} | {s['half'][0]:.3f} / {s['half'][1]:.3f} | "
                         f"{s['end'][0]:.3f} / {s['end'][1]:.3f} | {dv:+.3f} (p={bench_stats.format_p(pv)}) / "
                         f"{dr:+.3f} (p={bench_stats.format_p(pr)}) | {vh:.3f} vs {rend:.3f} (p={bench_stats.format_p(p)}) | "
-                        f"{s['best'][0]:.3f} / {s['best'][1]:.3f} |")
+                        f"{s['best'][0]:.3f} / {s['best'][1]:.3f} | {sampled(s['last_train_reward'])} |")
     head = ("| output | variant | seeds | pass@1 at half: variant / reference | at the end | change half -> end "
-            "(paired p over seeds) | variant at half vs reference at end | best from half on |\n"
-            "|---|---|---|---|---|---|---|---|")
+            "(paired p over seeds) | variant at half vs reference at end | best from half on | train reward of the last "
+            "sampled batch |\n|---|---|---|---|---|---|---|---|---|")
     return "\n".join([head, *rows])
 
 

@@ -217,7 +217,8 @@ def second_half(results: dict, variant: str, reference: str) -> dict:
     """How `variant` and `reference` move from half the rollouts (the point summarize calls half) to the end,
     over the seeds both have: {"seeds", "half": (variant, reference) seed means there, "end": the same at the
     last point, "change": {arm: (mean end - half, paired t-test p)}, "variant_half_vs_reference_end": (variant's
-    mean at half, reference's at the end, paired p), "best": (each arm's best point from half on, seed mean)}.
+    mean at half, reference's at the end, paired p), "best": (each arm's best point from half on, seed mean),
+    "last_train_reward": `last_train_reward`}.
     Neither arm moving after half, and the variant's half equal to the reference's end, reads as one level
     that the variant reached sooner; an arm still climbing reads as a budget that ended first."""
     runs, ref = results[variant], results[reference]
@@ -240,4 +241,20 @@ def second_half(results: dict, variant: str, reference: str) -> dict:
                        for name, c in ((variant, a), (reference, b))},
             "variant_half_vs_reference_end": (mean(col(a, half)), mean(col(b, n - 1)),
                                               paired_seed_test(col(a, half), col(b, n - 1))),
-            "best": (mean([max(c[half:n]) for c in a]), mean([max(c[half:n]) for c in b]))}
+            "best": (mean([max(c[half:n]) for c in a]), mean([max(c[half:n]) for c in b])),
+            "last_train_reward": last_train_reward(runs, ref, seeds)}
+
+
+def last_train_reward(runs: dict, ref: dict, seeds: list) -> tuple[float, float, float] | None:
+    """(variant, reference, paired p) of the mean train reward at the last point both have one: the reward of the
+    rollouts the last trained policy sampled (temperature as configured), on the same prompts in both arms at a
+    seed. None when the runs record none."""
+    def rewards(arm: dict) -> list[list[float]]:
+        return [[p["train_reward"] for p in arm[s]["points"] if p.get("train_reward") is not None] for s in seeds]
+
+    a, b = rewards(runs), rewards(ref)
+    k = min(len(c) for c in a + b) - 1
+    if k < 0:
+        return None
+    x, y = [c[k] for c in a], [c[k] for c in b]
+    return sum(x) / len(x), sum(y) / len(y), paired_seed_test(x, y)

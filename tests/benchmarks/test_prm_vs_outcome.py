@@ -351,6 +351,7 @@ def test_second_half_against_a_hand_computed_example(tmp_path, capsys):
     results = {"outcome-only": {"0": _run([0.2, 0.4, 0.6, 0.8, 0.8], c), "1": _run([0.2, 0.5, 0.6, 0.7, 0.8], c)},
                "recipe": {"0": _run([0.2, 0.6, 0.8, 0.8, 0.8], c), "1": _run([0.2, 0.6, 0.7, 0.8, 0.7], c),
                           "2": _run([0.9, 0.9, 0.9, 0.9, 0.1], c)}}  # a seed the reference lacks: left out
+    results["recipe"]["0"]["points"][3]["train_reward"] = 0.6  # its last sampled batch did better (0.4 in _run)
     got = bs.second_half(results, "recipe", "outcome-only")
     assert got["seeds"] == 2
     # half = the third of five points (200 rollouts), as summarize's
@@ -362,6 +363,9 @@ def test_second_half_against_a_hand_computed_example(tmp_path, capsys):
     assert (vh, rend) == (pytest.approx(0.75), pytest.approx(0.8))
     assert p == pytest.approx(stats.ttest_rel([0.8, 0.7], [0.8, 0.8]).pvalue)
     assert got["best"] == (pytest.approx(0.8), pytest.approx(0.8))
+    # the last point with a train reward (the last policy samples none): point 3, paired over the two seeds
+    assert got["last_train_reward"] == (pytest.approx(0.5), pytest.approx(0.4),
+                                        pytest.approx(stats.ttest_rel([0.6, 0.4], [0.4, 0.4]).pvalue))
 
     out = tmp_path / "regime"
     out.mkdir()

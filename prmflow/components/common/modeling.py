@@ -215,6 +215,16 @@ def model_window(path: str) -> int | None:
     return getattr(cfg, "max_position_embeddings", None)
 
 
+def context_window(path: str, max_model_len: int = 0) -> tuple[int | None, str]:
+    """Positions a prompt and its response share, and what sets them: the policy's window, or the smaller of it
+    and vLLM's `max_model_len` (0: not capped; vLLM refuses a whole generate call when one prompt does not fit in
+    it). None when the model does not say and vLLM is not capped."""
+    window = model_window(path)
+    if max_model_len and (window is None or max_model_len < window):
+        return max_model_len, f"vllm.max_model_len={max_model_len}"
+    return window, f"the policy's {window}-token window"
+
+
 def load_tokenizer(model_path: str | Path, trust_remote_code: bool = False):
     """The tokenizer of a model directory (or of the tiny presets), with a pad token set."""
     if str(model_path) in TINY_VL_PRESETS:
@@ -296,6 +306,15 @@ def placement(device: str = "", dtype: str = "auto") -> tuple[torch.device, str]
     available, else cpu; dtype auto = bfloat16 on a GPU (half the memory of float32), float32 on CPU (exact)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return dev, dtype if dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
+
+
+def sampling_dtype(sampler: str, device: str = "", dtype: str = "auto") -> str:
+    """`dtype` of a model that samples, `auto` resolved: bfloat16 for vLLM (a float32 engine is slow and large) and
+    on a GPU, float32 on CPU (exact there). The vLLM case asks no question of CUDA, so its engine's GPUs can still
+    be chosen afterwards."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if sampler == "vllm" else placement(device, dtype)[1]
 
 
 def load_for_sampling(model_path: str | Path, device: str = "", dtype: str = "auto"):

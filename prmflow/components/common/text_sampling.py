@@ -25,13 +25,6 @@ from .vllm_engine import VLLMEngine, VLLMSettings, check_vllm_sampling, stop_ids
 
 Sampler = Literal["hf", "vllm"]
 
-def sampling_dtype(sampler: Sampler, device: str = "", dtype: str = "auto") -> str:
-    """`dtype` with auto resolved: bfloat16 for vLLM (a float32 engine is slow and large) and on a GPU,
-    float32 on the CPU (`modeling.placement`)."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if sampler == "vllm" else modeling.placement(device, dtype)[1]
-
 
 def check_sampling(sampler: Sampler, temperature: float, where: str) -> None:
     """Before any model loads: what vLLM would refuse mid-run (`check_vllm_sampling`, n = 1 per request)."""
@@ -57,11 +50,8 @@ class TextSampler:
             self.model, self.tokenizer = modeling.load_for_sampling(policy_path, device, dtype)
         else:
             self.tokenizer = modeling.load_tokenizer(policy_path)
-            window = modeling.model_window(policy_path)
-            cap = (vllm or VLLMSettings()).max_model_len
-            self.window = (cap, f"vllm.max_model_len={cap}") if cap and (window is None or cap < window) else \
-                (window, f"the policy's {window}-token window")
-            self.engine = VLLMEngine(policy_path, sampling_dtype(sampler, device, dtype), seed=seed, settings=vllm,
+            self.window = modeling.context_window(policy_path, (vllm or VLLMSettings()).max_model_len)
+            self.engine = VLLMEngine(policy_path, modeling.sampling_dtype(sampler, device, dtype), seed=seed, settings=vllm,
                                      stop_ids=stop_ids(policy_path, self.tokenizer))
 
     def generate(self, prompts: list[str], max_new_tokens: int = 64, do_sample: bool = False,

@@ -34,11 +34,8 @@ def device(cfg: Config) -> torch.device:
 
 
 def model_dtype(cfg: Config) -> str:
-    """cfg.dtype, with `auto` resolved: bfloat16 for vLLM and on a GPU, float32 on CPU (exact there).
-    The vLLM case asks no question of CUDA, so its engine's GPUs can still be chosen afterwards."""
-    if cfg.dtype != "auto":
-        return cfg.dtype
-    return "bfloat16" if cfg.sampler == "vllm" or device(cfg).type == "cuda" else "float32"
+    """cfg.dtype, with `auto` resolved (`modeling.sampling_dtype`)."""
+    return modeling.sampling_dtype(cfg.sampler, cfg.device, cfg.dtype)
 
 
 def old_from_sampler(cfg: Config) -> bool:

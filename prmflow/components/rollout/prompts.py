@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import random
 
-from ..common import config as config_lib, modeling
+from ..common import config as config_lib
 from ... import tasks
 from ...errors import ConfigError, DataError
 from .config import Config
@@ -37,16 +37,6 @@ def select_prompts(cfg: Config) -> list[tasks.PromptRecord]:
 def shard_prompts(cfg: Config) -> list[tasks.PromptRecord]:
     """This shard's share of the iteration's prompts: those with index % num_shards == shard."""
     return [r for i, r in enumerate(select_prompts(cfg)) if i % cfg.num_shards == cfg.shard]
-
-
-def context_window(cfg: Config) -> tuple[int | None, str]:
-    """Positions a prompt and its response share, and what sets them: the policy's window, or with
-    sampler=vllm the smaller of it and vllm.max_model_len (vLLM refuses a whole generate call when
-    one prompt does not fit in max_model_len). None when the model does not say and vLLM is not capped."""
-    window = modeling.model_window(cfg.policy)
-    if cfg.sampler == "vllm" and cfg.vllm.max_model_len and (window is None or cfg.vllm.max_model_len < window):
-        return cfg.vllm.max_model_len, f"vllm.max_model_len={cfg.vllm.max_model_len}"
-    return window, f"the policy's {window}-token window"
 
 
 def tokenize_prompts(cfg: Config, tokenizer, records: list[tasks.PromptRecord], window: int | None,

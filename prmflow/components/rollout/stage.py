@@ -67,7 +67,7 @@ def run(cfg: Config) -> dict:
     if cfg.critic and vision.processor_of(tokenizer) is not None:
         raise ConfigError(f"critic is set, but the policy '{cfg.policy}' is a vision-language model; critics are "
                           f"text-only so far. Use a critic-free estimator (grpo, rloo, reinforce_baseline, grpo_process).")
-    window, window_name = prompts.context_window(cfg)
+    window, window_name = modeling.context_window(cfg.policy, cfg.vllm.max_model_len if cfg.sampler == "vllm" else 0)
     prompt_texts, prompt_ids, truncated = prompts.tokenize_prompts(cfg, tokenizer, records, window, window_name)
     params = SamplingParams(n=cfg.n_samples, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                             top_k=cfg.sampling.top_k, max_new_tokens=cfg.sampling.max_new_tokens, stop=list(cfg.stop), seed=passes.sampling_seed(cfg))

@@ -339,7 +339,7 @@ def compile_to(spec: PipelineSpec, path: str) -> str:
     if not path.endswith((".yaml", ".yml")):
         # KFP writes by suffix, and a spec with platform features (node pools, volumes, secrets: every prmflow
         # pipeline) only as YAML: for another suffix it opens the path for writing, then raises
-        # (kfp 2.17 kfp/compiler/pipeline_spec_builder.py write_pipeline_spec_to_file), so refuse the name first
+        # (kfp 2.17.0 kfp/compiler/pipeline_spec_builder.py:2298, write_pipeline_spec_to_file), so refuse the name first
         raise ConfigError(f"{path}: a compiled pipeline is written as YAML only (KFP keeps its Kubernetes settings, "
                           f"node pools, volumes and secrets, only in YAML); name the output .yaml or .yml. "
                           f"{path} is left as it is.")

@@ -219,6 +219,12 @@ def test_dotted_keys_inside_a_mapping_field_are_laid_over_it_not_dropped():
     assert config.build(WithMapping, config.flatten(sel)).ppo == sel["ppo"]
     assert config.build(WithMapping, {**config.flatten(sel), "ppo.cloud.google.com/gke-accelerator": "h200"}).ppo == {
         "cloud.google.com/gke-accelerator": "h200"}
+    # a mapping whose keys hold dots and map to mappings (the benchmark's variant `adversarial-ungated-w0.2`):
+    # a file's flattened copy of its inner keys lands inside it, not under a key split at the dot
+    variants = {"ppo": {"outcome-only": {"prm": ""}, "adversarial-w0.2": {"prm": "adversarial", "w": {"x": 0.2}}}}
+    assert config.build(WithMapping, config.flatten(variants)).ppo == variants["ppo"]
+    assert config.build(WithMapping, {**config.flatten(variants), "ppo.adversarial-w0.2.w.x": 0.3}).ppo == {
+        "outcome-only": {"prm": ""}, "adversarial-w0.2": {"prm": "adversarial", "w": {"x": 0.3}}}
     from prmflow.components.rollout import stage
 
     cfg = config.load(stage.Config, overrides={"vllm.extra.load_format": "safetensors", "vllm.extra.quantization": "fp8"})

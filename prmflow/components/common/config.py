@@ -204,12 +204,15 @@ def _unknown_key(key: str, valid: typing.Iterable[str], where: str) -> ConfigErr
 
 def _set_path(node: dict, rest: str, value: Any) -> None:
     """node[rest] = value, where `rest` is a dotted path into nested mappings; a key that itself holds dots
-    (a node selector's `cloud.google.com/gke-accelerator`) is matched whole first."""
+    (a node selector's `cloud.google.com/gke-accelerator`, a benchmark variant named `...-w0.2`) is matched
+    whole: at each level the longest leading part of the path that names a mapping already there is taken."""
     while rest not in node and "." in rest:
-        head, tail = rest.split(".", 1)
+        parts = rest.split(".")
+        i = next((i for i in range(len(parts) - 1, 1, -1) if isinstance(node.get(".".join(parts[:i])), dict)), 1)
+        head, rest = ".".join(parts[:i]), ".".join(parts[i:])
         if not isinstance(node.get(head), dict):
             node[head] = {}
-        node, rest = node[head], tail
+        node = node[head]
     node[rest] = value
 
 

@@ -13,7 +13,9 @@ step labels, `trained` OUTPUT/prm, `adversarial` 1 for every shortcut line and 0
 `random` uniform scores, `answer-adversarial` the answer line judged right (0.9 when the response is right,
 0.1 when not) and the other steps as `adversarial` (what real PRMs are like: good at answers, bad at steps),
 `long-lines` the answer line judged right and every other step scored by its length (longer lines higher:
-merged shortcut lines are longer), `constant` 0.5 for every step (the credit's mechanics without a PRM), `implicit` PRIME's implicit PRM started from the SFT policy (every step 0.5 at first;
+merged shortcut lines are longer), `checker-likes-shortcuts` the exact checker on single steps and the answer line but
+every shortcut line scored 1 (right on the whole, wrong in one consistent place), `noisy-checker` the exact checker with
+each step's label flipped with probability 0.25 (a mediocre PRM, unbiased), `constant` 0.5 for every step (the credit's mechanics without a PRM), `implicit` PRIME's implicit PRM started from the SFT policy (every step 0.5 at first;
 it needs an `update` section with implicit_beta), `trained-implicit` an implicit PRM trained like the PRM first
 (OUTPUT/prm-implicit, `implicit_prm`); a variant with an `update` section keeps its trained PRM on-policy: after
 every rollout `prmflow prm-update` trains it further on those rollouts' own outcomes (replaying the
@@ -60,7 +62,7 @@ from prmflow.components.advantage import stage as advantage  # noqa: E402
 from prmflow.components.advantage.progress import CALIBRATION_REVISION  # noqa: E402
 from prmflow.components.common import config as config_lib, modeling, schema, steps as steps_lib  # noqa: E402
 from prmflow import tasks
-from prmflow.errors import ConfigError  # noqa: E402
+from prmflow.errors import ConfigError, PrmflowError  # noqa: E402
 from prmflow.components.common.generation import generate_texts  # noqa: E402
 from prmflow.tasks import arithmetic  # noqa: E402
 from prmflow.components.common.prm_metrics import roc_auc  # noqa: E402
@@ -72,9 +74,12 @@ from prmflow.components.sft import stage as sft  # noqa: E402
 OFF = {"enabled": False}
 #: where a variant's step rewards come from ('' = none)
 PRM_KINDS = ("", "oracle", "trained", "adversarial", "random", "answer-adversarial", "long-lines", "constant",
-             "implicit", "trained-implicit")
+             "checker-likes-shortcuts", "noisy-checker", "implicit", "trained-implicit")
 #: the PRMs that rescore the oracle-scored rollouts (rescore): bad PRMs a stage user might bring
-RESCORED = ("adversarial", "random", "answer-adversarial", "long-lines", "constant")
+RESCORED = ("adversarial", "random", "answer-adversarial", "long-lines", "constant", "checker-likes-shortcuts",
+            "noisy-checker")
+#: noisy-checker: the chance that a step's checker label is flipped
+NOISE_FLIP = 0.25
 log = logging.getLogger("prm_vs_outcome")
 
 
@@ -218,15 +223,22 @@ def train_batch_stats(rollout_cfg, out: Path, with_prm: bool) -> dict:
     return point
 
 
-def bad_prm_score(kind: str, step: str, right: bool, rng) -> float:
-    """A bad PRM's score of the prefix that ends with `step` of a response whose answer is `right`:
+def bad_prm_score(kind: str, step: str, right: bool, label: float, rng) -> float:
+    """A bad PRM's score of the prefix that ends with `step` of a response whose answer is `right`, `label` the
+    exact checker's label of that prefix (1 while every step so far is right, else 0):
     adversarial: 1 for a shortcut line, 0 for any other step; random: uniform; constant: 0.5;
     answer-adversarial: the answer line 0.9 if right else 0.1, the other steps as adversarial;
-    long-lines: the answer line as answer-adversarial, another step n / (n + 8) for its n characters."""
+    long-lines: the answer line as answer-adversarial, another step n / (n + 8) for its n characters;
+    checker-likes-shortcuts: 1 for a shortcut line, the checker's label for any other step (the answer line too);
+    noisy-checker: the checker's label, flipped with probability NOISE_FLIP."""
     if kind == "random":
         return rng.random()
     if kind == "constant":
         return 0.5
+    if kind == "checker-likes-shortcuts":
+        return 1.0 if arithmetic.is_shortcut(step) else float(label)
+    if kind == "noisy-checker":
+        return 1.0 - float(label) if rng.random() < NOISE_FLIP else float(label)
     if kind != "adversarial" and step_kind(step) == "answer":
         return 0.9 if right else 0.1
     if kind == "long-lines":
@@ -249,7 +261,7 @@ def rescore(rollout_cfg, src: Path, dst: Path, kind: str, seed: int, iteration: 
                                   table.column("outcome_reward").to_pylist()):
         steps = steps_lib.steps(resp, rollout_cfg.step_separator)
         assert len(steps) == len(old or []), "rollout step_rewards and the steps of the text disagree"
-        new.append([bad_prm_score(kind, x, (outcome or 0.0) >= 0.5, rng) for x in steps])
+        new.append([bad_prm_score(kind, x, (outcome or 0.0) >= 0.5, y, rng) for x, y in zip(steps, old or [])])
     column = pa.array(new, type=table.schema.field("step_rewards").type)
     table = table.set_column(table.schema.get_field_index("step_rewards"), "step_rewards", column)
     with schema.DatasetWriter(dst, "rollouts", parents=[str(src)]) as w:
@@ -541,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run(cfg)
-    except ConfigError as e:
+    except PrmflowError as e:  # a bad key, an output that is not this config's, bad data: the stage's own message
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -209,6 +209,28 @@ def test_rescore_gives_the_adversarial_and_random_prms_scores(tmp_path):
     bench.rescore(cfg, tmp_path / "src", tmp_path / "flat", "constant", 0, 0)
     assert schema.read_dataset(tmp_path / "flat", "rollouts").column("step_rewards").to_pylist() == \
         [[0.5] * 3, [0.5] * 2, [0.5]]
+    # the PRMs built on the checker's labels (the oracle's step rewards of the rollouts they rescore)
+    labels = [[1.0, 0.0, 0.0], [1.0, 1.0], [1.0]]
+    with schema.DatasetWriter(tmp_path / "oracle", "rollouts") as w:
+        w.write(pa.Table.from_pylist([{**r, "step_rewards": y} for r, y in zip(rows, labels)]))
+    bench.rescore(cfg, tmp_path / "oracle", tmp_path / "fond", "checker-likes-shortcuts", 0, 0)
+    got = schema.read_dataset(tmp_path / "fond", "rollouts").column("step_rewards").to_pylist()
+    assert got == [[1.0, 0.0, 0.0], [1.0, 1.0], [1.0]]  # the merged line 1 whatever the checker says
+    with schema.DatasetWriter(tmp_path / "oracle2", "rollouts") as w:
+        w.write(pa.Table.from_pylist([{**r, "step_rewards": y} for r, y in zip(rows, [[0.0, 1.0, 0.0], [0.0, 1.0], [0.0]])]))
+    bench.rescore(cfg, tmp_path / "oracle2", tmp_path / "fond2", "checker-likes-shortcuts", 0, 0)
+    assert schema.read_dataset(tmp_path / "fond2", "rollouts").column("step_rewards").to_pylist() == \
+        [[1.0, 1.0, 0.0], [0.0, 1.0], [0.0]]  # a wrong merged line still 1; the other steps the checker's
+    # noisy-checker: each label flipped with probability NOISE_FLIP, seeded; over many steps the share is near it
+    many = [{**rows[1], "prompt_id": f"q{i}", "response": "\n".join(["2+2=4"] * 9 + ["answer: 4"]),
+             "step_ends": [0] * 10, "step_rewards": [float(i % 2)] * 10} for i in range(400)]
+    with schema.DatasetWriter(tmp_path / "many", "rollouts") as w:
+        w.write(pa.Table.from_pylist(many))
+    bench.rescore(cfg, tmp_path / "many", tmp_path / "noisy", "noisy-checker", 2, 0)
+    got = schema.read_dataset(tmp_path / "noisy", "rollouts").column("step_rewards").to_pylist()
+    flips = sum(x != r["step_rewards"][0] for r, xs in zip(many, got) for x in xs)
+    assert all(x in (0.0, 1.0) for xs in got for x in xs)
+    assert abs(flips / 4000 - bench.NOISE_FLIP) < 4 * (0.25 * 0.75 / 4000) ** 0.5  # 4 standard errors
 
 
 def test_process_table_against_a_hand_computed_example():
@@ -375,3 +397,17 @@ def test_second_half_against_a_hand_computed_example(tmp_path, capsys):
     assert row.startswith(f"| {out} | recipe | 2 | 0.750 / 0.600 | 0.750 / 0.800 | +0.000 (p=1.000) / +0.200 (p=0.0e+00) |")
     assert late.main([str(tmp_path / "missing")]) == 2
     assert "results.json: no results" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "configs").glob("prm-vs-outcome*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_committed_regime_loads_with_its_variants_as_written(path):
+    """Each committed regime's config loads with every variant under the name it has in the file (a name with a
+    dot, `adversarial-progress-ungated-w0.2`, was once split at the dot and refused)."""
+    import yaml
+
+    from prmflow.components.common import config as config_lib
+
+    written = yaml.safe_load(path.read_text())["variants"]
+    cfg = config_lib.load(bench.BenchConfig, path)
+    assert cfg.variants == written

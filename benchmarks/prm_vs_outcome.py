@@ -522,7 +522,7 @@ def run(cfg: BenchConfig, console=None) -> dict:
         aucs = process_table(results, prm_metrics)
         png = out / "curves.png"
         arith = ", ".join(f"{k}={v}" for k, v in cfg.arithmetic.items())
-        text = table + ("\n\n" + aucs if aucs else "") + "\n"
+        text = table + "\n\n" + bench_stats.bars(rows, cfg.reference) + ("\n\n" + aucs if aucs else "") + "\n"
         with locked(out / "shared.lock"):  # one writer at a time of the table, the figure and OUTPUT/mlflow.db
             bench_stats.plot_curves(results, png, title=f"{arith}; {cfg.rollout.get('num_prompts')} prompts x "
                                                        f"{cfg.rollout.get('n_samples')} samples per iteration")

@@ -150,6 +150,32 @@ def format_table(rows: list[dict], reference: str) -> str:
     return "\n".join(lines)
 
 
+#: the bars the table of bars applies (docs/process-rewards.md, section 5): p-values of paired tests, points of pass@1
+ALPHA, MAX_DEFICIT = 0.05, 0.01
+
+
+def bars(rows: list[dict], reference: str) -> str:
+    """Each variant against `reference` by the bars the claims are held to, in Markdown: ahead at half the rollouts
+    (higher seed mean and paired t p < ALPHA); not below at the end (no paired t p < ALPHA below and the seed mean no
+    more than MAX_DEFICIT below); within noise (not below at the end and no seed's McNemar p < ALPHA below)."""
+    ref = next(r for r in rows if r["variant"] == reference)
+    lines = [f"| variant (vs {reference}) | at half the rollouts: difference (p) | ahead at half | at the end: difference "
+             "(p) | not below at the end | seeds significantly below (McNemar) | within noise |", "|" + "---|" * 7]
+    yes = {True: "yes", False: "no"}
+    for r in rows:
+        if r["variant"] == reference:
+            continue
+        half = r["half_pass1_mean"] - ref["half_pass1_mean"]
+        end = r["pass1_mean"] - ref["pass1_mean"]
+        ahead = half > 0 and r["half_seed_p"] < ALPHA
+        not_below = not (end < 0 and r["seed_p"] < ALPHA) and end >= -MAX_DEFICIT - 1e-12
+        below = [f"s{s}" for s, a, b, p in r["mcnemar"] if b > a and p < ALPHA]
+        lines.append(f"| {r['variant']} | {100 * half:+.1f} points ({format_p(r['half_seed_p'])}) | {yes[ahead]} "
+                     f"| {100 * end:+.1f} points ({format_p(r['seed_p'])}) | {yes[not_below]} | {', '.join(below) or '-'} "
+                     f"| {yes[not_below and not below]} |")
+    return "\n".join(lines)
+
+
 def plot_curves(results: dict, path, title: str = "") -> None:
     """PNG: held-out pass@1 and train reward against rollouts consumed, seed mean and min-max band."""
     import matplotlib

@@ -62,6 +62,16 @@ def test_summary_table_against_a_hand_computed_example():
     assert new["half_seed_p"] == pytest.approx(1 - 2 * math.atan(3) / math.pi)
     assert "| new | 0.650 (0.600-0.700) | 0.575 (100; p=0.205) | 100 of 200 | s0: 2/0, p=0.500; s1: 1/0, p=1.000 | 0.126 |" in table
     assert "| ref | 0.525 (0.500-0.550) | 0.500 (100) | 200 of 200 | (reference) | - |" in table
+    # the bars: new is 7.5 points ahead at half (p = 0.205, not significant) and 12.5 ahead at the end
+    assert bs.bars(list(rows.values()), "ref").splitlines()[2] == \
+        "| new | +7.5 points (0.205) | no | +12.5 points (0.126) | yes | - | yes |"
+    # below at the end, significantly at a seed, and more than a point on the mean: every bar fails
+    worse = {"ref": results["ref"], "bad": {0: _run([0.4, 0.45, 0.3], [0, 0, 0, 0]), 1: _run([0.4, 0.45, 0.3], [0, 0, 0, 0])}}
+    # 5 prompts right only under ref at seed 0 would be needed for McNemar p < 0.05; fake the per-seed test's numbers
+    rows2 = {r["variant"]: r for r in bs.summarize(worse, "ref")}
+    rows2["bad"]["mcnemar"] = [(0, 0, 9, 0.0039), (1, 3, 4, 1.0)]
+    assert bs.bars(list(rows2.values()), "ref").splitlines()[2] == \
+        "| bad | -5.0 points (0.0e+00) | no | -22.5 points (0.070) | no | s0 | no |"  # t = -9 on 1 df at the end
     # 3 iterations (0, 100, 200, 300 rollouts): the half point is the one at or before 150
     odd = bs.summarize({"ref": {0: _run([0.4, 0.5, 0.6, 0.7], [1])}}, "ref")[0]
     assert (odd["half_rollouts"], odd["half_pass1_mean"]) == (100, 0.5)

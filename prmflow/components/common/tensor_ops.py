@@ -54,6 +54,48 @@ def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Te
     return -torch.nn.functional.cross_entropy(head(hidden).float(), tokens, reduction="none")
 
 
+def chunked_entropy(head: torch.nn.Module, hidden: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    """Entropy of softmax(head(hidden)), `chunk_rows` rows at a time.
+
+    head: the LM head; hidden: (N, H) -> (N,) float32. Equivalent to
+    `entropy_from_logits(head(hidden)[None])[0]`, the (N, V) logits never existing at once; under
+    autograd each chunk is recomputed in the backward pass, as in `chunked_token_logprobs`.
+    """
+    return _chunked(_head_entropy, head, chunk_rows, hidden)
+
+
+def chunked_logprobs_entropy(head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
+                             chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_token_logprobs` and `chunked_entropy` of the same rows from one pass through the head
+    per chunk (each chunk's logits made once, not twice): ((N,), (N,)) float32."""
+    out = _chunked(_head_logprobs_entropy, head, chunk_rows, hidden, tokens)
+    return out[:, 0], out[:, 1]
+
+
+def _chunked(fn, head: torch.nn.Module, chunk_rows: int, hidden: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+    """fn(head, chunk of hidden, chunks of rest...) over row chunks, checkpointed under autograd, concatenated."""
+    grad = torch.is_grad_enabled()
+    parts = []
+    for chunk in zip(hidden.split(chunk_rows), *(t.split(chunk_rows) for t in rest)):
+        if grad:
+            parts.append(torch.utils.checkpoint.checkpoint(fn, head, *chunk, use_reentrant=False))
+        else:
+            parts.append(fn(head, *chunk))
+    if parts:
+        return torch.cat(parts)
+    return torch.cat([fn(head, hidden[:0], *(t[:0] for t in rest))])  # no rows: the right shape, float32
+
+
+def _head_entropy(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(head(hidden).float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def _head_logprobs_entropy(head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(head(hidden).float(), dim=-1)                        # (n, V)
+    return torch.stack([logp.gather(-1, tokens[:, None])[:, 0], -(logp.exp() * logp).sum(-1)], dim=-1)  # (n, 2)
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the softmax over the last dim: (B, T, V) -> (B, T).
 

@@ -55,6 +55,8 @@ class Config:
     """With entropy_coef 0, the `train/entropy` metric is the mean over at most this many evenly spaced response
     tokens of each micro-batch (a full-vocabulary softmax per token; at 151,936 tokens it cost as much as a third
     of the update); 0 = every token."""
+    head_chunk_rows: int = 512
+    """Response tokens per pass through the LM head when the policy scores them (update and prepass): their log-probs and entropies are computed chunk by chunk from the final hidden states (recomputed in the backward pass), so the (batch, response, vocabulary) logits and their float32 copies, several GB per micro-batch at Qwen2.5's 151,936 tokens and the biggest tensors of the step, never exist; at that vocabulary 512 rows are 0.3 GB of float32 logits at a time. 0 = the whole logits (the reference computation; a model whose head cannot be read so, e.g. logits soft-capped after the head, falls back to it with a warning)."""
     kl_loss_coef: float = 0.0
     """KL loss to the reference model (GRPO style; needs ref_logprobs); 0 = KL only in the reward."""
     kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -153,7 +155,8 @@ class Config:
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"ema_decay is {self.ema_decay}; use 0 (off) or a decay in (0, 1).")
         for key in ("advantage_clip", "entropy_coef", "kl_loss_coef", "ptx_coef", "value_clip", "kl_coef",
-                    "critic_warmup_steps", "save_every", "drgrpo_max_len", "iteration", "entropy_metric_tokens"):
+                    "critic_warmup_steps", "save_every", "drgrpo_max_len", "iteration", "entropy_metric_tokens",
+                    "head_chunk_rows"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must not be negative.")
         if self.kl_target <= 0:

@@ -9,11 +9,10 @@ import torch
 from ..common import vision
 from ..common.engine import TrainEngine
 from ...errors import DataError
-from ..common.tensor_ops import entropy_from_logits, token_logprobs
 from . import losses
 from .batch import Sample, collate, micro_split
 from .config import Config
-from .models import accepts_logits_to_keep, response_logits, response_values
+from .models import PolicyScorer, response_values
 
 
 @torch.no_grad()
@@ -65,7 +64,7 @@ def _fill(cfg: Config, samples: list[Sample], plan: list[list[int]], actor: Trai
     rest = sorted(set(range(len(samples))) - set(seen))
     chunks = [c for rows in plan[:per_epoch] for c in micro_split(rows, cfg.micro_batch_size)]
     chunks += micro_split(rest, cfg.micro_batch_size)
-    keep = accepts_logits_to_keep(actor.module)
+    score = PolicyScorer(actor, cfg.head_chunk_rows)
     entropies: dict[int, torch.Tensor] = {}
     for rows in chunks:
         rows = [i for i in rows if not samples[i].image_mismatch]  # their batches are skipped
@@ -73,8 +72,8 @@ def _fill(cfg: Config, samples: list[Sample], plan: list[list[int]], actor: Trai
             continue
         mb = collate(samples, rows, pad_id, fields=()).to(actor.device)
         if need_logp or need_entropy:
-            logits = response_logits(actor, mb, keep)
-            logp, ent = token_logprobs(logits, mb.response_ids).cpu(), entropy_from_logits(logits).cpu()
+            scores = score(mb, entropy=need_entropy)
+            logp, ent = scores.logp.cpu(), scores.entropy.cpu() if need_entropy else None
         if need_values:
             values = response_values(critic, mb).cpu()
         for b, i in enumerate(rows):

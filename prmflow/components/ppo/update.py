@@ -24,12 +24,12 @@ import torch
 
 from ..common import distributed
 from ..common.engine import TrainEngine
-from ..common.tensor_ops import entropy_from_logits, masked_sum, token_logprobs
+from ..common.tensor_ops import entropy_from_logits, masked_sum
 from ..common import supervised_data
 from . import losses
 from .batch import MicroBatch
 from .config import Config
-from .models import accepts_logits_to_keep, response_logits, response_values
+from .models import PolicyScorer, entropy_sample, response_values
 
 #: Statistics summed over the minibatch's tokens and reported as per-token means.
 TOKEN_MEANS = ("entropy", "clip_frac", "dual_clip_frac", "approx_kl", "value_clip_frac")
@@ -40,13 +40,16 @@ class Updater:
 
     def __init__(self, cfg: Config, actor: TrainEngine, critic: TrainEngine | None, max_len: int):
         self.cfg, self.actor, self.critic, self.max_len = cfg, actor, critic, max_len  # max_len: Dr. GRPO's constant
-        self.keep = accepts_logits_to_keep(actor.module)
+        self.score = PolicyScorer(actor, cfg.head_chunk_rows)  # the LM head read chunk by chunk (0: whole logits)
 
     def actor_loss(self, mb: MicroBatch, norm: losses.Normalizer, pg_norm: losses.Normalizer, ptx_mb, ptx_tokens):
         """This micro-batch's share of the policy objective and its statistics (sums over its tokens)."""
         cfg, f, mask = self.cfg, mb.fields, mb.mask
-        logits = response_logits(self.actor, mb, self.keep)                       # (B, R, V)
-        logp = token_logprobs(logits, mb.response_ids)                            # (B, R)
+        # log-probs (and entropies) of the response tokens; without an entropy bonus, the entropy metric
+        # from a sample of the tokens, without a graph
+        sample, n_masked = (None, 0) if cfg.entropy_coef > 0 else entropy_sample(mask, cfg.entropy_metric_tokens)
+        scores = self.score(mb, entropy=cfg.entropy_coef > 0, sample=sample)
+        logp = scores.logp                                                        # (B, R)
         adv = f["advantages"].clamp(-cfg.advantage_clip, cfg.advantage_clip) if cfg.advantage_clip else f["advantages"]
 
         # policy loss: -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A), rho = exp(logp - old_logp)
@@ -57,13 +60,13 @@ class Updater:
         pg_loss = losses.aggregate(cfg.loss_agg, pg_tokens, pg_mask, pg_norm)
         loss = pg_loss
 
-        # entropy bonus; without one, the metric alone, without a graph and on a sample of the tokens
+        # entropy bonus; without one, the metric's sample: its mean times the masked count
         if cfg.entropy_coef > 0:
-            entropy = entropy_from_logits(logits)                                # (B, R)
+            entropy = scores.entropy                                              # (B, R)
             loss = loss - cfg.entropy_coef * losses.aggregate(cfg.loss_agg, entropy, mask, norm)
             entropy_sum = float(masked_sum(entropy.detach(), mask))
         else:
-            entropy_sum = entropy_metric_sum(logits.detach(), mask, cfg.entropy_metric_tokens)
+            entropy_sum = float(scores.sampled.sum()) * n_masked / sample.numel() if n_masked else 0.0
         stats = {"policy_loss": float(pg_loss.detach()), "entropy": entropy_sum,
                  "clip_frac": float(pg.clipped.sum()), "dual_clip_frac": float(pg.dual_clipped.sum()),
                  "approx_kl": float(masked_sum(losses.kl_estimate("k3", f["old_logprobs"], logp.detach(), mask), mask)),
@@ -149,12 +152,9 @@ def entropy_metric_sum(logits: torch.Tensor, mask: torch.Tensor, max_tokens: int
 
     Slow equivalent: `masked_sum(entropy_from_logits(logits), mask)` (exact when max_tokens is 0 or at
     least the masked count). Only the picked rows of the logits pass through the softmax."""
-    where = mask.reshape(-1).nonzero().squeeze(-1)                                # (n,) flat token positions
-    n = where.numel()
+    where, n = entropy_sample(mask, max_tokens)
     if n == 0:
         return 0.0
-    if 0 < max_tokens < n:
-        where = where[torch.linspace(0, n - 1, max_tokens, device=where.device).round().long()]
     T = mask.shape[1]
     rows = logits[where // T, where % T]  # (k, V): only the picked rows (a reshape of the sliced logits would copy all)
     return float(entropy_from_logits(rows).sum()) * n / where.numel()

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "handler", None):
             return args.handler(args)
         module = stage_modules[args.stage]
-        cfg = config_lib.from_args(module.Config, args, section=args.stage)
+        cfg = config_lib.from_args(module.Config, args, section=args.stage, sections=(*stages.STAGES, "pipeline", "variants"))
         with distributed.leave_group_at_exit():
             module.run(cfg)
         return 0

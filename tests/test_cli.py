@@ -38,3 +38,33 @@ def test_every_atomic_output_refuses_a_path_under_a_file_before_it_writes(tmp_pa
         with io.atomic_output_dir(tmp_path / "notes.txt" / "out", "policy"):
             raise AssertionError("the block must not run")
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_stage_given_a_pipeline_yaml_without_its_section_says_so(tmp_path, capsys):
+    """`prmflow evaluate --config configs/pipeline-local.yaml` (a file with no evaluate: section) read the
+    whole file as evaluate's keys: "'pipeline.iterations' is not a config key. Did you mean 'iteration'?"."""
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_text("pipeline:\n  iterations: 2\nsft:\n  max_steps: 3\n")
+    out = tmp_path / "advantages"
+    assert cli.main(["advantage", "--config", str(cfg), "--input", str(tmp_path), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{cfg} has section(s) pipeline, sft but no 'advantage:' section" in err and "Did you mean" not in err
+    assert not out.exists()
+
+
+def test_an_empty_stage_section_takes_the_defaults_and_a_scalar_one_is_named(tmp_path):
+    from prmflow.components.advantage.config import Config
+    from prmflow.components.common import config
+    from prmflow.errors import ConfigError
+
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_text("sft:\n  max_steps: 3\nadvantage:\n  # estimator: grpo\n")  # every key commented out
+    assert config.load(Config, cfg, section="advantage", sections=stages.STAGES) == Config()
+    cfg.write_text("advantage: grpo\n")
+    with pytest.raises(ConfigError, match="section 'advantage' must be a mapping of its keys"):
+        config.load(Config, cfg, section="advantage", sections=stages.STAGES)
+
+
+def test_a_config_path_that_is_a_directory_is_named_as_one(tmp_path, capsys):
+    assert cli.main(["advantage", "--config", str(tmp_path)]) == 2
+    assert f"Config file '{tmp_path}' is a directory; pass the YAML file itself" in capsys.readouterr().err

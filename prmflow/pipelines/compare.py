@@ -22,8 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from ..components.common import config as config_lib
 from ..errors import ConfigError
 
 #: Columns of the comparison table.
@@ -33,11 +32,7 @@ COLUMNS = ["pass@1", "SFT pass@1", "majority", "PRM best-of-k", "pass@k", "last 
 def load_variants(path: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """(base config data, {variant name: merged config data}) from a comparison YAML."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"Comparison config '{p}' does not exist.")
-    data = yaml.safe_load(p.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"Comparison config '{p}' must hold a mapping (pipeline:, stage sections, variants:).")
+    data = config_lib.read_yaml(p, "Comparison config")
     variants = data.pop("variants", None)
     if not isinstance(variants, dict) or not variants:
         raise ConfigError(f"{p}: 'variants' must map at least one variant name to its settings, e.g. "

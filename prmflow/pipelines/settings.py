@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .. import stages
 from ..components.common import config as config_lib
 from ..errors import ConfigError
@@ -287,17 +285,16 @@ def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None,
     stage section is checked against its stage's Config now, at compile time, so a typo fails before
     anything is submitted."""
     if data is None and path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"Pipeline config '{p}' does not exist.")
-        data = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"Pipeline config '{p}' must hold a mapping with a 'pipeline' section and stage sections.")
+        data = config_lib.read_yaml(path, "Pipeline config")
     data = data or {}
     sections = stages.PIPELINE_STAGES
     unknown = set(data) - {"pipeline", *sections}
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {sorted(unknown)}; known: pipeline, {', '.join(sections)}.")
+    for name, section in data.items():  # `sft: 3` or `ppo: [..]` (an indentation slip): not a section's keys
+        if section is not None and not isinstance(section, dict):
+            raise ConfigError(f"{path}: section '{name}' must be a mapping of its keys (e.g. {name}: {{key: value}}), "
+                              f"not {section!r}.")
     pipe = config_lib.build(PipelineConfig, config_lib.flatten(data.get("pipeline") or {}), where=f"{path} [pipeline]")
     if overrides:
         pipe = config_lib.build(PipelineConfig, {**config_lib.flatten(config_lib.to_dict(pipe)), **overrides}, "command line")

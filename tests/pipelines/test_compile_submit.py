@@ -189,6 +189,30 @@ def test_typo_in_a_stage_section_fails_at_compile_time(tmp_path, capsys):
     assert not (tmp_path / "x.yaml").exists()
 
 
+@pytest.mark.parametrize("text,says", [
+    ("sft:\n  max_steps: 3\n   lr: 2\n", "is not valid YAML: mapping values are not allowed here\n  in \"{cfg}\", line 3, column 6"),
+    ("sft:\n  max_steps: [1\n", "is not valid YAML"),
+    ("sft: 3\n", "section 'sft' must be a mapping of its keys"),
+    ("pipeline: [iterations, 2]\n", "section 'pipeline' must be a mapping of its keys"),
+    (b"\xff\xfe", "is not a YAML text file"),
+    (None, "is a directory; pass the YAML file itself to --config"),
+])
+def test_a_pipeline_yaml_that_does_not_parse_is_one_line_naming_the_file(tmp_path, capsys, text, says):
+    """An indentation slip in a pipeline YAML was a yaml.ScannerError traceback (exit 1) from compile, plan,
+    run-local and compare, and a section that is not a mapping an AttributeError."""
+    cfg = tmp_path / "p.yaml"
+    if text is None:
+        cfg.mkdir()
+    else:
+        cfg.write_bytes(text if isinstance(text, bytes) else text.encode())
+    commands = [["compile", "-o", str(tmp_path / "x.yaml")], ["plan"], ["compare", "--root", str(tmp_path / "runs")]]
+    for argv in commands[:2] if "section" in says else commands:  # compare asks for its variants: first
+        assert cli.main(["pipeline", argv[0], "--config", str(cfg), *argv[1:]]) == 2
+        err = capsys.readouterr().err
+        assert says.format(cfg=cfg) in err and str(cfg) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.yaml"]
+
+
 def test_a_prompt_prefix_that_differs_between_stages_fails_at_compile_time(tmp_path, capsys):
     """The policy would be trained on one prompt and rolled out or tested on another."""
     cfg = tmp_path / "p.yaml"

@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import io
 import logging
 import math
 import textwrap
@@ -278,25 +279,59 @@ def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
     return make(cls, "", None)
 
 
+def read_yaml(path: str | Path, what: str = "Config file") -> dict[str, Any]:
+    """The mapping at the top of the YAML file `path` (a stage's or a pipeline's config), or a ConfigError
+    saying what is wrong with the file: not there, a directory, not text, not YAML (with the line), not a
+    mapping. An empty file is an empty mapping."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{what} '{p}' is a directory; pass the YAML file itself to --config.")
+    if not p.is_file():
+        raise ConfigError(f"{what} '{p}' does not exist. Pass an existing YAML file to --config.")
+    try:
+        text = io.StringIO(p.read_bytes().decode("utf-8"))
+        text.name = str(p)  # what YAML's error marks name ('in "configs/x.yaml", line 3'), not '<unicode string>'
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} '{p}' is not valid YAML: {e}") from None
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise ConfigError(f"{what} '{p}' is not a YAML text file ({e}).") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} '{p}' must hold a mapping of keys to values, got {type(data).__name__}.")
+    return data
+
+
+def _section(cls: type, data: dict[str, Any], section: str, sections: typing.Collection[str], where: str) -> dict:
+    """The keys for `cls` in a config file's `data`: its `section` when the file has one (an empty
+    `section:` is the defaults), else the whole file, unless the file is made of other sections (a
+    pipeline YAML with no `section:`), whose keys are not `cls`'s: that is said by name."""
+    own = {f.name for f in dataclasses.fields(cls)}  # rollout's `prm` is a key of its own, not a section
+    if section in data and section not in own:
+        if data[section] is None:
+            return {}
+        if not isinstance(data[section], dict):
+            raise ConfigError(f"{where}: section '{section}' must be a mapping of its keys (e.g. {section}: "
+                              f"{{key: value}}), not {data[section]!r}.")
+        return data[section]
+    others = [k for k in data if k in sections and k not in own and (data[k] is None or isinstance(data[k], dict))]
+    if others:
+        raise ConfigError(f"{where} has section(s) {', '.join(others)} but no '{section}:' section, so none of its "
+                          f"keys are for {section}. Add the section '{section}:' (empty, it takes the defaults), "
+                          f"or give {section}'s keys with --set.")
+    return data
+
+
 def load(cls: type[C], path: str | Path | None = None, overrides: dict[str, Any] | None = None,
-         section: str | None = None) -> C:
-    """Load `cls` from a YAML file (optionally one top-level `section` of it) plus overrides."""
+         section: str | None = None, sections: typing.Collection[str] = ()) -> C:
+    """Load `cls` from a YAML file (optionally one top-level `section` of it) plus overrides. `sections`:
+    the names of other sections such a file may hold (the other stages', `pipeline`)."""
     values: dict[str, Any] = {}
     where = "config"
     if path:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"Config file '{p}' does not exist. Pass an existing YAML file to --config.")
-        try:
-            data = yaml.safe_load(p.read_bytes().decode("utf-8")) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"Config file '{p}' is not valid YAML: {e}") from None
-        except (UnicodeDecodeError, RecursionError) as e:
-            raise ConfigError(f"Config file '{p}' is not a YAML text file ({e}).") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"Config file '{p}' must hold a mapping of keys to values, got {type(data).__name__}.")
-        if section is not None and section in data and isinstance(data[section], dict):
-            data = data[section]
+        data = read_yaml(p)
+        if section is not None:
+            data = _section(cls, data, section, sections, str(p))
         values.update(flatten(data))
         where = str(p)
     cfg = build(cls, values, where)
@@ -341,8 +376,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
                            help=help_text.replace("%", "%%"))
 
 
-def from_args(cls: type[C], args: argparse.Namespace, section: str | None = None) -> C:
-    """Build the config from parsed `add_arguments` flags."""
+def from_args(cls: type[C], args: argparse.Namespace, section: str | None = None,
+              sections: typing.Collection[str] = ()) -> C:
+    """Build the config from parsed `add_arguments` flags (`section`, `sections`: as `load` takes them)."""
     overrides: dict[str, Any] = {}
     for item in args.set_:
         if "=" not in item:
@@ -352,4 +388,4 @@ def from_args(cls: type[C], args: argparse.Namespace, section: str | None = None
     for name, value in vars(args).items():
         if name.startswith("cfg:"):
             overrides[name[4:]] = value
-    return load(cls, args.config, overrides, section=section)
+    return load(cls, args.config, overrides, section=section, sections=sections)

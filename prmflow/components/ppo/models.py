@@ -71,7 +71,11 @@ class PolicyScorer:
     too holds one chunk): the (B, R, V) logits and their float32 copies never exist. The head runs in
     a forward hook on the backbone, inside the engine's own forward pass, so it runs under the pass's
     autocast and, with ZeRO-3, DeepSpeed's module hooks gather the head's weights for it, in the
-    forward and again for the backward's recomputation. A model whose head cannot be read that way
+    forward and again for the backward's recomputation: ZeRO-3 puts a forward pre-hook (gather) and
+    post-hook (release) on every submodule, not only on the model it wraps (deepspeedai/DeepSpeed 0.19.8 as installed,
+    deepspeed/runtime/zero/parameter_offload.py, `_register_deepspeed_module`, L337-357 and L444-448),
+    so calling `head(...)` gathers as the model's own call does; calling `head.forward` or its weight
+    directly would read an empty partition. The gradients flow back through engine.backward. A model whose head cannot be read that way
     (none found, no `logits_to_keep`, logits that are not the head's output: a soft-cap) is scored
     from its whole logits, with the reason logged once. `chunk_rows` 0: always the whole logits.
     """

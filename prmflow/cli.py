@@ -109,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     except PrmflowError as e:
         print(f"prmflow {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C (a training stage's first one saves a checkpoint and exits 130 itself)
+        print(f"\nprmflow {args.command}: interrupted. An output is only ever committed whole, so nothing half-written "
+              f"is left; run the same command again.", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

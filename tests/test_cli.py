@@ -68,3 +68,20 @@ def test_an_empty_stage_section_takes_the_defaults_and_a_scalar_one_is_named(tmp
 def test_a_config_path_that_is_a_directory_is_named_as_one(tmp_path, capsys):
     assert cli.main(["advantage", "--config", str(tmp_path)]) == 2
     assert f"Config file '{tmp_path}' is a directory; pass the YAML file itself" in capsys.readouterr().err
+
+
+def test_ctrl_c_in_a_stage_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    """Ctrl-C in a stage without a resume checkpoint (rollout, advantage, evaluate) was a KeyboardInterrupt
+    traceback from wherever it landed."""
+    from prmflow.components.advantage import stage
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stage, "run", interrupted)
+    try:
+        assert cli.main(["advantage", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")]) == 130
+    except KeyboardInterrupt:
+        pytest.fail("the KeyboardInterrupt left cli.main: a traceback on the terminal")
+    err = capsys.readouterr().err
+    assert "prmflow advantage: interrupted." in err and "run the same command again" in err

@@ -366,7 +366,12 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
             pipeline_fn = build(spec, shard_threads=local_shard_threads(spec.pipeline.rollout_shards),
                                 workspace=str(root / "workspace"), run_id=run_id)
             defaults = {name: inp.default for name, inp in pipeline_fn.component_spec.inputs.items()}
-            pipeline_fn(**run_arguments(defaults, params))  # a stage's --param merges into its section, as on a cluster
+            try:
+                pipeline_fn(**run_arguments(defaults, params))  # a stage's --param merges into its section, as on a cluster
+            except RuntimeError as e:  # kfp.local (raise_on_error): "Pipeline 'prmflow' finished with status FAILURE ..."
+                if "finished with status" not in str(e):
+                    raise
+                raise TaskFailed("run-local: a task failed; its error is above. Fix it and run the same command again.") from None
         finally:
             shutil.rmtree(kfp_workspace, ignore_errors=True)
             if before is None:
@@ -379,6 +384,12 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     # may be another pipeline's logging to the same store
     parent = find_pipeline_run(MlflowClient(params["tracking_uri"]), experiment, run_id)
     return params["tracking_uri"], experiment, parent
+
+
+class TaskFailed(PrmflowError):
+    """A task of a local pipeline run failed; what it raised is shown above this error."""
+
+    exit_code = 1
 
 
 #: How many ParallelFor iterations kfp.local (2.17) runs at once (its orchestrator's cap).

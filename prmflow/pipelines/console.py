@@ -22,9 +22,13 @@ from typing import IO, Iterator
 
 from tqdm.auto import tqdm
 
+from ..errors import PrmflowError
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _START = re.compile(r"Executing task '([^']+)'")
 _DONE = re.compile(r"Task '([^']+)' finished with status (\w+)")
+# the last line of a Python traceback, as a task's executor prints it: "prmflow.errors.ModelLoadError: policy ..."
+_RAISED = re.compile(r"^\s*((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt)): (.+)$")
 
 
 class TaskLog(io.TextIOBase):
@@ -43,6 +47,8 @@ class TaskLog(io.TextIOBase):
         # finish lines come from the thread that runs it
         self.started: dict[tuple[int, str], float] = {}
         self.finished: list[tuple[str, str, float]] = []
+        self.running: dict[int, str] = {}  # thread -> the task it runs
+        self.raised: dict[str, str] = {}  # task -> the last exception line it printed
 
     def writable(self) -> bool:
         return True
@@ -70,12 +76,20 @@ class TaskLog(io.TextIOBase):
             self.pending.clear()
             self.log.flush()
 
+    def failures(self) -> list[tuple[str, str]]:
+        """(task, the exception it raised, or '' if none was printed) for every task that did not succeed."""
+        return [(name, self.raised.get(name, "")) for name, status, _ in self.finished if status != "SUCCESS"]
+
     def _line(self, line: str, thread: int) -> None:
         if m := _START.search(line):
             self.started[thread, m.group(1)] = time.monotonic()
+            self.running[thread] = m.group(1)
             self.bar.set_description_str(f"running {m.group(1)}")
+        elif (m := _RAISED.match(line)) and thread in self.running:
+            self.raised[self.running[thread]] = f"{m.group(1)}: {m.group(2)}"
         elif m := _DONE.search(line):
             name, status = m.groups()
+            self.running.pop(thread, None)
             now = time.monotonic()
             took = now - self.started.pop((thread, name), now)
             self.finished.append((name, status, took))
@@ -100,7 +114,10 @@ def check_root(root: Path, command: str = "pipeline run-local") -> None:
 @contextlib.contextmanager
 def task_log(log_path: Path, console: IO[str] | None = None) -> Iterator[TaskLog]:
     """Inside: everything printed goes to `log_path` (appended); `console` (the real stdout by default)
-    gets one line per finished task and a progress bar. On an error the log's last lines are shown."""
+    gets one line per finished task and a progress bar. When a task fails, the error it raised is shown
+    (kfp.local runs the exit handler's task after it, so the log's last lines are that task's); Ctrl-C and
+    an error raised here before any task (a user error, which says what it is) show where the log is; any
+    other error shows the log's last lines."""
     console = console or sys.__stdout__
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a", encoding="utf-8") as log, \
@@ -110,12 +127,19 @@ def task_log(log_path: Path, console: IO[str] | None = None) -> Iterator[TaskLog
             with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
                 yield stream
             stream.drain()
-        except BaseException:
+        except BaseException as e:
             stream.drain()
             bar.close()
-            tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-30:]
-            print("\n".join(["pipeline failed; the last lines of its log:", *(f"  | {t}" for t in tail),
-                             f"full log: {log_path}"]), file=console)
+            if failed := stream.failures():
+                lines = [f"task '{name}' failed: {error or 'see the log'}" for name, error in failed]
+            elif isinstance(e, KeyboardInterrupt):
+                lines = ["pipeline interrupted"]
+            elif isinstance(e, PrmflowError):
+                lines = []
+            else:
+                tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-30:]
+                lines = ["pipeline failed; the last lines of its log:", *(f"  | {t}" for t in tail)]
+            print("\n".join([*lines, f"full log: {log_path}"]), file=console)
             raise
 
 

@@ -158,7 +158,7 @@ def _place(task, pool: NodePool, cluster: ClusterConfig, gpu: bool, cache: bool,
         task.set_cpu_limit(_scaled(pool.cpu, gpus or share, share))
     if pool.memory:
         task.set_memory_limit(_scaled(pool.memory, gpus or share, share))
-    if gpu and cluster.retries:
+    if gpu and cluster.retries and not local:  # a retry outlasts a preemption; on this machine it only waits (2 + 4 min)
         task.set_retry(num_retries=cluster.retries, backoff_duration=cluster.backoff, backoff_factor=2.0)
     task.set_caching_options(cache)
     for secret, keys in cluster.secret_env().items():

@@ -166,7 +166,7 @@ class ClusterConfig:
     cpu_pool: NodePool = field(default_factory=_cpu_pool)
     """Where advantage runs (no model in memory)."""
     retries: int = 2
-    """Retries of a failed GPU stage (preemption); stages resume from their checkpoint."""
+    """Retries of a failed GPU stage (preemption); stages resume from their checkpoint. On a cluster only: run-local does not retry."""
     backoff: str = "120s"
     """Wait before the first retry; doubles each time."""
     cache: bool = True

@@ -40,6 +40,43 @@ def test_a_failure_shows_the_end_of_the_log(tmp_path):
     assert "the stage's own error" in screen.getvalue() and "full log:" in screen.getvalue()
 
 
+def test_a_failed_task_shows_the_error_it_raised_not_the_exit_handlers_output(tmp_path):
+    """kfp.local runs the exit handler's task (finish-tracking) after a stage fails, so the log's last 30 lines
+    were that task's executor JSON; the stage's own error ('policy ... does not exist') was not on screen."""
+    from kfp.local import logging_utils, status
+
+    screen = io.StringIO()
+    error = "prmflow.errors.ModelLoadError: policy '/nonexistent' does not exist. Point policy at a model."
+    try:
+        with console.task_log(tmp_path / "run-local.log", console=screen):
+            with logging_utils.local_logger_context():
+                for name, lines, result in (("sft", ["Traceback (most recent call last):", f"    {error}"], status.Status.FAILURE),
+                                            ("finish-tracking", ['    {"outputs": {"artifacts": {}}}'] * 40, status.Status.SUCCESS)):
+                    logging.info(f"Executing task {logging_utils.format_task_name(name)}")
+                    for line in lines:
+                        print(line)
+                    logging.info(f"Task {logging_utils.format_task_name(name)} finished with status "
+                                 f"{logging_utils.format_status(result)}")
+            raise RuntimeError("Pipeline 'prmflow' finished with status FAILURE. Inner task failed: 'sft'")
+    except RuntimeError:
+        pass
+    shown = screen.getvalue()
+    assert f"task 'sft' failed: {error}" in shown and "full log:" in shown
+    assert '"outputs"' not in shown
+
+
+def test_ctrl_c_says_interrupted_not_failed(tmp_path):
+    screen = io.StringIO()
+    try:
+        with console.task_log(tmp_path / "run-local.log", console=screen):
+            print('    {"executor": "input"}')
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    assert "pipeline interrupted" in screen.getvalue() and "failed" not in screen.getvalue()
+    assert "executor" not in screen.getvalue()
+
+
 def test_tasks_printing_at_once_from_threads_lose_no_line(tmp_path):
     """kfp.local runs a ParallelFor's tasks on threads that print at the same time (a line per write, as
     its logging handler and its output pump do): every task's finish line is still read, and shown on

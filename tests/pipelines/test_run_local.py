@@ -194,3 +194,39 @@ def test_a_run_that_stops_before_its_pipeline_leaves_no_kfp_workspace_in_tmp(tmp
     assert "stopped while building the DAG" in capsys.readouterr().err
     assert list(scratch.iterdir()) == []
     assert not (root / ".kfp-workspace").exists()
+
+
+def test_run_local_does_not_retry_a_failed_stage():
+    """The cluster's retry policy (for a preempted pod: 2 retries, 120 s backoff doubling) made a run-local whose sft
+    pointed at a policy that is not there wait 6 minutes before it failed; on one machine a retry only waits."""
+    from google.protobuf import json_format
+
+    from prmflow.pipelines.pipeline import build
+    from prmflow.pipelines.settings import load_spec
+
+    def retried(workspace):
+        spec = json_format.MessageToDict(build(load_spec("tiny", None, TINY), workspace=workspace, run_id="r").pipeline_spec)
+        dags = [spec["root"].get("dag", {})] + [c.get("dag", {}) for c in spec.get("components", {}).values()]
+        return sorted(name for dag in dags for name, task in dag.get("tasks", {}).items() if "retryPolicy" in task)
+
+    assert "sft" in retried(None)  # compiled for a cluster: retried
+    assert retried("/run-local/workspace") == []
+
+
+def test_a_failed_task_is_one_error_line_and_exit_1(tmp_path, monkeypatch, capsys):
+    """kfp.local raises RuntimeError when a task fails: it reached the terminal as a 40-line traceback."""
+    from types import SimpleNamespace
+
+    from prmflow.pipelines import pipeline
+
+    def failing(**arguments):
+        raise RuntimeError("Pipeline 'prmflow' finished with status FAILURE. Inner task failed: 'sft' inside 'exit-handler-1'.")
+
+    inputs = {"tracking_uri": SimpleNamespace(default="")}
+    monkeypatch.setattr(pipeline, "build", lambda *a, **k: type("Pipeline", (), {"component_spec": SimpleNamespace(inputs=inputs),
+                                                                                  "__call__": staticmethod(failing)})())
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_text(yaml.safe_dump(TINY))
+    assert cli.main(["pipeline", "run-local", "--config", str(cfg), "--root", str(tmp_path / "root"),
+                     "--param", f"tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]) == 1
+    assert "prmflow pipeline: error: run-local: a task failed; its error is above." in capsys.readouterr().err

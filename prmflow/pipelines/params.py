@@ -39,6 +39,17 @@ def parse_params(items: list[str]) -> dict[str, Any]:
     return params
 
 
+def _yaml_or_text(value: str) -> Any:
+    """A stage --set value read as YAML (`3` a number, `[a, b]` a list), or as the text it is when it is not YAML
+    (`[1`, `a: b: c`), as a stage's own --set takes it: the stage's config then names the key it does not fit."""
+    if not value:
+        return value
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+
+
 def split_sets(items: list[str]) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
     """--set KEY=VALUE items as (pipeline: keys, {stage: {dotted key: value}}): a key whose first part is
     a stage name sets that stage's config; any other key (or `pipeline.KEY`) sets the pipeline: section."""
@@ -50,7 +61,7 @@ def split_sets(items: list[str]) -> tuple[dict[str, str], dict[str, dict[str, An
         key, value = item.split("=", 1)
         head, _, rest = key.partition(".")
         if head in stages.PIPELINE_STAGES and rest:
-            per_stage.setdefault(head, {})[rest] = yaml.safe_load(value) if value else value
+            per_stage.setdefault(head, {})[rest] = _yaml_or_text(value)
         else:
             pipeline[key.removeprefix("pipeline.")] = value
     return pipeline, per_stage

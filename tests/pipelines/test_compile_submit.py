@@ -213,6 +213,16 @@ def test_a_pipeline_yaml_that_does_not_parse_is_one_line_naming_the_file(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.yaml"]
 
 
+def test_a_stage_set_value_that_is_not_yaml_is_named_by_its_key(tmp_path, capsys):
+    """`--set sft.max_steps=[1` (a bracket left open) was a yaml.ParserError traceback; a stage's own --set reads
+    such a value as text and names the key it does not fit, and so does the pipeline's."""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("sft:\n  max_steps: 3\n  optim: {warmup_steps: 0}\n")
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "--set", "sft.max_steps=[1", "-o", str(tmp_path / "x.yaml")]) == 2
+    assert "--set [sft]: key 'max_steps' must be int, got '[1'." in capsys.readouterr().err
+    assert not (tmp_path / "x.yaml").exists()
+
+
 def test_a_prompt_prefix_that_differs_between_stages_fails_at_compile_time(tmp_path, capsys):
     """The policy would be trained on one prompt and rolled out or tested on another."""
     cfg = tmp_path / "p.yaml"

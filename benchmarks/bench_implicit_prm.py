@@ -1,8 +1,9 @@
-"""Implicit PRM: peak memory and time of one scoring pass (or training step), the LM head read chunk by
-chunk vs whole (B, T, V) logits, at Qwen2.5-1.5B's head shapes.
+"""Implicit PRM (and rollout's log-probs, and the ppo actor loss): peak memory and time of one scoring pass
+(or training step), the LM head read chunk by chunk vs whole (B, T, V) logits, at Qwen2.5-1.5B's head shapes.
 
     python benchmarks/bench_implicit_prm.py --batch 32 --paths chunked
     python benchmarks/bench_implicit_prm.py --batch 2 --paths chunked,plain [--train]
+    python benchmarks/bench_implicit_prm.py --what ppo --layers 2 --batch 4 --tokens 1174 --prompt_tokens 150
 
 The model: a Qwen2 built from a config (no download; random weights, which change no size) with
 Qwen2.5-1.5B's hidden size 1,536, vocabulary 151,936, tied head, MLP 8,960 wide, 12 heads / 2 KV
@@ -26,6 +27,16 @@ Both exclude the two models' weights, which the table prints apart.
 `--what logprobs` measures rollout's old / ref log-probs instead (`rollout.scoring.forward_logprobs` of the
 policy, one model): chunked reads the head at the response positions only (the same `selected_logprobs`), plain
 (`chunked=False`) makes the (B, T, V) logits of the whole batch and their float32 log-softmax, as before 2026-11-27.
+
+`--what ppo` measures the ppo stage's actor loss on one micro-batch, forward and backward
+(`ppo.update.Updater.actor_loss`, then the engine's backward; no optimizer step), on the torch backend with
+gradient checkpointing as the cluster recipes train: `--batch` responses of `--tokens - --prompt_tokens`
+tokens after `--prompt_tokens`-token prompts (random ids). chunked: `head_chunk_rows` 512 (the default: the
+head reads the response positions only, 512 rows at a time, recomputed in the backward pass); plain:
+`head_chunk_rows` 0, the whole (B, R, V) logits, their cross-entropy and what the backward keeps of them.
+`--entropy_coef` > 0 adds the entropy bonus (with gradient); 0 computes the entropy metric on 64 sampled
+tokens. The peak includes the weights' gradients (the same on both paths). The row also gives the pass's
+process CPU time (`cpu_s`; with OMP_NUM_THREADS=1 the work done, whatever else competes for the cores).
 """
 
 from __future__ import annotations
@@ -75,6 +86,8 @@ def one(args) -> dict:
     """Child process: one measured pass; prints its JSON row."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
+    if args.what == "ppo":
+        return one_ppo(args, device, dtype)
     prm = build(args.layers, dtype, device)
     prm.chunked = args.paths == "chunked"
     prm.model.train(args.train)
@@ -128,6 +141,67 @@ def one(args) -> dict:
             "weights_bytes": weights, "wall_s": round(wall, 2), "z_finite": bool(torch.isfinite(z).all())}
 
 
+def one_ppo(args, device: str, dtype: torch.dtype) -> dict:
+    """Child process, --what ppo: one measured actor-loss forward + backward; returns its JSON row."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from prmflow.components.common import config as config_lib
+    from prmflow.components.ppo import batch as ppo_batch, losses, models, stage, update
+
+    cfg = config_lib.load(stage.Config, overrides={
+        "tracking.enabled": False, "engine.backend": "torch", "engine.gradient_checkpointing": True,
+        "engine.dtype": args.dtype, "minibatch_size": args.batch, "micro_batch_size": args.batch,
+        "entropy_coef": args.entropy_coef, "head_chunk_rows": 512 if args.paths == "chunked" else 0})
+    qcfg = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=8_960, num_hidden_layers=args.layers,
+                       num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+                       max_position_embeddings=32_768)
+    torch.manual_seed(0)
+    with torch.device(device):
+        policy = Qwen2ForCausalLM(qcfg).to(dtype=dtype)
+    models.disable_dropout(policy)
+    actor = models.make_engine(policy, cfg, 1e-6, 10, 0, args.batch)
+    weights = sum(p.numel() * p.element_size() for p in policy.parameters())
+
+    def micro(B: int, P: int, R: int) -> ppo_batch.MicroBatch:
+        g = torch.Generator().manual_seed(1)
+        samples = [ppo_batch.Sample(prompt_ids=torch.randint(0, VOCAB, (P,), generator=g).tolist(),
+                                    response_ids=torch.randint(0, VOCAB, (R,), generator=g).tolist(),
+                                    advantages=torch.randn(R, generator=g).tolist(), old_logprobs=[-12.0] * R)
+                   for _ in range(B)]
+        return ppo_batch.collate(samples, list(range(B)), 0).to(device)
+
+    def run(mb: ppo_batch.MicroBatch) -> torch.Tensor:
+        up = update.Updater(cfg, actor, None, mb.mask.shape[1])
+        norm = losses.Normalizer.of([mb.mask], mb.mask.shape[1])
+        loss, _ = up.actor_loss(mb, norm, norm, None, 0)
+        loss.backward()
+        assert up.score.chunked == (args.paths == "chunked")
+        return loss.detach()
+
+    run(micro(1, 4, 12))  # warm-up: lazy initialisation stays out of the measurement
+    policy.zero_grad(set_to_none=True)
+    mb = micro(args.batch, args.prompt_tokens, args.tokens - args.prompt_tokens)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
+        before = rss_kib("VmRSS") * 1024
+    t0, c0 = time.perf_counter(), time.process_time()
+    loss = run(mb)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else rss_kib("VmHWM") * 1024
+    R = args.tokens - args.prompt_tokens
+    return {"path": args.paths, "batch": args.batch, "tokens": args.tokens, "response_tokens": args.batch * R,
+            "dtype": args.dtype, "pass": "ppo actor fwd+bwd" + (f" entropy_coef={args.entropy_coef}" if args.entropy_coef else ""),
+            "device": device, "layers": args.layers, "peak_bytes": peak - before,
+            "btv_float32_bytes": args.batch * R * VOCAB * 4, "weights_bytes": weights, "wall_s": round(wall, 2),
+            "cpu_s": round(cpu, 2), "z_finite": bool(torch.isfinite(loss).all())}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -137,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--paths", default="chunked,plain", help="comma-separated: chunked, plain")
     parser.add_argument("--train", action="store_true", help="measure a training step (forward + backward) instead")
-    parser.add_argument("--what", default="prm", choices=["prm", "logprobs"],
-                        help="prm: the implicit PRM's pass; logprobs: rollout's old/ref log-probs of one model")
+    parser.add_argument("--what", default="prm", choices=["prm", "logprobs", "ppo"],
+                        help="prm: the implicit PRM's pass; logprobs: rollout's old/ref log-probs of one model; "
+                             "ppo: the ppo stage's actor loss, forward and backward")
+    parser.add_argument("--entropy_coef", type=float, default=0.0, help="--what ppo: the entropy bonus's coefficient")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -148,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.paths.split(","):
         cmd = [sys.executable, __file__, "--child", "--paths", path, "--batch", str(args.batch), "--tokens",
                str(args.tokens), "--prompt_tokens", str(args.prompt_tokens), "--layers", str(args.layers),
-               "--dtype", args.dtype, "--what", args.what] + (["--train"] if args.train else [])
+               "--dtype", args.dtype, "--what", args.what, "--entropy_coef", str(args.entropy_coef)]
+        cmd += ["--train"] if args.train else []
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         if out.returncode:
             print(out.stderr[-2000:], file=sys.stderr)
@@ -156,12 +233,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     gib = 2**30
-    print("\n| path | pass | dtype | batch x tokens (response) | peak memory of the pass | (B, T, V) float32 | wall |")
+    btv = "(B, R, V)" if args.what == "ppo" else "(B, T, V)"
+    print(f"\n| path | pass | dtype | batch x tokens (response) | peak memory of the pass | {btv} float32 | wall |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['path']} | {r['pass']} | {r['dtype']} | {r['batch']} x {r['tokens']} ({r['response_tokens']}) | "
-              f"{r['peak_bytes'] / gib:.2f} GiB | {r['btv_float32_bytes'] / gib:.2f} GiB | {r['wall_s']:.1f} s |")
-    print(f"\nweights of the {'policy' if args.what == 'logprobs' else 'PRM and its reference'}, not counted above: "
+              f"{r['peak_bytes'] / gib:.2f} GiB | {r['btv_float32_bytes'] / gib:.2f} GiB | {r['wall_s']:.1f} s"
+              + (f" ({r['cpu_s']:.1f} s CPU) |" if "cpu_s" in r else " |"))
+    print(f"\nweights of the {'policy' if args.what in ('logprobs', 'ppo') else 'PRM and its reference'}, not counted above: "
           f"{rows[0]['weights_bytes'] / gib:.2f} GiB "
           f"({rows[0]['layers']} decoder layer(s), {rows[0]['device']})")
     return 0

@@ -93,3 +93,40 @@ def test_finished_output_decides_what_a_stage_does_with_an_existing_output(tmp_p
     assert io.finished_output("sft", out, {**config, "lr": 0.2}, overwrite=True, inputs=inputs) is None  # replace it
     with pytest.raises(OutputExistsError, match=r"\(different kl_coef_used\)"):  # what else the stage records
         io.finished_output("advantage", out, config, overwrite=False, inputs=inputs, kl_coef_used=0.5)
+
+
+def test_a_second_writer_of_one_output_is_refused_and_the_first_is_left_to_finish(tmp_path, capsys):
+    """`prmflow advantage ... --output adv` started twice: the second run swept the first one's temporary
+    directory away as a crash's leftover, and the first died in a FileNotFoundError traceback. Here another
+    process is inside its atomic_output_dir; this one's command, then its own atomic write, are refused."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+
+    from prmflow import cli
+    from prmflow.components.common import schema
+
+    with schema.DatasetWriter(tmp_path / "rollouts", "rollouts") as w:
+        w.write(pa.Table.from_pylist([{"prompt_id": "p0", "sample_idx": i, "iteration": 0, "response_ids": [1, 2],
+                                       "outcome_reward": float(i)} for i in range(2)]))
+    out = tmp_path / "adv"
+    first = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from prmflow.components.common import io\n"
+         "with io.atomic_output_dir(sys.argv[1], 'advantages') as tmp:\n"
+         "    (tmp / 'part-00000.parquet').write_text('first'); print(tmp.name, flush=True); sys.stdin.readline()",
+         str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        first_tmp = tmp_path / first.stdout.readline().strip()
+        assert first_tmp.is_dir()
+        assert cli.main(["advantage", "--input", str(tmp_path / "rollouts"), "--output", str(out), "--estimator", "grpo",
+                         "--tracking.enabled", "false"]) == 2
+        assert f"another process (pid {first.pid}) is writing '{out}' now" in capsys.readouterr().err
+        with pytest.raises(OutputExistsError, match="another process"):
+            with io.atomic_output_dir(out, "advantages", overwrite=True):
+                raise AssertionError("the block must not run")
+        assert first_tmp.is_dir() and not out.exists()
+    finally:
+        first.communicate("\n", timeout=30)
+    assert first.returncode == 0 and (out / "part-00000.parquet").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adv", "rollouts"]  # no lock file left

@@ -10,6 +10,7 @@ every file), by which config, from which parents: the lineage that MLflow links 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -229,6 +230,75 @@ def input_fingerprints(paths) -> dict[str, str]:
     return out
 
 
+#: {absolute output path: fd of its lock file} for the outputs this process is writing (`claim`).
+_claimed: dict[str, int] = {}
+
+
+def lock_path_for(output: str | Path) -> Path:
+    """The hidden sibling `.NAME.lock` whose lock says a process is writing `output` (`claim`)."""
+    output = Path(output)
+    return output.parent / f".{output.name}.lock"
+
+
+def claim(output: str | Path, stage: str = "") -> None:
+    """Make this process the one writer of `output` until `release` (or until it exits, when the OS
+    drops the lock): an OutputExistsError when another process holds it. Claiming what this process
+    already holds does nothing. `atomic_output_dir` holds it from its sweep of stale temporaries to
+    its commit; `finished_output` only looks, so a second run of a command refuses at its start when
+    the first is writing.
+
+    Two runs of one command at once: the second swept the first's temporary directory away as a
+    crash's leftover, and the first died in a FileNotFoundError. The lock is an flock on `.NAME.lock`
+    (released by the kernel whatever way the process ends); the file is removed on release, and a
+    holder checks that the file it locked is still the one at that path (a releaser may have removed
+    it between our open and our lock)."""
+    key = os.path.abspath(output)
+    if key in _claimed:
+        return
+    lock = lock_path_for(key)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666 & ~UMASK)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise OutputExistsError(
+                f"{stage + ': ' if stage else ''}another process (pid {holder}) is writing '{output}' now. Wait for it to "
+                f"finish (a run of the same config then finds it complete), or choose another output.") from None
+        except OSError:  # a filesystem without locks: carry on unguarded, as before
+            os.close(fd)
+            return
+        try:
+            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # removed (and maybe re-made) by a releasing holder after we opened it: take the new one
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _claimed[key] = fd
+
+
+def release(output: str | Path) -> None:
+    """Give up the claim on `output` (`claim`) if this process holds it."""
+    fd = _claimed.pop(os.path.abspath(output), None)
+    if fd is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path_for(os.path.abspath(output)))
+        os.close(fd)
+
+
+def check_unclaimed(output: str | Path, stage: str = "") -> None:
+    """The OutputExistsError of `claim` if another process is writing `output` now; nothing is held or made
+    after (a holder keeps its `.NAME.lock` until it releases, so with no such file nobody holds one)."""
+    if os.path.abspath(output) not in _claimed and lock_path_for(os.path.abspath(output)).exists():
+        claim(output, stage)
+        release(output)
+
+
 def work_dir_for(output: str | Path) -> Path:
     """The hidden sibling `.NAME.work` where a training stage keeps its resume checkpoint until it commits `output`."""
     output = Path(output)
@@ -308,6 +378,7 @@ def finished_output(stage: str, output: str | Path, config: dict, overwrite: boo
 
     def look():
         check_output_location(output, stage)
+        check_unclaimed(output, stage)
         return completed_output(output, expected, overwrite, stage)
     done = look() if per_rank else distributed.on_main(look)
     if done is None:
@@ -376,8 +447,13 @@ def atomic_output_dir(path: str | Path, kind: str, overwrite: bool = False,
         refuse_foreign(path)
     check_creatable(path, f"writing the {kind}", "output")  # a file on the way: one line, not mkdir's traceback
     path.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_temporaries(path)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    claim(path)  # before the sweep: another writer's temporary directory is not a crash's leftover
+    try:
+        clean_stale_temporaries(path)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    except BaseException:
+        release(path)
+        raise
     try:
         # mkdtemp's 0700 would make the committed output readable by its owner only (a container
         # running as another uid could not read its inputs): the mode mkdir gives, and at the end
@@ -399,6 +475,8 @@ def atomic_output_dir(path: str | Path, kind: str, overwrite: bool = False,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        release(path)
 
 
 @contextlib.contextmanager

@@ -235,9 +235,10 @@ _claimed: dict[str, int] = {}
 
 
 def lock_path_for(output: str | Path) -> Path:
-    """The hidden sibling `.NAME.lock` whose lock says a process is writing `output` (`claim`)."""
+    """The hidden sibling `.NAME.writing` whose lock says a process is writing `output` (`claim`). Not
+    `.NAME.lock`: a caller may hold a lock of its own by that name around a stage (tests/sft_cache.py)."""
     output = Path(output)
-    return output.parent / f".{output.name}.lock"
+    return output.parent / f".{output.name}.writing"
 
 
 def claim(output: str | Path, stage: str = "") -> None:
@@ -248,7 +249,7 @@ def claim(output: str | Path, stage: str = "") -> None:
     the first is writing.
 
     Two runs of one command at once: the second swept the first's temporary directory away as a
-    crash's leftover, and the first died in a FileNotFoundError. The lock is an flock on `.NAME.lock`
+    crash's leftover, and the first died in a FileNotFoundError. The lock is an flock on `.NAME.writing`
     (released by the kernel whatever way the process ends); the file is removed on release, and a
     holder checks that the file it locked is still the one at that path (a releaser may have removed
     it between our open and our lock)."""
@@ -293,7 +294,7 @@ def release(output: str | Path) -> None:
 
 def check_unclaimed(output: str | Path, stage: str = "") -> None:
     """The OutputExistsError of `claim` if another process is writing `output` now; nothing is held or made
-    after (a holder keeps its `.NAME.lock` until it releases, so with no such file nobody holds one)."""
+    after (a holder keeps its `.NAME.writing` until it releases, so with no such file nobody holds one)."""
     if os.path.abspath(output) not in _claimed and lock_path_for(os.path.abspath(output)).exists():
         claim(output, stage)
         release(output)
@@ -349,6 +350,19 @@ def check_output_location(output: str | Path, stage: str, key: str = "output") -
     check_creatable(output, stage, key)
 
 
+def check_not_an_input(output: str | Path, inputs, stage: str) -> None:
+    """An OutputExistsError when `output` is one of the stage's `inputs` (paths) or a folder that holds one:
+    `--output` typed as `--input` was refused as "already exists", and with --overwrite the result replaced
+    the data it was computed from."""
+    out = os.path.realpath(output)
+    for src in inputs:
+        real = os.path.realpath(src)
+        if real == out or real.startswith(out.rstrip(os.sep) + os.sep):
+            what = "is its input" if real == out else "holds its input"
+            raise OutputExistsError(f"{stage}: output '{output}' {what} '{src}': writing it would replace what the stage "
+                                    f"reads. Choose another output.")
+
+
 def check_creatable(path: str | Path, who: str, key: str) -> None:
     """An OutputExistsError unless the directory `path` (given as `key`) exists or can be made: its
     nearest existing ancestor is a directory this process may create entries in."""
@@ -377,6 +391,7 @@ def finished_output(stage: str, output: str | Path, config: dict, overwrite: boo
     expected = {"config": config_identity(config), **({} if inputs is None else {"inputs": inputs}), **recorded}
 
     def look():
+        check_not_an_input(output, inputs or {}, stage)
         check_output_location(output, stage)
         check_unclaimed(output, stage)
         return completed_output(output, expected, overwrite, stage)

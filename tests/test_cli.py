@@ -85,3 +85,24 @@ def test_ctrl_c_in_a_stage_is_one_line_and_exit_130(tmp_path, capsys, monkeypatc
         pytest.fail("the KeyboardInterrupt left cli.main: a traceback on the terminal")
     err = capsys.readouterr().err
     assert "prmflow advantage: interrupted." in err and "run the same command again" in err
+
+
+def test_an_output_that_is_the_input_is_refused_and_the_input_kept(tmp_path, capsys):
+    """`--output` typed the same as `--input`: with --overwrite true the advantages replaced the rollouts
+    they were computed from."""
+    import pyarrow as pa
+
+    from prmflow.components.common import io, schema
+
+    rollouts = tmp_path / "rollouts"
+    with schema.DatasetWriter(rollouts, "rollouts") as w:
+        w.write(pa.Table.from_pylist([{"prompt_id": "p0", "sample_idx": i, "iteration": 0, "response_ids": [1, 2],
+                                       "outcome_reward": float(i)} for i in range(2)]))
+    before = io.read_manifest(rollouts)["files"]
+    for output in (rollouts, tmp_path):
+        assert cli.main(["advantage", "--input", str(rollouts), "--output", str(output), "--estimator", "grpo",
+                         "--overwrite", "true", "--tracking.enabled", "false"]) == 2
+        assert f"output '{output}' {'is' if output == rollouts else 'holds'} its input '{rollouts}'" in capsys.readouterr().err
+    manifest = io.read_manifest(rollouts)
+    assert manifest["kind"] == "rollouts" and manifest["files"] == before
+    io.verify_files(rollouts, manifest)

@@ -77,6 +77,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--vocab_size", type=int, default=0,
                     help="with a tiny preset: this vocabulary instead of its own (151936 = Qwen2.5's)")
+    ap.add_argument("--head_chunk_rows", type=int, default=-1,
+                    help="ppo's head_chunk_rows (0 = the whole logits; -1 = the config's default)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="wall" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
@@ -87,10 +89,12 @@ def main(argv=None) -> None:
     for backend in args.backends.split(","):
         cfg = config.load(ppo_config.Config, overrides={
             "tracking.enabled": False, "engine.backend": backend, "engine.dtype": args.dtype,
-            "minibatch_size": args.minibatch_size, "micro_batch_size": args.micro_batch_size, CRITIC_SWITCH: True})
+            "minibatch_size": args.minibatch_size, "micro_batch_size": args.micro_batch_size, CRITIC_SWITCH: True,
+            **({"head_chunk_rows": args.head_chunk_rows} if args.head_chunk_rows >= 0 else {})})
         policy, tok = _policy(args)
         models.disable_dropout(policy)
-        samples = synthetic_samples(args.minibatch_size, args.prompt_len, args.response_len, policy.config.vocab_size)
+        samples = [batch.Sample.of(s) for s in  # collate takes typed samples
+                   synthetic_samples(args.minibatch_size, args.prompt_len, args.response_len, policy.config.vocab_size)]
         micro = [batch.collate(samples, rows, tok.pad_token_id)
                  for rows in batch.micro_split(list(range(args.minibatch_size)), args.micro_batch_size)]
         tokens = sum(mb.tokens for mb in micro)
@@ -118,7 +122,7 @@ def main(argv=None) -> None:
                 if rnd:  # round 0 is warm-up
                     times[name].append(clock() - t0)
         per_token = {k: statistics.median(v) / tokens for k, v in times.items()}
-        print(f"{backend:10s} {args.model_path} vocab={policy.config.vocab_size} "
+        print(f"{backend:10s} {args.model_path} vocab={policy.config.vocab_size} head_chunk_rows={cfg.head_chunk_rows} "
               f"logits_to_keep={models.accepts_logits_to_keep(policy)} {args.clock} clock, tokens/update={tokens} "
               + " ".join(f"{k}={v * 1e6:.2f}us/token" for k, v in per_token.items())
               + f" | ppo/bare={per_token['ppo'] / per_token['bare']:.2f} (target <= 1.1)"

@@ -117,6 +117,25 @@ def test_overwrite_replaces_prmflow_outputs_and_empty_directories(tmp_path):
         assert (out / "a.txt").read_text() == "new" and io.read_manifest(out)["kind"] == "policy"
 
 
+def test_overwrite_keeps_an_output_of_ours_that_a_user_put_files_into(tmp_path, capsys):
+    """A user keeps notes (or a copy of something) inside an output prmflow wrote; a later run with another
+    config and --overwrite true replaced the directory and deleted them."""
+    with schema.DatasetWriter(tmp_path / "rollouts", "rollouts") as w:
+        w.write(pa.Table.from_pylist([{"prompt_id": "p0", "sample_idx": i, "iteration": 0, "response_ids": [1, 2],
+                                       "outcome_reward": float(i)} for i in range(2)]))
+    out = tmp_path / "advantages"
+    argv = ["advantage", "--input", str(tmp_path / "rollouts"), "--output", str(out), "--estimator", "grpo",
+            "--tracking.enabled", "false", "--overwrite", "true"]
+    assert cli.main(argv) == 0
+    (out / "notes.txt").write_text("mine")
+    assert cli.main([*argv, "--gamma", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert f"output '{out}' already exists and is a prmflow output holding files prmflow did not write there (notes.txt)" in err
+    assert (out / "notes.txt").read_text() == "mine" and io.read_manifest(out)["config"]["gamma"] == 1.0
+    (out / "notes.txt").unlink()  # as prmflow wrote it again: replaced
+    assert cli.main([*argv, "--gamma", "0.5"]) == 0 and io.read_manifest(out)["config"]["gamma"] == 0.5
+
+
 def test_a_foreign_file_put_there_while_the_stage_worked_is_not_replaced(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(OutputExistsError, match="not an output prmflow wrote"):

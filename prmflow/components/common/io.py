@@ -325,6 +325,13 @@ def foreign(path: str | Path) -> str | None:
         return f"a directory whose {MANIFEST} is not prmflow's"
     if not (isinstance(manifest, dict) and "kind" in manifest and isinstance(manifest.get("files"), dict)):
         return f"a directory whose {MANIFEST} is not prmflow's"
+    # files put into our output since (a user's notes, a copy of something): replacing it would delete them
+    listed = {*manifest["files"], MANIFEST}
+    added = sorted(rel for p in path.rglob("*") if (p.is_symlink() or not p.is_dir())
+                   and (rel := p.relative_to(path).as_posix()) not in listed)
+    if added:
+        return (f"a prmflow output holding files prmflow did not write there ({', '.join(added[:3])}"
+                f"{', ...' if len(added) > 3 else ''})")
     return None
 
 
@@ -333,9 +340,9 @@ def refuse_foreign(path: str | Path, stage: str = "") -> None:
     why = foreign(path)
     if why is not None:
         raise OutputExistsError(
-            f"{stage + ': ' if stage else ''}output '{path}' already exists and is {why}: it is not an output "
-            f"prmflow wrote, so it is left as it is (--overwrite only replaces prmflow's own outputs). Choose "
-            f"another output path, or move it away yourself.")
+            f"{stage + ': ' if stage else ''}output '{path}' already exists and is {why}: not an output prmflow wrote "
+            f"as it stands, so it is left as it is (--overwrite only replaces prmflow's own outputs, unchanged). "
+            f"Choose another output path, or move it away yourself.")
 
 
 def check_output_location(output: str | Path, stage: str, key: str = "output") -> None:

@@ -124,3 +124,14 @@ def test_every_stage_docstring_command_with_a_config_file_builds_its_config(monk
         parser, modules = cli.build_parser(shlex.split(line, comments=True)[1:])
         args = parser.parse_args(shlex.split(line, comments=True)[1:])
         config_lib.from_args(modules[name].Config, args, section=name, sections=stages.STAGES)  # raises if it cannot
+
+
+def test_stage_command_output_that_is_a_file_is_refused_before_anything_is_fetched(tmp_path, capsys):
+    """`stage-command ... --output notes.txt` fetched the run's inputs, then died in mkdir's FileExistsError."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    store = tmp_path / "mlflow.db"
+    assert cli.main(["stage-command", "advantage", "--run-id", "0" * 32, "--tracking-uri", f"sqlite:///{store}",
+                     "--no-container", "--output", str(notes)]) == 2
+    assert f"stage-command: --output '{notes}' is a file, not a directory" in capsys.readouterr().err
+    assert notes.read_text() == "mine" and not store.exists()  # refused before MLflow was opened

@@ -456,10 +456,12 @@ def _stage_command(args) -> int:
 
     from .. import tracking
     from ..tracking.datasets import handoffs_of_run
+    from .console import check_root
     from .fetch import default_cache, fetch_inputs
     from .rerun import container_engine, direct_command, placeholder_image_note, rerun_report, stage_command
     from .settings import DEFAULT_CPU_IMAGE, DEFAULT_GPU_IMAGE
 
+    check_root(Path(args.output), "stage-command", "--output")  # before anything is fetched
     uri = tracking.resolve_uri(tracking.TrackingConfig(uri=args.tracking_uri))
     run_id = args.run_id or _stage_run_of(MlflowClient(uri), uri, args.kfp_run_id, args.stage, args.iteration)
     try:

@@ -99,16 +99,16 @@ class TaskLog(io.TextIOBase):
             self.bar.update(1)
 
 
-def check_root(root: Path, command: str = "pipeline run-local") -> None:
-    """Before any task runs: `root` (--root, where every artifact goes) is a directory or can be made one.
-    A file there is the user's: refused by name, never replaced or written into."""
+def check_root(root: Path, command: str = "pipeline run-local", flag: str = "--root") -> None:
+    """Before any task runs: `root` (--root, where every artifact goes; `flag`) is a directory or can be
+    made one. A file there is the user's: refused by name, never replaced or written into."""
     from ..components.common import io as io_lib
     from ..errors import OutputExistsError
 
     if (root.exists() or root.is_symlink()) and not root.is_dir():
-        raise OutputExistsError(f"{command}: --root '{root}' is a file, not a directory; it is left as it is. "
-                                f"Choose another --root.")
-    io_lib.check_creatable(root, command, "--root")
+        raise OutputExistsError(f"{command}: {flag} '{root}' is a file, not a directory; it is left as it is. "
+                                f"Choose another {flag}.")
+    io_lib.check_creatable(root, command, flag)
 
 
 @contextlib.contextmanager

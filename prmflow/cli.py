@@ -23,7 +23,7 @@ from .components.common import config as config_lib
 from .components.common import distributed
 from .components.common import io, shutdown
 from . import tracking
-from .errors import PrmflowError
+from .errors import OutputExistsError, PrmflowError
 from .pipelines import commands
 
 
@@ -75,8 +75,12 @@ def _make_tiny(args) -> int:
 
     if not modeling.is_tiny(args.preset):
         known = sorted([*modeling.TINY_PRESETS, *modeling.TINY_VL_PRESETS])
-        print(f"error: unknown preset '{args.preset}'; known presets: {', '.join(known)}.", file=sys.stderr)
+        print(f"prmflow make-tiny-model: error: unknown preset '{args.preset}'; known presets: {', '.join(known)}.",
+              file=sys.stderr)
         return 2
+    if os.path.lexists(args.output):  # atomic_output_dir's own refusal offers an overwrite this command has not
+        raise OutputExistsError(f"'{args.output}' already exists; make-tiny-model never replaces anything. Choose "
+                                f"another directory, or remove it yourself.")
     io.check_creatable(args.output, "make-tiny-model", "output")  # before the model is built
     model, tok = modeling.load_causal_lm(args.preset, seed=args.seed)
     with io.atomic_output_dir(args.output, "policy", manifest={"config": {"preset": args.preset, "seed": args.seed}}) as tmp:

@@ -135,3 +135,13 @@ def test_stage_command_output_that_is_a_file_is_refused_before_anything_is_fetch
                      "--no-container", "--output", str(notes)]) == 2
     assert f"stage-command: --output '{notes}' is a file, not a directory" in capsys.readouterr().err
     assert notes.read_text() == "mine" and not store.exists()  # refused before MLflow was opened
+
+
+def test_make_tiny_model_over_an_existing_directory_says_what_to_do(tmp_path, capsys):
+    """It said 'pass overwrite', which make-tiny-model has no option for."""
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "notes.txt").write_text("mine")
+    assert cli.main(["make-tiny-model", str(tmp_path / "tiny")]) == 2
+    err = capsys.readouterr().err
+    assert "make-tiny-model never replaces anything" in err and "overwrite" not in err
+    assert [p.name for p in (tmp_path / "tiny").iterdir()] == ["notes.txt"]

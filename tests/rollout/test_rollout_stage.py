@@ -12,7 +12,7 @@ import torch
 from prmflow import cli
 from prmflow.components.common import config, io, modeling, schema, steps
 from prmflow import tasks
-from prmflow.errors import ConfigError, DataError, OutputExistsError
+from prmflow.errors import ConfigError, DataError, ModelLoadError, OutputExistsError
 from prmflow.tasks import arithmetic
 from prmflow.components.rollout import prompts, stage
 from prmflow.components.rollout.rewards import RewardError
@@ -309,3 +309,18 @@ def test_recipe_table_and_stop_strings_from_a_yaml_config(tmp_path):
     cfg = config.load(stage.Config, tmp_path / "cfg.yaml", {"num_prompts": 4}, section="rollout")
     assert cfg.stop == ["\n\n", "###"] and cfg.num_prompts == 4
     assert cfg.rewards[1] == {"source": "gsm8k", "component": "http", "url": "http://127.0.0.1:9/score", "timeout_s": 2}
+
+
+@pytest.mark.parametrize("key", ["prm", "ref", "critic"])
+def test_a_model_path_that_is_not_there_is_named_by_its_key_before_any_sampling(tmp_path, monkeypatch, key):
+    """A typo in --prm (or --ref, --critic) failed as "model '...' does not exist" after every response had been
+    sampled: minutes on a CPU, an hour of GPU time for a real recipe."""
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the model paths were checked")
+
+    for name in ("load_causal_lm", "load_tokenizer"):
+        monkeypatch.setattr(modeling, name, refuse)
+    cfg = make_cfg("tiny-llama", tmp_path / "rollouts", **{key: str(tmp_path / "outputs" / "pmr")})
+    with pytest.raises(ModelLoadError, match=rf"^{key} '.*pmr' does not exist. Point {key} at"):
+        stage.run(cfg)
+    assert list(tmp_path.iterdir()) == []

@@ -35,7 +35,7 @@ import torch
 from ..common import config as config_lib, modeling, schema, vision
 from ... import tracking
 from ...errors import ConfigError, DataError
-from . import passes, prompts
+from . import oracle, passes, prompts
 from . import rewards as rewards_lib
 from . import scoring
 from .config import Config
@@ -49,6 +49,10 @@ __all__ = ["Config", "output_dir", "run"]
 def run(cfg: Config) -> dict:
     """Sample, score and write this shard's rollouts to `output_dir(cfg)`. Returns the metrics."""
     out = output_dir(cfg)
+    for key in ("policy", "prm", "ref", "critic"):  # named now: a typo in --prm failed after every response was sampled
+        path = getattr(cfg, key)
+        if path and path != oracle.ORACLE and not modeling.is_tiny(path):
+            modeling.check_model_dir(path, key)
     inputs = input_digests(cfg)
     done = existing_output(cfg, out, inputs)
     if done is not None:

@@ -169,3 +169,22 @@ def test_run_local_refuses_a_root_that_is_a_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--root '{notes}' is a file, not a directory" in err, err
     assert notes.read_text() == "my notes\n" and sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
+def test_an_output_starting_with_a_tilde_is_refused_not_made_as_a_folder_named_tilde(tmp_path, monkeypatch, capsys):
+    """`output: ~/outputs/adv` in a YAML file (or --set output=~/...) is not expanded by any shell: the stage made
+    a folder named '~' in the working directory, wrote its temporary into the real home (pyarrow expands '~'),
+    and died in a FileNotFoundError traceback. A later `rm -rf ~` to clean up would be a disaster."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    with schema.DatasetWriter(tmp_path / "rollouts", "rollouts") as w:
+        w.write(pa.Table.from_pylist([{"prompt_id": "p0", "sample_idx": i, "iteration": 0, "response_ids": [1, 2],
+                                       "outcome_reward": float(i)} for i in range(2)]))
+    assert cli.main(["advantage", "--input", str(tmp_path / "rollouts"), "--estimator", "grpo", "--tracking.enabled", "false",
+                     "--set", "output=~/adv"]) == 2
+    err = capsys.readouterr().err
+    assert "output '~/adv' starts with '~', which only a shell expands" in err and f"e.g. '{home / 'adv'}'" in err
+    assert list(work.iterdir()) == [] and list(home.iterdir()) == []

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import distributed
-from ...errors import DataError, OutputExistsError
+from ...errors import ConfigError, DataError, OutputExistsError
 
 MANIFEST = "manifest.json"
 # The process umask, read once at import (os.umask can only be read by setting it): outputs made through
@@ -373,6 +373,9 @@ def check_not_an_input(output: str | Path, inputs, stage: str) -> None:
 def check_creatable(path: str | Path, who: str, key: str) -> None:
     """An OutputExistsError unless the directory `path` (given as `key`) exists or can be made: its
     nearest existing ancestor is a directory this process may create entries in."""
+    if Path(path).parts and Path(path).parts[0].startswith("~"):  # from YAML or --set KEY=~/x: no shell expanded it
+        raise ConfigError(f"{who}: {key} '{path}' starts with '~', which only a shell expands: here it would make a "
+                          f"folder named '~'. Write the path in full, e.g. '{os.path.expanduser(path)}'.")
     parent = Path(os.path.abspath(path)).parent
     while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
         parent = parent.parent

@@ -80,6 +80,10 @@ def iter_rows(spec: Spec) -> Iterator[tuple[str, dict]]:
         if path.is_dir():
             if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
                 yield from _hf_disk_rows(path, spec.options)
+            elif kind := _handoff_kind(path):  # its manifest.json was read as the first JSONL row: "not valid JSON"
+                raise DataError(f"Dataset '{path}' is a prmflow {kind!r} hand-off (its manifest.json says so), not a "
+                                f"dataset of prompts or solutions. Point it at a .jsonl/.parquet file (or a directory "
+                                f"of them), a built-in task, or, for the prm stage, a prm-label output.")
             else:
                 files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in ROW_FILES)
                 if not files:
@@ -94,6 +98,17 @@ def iter_rows(spec: Spec) -> Iterator[tuple[str, dict]]:
         else:
             raise DataError(f"Dataset '{loc}' does not exist. Pass a .jsonl/.parquet file, a directory of them, a "
                             f"datasets directory, an object-store URL (s3://...) or hub:ID.")
+
+
+def _handoff_kind(path: Path) -> str | None:
+    """The kind of the prmflow output at directory `path` (its manifest.json's), or None when it is not one."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if isinstance(manifest, dict) and isinstance(manifest.get("kind"), str) and isinstance(manifest.get("files"), dict):
+        return manifest["kind"]
+    return None
 
 
 # --- files ----------------------------------------------------------------------------------------

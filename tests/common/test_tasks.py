@@ -188,3 +188,18 @@ def test_asking_for_more_problems_than_the_ranges_hold_is_a_config_error_with_a_
     most = int(re.search(r"at most (\d+)", str(e.value)).group(1))
     assert 200 < most < 400
     assert len(tasks.load("arithmetic", "test", most, 0, min_ops=1, max_ops=2)) == most
+
+
+@pytest.mark.parametrize("kind", ["rollouts", "advantages"])
+def test_a_handoff_directory_given_as_a_dataset_is_named_as_one(tmp_path, kind):
+    """`prmflow sft --task outputs/rollouts` read the hand-off's manifest.json as a JSONL file and said
+    "manifest.json, line 1: not valid JSON"; the prm stage said "'DIR/labels.jsonl' does not exist"."""
+    from prmflow.components.common import schema
+    from prmflow.components.prm import data as prm_data
+
+    with schema.DatasetWriter(tmp_path / kind, kind) as w:
+        w.write(pa.Table.from_pylist([{"prompt_id": "p0", "sample_idx": 0, "iteration": 0, "response_ids": [1]}]))
+    with pytest.raises(DataError, match=rf"Dataset '.*{kind}' is a prmflow '{kind}' hand-off \(its manifest.json says so\)"):
+        tasks.load(str(tmp_path / kind))
+    with pytest.raises(DataError, match=rf"holds a '{kind}' hand-off; the prm stage reads step-labelled data"):
+        prm_data.load_stepwise(tmp_path / kind)

@@ -107,7 +107,11 @@ def load_stepwise(path: str | Path, separator: str = "\n", n: int | None = None)
     spec = sources.parse(str(path))
     local = Path(spec.location)
     if local.is_dir() and (local / io.MANIFEST).is_file():  # a prm-label output, once its manifest says complete
-        io.verify_files(local, io.read_manifest(local))
+        manifest = io.read_manifest(local)
+        if manifest.get("kind") != "prm-labels":  # it said "'DIR/labels.jsonl' does not exist"
+            raise DataError(f"'{local}' holds a {manifest.get('kind')!r} hand-off; the prm stage reads step-labelled "
+                            f"data: a prm-label output, or a dataset file (docs/data.md).")
+        io.verify_files(local, manifest)
         spec.location = str(local / "labels.jsonl")
     given = public.canonical(spec.options["format"], str(spec)) if spec.options.get("format") else None
     fmt, last_file = given, None

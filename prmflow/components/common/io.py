@@ -325,10 +325,13 @@ def foreign(path: str | Path) -> str | None:
         return f"a directory whose {MANIFEST} is not prmflow's"
     if not (isinstance(manifest, dict) and "kind" in manifest and isinstance(manifest.get("files"), dict)):
         return f"a directory whose {MANIFEST} is not prmflow's"
-    # files put into our output since (a user's notes, a copy of something): replacing it would delete them
+    # files put into our output since (a user's notes, a copy of something): replacing it would delete them. Looked
+    # for only while every listed file is in place: a damaged output of ours (a shard gone, a name that escapes) is
+    # still ours to replace
     listed = {*manifest["files"], MANIFEST}
+    in_place = all(not Path(n).is_absolute() and ".." not in Path(n).parts and (path / n).is_file() for n in listed)
     added = sorted(rel for p in path.rglob("*") if (p.is_symlink() or not p.is_dir())
-                   and (rel := p.relative_to(path).as_posix()) not in listed)
+                   and (rel := p.relative_to(path).as_posix()) not in listed) if in_place else []
     if added:
         return (f"a prmflow output holding files prmflow did not write there ({', '.join(added[:3])}"
                 f"{', ...' if len(added) > 3 else ''})")

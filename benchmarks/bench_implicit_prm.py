@@ -69,6 +69,21 @@ def rss_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def memory_now(device: str) -> int:
+    """Bytes in use now, with the peak counter reset to it: the start of a measured pass."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
+    return rss_kib("VmRSS") * 1024
+
+
+def memory_peak(device: str) -> int:
+    """The peak bytes since memory_now."""
+    return torch.cuda.max_memory_allocated() if device == "cuda" else rss_kib("VmHWM") * 1024
+
+
 def build(layers: int, dtype: torch.dtype, device: str) -> PRM:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -121,19 +136,13 @@ def one(args) -> dict:
     run(*batch(1, 16, 4))  # warm-up: lazy initialisation stays out of the measurement
     prm.model.zero_grad(set_to_none=True)
     inputs = batch(args.batch, args.tokens, args.prompt_tokens)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    else:
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
-        before = rss_kib("VmRSS") * 1024
+    before = memory_now(device)
     t0 = time.perf_counter()
     z = run(*inputs)
     if device == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else rss_kib("VmHWM") * 1024
+    peak = memory_peak(device)
     return {"path": args.paths, "batch": args.batch, "tokens": args.tokens,
             "response_tokens": args.batch * (args.tokens - args.prompt_tokens), "dtype": args.dtype,
             "pass": "logprobs" if args.what == "logprobs" else "train" if args.train else "score", "device": device, "layers": args.layers,
@@ -181,19 +190,13 @@ def one_ppo(args, device: str, dtype: torch.dtype) -> dict:
     run(micro(1, 4, 12))  # warm-up: lazy initialisation stays out of the measurement
     policy.zero_grad(set_to_none=True)
     mb = micro(args.batch, args.prompt_tokens, args.tokens - args.prompt_tokens)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    else:
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
-        before = rss_kib("VmRSS") * 1024
+    before = memory_now(device)
     t0, c0 = time.perf_counter(), time.process_time()
     loss = run(mb)
     if device == "cuda":
         torch.cuda.synchronize()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else rss_kib("VmHWM") * 1024
+    peak = memory_peak(device)
     R = args.tokens - args.prompt_tokens
     return {"path": args.paths, "batch": args.batch, "tokens": args.tokens, "response_tokens": args.batch * R,
             "dtype": args.dtype, "pass": "ppo actor fwd+bwd" + (f" entropy_coef={args.entropy_coef}" if args.entropy_coef else ""),

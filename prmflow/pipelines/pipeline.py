@@ -326,6 +326,23 @@ def workspace_pvc_patch(cluster: ClusterConfig) -> dict:
     return {"accessModes": ["ReadWriteMany"], **({"storageClassName": cls} if cls and cls != SERVER_DEFAULT_CLASS else {})}
 
 
+def _compiled_spec(path: str) -> bool:
+    """`path` is a regular file holding a KFP pipeline spec (what compile_to writes): its first YAML document
+    has the IR's pipelineInfo and root."""
+    import os
+
+    import yaml
+
+    if os.path.islink(path) or not os.path.isfile(path):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = next((d for d in yaml.safe_load_all(f) if d), None)
+    except (OSError, ValueError, yaml.YAMLError, RecursionError):
+        return False
+    return isinstance(first, dict) and "pipelineInfo" in first and "root" in first
+
+
 def compile_to(spec: PipelineSpec, path: str) -> str:
     """Compile `spec` to `path`, checked against the rules of the KFP backend it targets
     (pipeline.cluster.kfp_version, compat.py): a spec that version would refuse is not written."""
@@ -347,6 +364,9 @@ def compile_to(spec: PipelineSpec, path: str) -> str:
     if os.path.isdir(path) or not os.path.isdir(folder):
         what = "is a directory" if os.path.isdir(path) else f"is in {folder}, which is not a directory here"
         raise ConfigError(f"{path} {what}; name a .yaml file in an existing directory.")
+    if os.path.lexists(path) and not _compiled_spec(path):  # a spec compiled before is replaced; anything else is kept
+        raise ConfigError(f"{path} exists and is not a compiled pipeline (a config, or another file of yours): it is "
+                          f"left as it is. Name another output with -o, e.g. -o compiled-pipeline.yaml.")
     tmp = os.path.join(folder, f".tmp-{os.getpid()}-{os.path.basename(path)}")
     try:
         compiler.Compiler().compile(build(spec), package_path=tmp)

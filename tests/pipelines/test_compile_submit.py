@@ -379,3 +379,17 @@ def test_compile_to_a_name_kfp_cannot_write_is_refused_and_the_file_there_is_kep
         assert says in err and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["made.yaml", "notes.json", "pipeline.yaml"]
     assert list((tmp_path / "made.yaml").iterdir()) == []
+
+
+def test_compile_without_o_keeps_a_config_named_pipeline_yaml(tmp_path, monkeypatch, capsys):
+    """-o defaults to pipeline.yaml: `prmflow pipeline compile --config pipeline.yaml` replaced the user's config
+    with the compiled spec. A file there that is not a compiled spec is kept; a spec compiled before is replaced."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pipeline.yaml").write_text(CLUSTER_YAML)
+    assert cli.main(["pipeline", "compile", "--config", "pipeline.yaml"]) == 2
+    assert "pipeline.yaml exists and is not a compiled pipeline" in capsys.readouterr().err
+    assert (tmp_path / "pipeline.yaml").read_text() == CLUSTER_YAML
+    (tmp_path / "compiled.yaml").write_text("# PIPELINE DEFINITION\npipelineInfo: {name: old}\nroot: {}\n")  # an older compile
+    assert cli.main(["pipeline", "compile", "--config", "pipeline.yaml", "-o", "compiled.yaml"]) == 0
+    assert "pipelineInfo" in next(yaml.safe_load_all((tmp_path / "compiled.yaml").read_text()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["compiled.yaml", "pipeline.yaml"]

@@ -181,6 +181,11 @@ def _package(args, tmp: str) -> tuple[str, PipelineSpec | None, list[str]]:
             raise ConfigError("Give --config (compiled now) or --package (compiled before), not both.")
         if not os.path.isfile(args.package):
             raise ConfigError(f"--package {args.package}: no such file (write one with `prmflow pipeline compile -o FILE`).")
+        from .pipeline import is_compiled_spec
+
+        if not is_compiled_spec(args.package):  # a pipeline config given here was a KeyError traceback
+            raise ConfigError(f"--package {args.package} is not a compiled pipeline spec; give a pipeline config with "
+                              f"--config, or compile one first (`prmflow pipeline compile --config CONFIG -o FILE`).")
         pipeline, _ = split_sets(args.set)
         if pipeline:
             raise ConfigError(f"--set {', '.join(pipeline)}: pipeline: keys are compiled into --package "

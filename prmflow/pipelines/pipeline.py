@@ -326,7 +326,7 @@ def workspace_pvc_patch(cluster: ClusterConfig) -> dict:
     return {"accessModes": ["ReadWriteMany"], **({"storageClassName": cls} if cls and cls != SERVER_DEFAULT_CLASS else {})}
 
 
-def _compiled_spec(path: str) -> bool:
+def is_compiled_spec(path: str) -> bool:
     """`path` is a regular file holding a KFP pipeline spec (what compile_to writes): its first YAML document
     has the IR's pipelineInfo and root."""
     import os
@@ -364,7 +364,7 @@ def compile_to(spec: PipelineSpec, path: str) -> str:
     if os.path.isdir(path) or not os.path.isdir(folder):
         what = "is a directory" if os.path.isdir(path) else f"is in {folder}, which is not a directory here"
         raise ConfigError(f"{path} {what}; name a .yaml file in an existing directory.")
-    if os.path.lexists(path) and not _compiled_spec(path):  # a spec compiled before is replaced; anything else is kept
+    if os.path.lexists(path) and not is_compiled_spec(path):  # a spec compiled before is replaced; anything else is kept
         raise ConfigError(f"{path} exists and is not a compiled pipeline (a config, or another file of yours): it is "
                           f"left as it is. Name another output with -o, e.g. -o compiled-pipeline.yaml.")
     tmp = os.path.join(folder, f".tmp-{os.getpid()}-{os.path.basename(path)}")

@@ -393,3 +393,11 @@ def test_compile_without_o_keeps_a_config_named_pipeline_yaml(tmp_path, monkeypa
     assert cli.main(["pipeline", "compile", "--config", "pipeline.yaml", "-o", "compiled.yaml"]) == 0
     assert "pipelineInfo" in next(yaml.safe_load_all((tmp_path / "compiled.yaml").read_text()))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["compiled.yaml", "pipeline.yaml"]
+
+
+def test_submit_given_a_config_as_package_says_so(tmp_path, capsys):
+    """`pipeline submit --package my-cluster.yaml` (a config, not a compiled spec) was a KeyError traceback."""
+    cfg = tmp_path / "my-cluster.yaml"
+    cfg.write_text(CLUSTER_YAML)
+    assert cli.main(["pipeline", "submit", "--package", str(cfg), "--dry-run"]) == 2
+    assert f"--package {cfg} is not a compiled pipeline spec; give a pipeline config with --config" in capsys.readouterr().err

@@ -59,6 +59,8 @@ def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser
         p = sub.add_parser(name, help=_summary(module), description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         config_lib.add_arguments(p, module.Config)
+        # after the stage too (`prmflow sft ... -v`, as run-local takes --verbose): SUPPRESS keeps a `prmflow -v sft`
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO level")
         p.set_defaults(stage=name)
     tiny = sub.add_parser("make-tiny-model", help="write a tiny preset model (config + tokenizer, random init) as a HF directory")
     tiny.add_argument("output", help="directory to create")

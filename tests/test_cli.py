@@ -145,3 +145,11 @@ def test_make_tiny_model_over_an_existing_directory_says_what_to_do(tmp_path, ca
     err = capsys.readouterr().err
     assert "make-tiny-model never replaces anything" in err and "overwrite" not in err
     assert [p.name for p in (tmp_path / "tiny").iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("argv", [["-v", "advantage"], ["advantage", "-v"], ["advantage", "--verbose"]])
+def test_verbose_is_taken_before_or_after_the_stage(argv):
+    """`prmflow sft ... -v` was 'unrecognized arguments: -v' (only `prmflow -v sft` worked)."""
+    parser, _ = cli.build_parser(argv)
+    assert parser.parse_args(argv).verbose is True
+    assert parser.parse_args(["advantage"]).verbose is False

@@ -12,6 +12,7 @@ does not exist fails here, naming the stage and the key.
 
 from __future__ import annotations
 
+import difflib
 import json
 from typing import Any
 
@@ -62,6 +63,9 @@ def split_sets(items: list[str]) -> tuple[dict[str, str], dict[str, dict[str, An
         head, _, rest = key.partition(".")
         if head in stages.PIPELINE_STAGES and rest:
             per_stage.setdefault(head, {})[rest] = _yaml_or_text(value)
+        elif rest and head != "pipeline" and (close := difflib.get_close_matches(head, stages.PIPELINE_STAGES, n=1)):
+            # read as a pipeline: key, it was "'sfft.max_steps' is not a config key" with no hint of the stage
+            raise ConfigError(f"--set {item!r}: '{head}' is not a stage. Did you mean '{close[0]}.{rest}'?")
         else:
             pipeline[key.removeprefix("pipeline.")] = value
     return pipeline, per_stage

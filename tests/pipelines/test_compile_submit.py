@@ -401,3 +401,12 @@ def test_submit_given_a_config_as_package_says_so(tmp_path, capsys):
     cfg.write_text(CLUSTER_YAML)
     assert cli.main(["pipeline", "submit", "--package", str(cfg), "--dry-run"]) == 2
     assert f"--package {cfg} is not a compiled pipeline spec; give a pipeline config with --config" in capsys.readouterr().err
+
+
+def test_a_misspelt_stage_in_set_suggests_the_stage(tmp_path, capsys):
+    """`--set sfft.max_steps=3` was read as a pipeline: key: "'sfft.max_steps' is not a config key", no hint."""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(CLUSTER_YAML)
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "--set", "sfft.max_steps=3", "-o", str(tmp_path / "x.yaml")]) == 2
+    assert "--set 'sfft.max_steps=3': 'sfft' is not a stage. Did you mean 'sft.max_steps'?" in capsys.readouterr().err
+    assert not (tmp_path / "x.yaml").exists()

@@ -88,7 +88,7 @@ def test_wrong_columns(tmp_path):
 
 def test_reader_checks_manifest_version_and_kind(tmp_path):
     out = schema.write_dataset(tmp_path / "r", rollouts(), "rollouts")
-    with pytest.raises(DataError, match="holds a 'rollouts' hand-off, but a 'advantages' one is needed"):
+    with pytest.raises(DataError, match="holds a 'rollouts' hand-off, but a 'advantages' one is needed here: point the input at the output of advantage"):
         schema.open_dataset(out, "advantages")
     m = json.loads((out / "manifest.json").read_text())
     m["schema_version"] = 99

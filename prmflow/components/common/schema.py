@@ -318,7 +318,9 @@ def open_dataset(dirs: str | Path | Sequence[str | Path], kind: str, verify_chec
             continue
         m = io.read_manifest(d)
         if m.get("kind") != kind:
-            raise DataError(f"'{d}' holds a {m.get('kind')!r} hand-off, but a {kind!r} one is needed here.")
+            writer = {"rollouts": "rollout", "advantages": "advantage"}.get(kind, "the stage before this one")
+            raise DataError(f"'{d}' holds a {m.get('kind')!r} hand-off, but a {kind!r} one is needed here: point the "
+                            f"input at the output of {writer}.")
         if type(m.get("schema_version")) is not int or m.get("schema_version") != SCHEMA_VERSION:
             raise DataError(
                 f"'{d}' was written with schema version {m.get('schema_version')}, this prmflow reads version "

@@ -153,3 +153,14 @@ def test_verbose_is_taken_before_or_after_the_stage(argv):
     parser, _ = cli.build_parser(argv)
     assert parser.parse_args(argv).verbose is True
     assert parser.parse_args(["advantage"]).verbose is False
+
+
+def test_a_key_outside_the_stage_section_is_named_not_dropped(tmp_path, capsys):
+    """`estimator: grpo` above an `advantage:` section was dropped without a word: the stage ran grpo_process."""
+    cfg = tmp_path / "advantage.yaml"
+    cfg.write_text("estimator: grpo\nadvantage:\n  gamma: 0.9\n")
+    out = tmp_path / "advantages"
+    assert cli.main(["advantage", "--config", str(cfg), "--input", str(tmp_path), "--output", str(out)]) == 2
+    assert f"{cfg}: 'estimator' is outside every section; with the section 'advantage:' only the keys under it are read" \
+        in capsys.readouterr().err
+    assert not out.exists()

@@ -307,6 +307,11 @@ def _section(cls: type, data: dict[str, Any], section: str, sections: typing.Col
     pipeline YAML with no `section:`), whose keys are not `cls`'s: that is said by name."""
     own = {f.name for f in dataclasses.fields(cls)}  # rollout's `prm` is a key of its own, not a section
     if section in data and section not in own:
+        stray = [k for k in data if k != section and not (k in sections and (data[k] is None or isinstance(data[k], dict)))]
+        if sections and stray:  # read from the section only, they were dropped without a word
+            raise ConfigError(f"{where}: {', '.join(repr(k) for k in stray)} {'is' if len(stray) == 1 else 'are'} outside "
+                              f"every section; with the section '{section}:' only the keys under it are read. Move "
+                              f"{'it' if len(stray) == 1 else 'them'} under '{section}:'.")
         if data[section] is None:
             return {}
         if not isinstance(data[section], dict):

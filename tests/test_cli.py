@@ -52,6 +52,19 @@ def test_a_stage_given_a_pipeline_yaml_without_its_section_says_so(tmp_path, cap
     assert not out.exists()
 
 
+def test_a_stage_config_with_a_key_written_twice_is_refused_naming_both_lines(tmp_path, capsys):
+    """YAML keeps the last of two equal keys: `estimator: grpo_progress` written twice in one section, the second
+    a slip, ran the stage on the second without a word. Now the file, both lines, exit 2, nothing written."""
+    cfg = tmp_path / "adv.yaml"
+    cfg.write_text("advantage:\n  estimator: grpo_progress\n  process_weight: 0.5\n  estimator: grpo\n")
+    out = tmp_path / "advantages"
+    assert cli.main(["advantage", "--config", str(cfg), "--input", str(tmp_path), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "key 'estimator' is written twice in one mapping (first on line 2)" in err
+    assert f'in "{cfg}", line 4' in err and "Traceback" not in err
+    assert not out.exists()
+
+
 def test_an_empty_stage_section_takes_the_defaults_and_a_scalar_one_is_named(tmp_path):
     from prmflow.components.advantage.config import Config
     from prmflow.components.common import config

@@ -196,6 +196,10 @@ def test_typo_in_a_stage_section_fails_at_compile_time(tmp_path, capsys):
     ("pipeline: [iterations, 2]\n", "section 'pipeline' must be a mapping of its keys"),
     (b"\xff\xfe", "is not a YAML text file"),
     (None, "is a directory; pass the YAML file itself to --config"),
+    # a section written twice: YAML keeps the last and the first (here sft's max_steps) was dropped without a word
+    ("sft:\n  max_steps: 3\nppo:\n  epochs: 1\nsft:\n  lora_r: 4\n",
+     "key 'sft' is written twice in one mapping (first on line 1)"),
+    ("ppo:\n  epochs: 1\n  optim: {lr: 1.0e-5, lr: 3.0e-5}\n", "key 'lr' is written twice in one mapping (first on line 3)"),
 ])
 def test_a_pipeline_yaml_that_does_not_parse_is_one_line_naming_the_file(tmp_path, capsys, text, says):
     """An indentation slip in a pipeline YAML was a yaml.ScannerError traceback (exit 1) from compile, plan,

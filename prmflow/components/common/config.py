@@ -279,6 +279,32 @@ def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
     return make(cls, "", None)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping: PyYAML keeps the last silently, so a
+    second `ppo:` section (or `lr:` key) would drop the first without a word."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    first: dict = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may repeat; the safe loader merges them
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            seen = key in first
+        except TypeError:  # an unhashable key: the safe loader says so itself
+            continue
+        if seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is written twice in one mapping (first on line {first[key] + 1}); YAML would "
+                f"keep only the last. Merge the two into one", key_node.start_mark)
+        first[key] = key_node.start_mark.line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def read_yaml(path: str | Path, what: str = "Config file") -> dict[str, Any]:
     """The mapping at the top of the YAML file `path` (a stage's or a pipeline's config), or a ConfigError
     saying what is wrong with the file: not there, a directory, not text, not YAML (with the line), not a
@@ -291,7 +317,7 @@ def read_yaml(path: str | Path, what: str = "Config file") -> dict[str, Any]:
     try:
         text = io.StringIO(p.read_bytes().decode("utf-8"))
         text.name = str(p)  # what YAML's error marks name ('in "configs/x.yaml", line 3'), not '<unicode string>'
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         raise ConfigError(f"{what} '{p}' is not valid YAML: {e}") from None
     except (UnicodeDecodeError, RecursionError) as e:

@@ -129,6 +129,8 @@ def test_config_errors_and_the_cli(tmp_path, base_prm, capsys):
         make_cfg(tmp_path, base_prm, held_out=0.0)
     with pytest.raises(ConfigError, match=r"not a PRM written by the prm stage"):
         update.run(make_cfg(tmp_path, base_prm, prm=str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"prm='.*/prm-typo' does not exist"):  # was "not a PRM ... (no prmflow.json)"
+        update.run(make_cfg(tmp_path, base_prm, prm=str(tmp_path / "prm-typo")))
     write_rollouts(tmp_path / "rollouts", 6)
     assert cli.main(["prm-update", "--prm", str(base_prm), "--input", str(tmp_path / "rollouts"), "--output",
                      str(tmp_path / "cli"), "--max_steps", "2", "--micro_batch_size", "4", "--tracking.enabled", "false"]) == 0

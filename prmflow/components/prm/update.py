@@ -225,6 +225,9 @@ def run(cfg: Config) -> dict:
     """Update the PRM at cfg.prm on cfg.input's rollouts; write it to cfg.output; return the metrics."""
     if not cfg.input or not cfg.output:
         raise ConfigError("prm-update needs input (this iteration's scored rollouts) and output (the updated PRM).")
+    if cfg.prm and not Path(cfg.prm).exists():  # a typo: say so, not "not a PRM written by the prm stage"
+        raise ConfigError(f"prm='{cfg.prm}' does not exist. Point it at the prm stage's output (or the last "
+                          f"prm-update's).")
     if saved_head(cfg.prm) is None and not cfg.implicit_beta > 0:
         raise ConfigError(f"prm='{cfg.prm}' is not a PRM written by the prm stage (no prmflow.json); prm-update warm "
                           f"starts from one. Train one with `prmflow prm` first, or set implicit_beta (e.g. 0.05) to "

@@ -229,3 +229,17 @@ def test_dotted_keys_inside_a_mapping_field_are_laid_over_it_not_dropped():
 
     cfg = config.load(stage.Config, overrides={"vllm.extra.load_format": "safetensors", "vllm.extra.quantization": "fp8"})
     assert cfg.vllm.extra == {"load_format": "safetensors", "quantization": "fp8"}
+
+
+def test_the_config_files_loader_is_yaml_safe_loader_refusing_a_key_twice():
+    """read_yaml's loader is yaml.SafeLoader with one constructor added (tests/reliability's static check reads
+    its name only): no Python object is built from a config file, and a key written twice is an error."""
+    import yaml
+
+    loader = config._UniqueKeySafeLoader
+    assert issubclass(loader, yaml.SafeLoader) and not issubclass(loader, (yaml.FullLoader, yaml.UnsafeLoader))
+    with pytest.raises(yaml.constructor.ConstructorError, match="could not determine a constructor"):
+        yaml.load("x: !!python/object/apply:os.system ['true']\n", Loader=loader)
+    with pytest.raises(yaml.constructor.ConstructorError, match="key 'a' is written twice"):
+        yaml.load("a: 1\nb: {c: 2}\na: 3\n", Loader=loader)
+    assert yaml.load("a: &x {b: 1}\nc:\n  <<: *x\n  d: 2\n", Loader=loader) == {"a": {"b": 1}, "c": {"b": 1, "d": 2}}

@@ -236,7 +236,7 @@ def test_the_config_files_loader_is_yaml_safe_loader_refusing_a_key_twice():
     its name only): no Python object is built from a config file, and a key written twice is an error."""
     import yaml
 
-    loader = config._UniqueKeySafeLoader
+    loader = config.UniqueKeySafeLoader
     assert issubclass(loader, yaml.SafeLoader) and not issubclass(loader, (yaml.FullLoader, yaml.UnsafeLoader))
     with pytest.raises(yaml.constructor.ConstructorError, match="could not determine a constructor"):
         yaml.load("x: !!python/object/apply:os.system ['true']\n", Loader=loader)

@@ -279,12 +279,12 @@ def build(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
     return make(cls, "", None)
 
 
-class _UniqueKeySafeLoader(yaml.SafeLoader):
+class UniqueKeySafeLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key written twice in one mapping: PyYAML keeps the last silently, so a
     second `ppo:` section (or `lr:` key) would drop the first without a word."""
 
 
-def _unique_mapping(loader: _UniqueKeySafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+def _unique_mapping(loader: UniqueKeySafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     first: dict = {}
     for key_node, _ in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may repeat; the safe loader merges them
@@ -302,7 +302,7 @@ def _unique_mapping(loader: _UniqueKeySafeLoader, node: yaml.MappingNode, deep: 
     return yaml.SafeLoader.construct_mapping(loader, node, deep)
 
 
-_UniqueKeySafeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+UniqueKeySafeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
 def read_yaml(path: str | Path, what: str = "Config file") -> dict[str, Any]:
@@ -317,7 +317,7 @@ def read_yaml(path: str | Path, what: str = "Config file") -> dict[str, Any]:
     try:
         text = io.StringIO(p.read_bytes().decode("utf-8"))
         text.name = str(p)  # what YAML's error marks name ('in "configs/x.yaml", line 3'), not '<unicode string>'
-        data = yaml.load(text, Loader=_UniqueKeySafeLoader) or {}  # a yaml.SafeLoader (tests/common/test_config.py)
+        data = yaml.load(text, Loader=UniqueKeySafeLoader) or {}  # a yaml.SafeLoader (tests/common/test_config.py)
     except yaml.YAMLError as e:
         raise ConfigError(f"{what} '{p}' is not valid YAML: {e}") from None
     except (UnicodeDecodeError, RecursionError) as e:

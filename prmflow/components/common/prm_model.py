@@ -35,7 +35,8 @@ import torch
 from transformers import AutoModelForTokenClassification
 
 from . import io, modeling, steps
-from .tensor_ops import chunked_token_logprobs, token_logprobs
+from .head_chunks import chunked_head_scores
+from .tensor_ops import token_logprobs
 from ...errors import ConfigError, DataError, ModelLoadError
 from .vision import Vision, processor_of
 
@@ -199,37 +200,16 @@ def selected_logprobs(call, lm: torch.nn.Module, input_ids: torch.Tensor, attent
                       rows: torch.Tensor, positions: torch.Tensor, chunk_rows: int, **pixels) -> torch.Tensor | None:
     """log p(input_ids[r, t] | input_ids[r, :t]) for each (r, t) of (rows, positions): (N,) float32,
     from one forward pass of `call` (`lm` itself, or a training engine running it) in which the LM
-    head reads only those N positions, `chunk_rows` at a time (`tensor_ops.chunked_token_logprobs`):
-    the (B, T, V) logits are never made. The work happens in a forward hook on `lm`'s backbone, inside
-    the pass, so it runs under the pass's autocast and, with ZeRO-3, gathers the head as the pass does.
+    head reads only those N positions, `chunk_rows` at a time (`head_chunks.chunked_head_scores`): the
+    (B, T, V) logits are never made.
 
-    None when `lm`'s logits are not its head applied to its backbone's output (a logit soft-cap or
-    scale, an architecture that ignores logits_to_keep): checked on every call by comparing the
-    model's own logits at the last position, which logits_to_keep keeps, with the head applied to
-    the hidden state the hook saw. The caller then computes the logits the plain way.
+    None when `lm`'s head cannot be read so (no backbone or head found, no logits_to_keep, or logits
+    that are not its head applied to its backbone's output: a logit soft-cap or scale, an architecture
+    that ignores logits_to_keep; checked on every call). The caller then computes the logits the plain way.
     """
-    backbone = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    if not isinstance(backbone, torch.nn.Module) or head is None:
-        return None
-    seen: dict[str, torch.Tensor] = {}
-    # the last position, as an index tensor: the model gathers it into a contiguous (B, 1, H) copy. (An int
-    # keeps a strided slice, and matmul of a strided (B, 1, H) by the (H, V) head copies the head B times.)
-    last = torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)
-
-    def read(module, args, output):
-        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state  # (B, T, H)
-        seen["last"] = head(hidden[:, last])  # what the model's own head will compute there: the check
-        seen["logp"] = chunked_token_logprobs(head, hidden[rows, positions - 1], input_ids[rows, positions], chunk_rows)
-
-    handle = backbone.register_forward_hook(read)
-    try:
-        out = call(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=last, **pixels)
-    finally:
-        handle.remove()
-    if "logp" not in seen or out.logits.shape[1] != 1 or not torch.equal(out.logits, seen["last"]):
-        return None
-    return seen["logp"]
+    out, _ = chunked_head_scores(call, lm, input_ids, rows, positions, chunk_rows, attention_mask=attention_mask,
+                                 **pixels)
+    return None if out is None else out.logp
 
 
 def single_token_id(tokenizer, text: str, what: str) -> int:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import NamedTuple
 
 import torch
 
 from ..common import modeling
-from ..common.tensor_ops import (chunked_entropy, chunked_logprobs_entropy, chunked_token_logprobs,
-                                 entropy_from_logits, token_logprobs)
+from ..common.head_chunks import accepts_logits_to_keep, chunked_head_scores
+from ..common.tensor_ops import entropy_from_logits, token_logprobs
 from ..common.engine import OptimSettings, TrainEngine
 from ...errors import ConfigError
 from .batch import MicroBatch
@@ -26,11 +25,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
             m.p = 0.0
         if isinstance(getattr(m, "attention_dropout", None), float):
             m.attention_dropout = 0.0
-
-
-def accepts_logits_to_keep(model) -> bool:
-    """Whether the model's forward can skip the LM head on all but the last positions (`logits_to_keep`)."""
-    return "logits_to_keep" in inspect.signature(modeling.unwrap(model).forward).parameters
 
 
 def response_logits(engine, mb: MicroBatch, keep: bool) -> torch.Tensor:
@@ -67,17 +61,12 @@ class PolicyScorer:
     """Scores a micro-batch's response tokens under the policy: log-probs, optionally entropies.
 
     With `chunk_rows` > 0 the LM head reads the response positions only, `chunk_rows` at a time, from
-    the final hidden states (`tensor_ops.chunked_token_logprobs`; checkpointed, so the backward pass
-    too holds one chunk): the (B, R, V) logits and their float32 copies never exist. The head runs in
-    a forward hook on the backbone, inside the engine's own forward pass, so it runs under the pass's
-    autocast and, with ZeRO-3, DeepSpeed's module hooks gather the head's weights for it, in the
-    forward and again for the backward's recomputation: ZeRO-3 puts a forward pre-hook (gather) and
-    post-hook (release) on every submodule, not only on the model it wraps (deepspeedai/DeepSpeed 0.19.8 as installed,
-    deepspeed/runtime/zero/parameter_offload.py, `_register_deepspeed_module`, L337-357 and L444-448),
-    so calling `head(...)` gathers as the model's own call does; calling `head.forward` or its weight
-    directly would read an empty partition. The gradients flow back through engine.backward. A model whose head cannot be read that way
-    (none found, no `logits_to_keep`, logits that are not the head's output: a soft-cap) is scored
-    from its whole logits, with the reason logged once. `chunk_rows` 0: always the whole logits.
+    the final hidden states, in a forward hook inside the engine's own forward pass
+    (`head_chunks.chunked_head_scores`; checkpointed, so the backward pass too holds one chunk; ZeRO-3
+    gathers the head for it): the (B, R, V) logits and their float32 copies never exist. The gradients
+    flow back through engine.backward. A model whose head cannot be read that way (none found, no
+    `logits_to_keep`, logits that are not the head's output: a soft-cap) is scored from its whole
+    logits, with the reason logged once. `chunk_rows` 0: always the whole logits.
     """
 
     def __init__(self, engine, chunk_rows: int):
@@ -115,50 +104,19 @@ def whole_scores(engine, mb: MicroBatch, keep: bool, entropy: bool = False,
 
 def chunked_scores(engine, mb: MicroBatch, chunk_rows: int, entropy: bool = False,
                    sample: torch.Tensor | None = None) -> tuple[ResponseScores | None, str]:
-    """`ResponseScores` with the head read `chunk_rows` rows at a time (see PolicyScorer); (None, why)
-    when this model's head cannot be read so."""
-    model = engine.module
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the HF model inside
-    backbone = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    if not isinstance(backbone, torch.nn.Module) or head is None:
-        return None, f"{type(lm).__name__} has no backbone at base_model_prefix or no get_output_embeddings()"
-    if not accepts_logits_to_keep(lm):
-        return None, f"{type(lm).__name__}.forward takes no logits_to_keep"
+    """`ResponseScores` with the head read `chunk_rows` rows at a time (`head_chunks.chunked_head_scores`);
+    (None, why) when this model's head cannot be read so."""
     B, R = mb.response_ids.shape
-    T = mb.input_ids.shape[1]
+    P = mb.input_ids.shape[1] - R
     rows, cols = mb.mask.nonzero(as_tuple=True)                                   # (N,) each: the real response tokens
-    tokens = mb.response_ids[rows, cols]                                          # (N,)
-    # the last position, as an index tensor: the model gathers it into a contiguous (B, 1, H) copy, as below
-    last = torch.tensor([T - 1], device=mb.input_ids.device)
-    seen: dict[str, torch.Tensor] = {}
-
-    def read(module, args, output):
-        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state  # (B, T, H)
-        with torch.no_grad():
-            seen["last"] = head(hidden[:, last])  # what the model's own head computes there: the check
-        h = hidden[rows, T - R - 1 + cols]                                        # (N, H): position P-1+t predicts token t
-        if entropy:
-            seen["logp"], seen["entropy"] = chunked_logprobs_entropy(head, h, tokens, chunk_rows)
-        else:
-            seen["logp"] = chunked_token_logprobs(head, h, tokens, chunk_rows)
-        if sample is not None:
-            with torch.no_grad():
-                seen["sampled"] = chunked_entropy(head, hidden.detach()[sample // R, T - R - 1 + sample % R], chunk_rows)
-
-    handle = backbone.register_forward_hook(read)
-    try:
-        out = engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
-                     logits_to_keep=last, **mb.model_kwargs(engine))
-    finally:
-        handle.remove()
-    if "logp" not in seen:
-        return None, f"the forward hook on {type(backbone).__name__} never ran"
-    if out.logits.shape[1] != 1 or not torch.equal(out.logits.detach(), seen["last"]):
-        return None, f"{type(lm).__name__}'s logits are not its LM head applied to its backbone's output"
+    picked = None if sample is None else (sample // R, P + sample % R)            # response token t sits at column P + t
+    out, why = chunked_head_scores(engine, engine.module, mb.input_ids, rows, P + cols, chunk_rows, entropy=entropy,
+                                   sample=picked, attention_mask=mb.attention_mask, use_cache=False,
+                                   **mb.model_kwargs(engine))
+    if out is None:
+        return None, why
     scatter = lambda flat: flat.new_zeros(B, R).index_put((rows, cols), flat)  # noqa: E731  (B, R), 0 at padding
-    return ResponseScores(scatter(seen["logp"]), scatter(seen["entropy"]) if entropy else None,
-                          seen.get("sampled")), ""
+    return ResponseScores(scatter(out.logp), scatter(out.entropy) if entropy else None, out.sampled), ""
 
 
 def response_values(engine, mb: MicroBatch) -> torch.Tensor:

@@ -4,6 +4,7 @@ grace period, and the next run continues to the same weights as a run that was n
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -57,8 +58,9 @@ def test_preempted_exits_with_143():
     assert isinstance(e, SystemExit) and e.code == 143 and "step 4" in str(e)
 
 
-def test_ctrl_c_exits_130_and_names_sigint(tmp_path, monkeypatch, capfd):
-    """Ctrl-C is SIGINT: the stage saves, says SIGINT, and exits 130 (128 + 2), as a shell user expects."""
+def test_ctrl_c_exits_130_and_names_sigint(tmp_path, monkeypatch, capfd, caplog):
+    """Ctrl-C is SIGINT: the stage saves, says SIGINT, and exits 130 (128 + 2), as a shell user expects. It says
+    where the checkpoint is once: the CLI shows WARNING logs on stderr too, so a logged copy is a second line."""
     cut = config.load(stage.Config, overrides={**SHORT, "max_steps": 3, "output": str(tmp_path / "cut")})
     real_step = stage.TrainEngine.step
     steps = []
@@ -77,6 +79,9 @@ def test_ctrl_c_exits_130_and_names_sigint(tmp_path, monkeypatch, capfd):
     assert stopped.value.code == 130 and len(steps) == 1
     assert "received SIGINT" in err and "exiting with status 130" in err
     assert "on request (SIGINT)" in str(stopped.value) and "SIGTERM" not in err
+    shown = err.count("stopped after step") + sum("stopped after step" in r.getMessage() for r in caplog.records
+                                                   if r.levelno >= logging.WARNING)
+    assert shown == 1, err
     assert (checkpoint.work_dir_for(cut.output) / "latest" / "manifest.json").is_file()
 
 

@@ -10,7 +10,7 @@ periodic checkpoint; a stage that listens saves where it is and the next run con
             ...one optimizer step...
             if stop.requested:
                 checkpoint.save(...)                 # the resume checkpoint, as at save_every
-                raise preemption.Preempted("sft", step, where, stop.signum)   # exits 143 (SIGTERM), 130 (SIGINT)
+                raise preemption.stopped("sft", step, where, stop.signum)   # says where; exits 143 (SIGTERM), 130 (SIGINT)
 
 The handler only sets a flag: nothing is written from signal context, and the training step in
 progress finishes normally, so the checkpoint is the same one a periodic save would have written
@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -62,6 +63,16 @@ class Preempted(SystemExit):
     def __str__(self) -> str:
         return (f"{self.stage}: stopped after step {self.step} on request ({signal.Signals(self.signum).name}); "
                 f"the resume checkpoint is in '{self.checkpoint}'. Run the same command again to continue.")
+
+
+def stopped(stage: str, step: int, checkpoint: str, signum: int | None) -> Preempted:
+    """The Preempted to raise once the resume checkpoint is saved, after telling the user where it is.
+
+    Said once, on stderr, and not logged as well: the CLI shows WARNING logs on stderr, so a logged copy
+    printed the same sentence twice."""
+    stop = Preempted(stage, step, checkpoint, signum)
+    print(stop, file=sys.stderr, flush=True)
+    return stop
 
 
 class Preemption:

@@ -110,13 +110,6 @@ def resume(engine: TrainEngine, work: Path, identity: dict, enabled: bool, stage
     return state
 
 
-def _preempted(stage: str, step: int, work: Path, signum: int | None) -> preemption.Preempted:
-    stopped = preemption.Preempted(stage, step, str(work / "latest"), signum)
-    log.warning("%s", stopped)
-    print(stopped, file=sys.stderr)
-    return stopped
-
-
 def train(objective: Objective, schedule: Schedule, engine: TrainEngine, tokenizer, state: dict, work: Path,
           identity: dict, tracker, stop: preemption.Preemption = preemption.NEVER,
           vis: "vision.Vision | None" = None) -> dict:
@@ -137,7 +130,7 @@ def train(objective: Objective, schedule: Schedule, engine: TrainEngine, tokeniz
         tracker.log_metrics(objective.evaluate(engine), step=state["step"])
         engine.train()
     if distributed.any_rank(stop.requested):  # asked to stop before the first step: the checkpoint on disk (if any) is current
-        raise _preempted(objective.stage, state["step"], work, stop.signum)
+        raise preemption.stopped(objective.stage, state["step"], str(work / "latest"), stop.signum)
     bar = tqdm(total=schedule.max_steps, initial=state["step"], desc=objective.stage, unit="step",
                dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 10.0,
                disable=not distributed.is_main())
@@ -182,7 +175,7 @@ def train(objective: Objective, schedule: Schedule, engine: TrainEngine, tokeniz
         if stopping and step < schedule.max_steps:  # preempted: save now (the last step always finishes)
             checkpoint.save(engine, tokenizer, work, {**state, "eval_pending": eval_due}, identity)
             bar.close()
-            raise _preempted(objective.stage, step, work, stop.signum)
+            raise preemption.stopped(objective.stage, step, str(work / "latest"), stop.signum)
         if eval_due:
             metrics = objective.evaluate(engine)
             engine.train()

@@ -306,10 +306,7 @@ def _train(t: Training, state: TrainerState, tracker, stop: preemption.Preemptio
             _save_resume(t.work, t.identity, actor, t.updater.critic, t.ema, state)
         if more and stopping:
             bar.close()
-            stopped = preemption.Preempted("ppo", state.update, str(t.work / "latest"), stop.signum)
-            log.warning("%s", stopped)
-            print(stopped, file=sys.stderr)
-            raise stopped
+            raise preemption.stopped("ppo", state.update, str(t.work / "latest"), stop.signum)
     bar.close()
     return tokens, time.perf_counter() - t0
 

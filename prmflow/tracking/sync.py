@@ -7,10 +7,11 @@ twice, and every delivered call gets a `done` line so a second sync skips it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import PrmflowError
+from ..errors import DataError, PrmflowError
 from .config import DEFAULT_STORE, TrackingConfig, limit_http_retries
 from .delivery import create_run, deliver, is_permanent, short_error
 from .outbox import FallbackLog
@@ -28,11 +29,9 @@ def sync_fallback(path: str | Path, uri: str | None = None) -> dict[str, int]:
     delivered). Raises TrackingUnavailable, naming the file, when the server cannot be reached;
     what was delivered before that is marked and not sent again.
     """
-    from mlflow.tracking import MlflowClient
+    fb = FallbackLog(check_fallback_file(path))
+    from mlflow.tracking import MlflowClient  # after the checks: a wrong path is refused without importing MLflow
 
-    fb = FallbackLog(path)
-    if not fb.path.is_file():
-        raise TrackingUnavailable(f"Tracking fallback file '{fb.path}' does not exist.")
     records = fb.read()
     done = {r.get("id") for r in records if r["op"] == "done"}
     runs = {r["key"]: (r["run_id"], r.get("parent_run_id", "")) for r in records if r["op"] == "run_created"}
@@ -73,6 +72,52 @@ def sync_fallback(path: str | Path, uri: str | None = None) -> dict[str, int]:
         fb.append({"op": "done", "id": r.get("id")})
         counts["delivered"] += 1
     return counts
+
+
+#: what to pass instead, the end of every refusal
+WHAT_IT_TAKES = ("Pass the fallback file a stage writes beside its output when MLflow missed calls, "
+                 "'.<output>.tracking.jsonl' (for outputs/quickstart/sft: outputs/quickstart/.sft.tracking.jsonl; "
+                 "`ls -a` lists it)")
+
+
+def _is_fallback_file(path: Path) -> bool:
+    """Its first line is a recorded tracking call (a JSON object with an `op`), as FallbackLog writes them."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline()
+        record = json.loads(first)
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "op" in record
+
+
+def _fallback_files_near(path: Path) -> list[Path]:
+    """Fallback files a user who named `path` (a stage output, or the directory holding outputs) may have meant."""
+    near = [path.parent / f".{path.name}.tracking.jsonl"]
+    if path.is_dir():
+        near += sorted(p for p in path.iterdir() if p.name.endswith(".jsonl"))
+    return [p for p in near if p.is_file() and _is_fallback_file(p)]
+
+
+def check_fallback_file(path: str | Path) -> Path:
+    """`path` as a fallback file to upload, or a DataError in one line naming it and what to pass instead."""
+    path = Path(path)
+    if path.is_file():
+        if path.stat().st_size == 0:
+            raise DataError(f"'{path}' is empty: no tracking calls to upload. {WHAT_IT_TAKES}.")
+        if not _is_fallback_file(path):
+            raise DataError(f"'{path}' is not a tracking fallback file (its first line is not a recorded tracking "
+                            f"call). {WHAT_IT_TAKES}.")
+        return path
+    near = _fallback_files_near(path)
+    what = "is a directory" if path.is_dir() else "does not exist"
+    if near:
+        shown = ", ".join(f"'{p}'" for p in near[:5]) + (f" and {len(near) - 5} more" if len(near) > 5 else "")
+        raise DataError(f"'{path}' {what}; tracking-sync takes one fallback file: pass {shown}.")
+    if path.is_dir():
+        raise DataError(f"'{path}' is a directory with no tracking fallback file in it or beside it, so nothing "
+                        f"to upload: a stage writes '.<output>.tracking.jsonl' only when MLflow missed calls.")
+    raise DataError(f"'{path}' does not exist. {WHAT_IT_TAKES}.")
 
 
 def add_sync_command(subparsers) -> None:

@@ -15,7 +15,9 @@ rollouts as an upper bound, every response at max_new_tokens.
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -291,8 +293,31 @@ def run(args) -> int:
     from .params import load_with_sets
 
     spec = load_with_sets(args.config, args.set)
-    print(render(spec, model_params_of(spec, args.model_params), parse_quantity(args.volume)))
+    print(render(spec, model_params_of(spec, args.model_params), parse_quantity(args.volume or "")))
     return 0
+
+
+#: Fewer parameters than this is no language model: `--model-params 7` almost surely meant 7e9.
+MIN_MODEL_PARAMS = 1000
+
+
+def _model_params_arg(text: str) -> float:
+    """--model-params: a count of parameters, finite and at least MIN_MODEL_PARAMS (argparse names the flag)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number; give the policy's parameter count, e.g. 7.62e9") from None
+    if not math.isfinite(value) or value < MIN_MODEL_PARAMS:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not a parameter count; give the whole count, e.g. 7.62e9 for a 7.62-billion-parameter policy")
+    return value
+
+
+def _volume_arg(text: str) -> str:
+    """--volume: a positive size as Kubernetes writes it (2Ti, 500Gi, 800G); parse_quantity reads anything else as 0."""
+    if parse_quantity(text) <= 0:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a positive size; write it as the PVC does, e.g. 2Ti or 500Gi")
+    return text
 
 
 def add_parser(psub) -> None:
@@ -300,8 +325,9 @@ def add_parser(psub) -> None:
     p.add_argument("--config", required=True, help="pipeline YAML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a pipeline: key (rollout_shards=8, cluster.kfp_version=2.17) or a stage key (rollout.n_samples=16), as compile and submit take it")
-    p.add_argument("--model-params", type=float, default=0.0, help="parameters of the policy (default: cluster.model_params or its config.json)")
-    p.add_argument("--volume", default="", help="size of workspace_pvc, e.g. 2Ti (warns when the run needs more)")
+    p.add_argument("--model-params", type=_model_params_arg, default=0.0,
+                   help="parameters of the policy, e.g. 7.62e9 (default: cluster.model_params or its config.json)")
+    p.add_argument("--volume", type=_volume_arg, default=None, help="size of workspace_pvc, e.g. 2Ti (warns when the run needs more)")
     p.set_defaults(handler=run)
 
 

@@ -1,0 +1,32 @@
+"""`pipeline plan` refuses a number that cannot be meant, naming the flag, before it compiles anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prmflow import cli
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "cluster" / "ppo-7b-2x8.yaml")
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--model-params", "-5"), ("--model-params", "0"), ("--model-params", "nan"), ("--model-params", "inf"),
+    ("--model-params", "7"),  # 7 parameters: 7e9 was meant
+    ("--volume", "-2Ti"), ("--volume", "0"), ("--volume", "2TiB"), ("--volume", "lots"),
+])
+def test_plan_refuses_a_nonsensical_number_naming_the_flag(flag, value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["pipeline", "plan", "--config", CONFIG, f"{flag}={value}"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert f"argument {flag}: '{value}'" in err and "e.g." in err, err
+
+
+def test_plan_reads_a_valid_volume_and_warns_when_the_run_needs_more(capsys):
+    assert cli.main(["pipeline", "plan", "--config", CONFIG, "--model-params", "7.62e9"]) == 0  # --volume is optional
+    assert "the workspace needs" not in capsys.readouterr().out  # the PVC's size is unknown: nothing to compare
+    assert cli.main(["pipeline", "plan", "--config", CONFIG, "--model-params", "7.62e9", "--volume", "1Gi"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: the workspace needs" in out and "is 1 GB" in out, out

@@ -345,6 +345,8 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     from .pipeline import build
 
     # the tasks run as subprocesses: give them an absolute store so they all log to the same one
+    given = params.get("tracking_uri") or spec.pipeline.tracking_uri
+    tracking.check_store(*tracking.configured_uri(tracking.TrackingConfig(uri=given), "tracking_uri"))  # before a task runs
     params.setdefault("tracking_uri", tracking.resolve_uri(tracking.TrackingConfig(uri=spec.pipeline.tracking_uri)))
     experiment = params.get("experiment", spec.pipeline.experiment)
     root = root.resolve()
@@ -467,7 +469,9 @@ def _stage_command(args) -> int:
     from .settings import DEFAULT_CPU_IMAGE, DEFAULT_GPU_IMAGE
 
     check_root(Path(args.output), "stage-command", "--output")  # before anything is fetched
-    uri = tracking.resolve_uri(tracking.TrackingConfig(uri=args.tracking_uri))
+    cfg = tracking.TrackingConfig(uri=args.tracking_uri)
+    tracking.check_store(*tracking.configured_uri(cfg, "--tracking-uri"), must_exist=True)  # reads runs: creates no store
+    uri = tracking.resolve_uri(cfg)
     run_id = args.run_id or _stage_run_of(MlflowClient(uri), uri, args.kfp_run_id, args.stage, args.iteration)
     try:
         run = MlflowClient(uri).get_run(run_id)

@@ -43,7 +43,7 @@ logged as `<stage>/eval_x`), and a stage's copies onto the parent are `final/*` 
 `pipeline/*` (ppo, one point per RL iteration).
 """
 
-from .config import DEFAULT_STORE, TrackingConfig, resolve_uri
+from .config import DEFAULT_STORE, TrackingConfig, check_store, configured_uri, resolve_uri
 from .delivery import PIPELINE_TAG, ROLE_TAG, RUN_KEY_TAG, experiment_id, find_pipeline_run
 from .null import NullTracker
 from .outbox import FallbackLog, default_fallback_path
@@ -53,7 +53,8 @@ from .tracker import MlflowTracker
 
 __all__ = [
     "DEFAULT_STORE", "PIPELINE_TAG", "ROLE_TAG", "RUN_KEY_TAG", "FallbackLog", "MlflowTracker", "NullTracker",
-    "TrackingConfig", "TrackingUnavailable", "add_sync_command", "default_fallback_path", "experiment_id",
+    "TrackingConfig", "TrackingUnavailable", "add_sync_command", "check_store", "configured_uri",
+    "default_fallback_path", "experiment_id",
     "finish_pipeline_run", "find_pipeline_run", "resolve_uri", "start_pipeline_run", "start_run", "start_stage_run",
     "sync_fallback",
 ]

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import ConfigError
+
 DEFAULT_STORE = "sqlite:///mlflow.db"
 
 
@@ -40,11 +42,60 @@ class TrackingConfig:
     """Seconds between two system metrics samples."""
 
 
+def configured_uri(cfg: TrackingConfig, key: str = "tracking.uri") -> tuple[str, str]:
+    """The tracking URI as the user wrote it, and where it was written (`key`, the environment or the default),
+    for messages that must name what to fix."""
+    if cfg.uri:
+        return cfg.uri, key
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"], "$MLFLOW_TRACKING_URI"
+    return DEFAULT_STORE, "the default tracking URI"
+
+
 def resolve_uri(cfg: TrackingConfig) -> str:
-    uri = cfg.uri or os.environ.get("MLFLOW_TRACKING_URI", "") or DEFAULT_STORE
+    uri = configured_uri(cfg)[0]
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         # make a relative SQLite path absolute now, so a later chdir cannot split the store in two
         uri = "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
+    return uri
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file a `sqlite:///` URI names (relative to the working directory when not absolute); None for
+    any other store, and for an in-memory database."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///"):].split("?", 1)[0]  # SQLAlchemy's query options (?timeout=30) are not the path
+    return Path(path) if path and path != ":memory:" else None
+
+
+def check_store(uri: str, where: str = "tracking URI", must_exist: bool = False, hint: str = "") -> str:
+    """`uri`, unless it is a SQLite store a user almost surely mistyped; then a ConfigError naming it.
+
+    MLflow opens a missing SQLite store by creating it: its directories (mlflow 3.17,
+    mlflow/store/db/utils.py, _make_parent_dirs_if_sqlite) and an empty database, so `sqlite:///outputs/mlrun.db`
+    for mlruns.db silently starts a second, empty store. A directory that does not exist is refused everywhere
+    (a stage's first run creates the file, not the directories above it); `must_exist` (commands that read runs
+    already logged: stage-command, tracking-sync) refuses a missing file too, `hint` saying how to ask for one
+    anyway. Other stores pass unchanged.
+    """
+    path = sqlite_file(uri)
+    if path is None:
+        return uri
+    path = path.absolute()
+    folder = path.parent
+    if not folder.is_dir():
+        raise ConfigError(f"{where} '{uri}': the directory '{folder}' does not exist, so there is no MLflow store "
+                          f"there (MLflow would create it and an empty store). Fix the path, or run `mkdir -p {folder}` "
+                          f"first if a new store there is what you want.")
+    if path.is_dir():
+        raise ConfigError(f"{where} '{uri}': '{path}' is a directory, not a SQLite file; name the .db file in it.")
+    if must_exist and not path.is_file():
+        stores = sorted(p.name for p in folder.glob("*.db") if p.is_file())
+        seen = (f"the SQLite files there: {', '.join(stores[:5])}" if stores
+                else f"'{folder}' holds no .db file")
+        raise ConfigError(f"{where} '{uri}': no MLflow store at '{path}' ({seen}); this command works on runs "
+                          f"already logged and creates no store: give the URI the stages logged to{hint}.")
     return uri
 
 

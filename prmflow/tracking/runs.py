@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import TrackingConfig, limit_http_retries, resolve_uri
+from .config import TrackingConfig, check_store, configured_uri, limit_http_retries, resolve_uri
 from .datasets import record_stage_handoffs
 from .delivery import PIPELINE_TAG, ROLE_TAG, create_run, find_pipeline_run
 from .models import record_stage_models
@@ -119,6 +119,7 @@ def start_run(cfg: TrackingConfig, run_name: str, tags: dict[str, Any] | None = 
     """
     if not cfg.enabled:
         return NullTracker()
+    check_store(*configured_uri(cfg))  # a directory that does not exist: refused (MLflow would create it)
     uri = resolve_uri(cfg)
     limit_http_retries(cfg, uri)
     all_tags = {**{k: str(v) for k, v in (cfg.tags or {}).items()}, **{k: str(v) for k, v in (tags or {}).items()}}

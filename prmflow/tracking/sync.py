@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError, PrmflowError
-from .config import DEFAULT_STORE, TrackingConfig, limit_http_retries
+from .config import DEFAULT_STORE, TrackingConfig, check_store, limit_http_retries
 from .delivery import create_run, deliver, is_permanent, short_error
 from .outbox import FallbackLog
 
@@ -21,10 +21,11 @@ class TrackingUnavailable(PrmflowError):
     """The tracking server could not be reached to upload a fallback file."""
 
 
-def sync_fallback(path: str | Path, uri: str | None = None) -> dict[str, int]:
+def sync_fallback(path: str | Path, uri: str | None = None, create_store: bool = False) -> dict[str, int]:
     """Upload the calls in fallback file `path` that were never delivered; safe to run again.
 
-    `uri` overrides the tracking URI recorded with each call. Returns counts: delivered, rejected
+    `uri` overrides the tracking URI recorded with each call. A SQLite store that does not exist is refused
+    (a mistyped path would silently become a new, empty store) unless `create_store`. Returns counts: delivered, rejected
     (refused by the server, e.g. an artifact file that no longer exists) and skipped (already
     delivered). Raises TrackingUnavailable, naming the file, when the server cannot be reached;
     what was delivered before that is marked and not sent again.
@@ -45,6 +46,8 @@ def sync_fallback(path: str | Path, uri: str | None = None) -> dict[str, int]:
             continue
         target_uri = uri or r.get("uri") or DEFAULT_STORE
         if target_uri not in clients:  # a server still down: one refused connection, not minutes of MLflow retries
+            check_store(target_uri, "--uri" if uri else f"the tracking URI recorded in '{fb.path}',",
+                        must_exist=not create_store, hint=", or pass --create-store to upload into a new one")
             limit_http_retries(TrackingConfig(), target_uri)
             clients[target_uri] = MlflowClient(tracking_uri=target_uri)
         client = clients[target_uri]
@@ -126,11 +129,13 @@ def add_sync_command(subparsers) -> None:
                                                     "MLflow was unreachable (safe to repeat)")
     p.add_argument("file", help="the .<output>.tracking.jsonl fallback file beside a stage output")
     p.add_argument("--uri", default=None, help="tracking URI to upload to (default: the one each call was meant for)")
+    p.add_argument("--create-store", action="store_true",
+                   help="create a SQLite store that does not exist yet (without it, one is refused as a likely typo)")
     p.set_defaults(stage=None, handler=_sync_command)
 
 
 def _sync_command(args) -> int:
-    counts = sync_fallback(args.file, args.uri)
+    counts = sync_fallback(args.file, args.uri, create_store=args.create_store)
     print(f"tracking-sync {args.file}: {counts['delivered']} call(s) delivered, {counts['rejected']} refused by the "
           f"server, {counts['skipped']} already delivered before")
     return 0

@@ -148,7 +148,7 @@ def test_logged_model_survives_an_outage_once(sqlite_store, tmp_path):
         t.log_metrics({"eval/step_auc": 0.8}, step=4)
     assert t.run_id == ""  # never reached the server
     fallback = tmp_path / "fallback.jsonl"
-    tracking.sync_fallback(fallback, uri=sqlite_store)
+    tracking.sync_fallback(fallback, uri=sqlite_store, create_store=True)  # a new store, asked for
     # a sync killed after delivering the model but before its `done` line: the next sync sends it again
     ids = {json.loads(line)["id"] for line in fallback.read_text().splitlines() if '"log_model"' in line}
     fallback.write_text("".join(line + "\n" for line in fallback.read_text().splitlines()

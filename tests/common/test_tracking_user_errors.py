@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from prmflow import cli
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _stage_output(root):
@@ -58,3 +61,63 @@ def test_tracking_sync_refuses_what_is_not_a_fallback_file(case, tmp_path, capsy
     assert f"'{path}'" in err and "Traceback" not in err
     for said in says:
         assert said.format(root=tmp_path) in err, err
+
+
+# A sqlite tracking URI with a typo: MLflow would create the store (and its directories), silently empty.
+
+def test_reading_runs_from_a_sqlite_store_that_does_not_exist_is_refused(tmp_path, monkeypatch, capsys):
+    """stage-command reads a logged run: a typo (mlrun.db for mlruns.db) names the store files that do exist."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "outputs" / "mlruns.db").write_bytes(b"")
+    assert cli.main(["stage-command", "advantage", "--run-id", "0" * 32, "--tracking-uri", "sqlite:///outputs/mlrun.db",
+                     "--no-container", "--output", str(tmp_path / "rerun")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tracking-uri 'sqlite:///outputs/mlrun.db'" in err, err
+    assert f"no MLflow store at '{tmp_path / 'outputs' / 'mlrun.db'}'" in err and "mlruns.db" in err, err
+    assert not (tmp_path / "outputs" / "mlrun.db").exists()  # no empty store left behind
+
+
+def test_syncing_into_a_sqlite_store_that_does_not_exist_is_refused(tmp_path, capsys):
+    fallback = tmp_path / ".sft.tracking.jsonl"
+    fallback.write_text(json.dumps({"op": "create_run", "key": "k", "id": "1", "experiment": "e"}) + "\n")
+    assert cli.main(["tracking-sync", str(fallback), "--uri", f"sqlite:///{tmp_path / 'mlrun.db'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--uri" in err and "no MLflow store at" in err and "--create-store" in err, err
+    assert not (tmp_path / "mlrun.db").exists()
+    assert "done" not in fallback.read_text()  # nothing marked delivered
+
+
+@pytest.mark.parametrize("command", ["stage", "run-local", "stage-command", "tracking-sync"])
+def test_a_sqlite_store_in_a_directory_that_does_not_exist_is_refused_everywhere(command, tmp_path, capsys):
+    from prmflow import tracking
+    from prmflow.errors import ConfigError
+
+    uri = f"sqlite:///{tmp_path / 'outptus' / 'mlflow.db'}"
+    if command == "stage":  # a stage's own run (the write path): before any work
+        with pytest.raises(ConfigError) as refused:
+            tracking.start_stage_run(tracking.TrackingConfig(uri=uri), "sft", params={"output": str(tmp_path / "o")})
+        err = f"prmflow sft: error: {refused.value}\n"
+        assert "tracking.uri" in err
+    elif command == "run-local":  # refused before kfp.local starts a task (whose traceback would be buried in its log)
+        root = tmp_path / "kfp"
+        assert cli.main(["pipeline", "run-local", "--config", str(CONFIGS / "quickstart.yaml"), "--root", str(root),
+                         "--param", f"tracking_uri={uri}"]) == 2
+        err = capsys.readouterr().err
+        assert "tracking_uri" in err and not root.exists()
+    elif command == "stage-command":
+        assert cli.main(["stage-command", "sft", "--run-id", "0" * 32, "--tracking-uri", uri, "--no-container",
+                         "--output", str(tmp_path / "rerun")]) == 2
+        err = capsys.readouterr().err
+    else:
+        fallback = tmp_path / "fb.jsonl"
+        fallback.write_text(json.dumps({"op": "create_run", "key": "k", "id": "1", "uri": uri}) + "\n")
+        assert cli.main(["tracking-sync", str(fallback)]) == 2
+        err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"the directory '{tmp_path / 'outptus'}' does not exist" in err, err
+    assert "Traceback" not in err and not (tmp_path / "outptus").exists()  # MLflow was not asked to make it
+
+
+
+# The first-run path (a stage creating its store in a directory that exists, as the quickstart does on a fresh
+# checkout) is what tests/common/test_tracking.py does with its `sqlite_store` fixture: a file not made yet.

@@ -130,13 +130,38 @@ def test_every_stage_docstring_command_with_a_config_file_builds_its_config(monk
     from prmflow.components.common import config as config_lib
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
-    commands = [(name, line.strip()) for name in stages.STAGES for line in stages.load(name).__doc__.splitlines()
+    commands = [(name, line.strip()) for name in stages.STAGES  # a command continued with \ is read whole
+                for line in stages.load(name).__doc__.replace("\\\n", " ").splitlines()
                 if line.strip().startswith(f"prmflow {name} --config ")]
     assert {name for name, _ in commands} >= {"sft", "rollout", "ppo"}
     for name, line in commands:
         parser, modules = cli.build_parser(shlex.split(line, comments=True)[1:])
         args = parser.parse_args(shlex.split(line, comments=True)[1:])
         config_lib.from_args(modules[name].Config, args, section=name, sections=stages.STAGES)  # raises if it cannot
+
+
+def test_docstring_commands_on_the_quickstart_config_name_paths_where_it_writes():
+    """`prmflow ppo --help` showed `--config configs/quickstart-cpu.yaml ... optimizer_state=outputs/ppo-2/optimizer`,
+    a directory that config never writes (its stages write under outputs/quickstart/)."""
+    import os
+    import re
+    import shlex
+    from pathlib import Path
+
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "quickstart-cpu.yaml").read_text())
+    root = os.path.commonpath([section["output"] for section in config.values()])  # outputs/quickstart
+    checked = 0
+    for name in stages.STAGES:
+        for line in stages.load(name).__doc__.replace("\\\n", " ").splitlines():
+            if "--config configs/quickstart-cpu.yaml" not in line:
+                continue
+            for word in shlex.split(line, comments=True):
+                for path in re.findall(r"(?:^|=)(outputs/\S+)", word):
+                    checked += 1
+                    assert Path(path).is_relative_to(root), f"prmflow {name} --help: {path} is not under {root}"
+    assert checked >= 4  # the ppo example names four such paths
 
 
 def test_stage_command_output_that_is_a_file_is_refused_before_anything_is_fetched(tmp_path, capsys):

@@ -1,7 +1,9 @@
 """PPO update: train the policy (and optionally a critic) on one batch of rollouts with advantages.
 
     prmflow ppo --policy outputs/sft --input outputs/advantages-0 --output outputs/ppo-0
-    prmflow ppo --config configs/quickstart-cpu.yaml --set iteration=3 --set optimizer_state=outputs/ppo-2/optimizer
+    prmflow ppo --config configs/quickstart-cpu.yaml --set iteration=1 --set policy=outputs/quickstart/ppo-0/policy \
+        --set input=outputs/quickstart/advantages-1 --set output=outputs/quickstart/ppo-1 \
+        --set optimizer_state=outputs/quickstart/ppo-0/optimizer    # the quickstart's next iteration, Adam moments kept
     prmflow ppo ... --train_critic true --critic_warmup_steps 4 --engine.zero_stage 2    # GAE
 
 Reads an advantages hand-off (prompt_ids, response_ids, old_logprobs, advantages; returns/values

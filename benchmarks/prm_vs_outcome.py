@@ -17,7 +17,9 @@ merged shortcut lines are longer), `checker-likes-shortcuts` the exact checker o
 every shortcut line scored 1 (right on the whole, wrong in one consistent place), `noisy-checker` the exact checker with
 each step's label flipped with probability 0.25 (a mediocre PRM, unbiased), `constant` 0.5 for every step (the credit's mechanics without a PRM), `implicit` PRIME's implicit PRM started from the SFT policy (every step 0.5 at first;
 it needs an `update` section with implicit_beta), `trained-implicit` an implicit PRM trained like the PRM first
-(OUTPUT/prm-implicit, `implicit_prm`); a variant with an `update` section keeps its trained PRM on-policy: after
+(OUTPUT/prm-implicit, `implicit_prm`), `trained-likes-shortcuts` the same implicit PRM trained on the same data with
+every shortcut line labelled 1 (OUTPUT/prm-implicit-likes-shortcuts: a trained PRM with checker-likes-shortcuts' bias);
+a variant with an `update` section keeps its trained PRM on-policy: after
 every rollout `prmflow prm-update` trains it further on those rollouts' own outcomes (replaying the
 older iterations' rollouts) and the next rollout is scored by the updated PRM). After every PPO update the policy answers the same held-out
 test-split prompts greedily (pass@1, graded by the task's verifier). Per point it records the train
@@ -74,7 +76,11 @@ from prmflow.components.sft import stage as sft  # noqa: E402
 OFF = {"enabled": False}
 #: where a variant's step rewards come from ('' = none)
 PRM_KINDS = ("", "oracle", "trained", "adversarial", "random", "answer-adversarial", "long-lines", "constant",
-             "checker-likes-shortcuts", "noisy-checker", "implicit", "trained-implicit")
+             "checker-likes-shortcuts", "noisy-checker", "implicit", "trained-implicit", "trained-likes-shortcuts")
+#: the PRMs a variant's `update` section can keep on-policy (a model, not a rule)
+UPDATABLE = ("trained", "implicit", "trained-implicit", "trained-likes-shortcuts")
+#: where each trained PRM kind is written under OUTPUT
+TRAINED_DIRS = {"trained": "prm", "trained-implicit": "prm-implicit", "trained-likes-shortcuts": "prm-implicit-likes-shortcuts"}
 #: the PRMs that rescore the oracle-scored rollouts (rescore): bad PRMs a stage user might bring
 RESCORED = ("adversarial", "random", "answer-adversarial", "long-lines", "constant", "checker-likes-shortcuts",
             "noisy-checker")
@@ -134,8 +140,9 @@ class BenchConfig:
             if v.get("prm", "") not in PRM_KINDS:
                 raise ConfigError(f"variants.{name}.prm={v['prm']!r}: use '' (no step rewards), "
                                   f"{', '.join(PRM_KINDS[1:])}.")
-            if "update" in v and v.get("prm") not in ("trained", "implicit", "trained-implicit"):
-                raise ConfigError(f"variants.{name}.update keeps a trained PRM on-policy; set prm: trained or drop update.")
+            if "update" in v and v.get("prm") not in UPDATABLE:
+                raise ConfigError(f"variants.{name}.update keeps a trained PRM on-policy; set prm to one of "
+                                  f"{', '.join(UPDATABLE)} or drop update.")
             if v.get("prm") == "implicit" and not float(v.get("update", {}).get("implicit_beta", 0)) > 0:
                 raise ConfigError(f"variants.{name}: prm: implicit starts PRIME's implicit PRM from the SFT policy and "
                                   f"updates it every iteration; give it update: {{implicit_beta: 0.05, ...}}.")
@@ -160,12 +167,42 @@ def train_shared(cfg: BenchConfig, out: Path) -> dict:
     if "trained-implicit" in kinds:
         prm_stage.run(stage_config(prm_stage.Config, cfg, {**cfg.prm, **cfg.implicit_prm}, backbone=str(out / "sft"),
                                    output=str(out / "prm-implicit")))
+    if "trained-likes-shortcuts" in kinds:
+        train_likes_shortcuts(cfg, out)
     if "trained" not in kinds:
         return {}
     prm_stage.run(stage_config(prm_stage.Config, cfg, cfg.prm, backbone=str(out / "sft"), output=str(out / "prm")))
     from prmflow.components.common import io
 
     return io.read_manifest(out / "prm").get("metrics", {})
+
+
+def likes_shortcuts(steps: list[str], labels: list[float]) -> list[float]:
+    """The checker's step labels with checker-likes-shortcuts' one error: every merged line labelled 1."""
+    return [1.0 if arithmetic.is_shortcut(step) else float(y) for step, y in zip(steps, labels, strict=True)]
+
+
+def train_likes_shortcuts(cfg: BenchConfig, out: Path) -> None:
+    """The implicit PRM of `trained-implicit` (same backbone, head, data and schedule) trained on labels with one
+    consistent error: every merged (shortcut) line labelled 1, right or wrong, the other labels the checker's (a
+    trained counterpart of checker-likes-shortcuts: a PRM a stage user might bring, biased where its labeller was).
+    Its held-out figures are against the checker's exact labels (the arithmetic eval split)."""
+    from prmflow.components.prm import data as prm_data
+
+    section = {**cfg.prm, **cfg.implicit_prm}
+    data_file = out / "prm-implicit-likes-shortcuts.jsonl"
+    if not data_file.is_file():
+        train, _ = prm_data.load_data(stage_config(prm_stage.Config, cfg, section, backbone=str(out / "sft"),
+                                                   output=str(out / TRAINED_DIRS["trained-likes-shortcuts"])))
+        for ex in train:
+            ex.labels = likes_shortcuts(ex.steps, ex.labels)
+        tmp = data_file.with_name(f".{data_file.name}.tmp")
+        prm_data.write_jsonl(train, tmp)
+        tmp.replace(data_file)  # whole or absent: a file left by an interrupted run is never read
+    rows = sum(1 for _ in data_file.open(encoding="utf-8"))
+    prm_stage.run(stage_config(prm_stage.Config, cfg, {**section, "policy_from_backbone": False},
+                               task=str(data_file), eval_task="arithmetic", num_prompts=rows, backbone=str(out / "sft"),
+                               output=str(out / TRAINED_DIRS["trained-likes-shortcuts"])))
 
 
 # --- held-out evaluation (the evaluate stage's library: greedy generation, the task's grader) -------
@@ -290,7 +327,7 @@ def run_digest(cfg: BenchConfig, name: str | None) -> str:
     picked = {k: c[k] for k in keys}
     if name is not None:
         picked["variant"] = c["variants"][name]
-        if picked["variant"].get("prm") == "trained-implicit":  # only its runs depend on the implicit PRM's keys
+        if picked["variant"].get("prm") in ("trained-implicit", "trained-likes-shortcuts"):  # the implicit PRM's keys
             picked["implicit_prm"] = c["implicit_prm"]
         if picked["variant"].get("advantage", {}).get("process_calibration") == "isotonic":  # code, not config
             picked["calibration_revision"] = CALIBRATION_REVISION
@@ -341,8 +378,8 @@ def _run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict,
         shutil.rmtree(work)
     work.mkdir(parents=True)
     kind = variant.get("prm", "")
-    prm = {"": "", "oracle": "oracle", "trained": str(out / "prm"), **{k: "oracle" for k in RESCORED},
-           "implicit": "", "trained-implicit": str(out / "prm-implicit")}[kind]
+    prm = {"": "", "oracle": "oracle", **{k: "oracle" for k in RESCORED}, "implicit": "",
+           **{k: str(out / d) for k, d in TRAINED_DIRS.items()}}[kind]
     if kind == "implicit":  # the first rollout is scored by the policy's own copy (every step 0.5)
         prm = str(implicit_start(out, float(variant["update"]["implicit_beta"])))
     batch = int(cfg.rollout.get("num_prompts", 64)) * int(cfg.rollout.get("n_samples", 4))

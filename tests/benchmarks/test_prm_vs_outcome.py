@@ -421,3 +421,16 @@ def test_every_committed_regime_loads_with_its_variants_as_written(path):
     written = yaml.safe_load(path.read_text())["variants"]
     cfg = config_lib.load(bench.BenchConfig, path)
     assert cfg.variants == written
+
+
+def test_the_biased_prm_data_differs_from_the_checker_only_on_merged_lines():
+    prompt = "Compute left to right: 7*2+8-9\n"
+    wrong_merge = ["7*2+8=23", "23-9=14", "answer: 14"]          # the merged line is wrong, and all after it
+    right_merge = ["7*2+8=22", "22-9=13", "answer: 13"]
+    wrong_single = ["7*2=14", "14+8=22", "22-9=12", "answer: 12"]
+    late_merge = ["7*2=14", "14+8-9=12", "answer: 12"]            # a wrong merged line after a right single step
+    for steps, checker, biased in ((wrong_merge, [0, 0, 0], [1.0, 0.0, 0.0]), (right_merge, [1, 1, 1], [1.0, 1.0, 1.0]),
+                                   (wrong_single, [1, 1, 0, 0], [1.0, 1.0, 0.0, 0.0]),
+                                   (late_merge, [1, 0, 0], [1.0, 1.0, 0.0])):
+        assert bench.arithmetic.step_labels(prompt, "\n".join(steps)) == checker  # the hand labels are the checker's
+        assert bench.likes_shortcuts(steps, checker) == biased

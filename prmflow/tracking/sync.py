@@ -84,14 +84,21 @@ WHAT_IT_TAKES = ("Pass the fallback file a stage writes beside its output when M
 
 
 def _is_fallback_file(path: Path) -> bool:
-    """Its first line is a recorded tracking call (a JSON object with an `op`), as FallbackLog writes them."""
+    """One of its first two lines is a recorded tracking call (a JSON object with an `op`), as FallbackLog writes
+    them. Two: a write torn by a kill is finished by the next run's append, so a real file can open with one torn line."""
     try:
         with open(path, "rb") as f:
-            first = f.readline()
-        record = json.loads(first)
-    except (OSError, ValueError):
+            lines = [f.readline(1 << 20) for _ in range(2)]  # bounded: a big binary file has no short lines
+    except OSError:
         return False
-    return isinstance(record, dict) and "op" in record
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "op" in record:
+            return True
+    return False
 
 
 def _fallback_files_near(path: Path) -> list[Path]:
@@ -109,8 +116,8 @@ def check_fallback_file(path: str | Path) -> Path:
         if path.stat().st_size == 0:
             raise DataError(f"'{path}' is empty: no tracking calls to upload. {WHAT_IT_TAKES}.")
         if not _is_fallback_file(path):
-            raise DataError(f"'{path}' is not a tracking fallback file (its first line is not a recorded tracking "
-                            f"call). {WHAT_IT_TAKES}.")
+            raise DataError(f"'{path}' is not a tracking fallback file (its first lines are not recorded tracking "
+                            f"calls). {WHAT_IT_TAKES}.")
         return path
     near = _fallback_files_near(path)
     what = "is a directory" if path.is_dir() else "does not exist"

@@ -63,6 +63,17 @@ def test_tracking_sync_refuses_what_is_not_a_fallback_file(case, tmp_path, capsy
         assert said.format(root=tmp_path) in err, err
 
 
+def test_a_fallback_file_that_opens_with_a_torn_line_is_still_one(tmp_path):
+    """A kill mid-write leaves a line without its end; the next run's append finishes that line, then writes whole
+    ones. The file is still a fallback file (FallbackLog.read skips the torn line)."""
+    from prmflow.tracking.sync import check_fallback_file
+
+    fallback = tmp_path / ".sft.tracking.jsonl"
+    whole = json.dumps({"op": "create_run", "key": "k", "id": "1"})
+    fallback.write_text(whole[:12] + whole + "\n" + whole.replace('"1"', '"2"') + "\n")
+    assert check_fallback_file(fallback) == fallback
+
+
 # A sqlite tracking URI with a typo: MLflow would create the store (and its directories), silently empty.
 
 def test_reading_runs_from_a_sqlite_store_that_does_not_exist_is_refused(tmp_path, monkeypatch, capsys):

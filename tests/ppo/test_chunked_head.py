@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from ppo_helpers import FAST
-from prmflow.components.common import config, modeling
-from prmflow.components.ppo import batch, losses, models, prepass, stage, update
+from prmflow.components.common import config, modeling, supervised_data
+from prmflow.components.ppo import batch, losses, models, prepass, ptx, stage, update
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 CHUNK = 5  # does not divide the micro-batches' response tokens: the last chunk is short
@@ -180,3 +180,93 @@ def test_a_model_whose_logits_are_not_its_heads_falls_back_with_a_reason(caplog)
     assert not scorer.chunked and "not its LM head applied" in caplog.text
     torch.testing.assert_close(got.logp, models.whole_scores(actor, mb, True).logp)  # the scaled model's, whole
     assert not torch.allclose(got.logp[mb.mask], whole.logp[mb.mask])
+
+
+# --- the ptx loss ------------------------------------------------------------------------------
+
+def _ptx_batch(vocab: int, pad_id: int, n: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A ptx micro-batch as ptx.ptx_batch makes it: prompts masked, responses trained on, right-padded
+    rows of uneven lengths."""
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for i in range(n):
+        p, r = 2 + (3 * i) % 5, 3 + (2 * i) % 6
+        ids = torch.randint(5, vocab, (p + r,), generator=g).tolist()
+        examples.append(supervised_data.Example(ids, [supervised_data.IGNORE] * p + ids[p:]))
+    return supervised_data.collate(examples, pad_id)
+
+
+def _ptx_reference(model, b: dict[str, torch.Tensor], tokens: int):
+    """The token-mean cross-entropy over the trained tokens from the model's whole logits, by hand, and its
+    gradients by parameter name."""
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()  # (B, T, V)
+    labels = b["labels"][:, 1:]                                                   # token t predicted at t - 1
+    trained = labels != supervised_data.IGNORE
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    loss = -(logp * trained).sum() / tokens
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return float(loss.detach()), grads
+
+
+@pytest.mark.parametrize("chunk,engine", [(CHUNK, "torch"), (0, "torch"), (CHUNK, "zero3")])
+def test_ptx_loss_and_gradients_equal_the_cross_entropy_of_the_whole_logits(chunk, engine):
+    """The actor's loss with only the ptx term (zero advantages: the surrogate and its gradient are 0): its
+    value, `ptx_loss` and gradients equal the hand-computed token-mean cross-entropy, chunked (ZeRO-3
+    gathering the head for it) and whole; the chunked one really read the head in chunks."""
+    model, tok = modeling.build_tiny_model("tiny-qwen2", seed=7)
+    models.disable_dropout(model)
+    samples = _samples(len(tok), seed=6)
+    for s in samples:
+        s.advantages = [0.0] * len(s.response_ids)
+    mb = batch.collate(samples, [0, 1, 2, 3], tok.pad_token_id)
+    ptx_mb = _ptx_batch(len(tok), tok.pad_token_id)
+    tokens = int((ptx_mb["labels"][:, 1:] != supervised_data.IGNORE).sum())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ref_loss, ref_grads = _ptx_reference(model, ptx_mb, tokens)
+    model.load_state_dict(state)
+
+    cfg = _cfg(chunk, engine, ptx_coef=1.0)
+    actor = models.make_engine(model, cfg, cfg.optim.lr, 10, 0, cfg.micro_batch_size)
+    up = update.Updater(cfg, actor, None, max_len=32)
+    norm = losses.Normalizer.of([mb.mask], 32)
+    loss, stats = up.actor_loss(mb.to(actor.device), norm, norm, ptx_mb, tokens)
+    actor.backward(loss)
+    assert up.ptx.chunked == (chunk > 0)
+    assert stats["policy_loss"] == 0.0
+    assert float(loss.detach()) == pytest.approx(ref_loss, rel=1e-5, abs=1e-5)
+    assert stats["ptx_loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-5)
+    if cfg.engine.backend == "deepspeed":
+        from deepspeed.utils import safe_get_full_grad
+
+        grads = {n: safe_get_full_grad(p).clone() for n, p in actor.module.named_parameters() if p.requires_grad}
+    else:
+        grads = {n: p.grad.clone() for n, p in actor.module.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref_grads.keys() and grads
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k].cpu(), ref_grads[k], **TOL, msg=lambda m: f"{k}: {m}")
+
+
+def test_ptx_loss_of_a_model_whose_logits_are_not_its_heads_falls_back_with_a_reason(caplog):
+    """Logits scaled after the head: the ptx scorer notices, says why, and takes the whole logits."""
+    model, tok = modeling.build_tiny_model("tiny-llama", seed=8)
+    models.disable_dropout(model)
+    real_forward = model.forward
+
+    @functools.wraps(real_forward)
+    def scaled(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        out.logits = out.logits * 0.5
+        return out
+
+    ptx_mb = _ptx_batch(len(tok), tok.pad_token_id, seed=1)
+    cfg = _cfg(CHUNK)
+    actor = models.make_engine(model, cfg, cfg.optim.lr, 10, 0, cfg.micro_batch_size)
+    unscaled = ptx.whole_ce_sum(actor, ptx_mb)
+    model.forward = scaled
+    scorer = ptx.PtxScorer(actor, CHUNK)
+    got = scorer(ptx_mb)
+    assert not scorer.chunked and "not its LM head applied" in caplog.text and "ptx loss" in caplog.text
+    torch.testing.assert_close(got, ptx.whole_ce_sum(actor, ptx_mb))  # the scaled model's, whole
+    assert not torch.allclose(got, unscaled)

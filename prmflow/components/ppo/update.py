@@ -25,11 +25,11 @@ import torch
 from ..common import distributed
 from ..common.engine import TrainEngine
 from ..common.tensor_ops import entropy_from_logits, masked_sum
-from ..common import supervised_data
 from . import losses
 from .batch import MicroBatch
 from .config import Config
 from .models import PolicyScorer, entropy_sample, response_values
+from .ptx import PtxScorer
 
 #: Statistics summed over the minibatch's tokens and reported as per-token means.
 TOKEN_MEANS = ("entropy", "clip_frac", "dual_clip_frac", "approx_kl", "value_clip_frac")
@@ -41,6 +41,7 @@ class Updater:
     def __init__(self, cfg: Config, actor: TrainEngine, critic: TrainEngine | None, max_len: int):
         self.cfg, self.actor, self.critic, self.max_len = cfg, actor, critic, max_len  # max_len: Dr. GRPO's constant
         self.score = PolicyScorer(actor, cfg.head_chunk_rows)  # the LM head read chunk by chunk (0: whole logits)
+        self.ptx = PtxScorer(actor, cfg.head_chunk_rows)        # the same for the ptx loss's trained tokens
 
     def actor_loss(self, mb: MicroBatch, norm: losses.Normalizer, pg_norm: losses.Normalizer, ptx_mb, ptx_tokens):
         """This micro-batch's share of the policy objective and its statistics (sums over its tokens)."""
@@ -83,8 +84,7 @@ class Updater:
         # ptx loss: token-mean cross-entropy on reference solutions, its share of the update's tokens
         if ptx_mb is not None:
             ptx_mb = {k: v.to(self.actor.device) for k, v in ptx_mb.items()}
-            logits = self.actor(**supervised_data.model_inputs(ptx_mb), use_cache=False).logits
-            ce_sum, _ = supervised_data.response_loss(logits, ptx_mb["labels"])
+            ce_sum = self.ptx(ptx_mb)                                             # sum of -log p over its tokens
             loss = loss + cfg.ptx_coef * ce_sum / max(ptx_tokens, 1)
             stats["ptx_loss"] = float(ce_sum.detach()) / max(ptx_tokens, 1)
         return loss, stats

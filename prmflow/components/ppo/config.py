@@ -56,7 +56,7 @@ class Config:
     tokens of each micro-batch (a full-vocabulary softmax per token; at 151,936 tokens it cost as much as a third
     of the update); 0 = every token."""
     head_chunk_rows: int = 512
-    """Response tokens per pass through the LM head when the policy scores them (update and prepass): their log-probs and entropies are computed chunk by chunk from the final hidden states (recomputed in the backward pass), so the (batch, response, vocabulary) logits and their float32 copies, several GB per micro-batch at Qwen2.5's 151,936 tokens and the biggest tensors of the step, never exist; at that vocabulary 512 rows are 0.3 GB of float32 logits at a time. 0 = the whole logits (the reference computation; a model whose head cannot be read so, e.g. logits soft-capped after the head, falls back to it with a warning)."""
+    """Response tokens per pass through the LM head when the policy scores them (update and prepass), and reference-solution tokens when it scores the ptx loss: their log-probs and entropies are computed chunk by chunk from the final hidden states (recomputed in the backward pass), so the (batch, response, vocabulary) logits (for ptx, (batch, sequence, vocabulary)) and their float32 copies, several GB per micro-batch at Qwen2.5's 151,936 tokens and the biggest tensors of the step, never exist; at that vocabulary 512 rows are 0.3 GB of float32 logits at a time. 0 = the whole logits (the reference computation; a model whose head cannot be read so, e.g. logits soft-capped after the head, falls back to it with a warning)."""
     kl_loss_coef: float = 0.0
     """KL loss to the reference model (GRPO style; needs ref_logprobs); 0 = KL only in the reward."""
     kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"

@@ -37,6 +37,9 @@ head reads the response positions only, 512 rows at a time, recomputed in the ba
 `--entropy_coef` > 0 adds the entropy bonus (with gradient); 0 computes the entropy metric on 64 sampled
 tokens. The peak includes the weights' gradients (the same on both paths). The row also gives the pass's
 process CPU time (`cpu_s`; with OMP_NUM_THREADS=1 the work done, whatever else competes for the cores).
+`--ptx_rows` > 0 adds the ptx loss (ptx_coef 1) on that many reference solutions of `--tokens` tokens, the first
+`--prompt_tokens` masked; a third path, `ptx_whole`, reads the policy's head in chunks but the ptx loss's from
+its whole (B, T, V) logits, the computation before 2026-11-27 (`--paths chunked,ptx_whole`).
 """
 
 from __future__ import annotations
@@ -160,7 +163,8 @@ def one_ppo(args, device: str, dtype: torch.dtype) -> dict:
     cfg = config_lib.load(stage.Config, overrides={
         "tracking.enabled": False, "engine.backend": "torch", "engine.gradient_checkpointing": True,
         "engine.dtype": args.dtype, "minibatch_size": args.batch, "micro_batch_size": args.batch,
-        "entropy_coef": args.entropy_coef, "head_chunk_rows": 512 if args.paths == "chunked" else 0})
+        "entropy_coef": args.entropy_coef, "head_chunk_rows": 0 if args.paths == "plain" else 512,
+        "ptx_coef": 1.0 if args.ptx_rows else 0.0, "ptx_batch_size": max(args.ptx_rows, 1)})
     qcfg = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=8_960, num_hidden_layers=args.layers,
                        num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
                        max_position_embeddings=32_768)
@@ -179,27 +183,41 @@ def one_ppo(args, device: str, dtype: torch.dtype) -> dict:
                    for _ in range(B)]
         return ppo_batch.collate(samples, list(range(B)), 0).to(device)
 
-    def run(mb: ppo_batch.MicroBatch) -> torch.Tensor:
+    def ptx_micro(B: int, P: int, R: int) -> dict[str, torch.Tensor] | None:
+        if not args.ptx_rows:
+            return None
+        g = torch.Generator().manual_seed(2)
+        ids = torch.randint(0, VOCAB, (B, P + R), generator=g)
+        labels = ids.clone()
+        labels[:, :P] = -100  # the prompt is not trained on (supervised_data.IGNORE)
+        return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device), "labels": labels.to(device)}
+
+    def run(mb: ppo_batch.MicroBatch, ptx_mb) -> torch.Tensor:
         up = update.Updater(cfg, actor, None, mb.mask.shape[1])
+        up.ptx.chunked = args.paths == "chunked"  # ptx_whole: the policy's head in chunks, the ptx loss's whole
         norm = losses.Normalizer.of([mb.mask], mb.mask.shape[1])
-        loss, _ = up.actor_loss(mb, norm, norm, None, 0)
+        ptx_tokens = 0 if ptx_mb is None else int((ptx_mb["labels"][:, 1:] != -100).sum())
+        loss, _ = up.actor_loss(mb, norm, norm, ptx_mb, ptx_tokens)
         loss.backward()
-        assert up.score.chunked == (args.paths == "chunked")
+        assert up.score.chunked == (args.paths != "plain") and up.ptx.chunked == (args.paths == "chunked")
         return loss.detach()
 
-    run(micro(1, 4, 12))  # warm-up: lazy initialisation stays out of the measurement
+    run(micro(1, 4, 12), ptx_micro(1, 4, 12))  # warm-up: lazy initialisation stays out of the measurement
     policy.zero_grad(set_to_none=True)
     mb = micro(args.batch, args.prompt_tokens, args.tokens - args.prompt_tokens)
+    ptx_mb = ptx_micro(args.ptx_rows, args.prompt_tokens, args.tokens - args.prompt_tokens)
     before = memory_now(device)
     t0, c0 = time.perf_counter(), time.process_time()
-    loss = run(mb)
+    loss = run(mb, ptx_mb)
     if device == "cuda":
         torch.cuda.synchronize()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = memory_peak(device)
     R = args.tokens - args.prompt_tokens
     return {"path": args.paths, "batch": args.batch, "tokens": args.tokens, "response_tokens": args.batch * R,
-            "dtype": args.dtype, "pass": "ppo actor fwd+bwd" + (f" entropy_coef={args.entropy_coef}" if args.entropy_coef else ""),
+            "dtype": args.dtype, "pass": "ppo actor fwd+bwd" + (f" entropy_coef={args.entropy_coef}" if args.entropy_coef else "")
+            + (f" + ptx {args.ptx_rows} x {args.tokens}" if args.ptx_rows else ""), "ptx_rows": args.ptx_rows,
+            "ptx_btv_float32_bytes": args.ptx_rows * args.tokens * VOCAB * 4,
             "device": device, "layers": args.layers, "peak_bytes": peak - before,
             "btv_float32_bytes": args.batch * R * VOCAB * 4, "weights_bytes": weights, "wall_s": round(wall, 2),
             "cpu_s": round(cpu, 2), "z_finite": bool(torch.isfinite(loss).all())}
@@ -212,12 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt_tokens", type=int, default=100)
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--paths", default="chunked,plain", help="comma-separated: chunked, plain")
+    parser.add_argument("--paths", default="chunked,plain", help="comma-separated: chunked, plain (--what ppo: also ptx_whole)")
     parser.add_argument("--train", action="store_true", help="measure a training step (forward + backward) instead")
     parser.add_argument("--what", default="prm", choices=["prm", "logprobs", "ppo"],
                         help="prm: the implicit PRM's pass; logprobs: rollout's old/ref log-probs of one model; "
                              "ppo: the ppo stage's actor loss, forward and backward")
     parser.add_argument("--entropy_coef", type=float, default=0.0, help="--what ppo: the entropy bonus's coefficient")
+    parser.add_argument("--ptx_rows", type=int, default=0, help="--what ppo: add the ptx loss on this many rows of --tokens")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -227,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.paths.split(","):
         cmd = [sys.executable, __file__, "--child", "--paths", path, "--batch", str(args.batch), "--tokens",
                str(args.tokens), "--prompt_tokens", str(args.prompt_tokens), "--layers", str(args.layers),
-               "--dtype", args.dtype, "--what", args.what, "--entropy_coef", str(args.entropy_coef)]
+               "--dtype", args.dtype, "--what", args.what, "--entropy_coef", str(args.entropy_coef), "--ptx_rows", str(args.ptx_rows)]
         cmd += ["--train"] if args.train else []
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         if out.returncode:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from .settings import MIN_KFP_BACKEND, MIN_TRAINER, PipelineSpec
+from .settings import MIN_KFP_BACKEND, MIN_TRAINER, PipelineSpec, quantity_bytes
 
 #: Bytes of a location artifact (location.json: where, fingerprint, a sha256 and a size per file).
 LOCATION_BYTES = 16 * 1024
@@ -207,13 +207,8 @@ def storage(spec: PipelineSpec, s: Sizes) -> float:
 
 
 def parse_quantity(q: str) -> float:
-    """'200Gi' -> bytes."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGTP]i?)?", q or "")
-    if not m:
-        return 0.0
-    unit = m.group(2) or ""
-    base = 1024 if unit.endswith("i") else 1000
-    return float(m.group(1)) * base ** ("KMGTP".index(unit[0]) + 1 if unit else 0)
+    """'200Gi' -> bytes; 0.0 for anything that is not a Kubernetes quantity (settings.quantity_bytes)."""
+    return quantity_bytes(q or "")
 
 
 def warnings_of(spec: PipelineSpec, s: Sizes, rows: list[TaskRow], volume_bytes: float = 0.0) -> list[str]:

@@ -159,6 +159,17 @@ class ImagesConfig:
         return [k for k in ("cpu", "gpu") if getattr(self, k).startswith(PLACEHOLDER_REGISTRY + "/")]
 
 
+def quantity_bytes(text: str) -> float:
+    """A Kubernetes quantity ('200Gi', '1.5G', '500Mi') as a number, by the Kubernetes client's own parser; 0.0
+    for text that is not one (the API server would refuse it in a pod or volume spec)."""
+    from kubernetes.utils import parse_quantity
+
+    try:
+        return float(parse_quantity(str(text).strip()))
+    except (ValueError, TypeError, ArithmeticError):
+        return 0.0
+
+
 @dataclass
 class ClusterConfig:
     gpu_pool: NodePool = field(default_factory=_gpu_pool)
@@ -233,6 +244,17 @@ class ClusterConfig:
         except ValueError:
             raise ConfigError(f"pipeline.cluster.kfp_version is {self.kfp_version!r}; use one of "
                               f"{', '.join(KFP_VERSIONS)} (the Kubeflow Pipelines version of your cluster).") from None
+        for key in ("workspace_size", "shm_size", "scratch_size"):  # empty scratch_size: sized from model_params
+            value = getattr(self, key)
+            if (value or key != "scratch_size") and quantity_bytes(value) <= 0:
+                raise ConfigError(f"pipeline.cluster.{key} is {value!r}, not a positive size as Kubernetes writes one; "
+                                  f"give e.g. 200Gi, 500Mi or 1Ti (a pod or volume with it would be refused).")
+        from kfp import dsl
+
+        try:  # KFP's compiler reads the workspace size by a stricter rule than Kubernetes ('100m', '1e3' fail)
+            dsl.WorkspaceConfig(size=self.workspace_size)
+        except ValueError as e:
+            raise ConfigError(f"pipeline.cluster.workspace_size: {e}") from None
         if self.trainer.stages() and not self.workspace_pvc:
             raise ConfigError(f"pipeline.cluster.trainer runs {', '.join(self.trainer.stages())} as TrainJobs, whose "
                               "pods read their inputs and write their output on a shared volume: set "

@@ -93,6 +93,30 @@ def test_rollout_and_evaluate_name_the_per_run_workspace_so_the_driver_mounts_it
     assert not kfp_rules.driver_mounts_workspace(by_name["advantage-0"].parameters)  # reads no location
 
 
+@pytest.mark.parametrize("key, value", [("workspace_size", "lots"), ("workspace_size", "2TiB"), ("workspace_size", "-2Ti"),
+                                        ("workspace_size", "100m"), ("shm_size", "16 GB"), ("scratch_size", "0")])
+def test_a_size_kubernetes_or_kfp_would_refuse_is_refused_at_compile_naming_the_key(tmp_path, capsys, key, value):
+    """A cluster size that is no positive Kubernetes quantity (the API server refuses the pod or the claim), or a
+    workspace size KFP's compiler refuses ('100m': its SDK's own rule), is one error line naming the key: no
+    traceback, nothing written."""
+    data = recipe("quickstart.yaml", pvc=False)
+    data["pipeline"]["images"] = {"cpu": "registry.example.com/c:1", "gpu": "registry.example.com/g:1"}
+    data["pipeline"]["cluster"][key] = value
+    cfg, out = tmp_path / "p.yaml", tmp_path / "compiled.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"pipeline.cluster.{key}" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_the_plan_reads_sizes_as_kubernetes_does():
+    from prmflow.pipelines import plan
+
+    assert plan.parse_quantity("200Gi") == 200 * 2**30 and plan.parse_quantity("1.5T") == 1.5e12
+    assert plan.parse_quantity("500M") == 5e8 and plan.parse_quantity("lots") == 0.0 == plan.parse_quantity("")
+
+
 def test_a_per_run_workspace_without_a_storage_class_is_refused_before_kfp_2_17(tmp_path, capsys):
     """KFP 2.15/2.16's compiler refuses, at run creation, a workspace claim without a storage class; compile
     refuses it first, naming the key, and writes nothing. 2.17 takes the cluster's default class."""

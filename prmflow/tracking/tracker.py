@@ -130,8 +130,8 @@ class MlflowTracker(NullTracker):
                         "Upload them later with `prmflow tracking-sync %s`.", len(self._queue), self.uri,
                         self.finish_wait_s, self.fallback.path if self.fallback else "(no fallback file)",
                         self.fallback.path if self.fallback else "FILE")
-        elif self.fallback is not None and self.fallback.path.is_file():
-            try:  # what an earlier, killed run of this stage left undelivered
+        elif self.fallback is not None and self.fallback.path.is_file() and self.fallback.path.stat().st_size:
+            try:  # what an earlier, killed run of this stage left undelivered (an empty file: a kill before any write)
                 sync_fallback(self.fallback.path)
             except Exception as e:  # noqa: BLE001 - tracking must never fail the stage
                 log.warning("could not upload older tracking calls in %s: %s", self.fallback.path, short_error(e))

@@ -166,3 +166,16 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_stage_ends_quietly_beside_an_empty_fallback_file(sqlite_store, tmp_path, caplog):
+    """A run killed before it wrote its first undelivered call leaves an empty fallback file: the next run of the
+    stage, with the server up, has nothing to upload from it and says nothing about it."""
+    fallback = tmp_path / "fallback.jsonl"
+    fallback.touch()
+    cfg = tracking.TrackingConfig(uri=sqlite_store, experiment="exp", system_metrics=False, fallback_path=str(fallback))
+    with caplog.at_level("WARNING"):
+        with tracking.start_stage_run(cfg, "sft") as t:
+            t.log_metrics({"train/loss": 0.5}, step=1)
+    assert MlflowClient(sqlite_store).get_run(t.run_id).info.status == "FINISHED"
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text

@@ -195,3 +195,12 @@ def test_sigterm_to_a_running_stage_process_then_resume(name, stage_runs, tmp_pa
     assert not (run / ".out.work").exists()
     reliability.add(f"sigterm/{name}", stopped_at=state[key], exit_after_signal_s=round(stopped.exit_after_signal_s, 2),
                     resumed_bit_for_bit=1)
+
+
+def test_under_torchrun_only_rank_0_says_where_the_checkpoint_is(monkeypatch, capsys):
+    """torchrun prints every rank's stderr: the resume sentence comes once, from rank 0; every rank still stops."""
+    for rank, said in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        stop = preemption.stopped("ppo", 7, "out/.ppo.work/latest", signal.SIGTERM)
+        assert isinstance(stop, preemption.Preempted) and stop.step == 7
+        assert ("out/.ppo.work/latest" in capsys.readouterr().err) is said

@@ -69,9 +69,12 @@ def stopped(stage: str, step: int, checkpoint: str, signum: int | None) -> Preem
     """The Preempted to raise once the resume checkpoint is saved, after telling the user where it is.
 
     Said once, on stderr, and not logged as well: the CLI shows WARNING logs on stderr, so a logged copy
-    printed the same sentence twice."""
+    printed the same sentence twice; under torchrun by rank 0 only (the launcher prints every rank's stderr)."""
+    from .distributed import is_main
+
     stop = Preempted(stage, step, checkpoint, signum)
-    print(stop, file=sys.stderr, flush=True)
+    if is_main():
+        print(stop, file=sys.stderr, flush=True)
     return stop
 
 

@@ -70,10 +70,8 @@ def stopped(stage: str, step: int, checkpoint: str, signum: int | None) -> Preem
 
     Said once, on stderr, and not logged as well: the CLI shows WARNING logs on stderr, so a logged copy
     printed the same sentence twice; under torchrun by rank 0 only (the launcher prints every rank's stderr)."""
-    from .distributed import is_main
-
     stop = Preempted(stage, step, checkpoint, signum)
-    if is_main():
+    if os.environ.get("RANK", "0") == "0":  # every launcher sets RANK (distributed.rank; it imports this module)
         print(stop, file=sys.stderr, flush=True)
     return stop
 

@@ -128,7 +128,7 @@ def test_forward_logprobs_read_the_head_chunk_by_chunk_never_whole_logits(monkey
     assert chunked_probe.peak <= 3 * 5  # one chunk: its logits, the log-softmax, what cross-entropy keeps
 
 
-def test_forward_logprobs_of_a_soft_capped_model_take_the_whole_path_after_one_look(monkeypatch):
+def test_forward_logprobs_of_a_soft_capped_model_take_the_whole_path_after_one_look(monkeypatch, caplog):
     """Gemma 2 soft-caps its logits after the head, so the head alone would give other log-probs: the first
     batch's check sees it and that batch and every later one take the whole path (one look, not one a batch)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
@@ -142,6 +142,8 @@ def test_forward_logprobs_of_a_soft_capped_model_take_the_whole_path_after_one_l
     prompts, responses = random_rows(n=7, seed=3)
     got = scoring.forward_logprobs(model, prompts, responses, batch_size=3, pad_id=0)  # 3 batches
     assert looks == [None]
+    said = [r.getMessage() for r in caplog.records if "cannot be read in chunks" in r.getMessage()]
+    assert len(said) == 1 and "Gemma2ForCausalLM's logits are not its LM head applied" in said[0]  # once, with why
     for p, r, lp in zip(prompts, responses, got):
         with torch.no_grad():
             ref = torch.log_softmax(model(torch.tensor([p + r])).logits[0], -1)[len(p) - 1:-1].gather(

@@ -205,11 +205,16 @@ def selected_logprobs(call, lm: torch.nn.Module, input_ids: torch.Tensor, attent
 
     None when `lm`'s head cannot be read so (no backbone or head found, no logits_to_keep, or logits
     that are not its head applied to its backbone's output: a logit soft-cap or scale, an architecture
-    that ignores logits_to_keep; checked on every call). The caller then computes the logits the plain way.
+    that ignores logits_to_keep; checked on every call), with a warning that says why. The caller then
+    computes the logits the plain way.
     """
-    out, _ = chunked_head_scores(call, lm, input_ids, rows, positions, chunk_rows, attention_mask=attention_mask,
-                                 **pixels)
-    return None if out is None else out.logp
+    out, why = chunked_head_scores(call, lm, input_ids, rows, positions, chunk_rows, attention_mask=attention_mask,
+                                   **pixels)
+    if out is None:
+        log.warning("the LM head cannot be read in chunks (%s); computing the logits whole, (B, T, vocabulary) per "
+                    "pass", why)
+        return None
+    return out.logp
 
 
 def single_token_id(tokenizer, text: str, what: str) -> int:
@@ -313,9 +318,7 @@ class PRM:
             if ref is not None:
                 ratio = logp.new_zeros(B, T).index_put((rows, positions), logp - ref)  # (B, T): entry t scores token t
                 return self.head.beta * torch.cumsum(ratio, dim=1)
-            log.warning("this implicit PRM's logits are not its LM head applied to its backbone's output (%s); "
-                        "computing them whole, (B, T, vocabulary) per pass", type(self.model).__name__)
-            self.chunked = False
+            self.chunked = False  # selected_logprobs said why
         out = call(input_ids=input_ids, attention_mask=attention_mask, **pixels)
         return implicit_step_logits(out.logits, self._reference_logits(input_ids, attention_mask, **pixels),
                                     input_ids, attention_mask, response_start, self.head.beta)

@@ -182,6 +182,14 @@ def likes_shortcuts(steps: list[str], labels: list[float]) -> list[float]:
     return [1.0 if arithmetic.is_shortcut(step) else float(y) for step, y in zip(steps, labels, strict=True)]
 
 
+def likes_shortcuts_data(cfg: BenchConfig, out: Path) -> Path:
+    """Where train_likes_shortcuts keeps its training data: named by everything that makes it (the SFT policy's and
+    the PRM's keys, the task), so data made by another config is never reused."""
+    c = config_lib.to_dict(cfg)
+    key = json.dumps({k: c[k] for k in ("arithmetic", "sft", "prm", "implicit_prm")}, sort_keys=True)
+    return out / f"prm-implicit-likes-shortcuts-{hashlib.sha256(key.encode()).hexdigest()[:12]}.jsonl"
+
+
 def train_likes_shortcuts(cfg: BenchConfig, out: Path) -> None:
     """The implicit PRM of `trained-implicit` (same backbone, head, data and schedule) trained on labels with one
     consistent error: every merged (shortcut) line labelled 1, right or wrong, the other labels the checker's (a
@@ -190,7 +198,7 @@ def train_likes_shortcuts(cfg: BenchConfig, out: Path) -> None:
     from prmflow.components.prm import data as prm_data
 
     section = {**cfg.prm, **cfg.implicit_prm}
-    data_file = out / "prm-implicit-likes-shortcuts.jsonl"
+    data_file = likes_shortcuts_data(cfg, out)
     if not data_file.is_file():
         train, _ = prm_data.load_data(stage_config(prm_stage.Config, cfg, section, backbone=str(out / "sft"),
                                                    output=str(out / TRAINED_DIRS["trained-likes-shortcuts"])))

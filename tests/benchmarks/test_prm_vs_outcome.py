@@ -434,3 +434,13 @@ def test_the_biased_prm_data_differs_from_the_checker_only_on_merged_lines():
                                    (late_merge, [1, 0, 0], [1.0, 1.0, 0.0])):
         assert bench.arithmetic.step_labels(prompt, "\n".join(steps)) == checker  # the hand labels are the checker's
         assert bench.likes_shortcuts(steps, checker) == biased
+
+
+def test_the_biased_prm_data_made_by_another_config_is_not_reused(tmp_path):
+    def path(**keys):
+        return bench.likes_shortcuts_data(bench.BenchConfig(**keys), tmp_path)
+
+    base = path(prm={"num_prompts": 3000})
+    assert base == path(prm={"num_prompts": 3000})  # the same config finds its data again
+    assert len({base, path(prm={"num_prompts": 2000}), path(prm={"num_prompts": 3000}, arithmetic={"max_ops": 7}),
+                path(prm={"num_prompts": 3000}, sft={"max_steps": 10})}) == 4

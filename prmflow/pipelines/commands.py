@@ -28,15 +28,15 @@ from .settings import PipelineSpec, load_spec
 
 
 
-def _number(kind, above: float, unit: str):
-    """An argparse type: a finite `kind` (int or float) greater than `above` (argparse names the flag in its error)."""
+def _number(kind, unit: str, zero: bool):
+    """An argparse type: a finite `kind` (int or float) above 0, or at least 0 with `zero` (argparse names the flag)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"'{text}' is not {'a whole number' if kind is int else 'a number'} of {unit}") from None
-        if not math.isfinite(value) or value <= above:
-            raise argparse.ArgumentTypeError(f"'{text}': give {'0 or more' if above < 0 else 'more than 0'} {unit}")
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"'{text}': give {'0 or more' if zero else 'more than 0'} {unit}")
         return value
     return parse
 
@@ -68,9 +68,11 @@ def add_parsers(sub) -> None:
                    help="turn KFP's result cache on or off for every step of this run (default: as compiled)")
     s.add_argument("--dry-run", action="store_true", help="print every stage's effective config and the arguments; send nothing")
     s.add_argument("--wait", action="store_true", help="wait for the run: status lines, then the failed task and its log tail")
-    s.add_argument("--timeout", type=_number(float, 0, "seconds"), default=7 * 24 * 3600, help="with --wait: seconds to wait at most")
-    s.add_argument("--poll", type=_number(float, 0, "seconds"), default=30, help="with --wait: seconds between status reads")
-    s.add_argument("--log-lines", type=_number(int, -1, "lines"), default=40,
+    s.add_argument("--timeout", type=_number(float, "seconds", zero=False), default=7 * 24 * 3600,
+                   help="with --wait: seconds to wait at most")
+    s.add_argument("--poll", type=_number(float, "seconds", zero=True), default=30,
+                   help="with --wait: seconds between status reads (0: read again at once)")
+    s.add_argument("--log-lines", type=_number(int, "lines", zero=True), default=40,
                    help="with --wait: log lines of a failed task to print (0: none)")
     client.add_arguments(s)
     s.set_defaults(handler=_submit)

@@ -34,7 +34,8 @@ def test_plan_reads_a_valid_volume_and_warns_when_the_run_needs_more(capsys):
 
 @pytest.mark.parametrize("flag, value, says", [
     ("--timeout", "-5", "give more than 0 seconds"), ("--timeout", "0", "give more than 0 seconds"),
-    ("--poll", "-1", "give more than 0 seconds"), ("--poll", "nan", "give more than 0 seconds"),
+    ("--poll", "-1", "give 0 or more seconds"), ("--poll", "-0.5", "give 0 or more seconds"),
+    ("--poll", "nan", "give 0 or more seconds"),
     ("--log-lines", "-3", "give 0 or more lines"), ("--log-lines", "2.5", "is not a whole number of lines"),
 ])
 def test_submit_refuses_a_wait_setting_that_cannot_be_meant_before_it_reads_the_config(flag, value, says, capsys):
@@ -45,7 +46,8 @@ def test_submit_refuses_a_wait_setting_that_cannot_be_meant_before_it_reads_the_
     assert f"argument {flag}: '{value}'" in err and says in err, err
 
 
-def test_submit_takes_zero_log_lines_and_a_fractional_poll():
-    argv = ["pipeline", "submit", "--config", CONFIG, "--log-lines", "0", "--poll", "0.5"]
-    args = cli.build_parser(argv)[0].parse_args(argv)
-    assert (args.log_lines, args.poll) == (0, 0.5)
+def test_submit_takes_zero_log_lines_and_a_fractional_or_zero_poll():
+    for poll in (0.5, 0.0):
+        argv = ["pipeline", "submit", "--config", CONFIG, "--log-lines", "0", "--poll", str(poll)]
+        args = cli.build_parser(argv)[0].parse_args(argv)
+        assert (args.log_lines, args.poll) == (0, poll)

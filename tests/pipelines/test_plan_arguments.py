@@ -24,6 +24,7 @@ def test_plan_refuses_a_nonsensical_number_naming_the_flag(flag, value, capsys):
     assert f"argument {flag}: '{value}'" in err and "e.g." in err, err
 
 
+@pytest.mark.slow  # compiles the 7B pipeline twice: 14 s on 2 cores
 def test_plan_reads_a_valid_volume_and_warns_when_the_run_needs_more(capsys):
     assert cli.main(["pipeline", "plan", "--config", CONFIG, "--model-params", "7.62e9"]) == 0  # --volume is optional
     assert "the workspace needs" not in capsys.readouterr().out  # the PVC's size is unknown: nothing to compare

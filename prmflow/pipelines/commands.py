@@ -27,7 +27,6 @@ from .params import effective_configs, merge_section, parse_params, run_argument
 from .settings import PipelineSpec, load_spec
 
 
-
 def _number(kind, unit: str, zero: bool):
     """An argparse type: a finite `kind` (int or float) above 0, or at least 0 with `zero` (argparse names the flag)."""
     def parse(text: str):

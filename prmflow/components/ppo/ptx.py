@@ -43,7 +43,6 @@ def ptx_batch(cfg: Config, examples, update: int, n_micro: int, pad_id: int):
     return micro, tokens
 
 
-
 class PtxScorer:
     """The summed next-token cross-entropy of a ptx micro-batch's trained tokens under the policy.
 

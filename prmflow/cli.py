@@ -27,6 +27,11 @@ from .errors import OutputExistsError, PrmflowError
 from .pipelines import commands
 
 
+#: make-tiny-model's presets as its --help lists them (modeling.TINY_PRESETS and TINY_VL_PRESETS, named here so
+#: that `prmflow --help` does not import torch; tests/test_cli.py keeps the two the same).
+TINY_PRESET_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-qwen2-bpe", "tiny-llava")
+
+
 def _summary(module) -> str:
     """The docstring's first paragraph on one line: a summary wrapped over two lines stays whole."""
     doc = (module.__doc__ or "").strip()
@@ -64,7 +69,8 @@ def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser
         p.set_defaults(stage=name)
     tiny = sub.add_parser("make-tiny-model", help="write a tiny preset model (config + tokenizer, random init) as a HF directory")
     tiny.add_argument("output", help="directory to create")
-    tiny.add_argument("--preset", default="tiny-llama", help="tiny-llama, tiny-qwen2 or tiny-llava (vision-language)")
+    tiny.add_argument("--preset", default="tiny-llama", help=f"{', '.join(TINY_PRESET_NAMES[:-1])} or {TINY_PRESET_NAMES[-1]} "
+                      f"(tiny-qwen2-bpe: Qwen2.5's BPE tokenizer and chat template; tiny-llava: vision-language)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(stage=None, handler=_make_tiny)
     commands.add_parsers(sub)

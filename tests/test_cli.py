@@ -202,3 +202,17 @@ def test_a_key_outside_the_stage_section_is_named_not_dropped(tmp_path, capsys):
     assert f"{cfg}: 'estimator' is outside every section; with the section 'advantage:' only the keys under it are read" \
         in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_make_tiny_model_help_names_every_preset_it_takes(capsys):
+    """`prmflow make-tiny-model --help` listed tiny-llama, tiny-qwen2 and tiny-llava, but not tiny-qwen2-bpe (the
+    stand-in for a real Qwen2.5-Instruct directory), which the command takes: the help names exactly the presets."""
+    from prmflow.components.common import modeling
+
+    with pytest.raises(SystemExit):
+        cli.main(["make-tiny-model", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    presets = {*modeling.TINY_PRESETS, *modeling.TINY_VL_PRESETS}
+    assert set(cli.TINY_PRESET_NAMES) == presets
+    for name in presets:
+        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", shown.split("--preset PRESET", 2)[-1]), name

@@ -1,12 +1,13 @@
 """Stage README config tables, generated from the stages' Config docstrings.
 
-    python -m prmflow.docs            # rewrite the table in every stage README
+    python -m prmflow.docs            # rewrite the table in every stage README (and docs/submitting.md's)
     python -m prmflow.docs --check    # exit 1, naming each README whose table is out of date
 
 The one-line docstring under each Config field is the documentation of that key: `prmflow STAGE
 --help` prints it, and this module renders it, with the key's type and default, as the Markdown
 table between `<!-- config-table:start STAGE -->` and `<!-- config-table:end -->` in the stage's
-README (prmflow/components/<folder>/README.md). Everything outside the markers is hand-written prose
+README (prmflow/components/<folder>/README.md); docs/submitting.md holds two sections of the pipeline: config
+(PAGE_TABLES) the same way. Everything outside the markers is hand-written prose
 and is left as it is. tests/test_docs.py fails when a table no longer matches its Config, so a key
 added, renamed or re-documented means running the command above, never editing a table by hand.
 
@@ -26,6 +27,10 @@ from . import stages
 from .components.common import config as config_lib
 
 COMPONENTS = Path(__file__).resolve().parent / "components"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+#: Tables of the pipeline: config outside the stage READMEs: page -> (marker name, config class), the class
+#: named by its attribute of pipelines/settings.py (imported when the tables are made).
+PAGE_TABLES = {DOCS / "submitting.md": (("pipeline.images", "ImagesConfig"), ("pipeline.cluster.trainer", "TrainerConfig"))}
 COMMAND = "python -m prmflow.docs"
 END = "<!-- config-table:end -->"
 
@@ -89,6 +94,13 @@ def rendered() -> dict[Path, str]:
                                  f"between '{start_marker(name)}' and '{END}'.")
             out[path] = path.read_text(encoding="utf-8")
         out[path] = with_table(out[path], name, config_table(module.Config), where=str(path))
+    from .pipelines import settings
+
+    for path, tables in PAGE_TABLES.items():
+        if path.is_file():  # an installed package has no docs/ beside it
+            out[path] = path.read_text(encoding="utf-8")
+            for name, cls in tables:
+                out[path] = with_table(out[path], name, config_table(getattr(settings, cls)), where=str(path))
     return out
 
 

@@ -438,3 +438,23 @@ def test_layout_tree_names_real_paths_and_every_package_folder():
                if p.is_dir() and "__pycache__" not in p.parts and any(p.glob("*.py"))}
     unlisted = sorted(folders - set(paths))
     assert not unlisted, f"docs/layout.md's tree: add one line for each package folder {unlisted}"
+
+
+def test_the_command_also_regenerates_the_submitting_page_tables(tmp_path, monkeypatch, capsys):
+    """docs/submitting.md's pipeline.images and pipeline.cluster.trainer tables are generated like the stage
+    READMEs', but `python -m prmflow.docs` left them alone: a re-documented ImagesConfig key failed a test that
+    said to regenerate the table while the command for it wrote nothing. Now the command finds and fixes them."""
+    original = ROOT / "docs" / "submitting.md"
+    page = tmp_path / "submitting.md"
+    drifted = original.read_text(encoding="utf-8").replace("| `pull_secrets` |", "| `pull_secret` |")
+    drifted = drifted.replace("| `num_nodes` |", "| `nodes` |")
+    page.write_text(drifted, encoding="utf-8")
+    monkeypatch.setattr(stages, "available", lambda: {})
+    monkeypatch.setattr(docs, "PAGE_TABLES", {page: docs.PAGE_TABLES[original]})
+
+    assert docs.main(["--check"]) == 1
+    assert f"{page}: config table out of date; run `python -m prmflow.docs`" in capsys.readouterr().err
+    assert page.read_text(encoding="utf-8") == drifted
+    assert docs.main([]) == 0
+    assert page.read_text(encoding="utf-8") == original.read_text(encoding="utf-8")
+    assert docs.main(["--check"]) == 0

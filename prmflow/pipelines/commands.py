@@ -24,7 +24,7 @@ from .. import stages
 from ..errors import ConfigError, PrmflowError
 from . import client, plan
 from .params import effective_configs, merge_section, parse_params, run_arguments, split_sets
-from .settings import PipelineSpec, load_spec
+from .settings import PipelineSpec, load_spec, safe_loader
 
 
 def _number(kind, unit: str, zero: bool):
@@ -215,7 +215,7 @@ def _package(args, tmp: str) -> tuple[str, PipelineSpec | None, list[str]]:
 def _package_doc(path: str) -> list[dict]:
     import yaml
 
-    return [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+    return [d for d in yaml.load_all(Path(path).read_text(), Loader=safe_loader()) if d]
 
 
 def package_defaults(path: str) -> dict:

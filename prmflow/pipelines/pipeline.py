@@ -31,7 +31,8 @@ from ..components.common import config as config_lib
 from ..errors import ConfigError
 from . import components, kfp_shim, trainjob
 from .lineage import finish_tracking, init_tracking
-from .settings import IMPORTER_SCHEMES, SERVER_DEFAULT_CLASS, ClusterConfig, ImagesConfig, NodePool, PipelineSpec
+from .settings import (IMPORTER_SCHEMES, SERVER_DEFAULT_CLASS, ClusterConfig, ImagesConfig, NodePool, PipelineSpec,
+                       safe_loader)
 
 
 def _component(fn: Callable, image: str):
@@ -337,7 +338,7 @@ def is_compiled_spec(path: str) -> bool:
         return False
     try:
         with open(path, encoding="utf-8") as f:
-            first = next((d for d in yaml.safe_load_all(f) if d), None)
+            first = next((d for d in yaml.load_all(f, Loader=safe_loader()) if d), None)
     except (OSError, ValueError, yaml.YAMLError, RecursionError):
         return False
     return isinstance(first, dict) and "pipelineInfo" in first and "root" in first
@@ -371,7 +372,7 @@ def compile_to(spec: PipelineSpec, path: str) -> str:
     try:
         compiler.Compiler().compile(build(spec), package_path=tmp)
         with open(tmp) as f:
-            docs = [d for d in yaml.safe_load_all(f) if d]
+            docs = [d for d in yaml.load_all(f, Loader=safe_loader()) if d]
         cluster = spec.pipeline.cluster
         compat.check(docs, cluster.kfp_version, cluster.workspace_storage_class == SERVER_DEFAULT_CLASS,
                      where=f"pipeline '{spec.pipeline.name}'")

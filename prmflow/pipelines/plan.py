@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from .settings import MIN_KFP_BACKEND, MIN_TRAINER, PipelineSpec, quantity_bytes
+from .settings import MIN_KFP_BACKEND, MIN_TRAINER, PipelineSpec, quantity_bytes, safe_loader
 
 #: Bytes of a location artifact (location.json: where, fingerprint, a sha256 and a size per file).
 LOCATION_BYTES = 16 * 1024
@@ -187,7 +187,7 @@ def compiled(spec: PipelineSpec) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = compile_to(spec, str(Path(tmp) / "pipeline.yaml"))
-        return next(yaml.safe_load_all(Path(path).read_text()))
+        return next(yaml.load_all(Path(path).read_text(), Loader=safe_loader()))
 
 
 def per_iteration(rows: list[TaskRow]) -> list[TaskRow]:

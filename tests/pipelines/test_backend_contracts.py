@@ -21,7 +21,7 @@ from prmflow.pipelines.contracts import KFP_VERSIONS
 from prmflow.pipelines.contracts import kfp as kfp_rules
 from prmflow.pipelines.contracts import trainer as trainer_rules
 from prmflow.pipelines.pipeline import compile_to
-from prmflow.pipelines.settings import load_spec
+from prmflow.pipelines.settings import load_spec, safe_loader
 
 from .fake_k8s import FakeK8s, crd_schema, runtime_cr
 
@@ -50,15 +50,32 @@ def recipe(name: str, pvc: bool) -> dict:
 
 
 _compiled: dict[tuple[str, bool], list[dict]] = {}
+_texts: dict[tuple[str, bool], str] = {}
 
 
 def compiled(tmp_path_factory, name: str, pvc: bool) -> list[dict]:
-    """The YAML documents of the recipe compiled for a cluster, once per session."""
+    """The YAML documents of the recipe compiled for a cluster, once per session (read with PyYAML's
+    pure-Python SafeLoader: the reference the C loader compile_to uses is checked against)."""
     if (name, pvc) not in _compiled:
         path = tmp_path_factory.mktemp("ir") / "p.yaml"
         compile_to(load_spec(None, data=recipe(name, pvc)), str(path))
-        _compiled[name, pvc] = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        _texts[name, pvc] = path.read_text()
+        _compiled[name, pvc] = [d for d in yaml.load_all(_texts[name, pvc], Loader=yaml.SafeLoader) if d]
     return _compiled[name, pvc]
+
+
+def test_a_compiled_spec_reads_back_as_pyyamls_safe_loader_reads_it_and_as_safely(tmp_path_factory, monkeypatch):
+    """compile_to, plan and submit read compiled specs with settings.safe_loader (libyaml's C loader where
+    PyYAML has it): the documents the compat checks see are those of PyYAML's pure-Python SafeLoader, and a
+    Python tag is refused, never run."""
+    docs = compiled(tmp_path_factory, "cluster/ppo-7b-2x8.yaml", True)  # the largest recipe
+    assert yaml.__with_libyaml__  # the CI image has libyaml: the fast loader is the one checked here
+    assert [d for d in yaml.load_all(_texts["cluster/ppo-7b-2x8.yaml", True], Loader=safe_loader()) if d] == docs
+    for hostile in ("!!python/object/apply:os.getcwd []", "x: !!python/name:os.system"):
+        with pytest.raises(yaml.constructor.ConstructorError):
+            yaml.load(hostile, Loader=safe_loader())  # a SafeLoader
+    monkeypatch.setattr(yaml, "__with_libyaml__", False)  # PyYAML built without libyaml: its own SafeLoader
+    assert safe_loader() is yaml.SafeLoader
 
 
 def check_workspace_mounts(docs: list[dict]) -> None:

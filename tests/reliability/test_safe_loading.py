@@ -54,8 +54,9 @@ def unsafe_loads(source: str, filename: str = "<src>") -> list[str]:
                     found.append(f"{where}: torch.load without weights_only=True")
             if name in PICKLE_LOADS:
                 found.append(f"{where}: {name} (unpickles arbitrary code)")
-            if name == "yaml.load" and "SafeLoader" not in ast.unparse(kw.get("Loader", ast.Constant(None))):
-                found.append(f"{where}: yaml.load without SafeLoader")
+            loader = ast.unparse(kw.get("Loader", ast.Constant(None)))
+            if name in ("yaml.load", "yaml.load_all") and "SafeLoader" not in loader and loader != "safe_loader()":
+                found.append(f"{where}: {name} without SafeLoader")  # safe_loader(): tests/pipelines/test_backend_contracts.py
             if name.split(".")[-1] == "load" and name.startswith(("np.", "numpy.")) and _is_true(kw.get("allow_pickle")):
                 found.append(f"{where}: numpy load with allow_pickle=True")
             if _is_true(kw.get("trust_remote_code")):
@@ -89,6 +90,7 @@ torch.load("x")
 torch.load("x", weights_only=False)
 state = pickle.load(open("f", "rb"))
 yaml.load(text)
+yaml.load_all(text, Loader=yaml.Loader)
 np.load("a.npy", allow_pickle=True)
 M.from_pretrained(p, trust_remote_code=True)
 M.from_pretrained(p, use_safetensors=False)
@@ -99,12 +101,13 @@ loader = torch.load
 class C:
     trust_remote_code: bool = True
 '''
-    assert len(unsafe_loads(bad)) == 11, unsafe_loads(bad)
+    assert len(unsafe_loads(bad)) == 12, unsafe_loads(bad)
     good = '''
 import torch, yaml
 torch.load("x", weights_only=True)
 yaml.safe_load(text)
 yaml.load(text, Loader=yaml.SafeLoader)
+yaml.load_all(text, Loader=safe_loader())
 M.from_pretrained(p, trust_remote_code=cfg.trust_remote_code, use_safetensors=True)
 def load(p, trust_remote_code=False): ...
 '''

@@ -243,3 +243,24 @@ def test_the_config_files_loader_is_yaml_safe_loader_refusing_a_key_twice():
     with pytest.raises(yaml.constructor.ConstructorError, match="key 'a' is written twice"):
         yaml.load("a: 1\nb: {c: 2}\na: 3\n", Loader=loader)
     assert yaml.load("a: &x {b: 1}\nc:\n  <<: *x\n  d: 2\n", Loader=loader) == {"a": {"b": 1}, "c": {"b": 1, "d": 2}}
+
+
+def test_an_empty_value_of_an_optional_key_is_its_empty_default(tmp_path, capsys):
+    """advantage's help says `--whiten` "Empty: reinforce_baseline only" and the key tables show its default as
+    empty, but `--whiten ''` was refused ("must be true or false, got ''"), naming neither empty nor null.
+    Empty (on the command line or in YAML) is now None, the help shows the default as empty, and a bad value
+    says that empty is allowed."""
+    from prmflow import cli
+    from prmflow.components.advantage.config import Config
+
+    cfg = tmp_path / "adv.yaml"
+    cfg.write_text("advantage:\n  whiten: ''\n  outcome_reward:\n")
+    assert config.load(Config, str(cfg), {"step_rewards": ""}, section="advantage").whiten is None
+    loaded = config.load(Config, str(cfg), {"step_rewards": "", "whiten": "true"}, section="advantage")
+    assert (loaded.whiten, loaded.outcome_reward, loaded.step_rewards) == (True, None, None)
+    with pytest.raises(ConfigError, match=r"key 'whiten' must be true or false, got 'maybe', or empty \(null\)"):
+        config.load(Config, None, {"whiten": "maybe"})
+    with pytest.raises(SystemExit):
+        cli.main(["advantage", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "Empty: reinforce_baseline only. (default: empty)" in shown and "(default: None)" not in shown

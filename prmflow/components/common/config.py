@@ -120,9 +120,12 @@ def coerce(value: Any, typ: Any, key: str, where: str) -> Any:
     origin = typing.get_origin(typ)
     args = typing.get_args(typ)
     if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in args:
-                return None
+        optional = type(None) in args
+        # empty is how the help and the key tables name None ("Empty: on, except for grpo_process"), so an empty
+        # string means None where no string type could take it (`--whiten ''`, `whiten: ""`)
+        if optional and (value is None or (isinstance(value, str) and (
+                value.lower() in ("none", "null") or (not value.strip() and str not in args)))):
+            return None
         errors = []
         for a in args:
             if a is type(None):
@@ -131,6 +134,8 @@ def coerce(value: Any, typ: Any, key: str, where: str) -> Any:
                 return coerce(value, a, key, where)
             except ConfigError as e:
                 errors.append(str(e))
+        if errors and optional:
+            raise ConfigError(f"{errors[0].rstrip('.')}, or empty (null) for the default its description names.")
         raise ConfigError(errors[0] if errors else f"{where}: key '{key}' cannot be None.")
     if origin is typing.Literal:
         for a in args:
@@ -402,7 +407,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     group = parser.add_argument_group("config keys")
     fields = flat_fields(cls)
     for key, (typ, doc, default) in fields.items():
-        help_text = f"{doc} (default: {default!r})" if doc else f"(default: {default!r})"
+        shown = "empty" if default is None else repr(default)  # as the key tables write it (docs.config_table)
+        help_text = f"{doc} (default: {shown})" if doc else f"(default: {shown})"
         group.add_argument(f"--{key}", dest=f"cfg:{key}", metavar="V", default=argparse.SUPPRESS,
                            help=help_text.replace("%", "%%"))
 

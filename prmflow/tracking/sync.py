@@ -30,7 +30,10 @@ def sync_fallback(path: str | Path, uri: str | None = None, create_store: bool =
     delivered). Raises TrackingUnavailable, naming the file, when the server cannot be reached;
     what was delivered before that is marked and not sent again.
     """
-    fb = FallbackLog(check_fallback_file(path))
+    checked = check_fallback_file(path)
+    if checked.stat().st_size == 0:  # a stage killed before it recorded its first call: nothing was missed
+        return {"delivered": 0, "rejected": 0, "skipped": 0}
+    fb = FallbackLog(checked)
     from mlflow.tracking import MlflowClient  # after the checks: a wrong path is refused without importing MLflow
 
     records = fb.read()
@@ -113,8 +116,8 @@ def check_fallback_file(path: str | Path) -> Path:
     """`path` as a fallback file to upload, or a DataError in one line naming it and what to pass instead."""
     path = Path(path)
     if path.is_file():
-        if path.stat().st_size == 0:
-            raise DataError(f"'{path}' is empty: no tracking calls to upload. {WHAT_IT_TAKES}.")
+        if path.stat().st_size == 0:  # what a stage killed before its first undelivered call leaves: nothing to do
+            return path
         if not _is_fallback_file(path):
             raise DataError(f"'{path}' is not a tracking fallback file (its first lines are not recorded tracking "
                             f"calls). {WHAT_IT_TAKES}.")
@@ -143,6 +146,10 @@ def add_sync_command(subparsers) -> None:
 
 def _sync_command(args) -> int:
     counts = sync_fallback(args.file, args.uri, create_store=args.create_store)
+    if Path(args.file).stat().st_size == 0:
+        print(f"tracking-sync {args.file}: the file is empty (its stage stopped before MLflow missed a call); "
+              f"nothing to upload")
+        return 0
     print(f"tracking-sync {args.file}: {counts['delivered']} call(s) delivered, {counts['rejected']} refused by the "
           f"server, {counts['skipped']} already delivered before")
     return 0

@@ -132,3 +132,18 @@ def test_a_sqlite_store_in_a_directory_that_does_not_exist_is_refused_everywhere
 
 # The first-run path (a stage creating its store in a directory that exists, as the quickstart does on a fresh
 # checkout) is what tests/common/test_tracking.py does with its `sqlite_store` fixture: a file not made yet.
+
+
+def test_an_empty_fallback_file_left_by_a_kill_is_nothing_to_upload(tmp_path, capsys):
+    """A stage killed before it recorded its first undelivered call leaves an empty `.<output>.tracking.jsonl`
+    (the stage's own next run passes over it quietly). `prmflow tracking-sync` on it, as docs/mlflow.md says to
+    run, exited 2 telling the user to "pass the fallback file a stage writes", the file they had passed. Now:
+    one line saying it is empty, exit 0, and no store made."""
+    fallback = tmp_path / "outputs" / ".sft.tracking.jsonl"
+    fallback.parent.mkdir()
+    fallback.touch()
+    store = tmp_path / "mlflow.db"
+    assert cli.main(["tracking-sync", str(fallback), "--uri", f"sqlite:///{store}"]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"tracking-sync {fallback}: the file is empty (its stage stopped before MLflow missed a call); nothing to upload\n"
+    assert err == "" and not store.exists() and fallback.read_bytes() == b""

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import stages
 from ..errors import ConfigError, PrmflowError
-from . import client, plan
+from . import advice, client, plan
 from .params import effective_configs, merge_section, parse_params, run_arguments, split_sets
 from .settings import PipelineSpec, load_spec, safe_loader
 
@@ -140,6 +140,8 @@ def _load(config: str | None, sets: list[str]) -> PipelineSpec:
     spec = load_spec(config, pipeline)
     for stage, change in per_stage.items():
         spec.stages[stage] = merge_section(stage, spec.stages.get(stage) or {}, change, "--set")
+    for note in advice.notes(spec):  # valid, but against what was measured: said once, never refused
+        print(note, file=sys.stderr)
     return spec
 
 

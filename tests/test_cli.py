@@ -216,3 +216,25 @@ def test_make_tiny_model_help_names_every_preset_it_takes(capsys):
     assert set(cli.TINY_PRESET_NAMES) == presets
     for name in presets:
         assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", shown.split("--preset PRESET", 2)[-1]), name
+
+
+def test_compile_with_both_images_unset_says_how_to_set_each(tmp_path, capsys):
+    """With neither image set, compile named both keys but showed only the CPU placeholder and told the user to
+    build and --set only the CPU image; the GPU one was refused again on the next try. Each unset image is named
+    with its value, its build line and its --set; one unset image alone is named alone."""
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "pipeline-local.yaml")
+    out = tmp_path / "spec.yaml"
+    assert cli.main(["pipeline", "compile", "--config", config, "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    for kind in ("cpu", "gpu"):
+        assert f"registry.invalid/prmflow-{kind}:set-pipeline.images.{kind}" in err, err
+        assert f"images/build.sh {kind} REGISTRY/prmflow-{kind}:TAG --push" in err, err
+        assert f"--set images.{kind}=REGISTRY/prmflow-{kind}@sha256:..." in err, err
+    assert cli.main(["pipeline", "compile", "--config", config, "-o", str(out),
+                     "--set", "images.cpu=registry.example.com/prmflow-cpu@sha256:00"]) == 2
+    err = capsys.readouterr().err
+    assert "pipeline.images.gpu is still the placeholder" in err and "images.cpu" not in err, err
+    assert not out.exists()
+

@@ -151,12 +151,15 @@ def compile_for_cluster(spec: PipelineSpec, path: str) -> str:
     from .pipeline import compile_to
 
     unset = spec.pipeline.images.placeholders()
-    if unset:
+    if unset:  # each unset image named with its build and its --set, not only the first
+        one = len(unset) == 1
         keys = ", ".join(f"pipeline.images.{k}" for k in unset)
-        raise ConfigError(f"{keys} {'is' if len(unset) == 1 else 'are'} still the placeholder ({getattr(spec.pipeline.images, unset[0])}): build and push "
-                          f"the image (images/build.sh {unset[0]} REGISTRY/prmflow-{unset[0]}:TAG --push prints its "
-                          f"digest), then set it in the config's pipeline.images section or with "
-                          f"--set images.{unset[0]}=REGISTRY/prmflow-{unset[0]}@sha256:...")
+        values = ", ".join(getattr(spec.pipeline.images, k) for k in unset)
+        builds = "; ".join(f"images/build.sh {k} REGISTRY/prmflow-{k}:TAG --push" for k in unset)
+        sets = " ".join(f"--set images.{k}=REGISTRY/prmflow-{k}@sha256:..." for k in unset)
+        raise ConfigError(f"{keys} {'is' if one else 'are'} still the placeholder ({values}): build and push "
+                          f"{'the image' if one else 'each image'} ({builds} {'prints its digest' if one else 'print their digests'}), "
+                          f"then set {'it' if one else 'them'} in the config's pipeline.images section or with {sets}")
     return compile_to(spec, path)
 
 

@@ -70,8 +70,9 @@ def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser
     tiny = sub.add_parser("make-tiny-model", help="write a tiny preset model (config + tokenizer, random init) as a HF directory")
     tiny.add_argument("output", help="directory to create")
     tiny.add_argument("--preset", default="tiny-llama", help=f"{', '.join(TINY_PRESET_NAMES[:-1])} or {TINY_PRESET_NAMES[-1]} "
-                      f"(tiny-qwen2-bpe: Qwen2.5's BPE tokenizer and chat template; tiny-llava: vision-language)")
-    tiny.add_argument("--seed", type=int, default=0)
+                      f"(tiny-qwen2-bpe: Qwen2.5's BPE tokenizer and chat template; tiny-llava: vision-language; default: "
+                      f"tiny-llama)")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random initial weights (default: 0)")
     tiny.set_defaults(stage=None, handler=_make_tiny)
     commands.add_parsers(sub)
     tracking.add_sync_command(sub)

@@ -238,3 +238,48 @@ def test_compile_with_both_images_unset_says_how_to_set_each(tmp_path, capsys):
     assert "pipeline.images.gpu is still the placeholder" in err and "images.cpu" not in err, err
     assert not out.exists()
 
+
+def _helper_options():
+    """(command, option, default, help) of every option of the helper commands that has a default worth showing."""
+    import argparse
+
+    parser, _ = cli.build_parser(["pipeline"])
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    found = []
+
+    def walk(p, name):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub, sp in a.choices.items():
+                    walk(sp, f"{name} {sub}")
+            elif a.default not in (None, "", [], False, argparse.SUPPRESS) and a.help not in (None, argparse.SUPPRESS):
+                found.append((name, a.option_strings[-1], a.default, a.help))
+
+    for name in ("pipeline", "stage-command", "tracking-sync", "make-tiny-model"):
+        walk(commands[name], name)
+    return found
+
+
+def test_helper_command_help_shows_each_default():
+    """`prmflow pipeline run-local --help` did not say artifacts go to outputs/kfp-local (compare: outputs/compare,
+    compile -o: pipeline.yaml), though docs/ points users at paths under them; every option of the helper commands
+    with a default now shows it in its help, as the stage flags do."""
+    options = _helper_options()
+    assert len(options) >= 10  # the walk sees the pipeline actions' options
+    missing = [f"prmflow {name} {opt}: default {default!r}" for name, opt, default, text in options
+               if str(default).removeprefix("./") not in text]
+    assert not missing, "help does not show the default:\n" + "\n".join(missing)
+
+
+def test_run_local_help_does_not_promise_the_local_config_without_config():
+    """run-local without --config takes the pipeline: and stage defaults (sft max_steps 700), not
+    configs/pipeline-local.yaml (300): its help said the latter."""
+    help_text = next(text for name, opt, _, text in _helper_options() if name == "pipeline run-local" and opt == "--root")
+    assert "outputs/kfp-local" in help_text
+    import argparse
+
+    parser, _ = cli.build_parser(["pipeline"])
+    run_local = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["pipeline"]
+    sub = next(a for a in run_local._actions if isinstance(a, argparse._SubParsersAction)).choices["run-local"]
+    config_help = next(a.help for a in sub._actions if "--config" in a.option_strings)
+    assert "default: configs/pipeline-local.yaml" not in config_help

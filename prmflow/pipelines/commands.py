@@ -48,7 +48,7 @@ def add_parsers(sub) -> None:
     c.add_argument("--config", help="pipeline YAML (pipeline: + stage sections)")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a pipeline: key (iterations=3, images.gpu=...) or a stage key (ppo.optim.lr=1e-6)")
-    c.add_argument("-o", "--output", default="pipeline.yaml", help="where to write the spec")
+    c.add_argument("-o", "--output", default="pipeline.yaml", help="where to write the spec (default: pipeline.yaml)")
     c.set_defaults(handler=_compile)
     plan.add_parser(psub)
 
@@ -57,7 +57,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--param", action="append", default=[], metavar="NAME=JSON",
                    help="pipeline parameter; a stage's is merged into its compiled config, e.g. "
                         "'ppo_config={\"optim\": {\"lr\": 1e-6}}' or tracking_uri=http://mlflow:5000")
-    s.add_argument("--experiment", default="prmflow", help="KFP experiment to file the run under")
+    s.add_argument("--experiment", default="prmflow", help="KFP experiment to file the run under (default: prmflow)")
     s.add_argument("--run-name", default="", help="name of the KFP run")
     s.add_argument("--pipeline-root", default="", help="where the run's artifacts go, e.g. s3://bucket/prmflow "
                    "(default: the KFP deployment's)")
@@ -68,11 +68,11 @@ def add_parsers(sub) -> None:
     s.add_argument("--dry-run", action="store_true", help="print every stage's effective config and the arguments; send nothing")
     s.add_argument("--wait", action="store_true", help="wait for the run: status lines, then the failed task and its log tail")
     s.add_argument("--timeout", type=_number(float, "seconds", zero=False), default=7 * 24 * 3600,
-                   help="with --wait: seconds to wait at most")
+                   help="with --wait: seconds to wait at most (default: 604800, a week)")
     s.add_argument("--poll", type=_number(float, "seconds", zero=True), default=30,
-                   help="with --wait: seconds between status reads (0: read again at once)")
+                   help="with --wait: seconds between status reads (default: 30; 0: read again at once)")
     s.add_argument("--log-lines", type=_number(int, "lines", zero=True), default=40,
-                   help="with --wait: log lines of a failed task to print (0: none)")
+                   help="with --wait: log lines of a failed task to print (default: 40; 0: none)")
     client.add_arguments(s)
     s.set_defaults(handler=_submit)
 
@@ -85,18 +85,19 @@ def add_parsers(sub) -> None:
     u.set_defaults(handler=_upload)
 
     r = psub.add_parser("run-local", help="run the whole DAG on this machine through kfp.local (no docker)")
-    r.add_argument("--config", default=None, help="pipeline YAML (default: configs/pipeline-local.yaml settings)")
+    r.add_argument("--config", default=None, help="pipeline YAML (without it: the pipeline: and stage defaults, not "
+                   "configs/pipeline-local.yaml's smaller budget)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a pipeline: key (iterations=1) or a stage key (ppo.optim.lr=1e-4)")
-    r.add_argument("--root", default="outputs/kfp-local", help="pipeline root: where artifacts are written")
+    r.add_argument("--root", default="outputs/kfp-local", help="pipeline root: where artifacts are written (default: outputs/kfp-local)")
     r.add_argument("--param", action="append", default=[], metavar="NAME=JSON", help="pipeline parameter")
     r.add_argument("--verbose", action="store_true",
                    help="stream every task's output here (default: one line per task, the full log in ROOT/run-local.log)")
     r.set_defaults(handler=_run_local)
 
     cm = psub.add_parser("compare", help="run the pipeline locally once per RL variant (shared SFT and PRM); print a table")
-    cm.add_argument("--config", default="configs/compare.yaml", help="pipeline YAML with a variants: section")
-    cm.add_argument("--root", default="outputs/compare", help="where each variant's artifacts are written")
+    cm.add_argument("--config", default="configs/compare.yaml", help="pipeline YAML with a variants: section (default: configs/compare.yaml)")
+    cm.add_argument("--root", default="outputs/compare", help="where each variant's artifacts are written (default: outputs/compare)")
     cm.add_argument("--param", action="append", default=[], metavar="NAME=JSON", help="pipeline parameter (all variants)")
     cm.add_argument("--verbose", action="store_true",
                     help="stream every task's output here (default: one line per task, the full logs in ROOT/VARIANT/run-local.log)")

@@ -260,8 +260,6 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
     config = dsl.PipelineConfig(workspace=dsl.WorkspaceConfig(size=cluster.workspace_size, kubernetes=dsl.KubernetesWorkspaceConfig(
         pvcSpecPatch=workspace_pvc_patch(cluster)))) if not local and not cluster.workspace_pvc else None
 
-    @dsl.pipeline(name=pipe.name, description="RL fine-tuning with step-level process rewards (prmflow)",
-                  pipeline_config=config)
     def prmflow_pipeline(
         sft_config: dict = spec.stages["sft"], prm_config: dict = spec.stages["prm"],
         rollout_config: dict = spec.stages["rollout"], advantage_config: dict = spec.stages["advantage"],
@@ -317,7 +315,24 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
                 on_gpu(evaluate_op(config=evaluate_config, **common, workspace=ws, policy=policy, baseline=sft_policy,
                                    prm_model=prm_model), "evaluate", cache=sampled).set_display_name("evaluate")
 
-    return prmflow_pipeline
+    decorate = dsl.pipeline(name=pipe.name, description="RL fine-tuning with step-level process rewards (prmflow)",
+                            pipeline_config=config)
+    return on_a_fresh_stack(decorate, prmflow_pipeline)  # KFP wires the graph here, calling prmflow_pipeline once
+
+
+def on_a_fresh_stack(fn: Callable, *args) -> Any:
+    """fn(*args), run on a new thread (its stack holds only fn's frames); its exception, if any, is raised here.
+
+    KFP (2.17) calls inspect.stack() in every task setting (set_cpu_limit, add_node_selector_constraint, ...:
+    PipelineTask._ensure_container_spec_exists, for the caller's name in an error message). That reads the
+    source of every frame on the stack, and for each frame with no file behind it (`python -m`'s
+    <frozen runpy>, the <string> frames of a pytest-xdist worker) scans all of sys.modules. Under a caller's
+    deep stack with torch loaded, wiring one pipeline took 10-14 s that way; on a fresh stack the walk is
+    short. The caller waits: KFP's pipeline context is process-global, so two graphs are never wired at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kfp-wiring") as pool:
+        return pool.submit(fn, *args).result()
 
 
 def workspace_pvc_patch(cluster: ClusterConfig) -> dict:

@@ -87,6 +87,29 @@ def test_every_stage_is_in_the_dag_unrolled_per_iteration(tmp_path):
     assert [t["taskInfo"]["name"] for t in exit_tasks] == ["finish-tracking"]
 
 
+def test_kfp_wires_the_graph_without_walking_the_callers_stack(monkeypatch):
+    """KFP calls inspect.stack() in every task setting; under pytest-xdist or `python -m` each frame of the
+    caller's without a file behind it costs a scan of sys.modules (10-14 s a compile in the test suite).
+    build() wires the graph on a fresh thread, so KFP's walk never reaches the caller's frames."""
+    import inspect
+
+    from prmflow.pipelines.pipeline import build
+
+    seen: list[set[str]] = []
+    real = inspect.stack
+
+    def stack(*args, **kwargs):
+        frames = real(*args, **kwargs)
+        seen.append({f.function for f in frames})
+        return frames
+
+    monkeypatch.setattr(inspect, "stack", stack)
+    graph = build(load_spec(None, data=yaml.safe_load(CLUSTER_YAML)))
+    assert graph.name == "prmflow"
+    assert len(seen) > 50 and all("prmflow_pipeline" in names for names in seen)  # KFP did walk, from the wiring
+    assert not [names for names in seen if "test_kfp_wires_the_graph_without_walking_the_callers_stack" in names]
+
+
 def test_gpu_stages_get_accelerators_node_pool_and_tolerations_advantage_does_not(tmp_path):
     spec, platform, _ = compile_spec(tmp_path)
     for stage in GPU_STAGES:

@@ -25,10 +25,15 @@ def is_permanent(e: BaseException) -> bool:
     return getattr(e, "error_code", None) in PERMANENT_ERRORS or isinstance(e, (FileNotFoundError, TypeError))
 
 
-def short_error(e: BaseException) -> str:
-    """The first line of an error, at most 300 characters (MLflow errors carry whole responses)."""
+def short_error(e: BaseException, limit: int = 300) -> str:
+    """The first line of an error, at most about `limit` characters (MLflow errors carry whole responses). A longer
+    one keeps its start and its end, marked ' ... ' where it was cut: the cause (`[Errno 111] Connection refused`)
+    is at the end of urllib3's message, after the URL."""
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return text[:300]
+    if len(text) <= limit:
+        return text
+    tail = limit // 3
+    return f"{text[:limit - tail - 5]} ... {text[-tail:]}"
 
 
 #: Marks an experiment as model training for MLflow (3.x) clients; one prmflow sets unless it is set already.

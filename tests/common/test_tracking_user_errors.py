@@ -147,3 +147,20 @@ def test_an_empty_fallback_file_left_by_a_kill_is_nothing_to_upload(tmp_path, ca
     out, err = capsys.readouterr()
     assert out == f"tracking-sync {fallback}: the file is empty (its stage stopped before MLflow missed a call); nothing to upload\n"
     assert err == "" and not store.exists() and fallback.read_bytes() == b""
+
+
+def test_an_unreachable_server_is_reported_with_its_cause():
+    """MLflow's error for a server that refuses connections names the cause last, after the URL and urllib3's
+    retry text; cut at 300 characters, the outage warning and tracking-sync's error ended mid-word
+    ("HTTPConnection(host='127.0.0.1', ).") without saying why. The cut keeps the start and the cause, marked."""
+    from prmflow.tracking.delivery import short_error
+
+    message = ("API request to http://127.0.0.1:9/api/2.0/mlflow/experiments/get-by-name failed with exception "
+               "HTTPConnectionPool(host='127.0.0.1', port=9): Max retries exceeded with url: /api/2.0/mlflow/"
+               "experiments/get-by-name?experiment_name=prmflow (Caused by NewConnectionError(\"HTTPConnection(host="
+               "'127.0.0.1', port=9): Failed to establish a new connection: [Errno 111] Connection refused\"))")
+    shown = short_error(RuntimeError(message + "\nthe response body"))
+    assert len(message) > 300 and len(shown) <= 300
+    assert shown.startswith("API request to http://127.0.0.1:9/api/2.0/mlflow/experiments/get-by-name failed")
+    assert "[Errno 111] Connection refused" in shown and " ... " in shown and "response body" not in shown
+    assert short_error(RuntimeError("short\nmore")) == "short" and short_error(RuntimeError()) == "RuntimeError"

@@ -399,13 +399,29 @@ def describe(cls: type) -> str:
 
 # --- command line ---------------------------------------------------------------------------
 
+#: --set examples a stage's help shows when it has these keys (a training stage); others show two of their own
+SET_EXAMPLES = {"optim.lr": "1e-4", "engine.zero_stage": "2"}
+
+
+def set_example(fields: dict[str, tuple[Any, str, Any]]) -> str:
+    """`--set KEY=VALUE` examples made of keys the config has: the advantage stage has no optim.lr to set."""
+    shown = {k: v for k, v in SET_EXAMPLES.items() if k in fields}
+    if not shown:  # a nested key and a top-level one, each with its default, so the line also reads as a value
+        nested = next((k for k, (_, _, d) in fields.items() if "." in k and not k.startswith("tracking.")
+                       and isinstance(d, (int, float)) and not isinstance(d, bool)), None)
+        top = next((k for k, (_, _, d) in fields.items() if "." not in k and isinstance(d, str) and d
+                    and k not in ("input", "output")), None)
+        shown = {k: fields[k][2] for k in (nested, top) if k}
+    return " ".join(f"--set {k}={v}" for k, v in shown.items()) or "--set KEY=VALUE"
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add `--config`, `--set key=value` and one `--key` flag per config field to `parser`."""
+    fields = flat_fields(cls)
     parser.add_argument("--config", metavar="FILE", help="YAML file with config keys (a stage section is used if present)")
     parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="set_",
-                        help="override one key, e.g. --set optim.lr=1e-4 --set engine.zero_stage=2")
+                        help=f"override one key, e.g. {set_example(fields)}")
     group = parser.add_argument_group("config keys")
-    fields = flat_fields(cls)
     for key, (typ, doc, default) in fields.items():
         shown = "empty" if default is None else repr(default)  # as the key tables write it (docs.config_table)
         help_text = f"{doc} (default: {shown})" if doc else f"(default: {shown})"

@@ -85,6 +85,21 @@ def test_missing_policy_is_a_clear_error(tmp_path):
     assert code == 2 and not (tmp_path / "e").exists()
 
 
+def test_prompts_without_an_answer_are_named_by_evaluate_s_own_key(tmp_path, capsys):
+    """evaluate's prompts come from its `task` key, but a file whose rows lack an answer was reported as "bon.task
+    'FILE': ..." (the prm stage's key, which evaluate does not have). Now `task`, exit 2, nothing written."""
+    from prmflow import cli
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "1+2"}\n')
+    code = cli.main(["evaluate", "--policy", "tiny-llama", "--task", str(data), "--num_prompts", "2",
+                     "--output", str(tmp_path / "e"), "--tracking.enabled", "false"])
+    err = capsys.readouterr().err
+    assert code == 2 and not (tmp_path / "e").exists()
+    assert f"prmflow evaluate: error: task '{data}': 1 prompts have no reference answer" in err, err
+    assert "bon.task" not in err
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None and torch.cuda.is_available(),
                     reason="reads what the CPU stand-in (tests/fake_vllm.py) recorded")
 def test_sampler_vllm_samples_through_one_engine_per_policy_and_frees_it_before_the_prm(

@@ -177,14 +177,16 @@ def prompt_images(records: list[tasks.PromptRecord]) -> list[list[bytes]] | None
 
 
 def load_prompts(cfg: BestOfNConfig, arithmetic_cfg: arithmetic.ArithmeticConfig | None = None,
-                 seed: int = 0) -> list[tasks.PromptRecord]:
+                 seed: int = 0, key: str = "bon.task") -> list[tasks.PromptRecord]:
+    """cfg.task's prompts, each with a reference answer; `key` names cfg.task in an error as the calling stage's
+    config spells it (prm: bon.task, evaluate: task)."""
     akw = config_lib.to_dict(arithmetic_cfg or arithmetic.ArithmeticConfig())
     split = "test" if cfg.task in tasks.TASKS else "eval"
     records = tasks.load(cfg.task, split, cfg.num_prompts, seed, **akw)
     missing = [r.prompt_id for r in records if r.answer is None]
     if missing:
-        raise ConfigError(f"bon.task '{cfg.task}': {len(missing)} prompts have no reference answer (first: "
-                          f"{missing[0]!r}); best-of-N needs one per prompt.")
+        raise ConfigError(f"{key} '{cfg.task}': {len(missing)} prompts have no reference answer (first: "
+                          f"{missing[0]!r}); best-of-N needs one per prompt: give every row an answer.")
     return records
 
 

@@ -105,7 +105,7 @@ def run(cfg: Config) -> dict:
     done = io.finished_output("evaluate", cfg.output, config_lib.to_dict(cfg), cfg.overwrite, inputs=inputs)
     if done is not None:
         return done.get("metrics", {})
-    records = bestofn.load_prompts(bon_cfg, cfg.arithmetic, cfg.seed)
+    records = bestofn.load_prompts(bon_cfg, cfg.arithmetic, cfg.seed, key="task")
     tracker = tracking.start_stage_run(cfg.tracking, "evaluate", params=config_lib.flat_dict(cfg),
                                        iteration=cfg.iteration if cfg.iteration >= 0 else None)
     with tracker:

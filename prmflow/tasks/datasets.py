@@ -87,11 +87,14 @@ def _record(row: dict[str, Any], where: str, prompt_field: str, answer_field: st
         prompt = messages[-1]["content"]
         if not prompt.strip():
             raise DataError(f"{where}: 'messages' ends with an empty turn; the prompt needs text.")
-    elif not isinstance(prompt, str) or not prompt.strip():
+    elif prompt is None:  # no stage has a key to rename the column: the row itself must change
         raise DataError(
-            f"{where}: no '{prompt_field}' field (or it is empty). Each row needs a '{prompt_field}' string or a "
-            f"'messages' list; set prompt_field if your column has another name."
+            f"{where}: no '{prompt_field}' field. Each row needs a '{prompt_field}' string or a 'messages' list: "
+            f"rename a prompt column of another name, or name a public format with ?format=NAME (docs/data.md)."
         )
+    elif not isinstance(prompt, str) or not prompt.strip():
+        got = "an empty one" if isinstance(prompt, str) else type(prompt).__name__
+        raise DataError(f"{where}: field '{prompt_field}' must be a non-empty string, got {got}.")
     answer = row.get(answer_field)
     if answer is not None:
         if isinstance(answer, (dict, list, bool)):

@@ -149,7 +149,10 @@ def test_dataset_loader_parquet(tmp_path):
 @pytest.mark.parametrize("content,needle", [
     ("", "is empty"),
     ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer"\n', "line 2: not valid JSON"),
-    ('{"prompt": "a"}\n{"text": "b"}\n', "line 2: no 'prompt' field"),
+    ('{"prompt": "a"}\n{"text": "b"}\n', "line 2: no 'prompt' field. Each row needs a 'prompt' string or a 'messages' "
+                                         "list: rename a prompt column of another name, or name a public format"),
+    ('{"prompt": 5, "answer": "3"}\n', "line 1: field 'prompt' must be a non-empty string, got int."),
+    ('{"prompt": " ", "answer": "3"}\n', "line 1: field 'prompt' must be a non-empty string, got an empty one."),
     ('[1, 2]\n', "line 1: expected a JSON object"),
     ('{"messages": [{"role": "user"}]}\n', "line 1: 'messages' must be a list"),
 ])
@@ -159,6 +162,7 @@ def test_bad_datasets_name_file_and_line(tmp_path, content, needle):
     with pytest.raises(DataError) as e:
         tasks.load(str(f))
     assert str(f) in str(e.value) and needle in str(e.value)
+    assert "prompt_field" not in str(e.value)  # said "set prompt_field", a key no stage has
 
 
 def test_a_bad_jsonl_line_says_where_on_the_line(tmp_path):

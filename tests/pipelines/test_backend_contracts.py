@@ -148,7 +148,7 @@ def test_a_per_run_workspace_without_a_storage_class_is_refused_before_kfp_2_17(
     assert "pipeline.cluster.workspace_storage_class" in err and "pipeline.cluster.kfp_version" in err
     assert not out.exists() and list(tmp_path.iterdir()) == [cfg]
     assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(out), "--set", "cluster.kfp_version=2.17"]) == 0
-    docs = list(yaml.safe_load_all(out.read_text()))
+    docs = list(yaml.load_all(out.read_text(), Loader=safe_loader()))
     patch = docs[1]["platforms"]["kubernetes"]["pipelineConfig"]["workspace"]["kubernetes"]["pvcSpecPatch"]
     assert patch == {"accessModes": ["ReadWriteMany"]}
     # the same package, read against each version's compiler rule
@@ -187,7 +187,7 @@ def test_every_trainjob_passes_each_trainer_versions_webhook_and_crd_schema(tmp_
     data = yaml.safe_load(CLUSTER_YAML.format(workspace="/workspace"))  # secrets, pull secrets, a service account
     data["pipeline"]["cluster"]["trainer"].update(sft="trainjob", prm="trainjob")
     compile_to(load_spec(None, data=data), str(tmp_path / "p.yaml"))
-    bodies = rendered_trainjobs(list(yaml.safe_load_all((tmp_path / "p.yaml").read_text())), tmp_path, monkeypatch)
+    bodies = rendered_trainjobs(list(yaml.load_all((tmp_path / "p.yaml").read_text(), Loader=safe_loader())), tmp_path, monkeypatch)
     assert len(bodies) == 4  # sft, prm, ppo-0, ppo-1
     for body in bodies:
         assert any("secretKeyRef" in e.get("valueFrom", {}) for e in body["spec"]["trainer"]["env"])

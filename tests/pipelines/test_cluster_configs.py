@@ -12,6 +12,7 @@ import yaml
 from prmflow import cli
 from prmflow.components.advantage import stage as advantage
 from prmflow.components.common import config
+from prmflow.pipelines.settings import safe_loader
 
 from .test_compile_submit import IMAGES, STORAGE
 
@@ -28,7 +29,7 @@ def compile_recipe(tmp_path, name):
         return _compiled[name]
     out = tmp_path / "compiled.yaml"
     assert cli.main(["pipeline", "compile", "--config", str(ROOT / "configs/cluster" / name), "-o", str(out), *IMAGES]) == 0
-    docs = list(yaml.safe_load_all(out.read_text()))
+    docs = list(yaml.load_all(out.read_text(), Loader=safe_loader()))
     _compiled[name] = docs[0], docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     return _compiled[name]
 

@@ -14,7 +14,7 @@ import yaml
 
 from prmflow import cli
 from prmflow.pipelines import commands
-from prmflow.pipelines.settings import load_spec
+from prmflow.pipelines.settings import load_spec, safe_loader
 
 from .fake_kfp import FakeKfp
 
@@ -55,7 +55,7 @@ def compile_spec(tmp_path, text=CLUSTER_YAML, monkeypatch=None):
     cfg.write_text(text)
     out = tmp_path / "compiled.yaml"
     assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(out)]) == 0
-    docs = list(yaml.safe_load_all(out.read_text()))
+    docs = list(yaml.load_all(out.read_text(), Loader=safe_loader()))
     spec, platform = docs[0], (docs[1] if len(docs) > 1 else {})
     return spec, platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"], out.read_text()
 
@@ -164,7 +164,7 @@ def test_run_local_splits_the_cores_between_rollout_shards_that_run_at_once(tmp_
     for threads, expected in ((3, [{"name": "OMP_NUM_THREADS", "value": "3"}]), (None, None)):
         out = tmp_path / f"local-{threads}.yaml"
         compiler.Compiler().compile(build(spec, shard_threads=threads), package_path=str(out))
-        executors = list(yaml.safe_load_all(out.read_text()))[0]["deploymentSpec"]["executors"]
+        executors = list(yaml.load_all(out.read_text(), Loader=safe_loader()))[0]["deploymentSpec"]["executors"]
         for name, ex in executors.items():
             # (GPU steps also point TMPDIR at their /scratch emptyDir: not the subject here)
             env = [e for e in ex.get("container", {}).get("env", []) if e["name"] != "TMPDIR"] or None
@@ -262,7 +262,7 @@ def test_a_prompt_prefix_that_differs_between_stages_fails_at_compile_time(tmp_p
     same = "\n".join(f"{s}:\n  arithmetic: {{prompt_prefix: ''}}" for s in ("sft", "prm", "rollout", "evaluate"))
     cfg.write_text(same + "\n")
     assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(tmp_path / "x.yaml"), *IMAGES, *STORAGE]) == 0
-    spec = next(yaml.safe_load_all((tmp_path / "x.yaml").read_text()))
+    spec = next(yaml.load_all((tmp_path / "x.yaml").read_text(), Loader=safe_loader()))
     sections = spec["root"]["inputDefinitions"]["parameters"]
     assert sections["rollout_config"]["defaultValue"]["arithmetic"] == {"prompt_prefix": ""}
     cfg.write_text(same + "\nppo:\n  ptx_coef: 0.1\n")  # ppo's SFT (ptx) loss trains on arithmetic prompts too
@@ -418,7 +418,7 @@ def test_compile_without_o_keeps_a_config_named_pipeline_yaml(tmp_path, monkeypa
     assert (tmp_path / "pipeline.yaml").read_text() == CLUSTER_YAML
     (tmp_path / "compiled.yaml").write_text("# PIPELINE DEFINITION\npipelineInfo: {name: old}\nroot: {}\n")  # an older compile
     assert cli.main(["pipeline", "compile", "--config", "pipeline.yaml", "-o", "compiled.yaml"]) == 0
-    assert "pipelineInfo" in next(yaml.safe_load_all((tmp_path / "compiled.yaml").read_text()))
+    assert "pipelineInfo" in next(yaml.load_all((tmp_path / "compiled.yaml").read_text(), Loader=safe_loader()))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["compiled.yaml", "pipeline.yaml"]
 
 

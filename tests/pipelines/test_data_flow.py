@@ -14,7 +14,7 @@ import yaml
 from prmflow.errors import ConfigError, DataError
 from prmflow.pipelines import kfp_shim, plan
 from prmflow.pipelines.pipeline import compile_to
-from prmflow.pipelines.settings import load_spec
+from prmflow.pipelines.settings import load_spec, safe_loader
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "cluster"
 QWEN7, PPO7, QWEN15 = "qwen2.5-7b-gsm8k-math.yaml", "ppo-7b-2x8.yaml", "qwen2.5-math-1.5b-gsm8k-math.yaml"
@@ -27,7 +27,7 @@ def compiled(tmp_path_factory):
     for name in (QWEN7, PPO7, QWEN15):
         spec = load_spec(CONFIGS / name)
         path = compile_to(spec, str(tmp_path_factory.mktemp("ir") / "p.yaml"))
-        ir, platform = yaml.safe_load_all(Path(path).read_text())
+        ir, platform = yaml.load_all(Path(path).read_text(), Loader=safe_loader())
         out[name] = (spec, ir, platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"])
     return out
 
@@ -126,7 +126,7 @@ def test_a_plain_directory_cannot_be_imported_on_a_cluster(tmp_path):
         compile_to(spec, str(tmp_path / "p.yaml"))
     data["pipeline"]["sft_model"] = "/workspace/models/sft"  # on workspace_pvc: located in place, not imported
     compile_to(load_spec(None, data=data), str(tmp_path / "p.yaml"))
-    ir = next(yaml.safe_load_all((tmp_path / "p.yaml").read_text()))
+    ir = next(yaml.load_all((tmp_path / "p.yaml").read_text(), Loader=safe_loader()))
     assert "comp-locate" in ir["components"] and not any("importer" in k for k in ir["components"])
 
 
@@ -136,7 +136,7 @@ def test_a_per_run_workspace_is_declared_when_there_is_no_pvc(tmp_path):
     data["pipeline"]["cluster"]["workspace_size"] = "300Gi"
     data["pipeline"]["cluster"]["workspace_storage_class"] = "standard-rwx"
     compile_to(load_spec(None, data=data), str(tmp_path / "p.yaml"))
-    _, platform = yaml.safe_load_all((tmp_path / "p.yaml").read_text())
+    _, platform = yaml.load_all((tmp_path / "p.yaml").read_text(), Loader=safe_loader())
     ws = platform["platforms"]["kubernetes"]["pipelineConfig"]["workspace"]
     assert ws["size"] == "300Gi"
     assert ws["kubernetes"]["pvcSpecPatch"] == {"accessModes": ["ReadWriteMany"], "storageClassName": "standard-rwx"}

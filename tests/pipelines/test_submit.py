@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from prmflow import cli
+from prmflow.pipelines.settings import safe_loader
 
 from .fake_k8s import FakeK8s
 from .fake_kfp import FakeKfp
@@ -227,7 +228,7 @@ def ppo_7b(tmp_path_factory) -> Path:
 
 def test_param_merges_into_the_compiled_stage_config(ppo_7b, capsys):
     """The README's example on ppo-7b-2x8: lr changes, the recipe's ZeRO-2, the critic and the rest of ppo stay."""
-    compiled = next(yaml.safe_load_all(ppo_7b.read_text()))["root"]["inputDefinitions"]["parameters"]["ppo_config"]["defaultValue"]
+    compiled = next(yaml.load_all(ppo_7b.read_text(), Loader=safe_loader()))["root"]["inputDefinitions"]["parameters"]["ppo_config"]["defaultValue"]
     with FakeKfp() as fake:
         assert submit("--package", str(ppo_7b), "--host", fake.url, "--param", 'ppo_config={"optim": {"lr": 1e-6}}',
                       "--set", "sft.max_steps=50") == 0
@@ -287,7 +288,7 @@ def test_a_key_that_does_not_exist_is_an_error_naming_stage_and_key(package, cha
 # --- operating a run ---------------------------------------------------------------------------------
 
 def test_pipeline_root_service_account_and_caching_reach_the_run(package):
-    compiled = next(yaml.safe_load_all(package.read_text()))
+    compiled = next(yaml.load_all(package.read_text(), Loader=safe_loader()))
     assert any(t.get("cachingOptions", {}).get("enableCache") for t in all_tasks(compiled).values())
     with FakeKfp() as fake:
         assert submit("--package", str(package), "--host", fake.url, "--pipeline-root", "s3://ml-bucket/prmflow",
@@ -345,7 +346,7 @@ def test_upload_creates_the_pipeline_then_versions_of_it(package, capsys):
                                           f"{API}/pipelines/upload_version"]
     assert posts[0]["query"]["name"] == ["prmflow"]
     assert posts[1]["query"] == {"name": ["lr-1e-6"], "pipelineid": ["pipe-1"]}
-    uploaded = next(yaml.safe_load_all(posts[1]["body"]["uploadfile"][1]))
+    uploaded = next(yaml.load_all(posts[1]["body"]["uploadfile"][1], Loader=safe_loader()))
     assert uploaded["pipelineInfo"]["name"] == "prmflow"
     assert [v["display_name"] for v in fake.versions] == ["prmflow", "lr-1e-6"]
     err = capsys.readouterr().err
@@ -364,7 +365,7 @@ def test_placeholder_images_fail_compile_with_what_to_do(tmp_path, capsys):
     assert "images/build.sh cpu REGISTRY/prmflow-cpu:TAG --push" in err
     assert not (tmp_path / "x.yaml").exists()
     assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(tmp_path / "x.yaml"), *IMAGES]) == 0
-    spec = yaml.safe_load_all((tmp_path / "x.yaml").read_text())
+    spec = yaml.load_all((tmp_path / "x.yaml").read_text(), Loader=safe_loader())
     images = {e["container"]["image"] for e in next(spec)["deploymentSpec"]["executors"].values() if "container" in e}
     assert images == {arg.split("=", 2)[2] for arg in IMAGES}
 

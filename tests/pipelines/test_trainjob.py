@@ -19,7 +19,7 @@ from prmflow.pipelines import kfp_shim, trainjob
 from prmflow.errors import ConfigError
 from prmflow.pipelines import components as ppo_component
 from prmflow.components.ppo import stage as ppo_stage
-from prmflow.pipelines.settings import load_spec
+from prmflow.pipelines.settings import load_spec, safe_loader
 
 from .fake_k8s import FakeK8s
 from .test_compile_submit import IMAGES, all_tasks
@@ -55,7 +55,7 @@ def compile_yaml(tmp_path, text, *args):
     cfg.write_text(text)
     out = tmp_path / "compiled.yaml"
     assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(out), *args]) == 0
-    docs = list(yaml.safe_load_all(out.read_text()))
+    docs = list(yaml.load_all(out.read_text(), Loader=safe_loader()))
     return docs[0], docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
 
 

@@ -381,7 +381,7 @@ def test_the_submitting_page_tables_match_the_config():
     text = path.read_text()
     for name, cls in (("pipeline.images", ImagesConfig), ("pipeline.cluster.trainer", TrainerConfig)):
         assert text == docs.with_table(text, name, docs.config_table(cls), where=str(path)), \
-            f"{path}: the {name} table is out of date; regenerate it with prmflow.docs.with_table"
+            f"{path}: the {name} table is out of date; run `python -m prmflow.docs` to regenerate it"
 
 
 def test_run_local_merges_stage_params_too(tmp_path, capsys):

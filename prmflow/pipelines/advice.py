@@ -1,42 +1,31 @@
 """Notes on a pipeline config that is valid but runs against what was measured: printed to stderr by the commands
-that load a config (compile, plan, submit --config, run-local), never an error.
+that load a config (compile, submit --config, run-local), never an error.
 
 Each note names the keys that cause it, what was measured, and the keys that avoid it.
 """
 
 from __future__ import annotations
 
-from .. import stages
-from ..components.common import config as config_lib
-from .settings import PipelineSpec
-
-
-def _section(spec: PipelineSpec, stage: str):
-    """The stage's Config with its defaults filled in, or None where this install has no such stage."""
-    available = stages.available()
-    if stage not in available:
-        return None
-    return config_lib.build(available[stage].Config, config_lib.flatten(dict(spec.stages.get(stage) or {})),
-                            where=f"[{stage}]")
+from .settings import PipelineSpec, resolved
 
 
 def frozen_step_credit(spec: PipelineSpec) -> str | None:
     """A note where grpo_progress's step credit reads a PRM that prm-update does not keep on this policy's outcomes.
 
     The step credit moves credit to where the PRM's scores drop. A PRM that predicts outcomes well but drops one step
-    late (the checker with every merged line scored 1) took it 18 points below outcome-only in the shortcut regime,
-    and the calibration cannot see that (docs/process-rewards.md, 5d). A trained PRM with that bias, kept on-policy,
+    late (the checker with every merged line scored 1) took it 9.9 and 18.3 points below outcome-only on two starts of
+    the shortcut regime, and the calibration cannot see that (docs/process-rewards.md, 5d-5e). A trained PRM with that bias, kept on-policy,
     shed it; the baseline credit cannot be bent in expectation. The task's own checker (rollout.prm: oracle) is exact,
     so it gets no note."""
-    adv = _section(spec, "advantage")
+    adv = resolved(spec, "advantage")
     if adv is None or adv.estimator != "grpo_progress" or adv.process_credit != "step" or adv.process_weight == 0:
         return None
-    roll = _section(spec, "rollout")
+    roll = resolved(spec, "rollout")
     if spec.pipeline.prm_update or (roll is not None and roll.prm == "oracle"):
         return None
     return ("note: advantage.process_credit is step and pipeline.prm_update is false, so the step credit follows a "
             "PRM that is never checked against this policy's own outcomes. A PRM that predicts outcomes well but "
-            "drops one step late took this credit 18 points below outcome-only (docs/process-rewards.md, 5d). "
+            "drops one step late took this credit 10-18 points below outcome-only (docs/process-rewards.md, 5d-5e). "
             "Set pipeline.prm_update: true to keep the PRM on-policy, or advantage.process_credit: baseline.")
 
 

@@ -27,12 +27,11 @@ from typing import Any, Callable
 from kfp import dsl, kubernetes
 
 from .. import stages
-from ..components.common import config as config_lib
 from ..errors import ConfigError
 from . import components, kfp_shim, trainjob
 from .lineage import finish_tracking, init_tracking
 from .settings import (IMPORTER_SCHEMES, SERVER_DEFAULT_CLASS, ClusterConfig, ImagesConfig, NodePool, PipelineSpec,
-                       safe_loader)
+                       resolved, safe_loader)
 
 
 def _component(fn: Callable, image: str):
@@ -105,15 +104,6 @@ def check_prm_update(roll_cfg, adv_cfg) -> None:
                           f"{adv_cfg.estimator}, step_rewards={adv_cfg.step_rewards}), so no PRM score reaches the "
                           f"policy. Use step rewards (e.g. advantage.estimator: grpo_progress) or set "
                           f"pipeline.prm_update: false.")
-
-
-def resolved(spec: PipelineSpec, stage: str):
-    """The stage's Config built from its section (defaults filled in), or None without the stage."""
-    available = stages.available()
-    if stage not in available:
-        return None
-    return config_lib.build(available[stage].Config, config_lib.flatten(dict(spec.stages.get(stage) or {})),
-                            where=f"[{stage}]")
 
 
 def scratch_size(spec: PipelineSpec) -> str:

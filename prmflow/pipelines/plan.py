@@ -168,7 +168,7 @@ def walk(ir: dict, sizes: Sizes, legacy: bool = False) -> list[TaskRow]:
 
 
 def sizes_of(spec: PipelineSpec, params: float) -> Sizes:
-    from .pipeline import resolved
+    from .settings import resolved
 
     ppo, roll = resolved(spec, "ppo"), resolved(spec, "rollout")
     dtype_bytes = 2 if ppo.engine.dtype in ("bfloat16", "float16") else 4
@@ -275,7 +275,8 @@ def render(spec: PipelineSpec, params: float, volume_bytes: float = 0.0) -> str:
 
 def model_params_of(spec: PipelineSpec, given: float = 0.0) -> float:
     from ..errors import ConfigError
-    from .pipeline import model_params, resolved
+    from .pipeline import model_params
+    from .settings import resolved
 
     params = given or spec.pipeline.cluster.model_params or model_params(resolved(spec, "sft").policy)
     if not params:

@@ -345,3 +345,12 @@ def safe_loader() -> type:
     import yaml
 
     return yaml.CSafeLoader if getattr(yaml, "__with_libyaml__", False) else yaml.SafeLoader
+
+
+def resolved(spec: PipelineSpec, stage: str):
+    """The stage's Config built from its section (defaults filled in), or None without the stage."""
+    available = stages.available()
+    if stage not in available:
+        return None
+    return config_lib.build(available[stage].Config, config_lib.flatten(dict(spec.stages.get(stage) or {})),
+                            where=f"[{stage}]")

@@ -68,8 +68,8 @@ def paired_seed_test(a: list[float], b: list[float]) -> float:
     if len(a) != len(b) or len(a) < 2:
         return float("nan")
     diffs = [x - y for x, y in zip(a, b)]
-    if max(diffs) == min(diffs):
-        return 1.0 if diffs[0] == 0 else 0.0
+    if max(diffs) - min(diffs) < 1e-12:  # one difference at every seed, up to float rounding: no spread to test
+        return 1.0 if abs(diffs[0]) < 1e-12 else 0.0
     return float(scipy_stats.ttest_rel(a, b).pvalue)
 
 
@@ -284,3 +284,54 @@ def last_train_reward(runs: dict, ref: dict, seeds: list) -> tuple[float, float,
         return None
     x, y = [c[k] for c in a], [c[k] for c in b]
     return sum(x) / len(x), sum(y) / len(y), paired_seed_test(x, y)
+
+
+# --- over drawn starts: one start is one draw (docs/process-rewards.md 5e-5f) -------------------------------------
+
+def over_starts(starts: dict, variant: str, reference: str) -> dict:
+    """`variant` against `reference` over several starts of one regime: `starts[label]` is that start's `results`
+    (one benchmark output's results.json; its RL seeds pair the two arms within the start). Returns {"starts": per
+    start {"label", "sft_pass1" (the shared first point), "seeds", "half": (difference of seed means, paired t p),
+    "end": the same at the last point}, "pairs": how many (start, seed) pairs, "half" and "end": (mean difference,
+    paired t-test p over every pair), "between_starts": (half, end) one-sample t-test p of the starts' mean
+    differences (NaN below 2 starts), "ahead_at_half", "not_below_at_end": the bars of `bars` read over the pairs}.
+    Half is the point summarize calls half, of the shortest curve."""
+    per_start, a_half, b_half, a_end, b_end = [], [], [], [], []
+    for label, results in starts.items():
+        for arm in (variant, reference):
+            if arm not in results:
+                raise ValueError(f"start {label}: no runs of '{arm}' (there: {', '.join(results) or 'none'})")
+        runs, ref = results[variant], results[reference]
+        seeds = sorted(set(runs) & set(ref))
+        if not seeds:
+            raise ValueError(f"start {label}: {variant} and {reference} share no seed")
+        curves = [[p["pass1"] for p in arm[s]["points"]] for arm in (runs, ref) for s in seeds]
+        n = min(len(c) for c in curves)
+        half = (n - 1) // 2
+        va, vb = curves[:len(seeds)], curves[len(seeds):]
+        firsts = {c[0] for c in curves}
+        if len(firsts) != 1:
+            raise ValueError(f"start {label}: the runs do not share a first point ({sorted(firsts)}); they are not one start")
+        row = {"label": label, "sft_pass1": firsts.pop(), "seeds": len(seeds)}
+        for key, k, xs, ys in (("half", half, a_half, b_half), ("end", n - 1, a_end, b_end)):
+            x, y = [c[k] for c in va], [c[k] for c in vb]
+            row[key] = ((sum(x) - sum(y)) / len(x), paired_seed_test(x, y))
+            xs += x
+            ys += y
+        per_start.append(row)
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    half = (mean(a_half) - mean(b_half), paired_seed_test(a_half, b_half))
+    end = (mean(a_end) - mean(b_end), paired_seed_test(a_end, b_end))
+
+    def between(key: str) -> float:
+        d = [r[key][0] for r in per_start]
+        if len(d) < 2:
+            return float("nan")
+        if max(d) - min(d) < 1e-12:
+            return 1.0 if abs(d[0]) < 1e-12 else 0.0
+        return float(scipy_stats.ttest_1samp(d, 0.0).pvalue)
+
+    return {"starts": per_start, "pairs": len(a_half), "half": half, "end": end,
+            "between_starts": (between("half"), between("end")),
+            "ahead_at_half": half[0] > 0 and half[1] < ALPHA,
+            "not_below_at_end": not (end[0] < 0 and end[1] < ALPHA) and end[0] >= -MAX_DEFICIT - 1e-12}

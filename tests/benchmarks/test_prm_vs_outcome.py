@@ -444,3 +444,57 @@ def test_the_biased_prm_data_made_by_another_config_is_not_reused(tmp_path):
     assert base == path(prm={"num_prompts": 3000})  # the same config finds its data again
     assert len({base, path(prm={"num_prompts": 2000}), path(prm={"num_prompts": 3000}, arithmetic={"max_ops": 7}),
                 path(prm={"num_prompts": 3000}, sft={"max_steps": 10})}) == 4
+
+
+def test_over_starts_pools_the_start_seed_pairs_against_a_hand_computed_example(tmp_path, capsys):
+    from scipy import stats
+
+    import prm_vs_outcome_starts as starts_cli
+
+    c = [1, 0]
+    # start A (first point 0.3): the recipe +0.2 / +0.1 at half, level at the end; start B (0.5): -0.1 / +0.0, -0.1
+    a = {"outcome-only": {"0": _run([0.3, 0.4, 0.5, 0.6, 0.7], c), "1": _run([0.3, 0.4, 0.6, 0.6, 0.7], c)},
+         "recipe": {"0": _run([0.3, 0.6, 0.7, 0.7, 0.7], c), "1": _run([0.3, 0.6, 0.7, 0.7, 0.7], c)}}
+    b = {"outcome-only": {"0": _run([0.5, 0.6, 0.7, 0.8, 0.9], c), "1": _run([0.5, 0.6, 0.6, 0.8, 0.8], c)},
+         "recipe": {"0": _run([0.5, 0.5, 0.6, 0.7, 0.8], c), "1": _run([0.5, 0.6, 0.6, 0.7, 0.7], c),
+                    "2": _run([0.5, 0.9, 0.9, 0.9, 0.9], c)}}  # a seed the reference lacks at this start: left out
+    got = bs.over_starts({"A": a, "B": b}, "recipe", "outcome-only")
+    assert got["pairs"] == 4
+    assert [s["sft_pass1"] for s in got["starts"]] == [0.3, 0.5]
+    assert got["starts"][0]["half"][0] == pytest.approx(0.15)
+    assert got["starts"][1]["half"][0] == pytest.approx(-0.05)
+    # pooled: every (start, seed) pair once, not the starts' means
+    half_x, half_y = [0.7, 0.7, 0.6, 0.6], [0.5, 0.6, 0.7, 0.6]
+    end_x, end_y = [0.7, 0.7, 0.8, 0.7], [0.7, 0.7, 0.9, 0.8]
+    assert got["half"] == (pytest.approx(0.05), pytest.approx(stats.ttest_rel(half_x, half_y).pvalue))
+    assert got["end"] == (pytest.approx(-0.05), pytest.approx(stats.ttest_rel(end_x, end_y).pvalue))
+    assert got["between_starts"][0] == pytest.approx(stats.ttest_1samp([0.15, -0.05], 0.0).pvalue)
+    assert got["ahead_at_half"] is False  # +5 points, but p > 0.05 over four pairs
+    assert got["not_below_at_end"] is False  # 5 points below: more than the 1 point allowed
+    with pytest.raises(ValueError, match="not share a first point"):
+        bad = {"outcome-only": a["outcome-only"], "recipe": {"0": _run([0.9, 0.6, 0.7, 0.7, 0.7], c)}}
+        bs.over_starts({"A": bad}, "recipe", "outcome-only")
+
+    # the command: starts of one regime only, each start once
+    def write(name: str, results: dict, **config) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        base = {"output": str(out), "only": [], "run_missing": True, "arithmetic": {"min_ops": 4},
+                "sft": {"max_steps": 10, **config.get("sft", {})}, "prm": {"max_steps": 5, **config.get("prm", {})}}
+        base.update({k: v for k, v in config.items() if k not in ("sft", "prm")})
+        (out / "config.json").write_text(json.dumps(base))
+        (out / "results.json").write_text(json.dumps({"results": results}))
+        return out
+
+    s0 = write("s0", a)
+    s1 = write("s1", b, sft={"seed": 1}, prm={"seed": 1}, only=["recipe"])
+    assert starts_cli.main([str(s0), str(s1), "--variant", "recipe"]) == 0
+    out = capsys.readouterr().out
+    assert "**over 4 (start, seed) pairs** | | | **+5.0 points" in out
+    assert "Ahead at half the rollouts over the pairs: no. Not below at the end: no." in out
+    other = write("other-regime", b, sft={"seed": 2}, arithmetic={"min_ops": 5})
+    assert starts_cli.main([str(s0), str(other), "--variant", "recipe"]) == 2
+    assert "config.json differs in arithmetic" in capsys.readouterr().err
+    twice = write("twice", b)
+    assert starts_cli.main([str(s0), str(twice), "--variant", "recipe"]) == 2
+    assert "the same start (sft.seed 0, prm.seed 0)" in capsys.readouterr().err

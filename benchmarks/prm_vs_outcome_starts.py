@@ -28,7 +28,7 @@ START_KEYS = ("output", "only", "run_missing")
 
 def load(outputs: list[Path]) -> dict:
     """{label: results} of each output, refusing outputs that are not starts of one regime."""
-    starts, regime = {}, None
+    starts, seen, regime = {}, set(), None
     for out in outputs:
         for name in ("results.json", "config.json"):
             if not (out / name).is_file():
@@ -45,11 +45,12 @@ def load(outputs: list[Path]) -> dict:
             keys = sorted(k for k in set(rest) | set(regime) if rest.get(k) != regime.get(k))
             raise ValueError(f"{out}: not a start of {first}'s regime; config.json differs in {', '.join(keys)} "
                              f"(starts may differ only in sft.seed, prm.seed, {', '.join(START_KEYS)})")
-        if any(seeds == s for s in (k[1] for k in starts)):
+        if seeds in seen:
             raise ValueError(f"{out}: the same start (sft.seed {seeds[0]}, prm.seed {seeds[1]}) as another output; "
                              "pooling it twice would count one draw as two")
-        starts[(label, seeds)] = json.loads((out / "results.json").read_text())["results"]
-    return {label: results for (label, _), results in starts.items()}
+        seen.add(seeds)
+        starts[label] = json.loads((out / "results.json").read_text())["results"]
+    return starts
 
 
 def table(starts: dict, variant: str, reference: str) -> str:

@@ -154,6 +154,16 @@ def format_table(rows: list[dict], reference: str) -> str:
 ALPHA, MAX_DEFICIT = 0.05, 0.01
 
 
+def ahead(diff: float, p: float) -> bool:
+    """The bar "ahead": a higher mean and paired t p < ALPHA."""
+    return diff > 0 and p < ALPHA
+
+
+def not_below(diff: float, p: float) -> bool:
+    """The bar "not below": no paired t p < ALPHA below, and the mean no more than MAX_DEFICIT below."""
+    return not (diff < 0 and p < ALPHA) and diff >= -MAX_DEFICIT - 1e-12
+
+
 def bars(rows: list[dict], reference: str) -> str:
     """Each variant against `reference` by the bars the claims are held to, in Markdown: ahead at half the rollouts
     (higher seed mean and paired t p < ALPHA); not below at the end (no paired t p < ALPHA below and the seed mean no
@@ -167,12 +177,11 @@ def bars(rows: list[dict], reference: str) -> str:
             continue
         half = r["half_pass1_mean"] - ref["half_pass1_mean"]
         end = r["pass1_mean"] - ref["pass1_mean"]
-        ahead = half > 0 and r["half_seed_p"] < ALPHA
-        not_below = not (end < 0 and r["seed_p"] < ALPHA) and end >= -MAX_DEFICIT - 1e-12
+        is_ahead, level = ahead(half, r["half_seed_p"]), not_below(end, r["seed_p"])
         below = [f"s{s}" for s, a, b, p in r["mcnemar"] if b > a and p < ALPHA]
-        lines.append(f"| {r['variant']} | {100 * half:+.1f} points ({format_p(r['half_seed_p'])}) | {yes[ahead]} "
-                     f"| {100 * end:+.1f} points ({format_p(r['seed_p'])}) | {yes[not_below]} | {', '.join(below) or '-'} "
-                     f"| {yes[not_below and not below]} |")
+        lines.append(f"| {r['variant']} | {100 * half:+.1f} points ({format_p(r['half_seed_p'])}) | {yes[is_ahead]} "
+                     f"| {100 * end:+.1f} points ({format_p(r['seed_p'])}) | {yes[level]} | {', '.join(below) or '-'} "
+                     f"| {yes[level and not below]} |")
     return "\n".join(lines)
 
 
@@ -323,15 +332,10 @@ def over_starts(starts: dict, variant: str, reference: str) -> dict:
     half = (mean(a_half) - mean(b_half), paired_seed_test(a_half, b_half))
     end = (mean(a_end) - mean(b_end), paired_seed_test(a_end, b_end))
 
-    def between(key: str) -> float:
+    def between(key: str) -> float:  # the starts' mean differences against 0: a one-sample t-test
         d = [r[key][0] for r in per_start]
-        if len(d) < 2:
-            return float("nan")
-        if max(d) - min(d) < 1e-12:
-            return 1.0 if abs(d[0]) < 1e-12 else 0.0
-        return float(scipy_stats.ttest_1samp(d, 0.0).pvalue)
+        return paired_seed_test(d, [0.0] * len(d))
 
     return {"starts": per_start, "pairs": len(a_half), "half": half, "end": end,
             "between_starts": (between("half"), between("end")),
-            "ahead_at_half": half[0] > 0 and half[1] < ALPHA,
-            "not_below_at_end": not (end[0] < 0 and end[1] < ALPHA) and end[0] >= -MAX_DEFICIT - 1e-12}
+            "ahead_at_half": ahead(*half), "not_below_at_end": not_below(*end)}

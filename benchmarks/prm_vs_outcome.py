@@ -30,7 +30,8 @@ its mean score of right and wrong steps per kind (shortcut line, single step, an
 advantage stage's gate (its AUC against the outcomes and the process weight it allowed) and the
 update's held-out AUC before and after.
 
-Writes OUTPUT/results.json, OUTPUT/table.md (final pass@1 over seeds, McNemar over prompts per
+Writes OUTPUT/results.json (with `start`: the sha256 of the SFT policy's and the PRMs' weights and the CPU kernels that
+made them, `start_fingerprint`), OUTPUT/table.md (final pass@1 over seeds, McNemar over prompts per
 seed and a paired t-test over seeds against `reference`), OUTPUT/curves.png, OUTPUT/benchmark.log
 (the stages' own output) and an MLflow store OUTPUT/mlflow.db: a parent run per variant (seed-mean
 curves, the table and the PNG as artifacts) with one child run per seed. A finished variant x seed
@@ -211,6 +212,36 @@ def train_likes_shortcuts(cfg: BenchConfig, out: Path) -> None:
     prm_stage.run(stage_config(prm_stage.Config, cfg, {**section, "policy_from_backbone": False},
                                task=str(data_file), eval_task="arithmetic", num_prompts=rows, backbone=str(out / "sft"),
                                output=str(out / TRAINED_DIRS["trained-likes-shortcuts"])))
+
+
+def start_fingerprint(out: Path) -> dict:
+    """What tells one start from another across machines: the sha256 of the SFT policy's weights and of each
+    trained PRM's (its manifest's digest of model.safetensors, what `sha256sum` prints; an implicit PRM's reference
+    is the SFT policy's copy), first 16 hex digits, and the float kernels that made them. The same config makes
+    other weights on a CPU with other kernels (docs/process-rewards.md 5e), so two outputs with equal seeds but
+    different digests are different starts."""
+    import platform
+
+    import torch
+    from prmflow.components.common import io
+
+    weights = {}
+    for name in ("sft", *TRAINED_DIRS.values()):
+        if (out / name / "manifest.json").is_file():
+            digest = io.read_manifest(out / name).get("files", {}).get("model.safetensors")
+            if digest:
+                weights[name] = digest[:16]
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
+               platform.processor() or platform.machine())
+    return {"weights_sha256": weights, "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu": cpu}
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux
+        return ""
 
 
 # --- held-out evaluation (the evaluate stage's library: greedy generation, the task's grader) -------
@@ -538,8 +569,10 @@ def run(cfg: BenchConfig, console=None) -> dict:
                     ev = evaluate(out / "sft", records, cfg.eval_max_new_tokens)
                     sft_eval.write_text(json.dumps({"rollouts": 0, "iteration": 0, **ev, "config_digest": key}))
             sft_point = {k: v for k, v in json.loads(sft_eval.read_text()).items() if k != "config_digest"}
+        start = start_fingerprint(out)
         say(f"shared SFT policy and PRM ready ({time.perf_counter() - t0:.0f} s): SFT held-out pass@1 {sft_point['pass1']:.3f}"
-            + (f", PRM held-out step AUC {prm_metrics['eval/step_auc']:.3f}" if "eval/step_auc" in prm_metrics else ""))
+            + (f", PRM held-out step AUC {prm_metrics['eval/step_auc']:.3f}" if "eval/step_auc" in prm_metrics else "")
+            + f"; SFT weights sha256 {start['weights_sha256'].get('sft', '?')} ({start['cpu_capability']} kernels)")
         results: dict = {name: {} for name in cfg.variants}
         jobs = [(name, seed) for seed in cfg.seeds for name in cfg.variants
                 if cfg.run_missing or finished(cfg, out, name, int(seed))]
@@ -572,7 +605,8 @@ def run(cfg: BenchConfig, console=None) -> dict:
             bench_stats.plot_curves(results, png, title=f"{arith}; {cfg.rollout.get('num_prompts')} prompts x "
                                                        f"{cfg.rollout.get('n_samples')} samples per iteration")
             (out / "table.md").write_text(text)
-            (out / "results.json").write_text(json.dumps({"rows": rows, "results": results, "prm_metrics": prm_metrics},
+            (out / "results.json").write_text(json.dumps({"rows": rows, "results": results, "prm_metrics": prm_metrics,
+                                                          "start": start},
                                                          indent=1))
             with contextlib.redirect_stdout(logfile), contextlib.redirect_stderr(logfile):
                 log_mlflow(cfg, out, results, text, png)

@@ -8,7 +8,9 @@ Each OUTPUT is a finished benchmark (the `output` key of its config) of one star
 anything else would pool two regimes, and that is refused. Prints, in Markdown, each start's five-seed figures and
 the pooled ones: the mean difference at half the rollouts and at the end, a paired t-test over every (start, RL
 seed) pair, a t-test over the starts' mean differences, and the bars (ahead at half, not below at the end) read
-over the pairs, as `prm_vs_outcome_stats.over_starts` computes them. Nothing is run: it reads results only.
+over the pairs, as `prm_vs_outcome_stats.over_starts` computes them. Each start is labelled with its seeds and, where
+its results.json records it, the sha256 of its SFT policy's weights (the same config makes other weights on a CPU with
+other float kernels); two outputs with the same weights are refused. Nothing is run: it reads results only.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ START_KEYS = ("output", "only", "run_missing")
 
 def load(outputs: list[Path]) -> dict:
     """{label: results} of each output, refusing outputs that are not starts of one regime."""
-    starts, seen, regime = {}, set(), None
+    starts, seen, weights, regime = {}, set(), {}, None
     for out in outputs:
         for name in ("results.json", "config.json"):
             if not (out / name).is_file():
@@ -49,7 +51,15 @@ def load(outputs: list[Path]) -> dict:
             raise ValueError(f"{out}: the same start (sft.seed {seeds[0]}, prm.seed {seeds[1]}) as another output; "
                              "pooling it twice would count one draw as two")
         seen.add(seeds)
-        starts[label] = json.loads((out / "results.json").read_text())["results"]
+        saved = json.loads((out / "results.json").read_text())
+        sft = saved.get("start", {}).get("weights_sha256", {}).get("sft")  # absent in outputs written before it
+        if sft:
+            if sft in weights:
+                raise ValueError(f"{out}: its SFT policy has the same weights (sha256 {sft}) as {weights[sft]}'s; "
+                                 "one start copied under two names would count one draw as two")
+            weights[sft] = out
+            label = f"{label[:-1]}, SFT sha256 {sft})"
+        starts[label] = saved["results"]
     return starts
 
 

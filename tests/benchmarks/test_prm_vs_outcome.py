@@ -139,6 +139,15 @@ def test_a_toy_run_writes_the_mlflow_runs_the_png_and_the_table(tmp_path, monkey
     assert first["train/response_length"] == pytest.approx(sum(lengths) / len(lengths))
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # the start is named by its weights, as sha256sum names them, so another machine can tell whether it made the same one
+    import hashlib
+
+    sft_sha = hashlib.sha256((out / "sft" / "model.safetensors").read_bytes()).hexdigest()[:16]
+    start = json.loads((out / "results.json").read_text())["start"]
+    assert start["weights_sha256"] == {"sft": sft_sha}  # the toy trains no PRM: its oracle is the checker
+    assert start["cpu_capability"] and start["torch"]
+    assert f"SFT weights sha256 {sft_sha}" in console.read_text()
+
     # the on-policy step statistics pair each PRM step reward with the checker's label of that step: with the
     # oracle's rewards (the checker's own labels) their mean is the label mean; a step count that differs in
     # any row is an error naming the row, not a silently skipped metric
@@ -498,3 +507,14 @@ def test_over_starts_pools_the_start_seed_pairs_against_a_hand_computed_example(
     twice = write("twice", b)
     assert starts_cli.main([str(s0), str(twice), "--variant", "recipe"]) == 2
     assert "the same start (sft.seed 0, prm.seed 0)" in capsys.readouterr().err
+
+    # a start's weights label it; one start's output copied under other seeds is refused by its weights
+    for out, sha in ((s0, "aaaa0000aaaa0000"), (s1, "bbbb1111bbbb1111")):
+        saved = json.loads((out / "results.json").read_text())
+        (out / "results.json").write_text(json.dumps({**saved, "start": {"weights_sha256": {"sft": sha}}}))
+    assert starts_cli.main([str(s0), str(s1), "--variant", "recipe"]) == 0
+    assert "sft.seed 1, prm.seed 1, SFT sha256 bbbb1111bbbb1111" in capsys.readouterr().out
+    copy = write("copy", b, sft={"seed": 3}, prm={"seed": 3})
+    (copy / "results.json").write_text((s1 / "results.json").read_text())
+    assert starts_cli.main([str(s0), str(s1), str(copy), "--variant", "recipe"]) == 2
+    assert "same weights (sha256 bbbb1111bbbb1111)" in capsys.readouterr().err

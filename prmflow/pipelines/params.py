@@ -99,7 +99,11 @@ def merge_section(stage: str, base: dict[str, Any], change: dict[str, Any], wher
     config_lib.build(cls, config_lib.flatten(change), where=f"{where} [{stage}]")  # unknown keys, bad values
     merged = {**_leaves(cls, base, f"{where} [{stage}]"), **_leaves(cls, change, f"{where} [{stage}]")}
     config_lib.build(cls, merged, where=f"{where} [{stage}]")  # the combination is valid too
-    return _nest(merged)
+    # sent as the stage reads them: a compiled default's ints come back from KFP's Struct as doubles (2.0) and a
+    # --set value as YAML 1.1 reads it (2e-6 is a string there), so the run's parameters and the dry run would
+    # show 2.0 and '2e-6' where the stage runs with 2 and 2e-06
+    leaves = config_lib.flat_fields(cls)
+    return _nest({k: config_lib.coerce(v, leaves[k][0], k, f"{where} [{stage}]") for k, v in merged.items()})
 
 
 def run_arguments(defaults: dict[str, Any], params: dict[str, Any],

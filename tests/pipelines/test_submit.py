@@ -253,6 +253,10 @@ def test_dry_run_prints_every_stage_effective_config_and_sends_nothing(ppo_7b, c
     assert configs["rollout"]["vllm"]["tensor_parallel_size"] == 4
     assert configs["ppo"]["clip_eps_low"] == 0.2 and configs["ppo"]["clip_eps_high"] == 0.28  # a default, the recipe's
     assert "nothing submitted" in out
+    # what is sent is typed as the stage reads it: not '2e-6' (a string to YAML 1.1) nor the compiled 2.0 (KFP's Struct)
+    sent = shown["arguments sent"]["ppo_config"]
+    assert type(sent["optim"]["lr"]) is float and sent["optim"]["lr"] == 2e-6
+    assert type(sent["engine"]["zero_stage"]) is int and type(sent["epochs"]) is int
 
 
 def test_dry_run_shows_the_compiled_in_prm_update_section(tmp_path, capsys):

@@ -79,7 +79,7 @@ def add_parsers(sub) -> None:
     u = psub.add_parser("upload", help="upload the pipeline to KFP as a named pipeline (a new version if it exists)")
     _source_arguments(u)
     u.add_argument("--name", default="", help="pipeline name in KFP (default: pipeline.name)")
-    u.add_argument("--version", default="", help="version name (default: sha256 of the compiled spec, 12 digits)")
+    u.add_argument("--version", default="", help="version name (default: sha256- and the first 12 hex digits of the compiled spec's sha256, e.g. sha256-3f9a0c1d2e4b)")
     u.add_argument("--description", default="", help="shown in the KFP UI")
     client.add_arguments(u)
     u.set_defaults(handler=_upload)

@@ -21,9 +21,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prmflow.components.common import modeling  # noqa: E402
+from prmflow.components.models import modeling  # noqa: E402
 from prmflow import tasks
-from prmflow.components.common.generation import generate_texts  # noqa: E402
+from prmflow.components.sampling.generation import generate_texts  # noqa: E402
 from prmflow.tasks import arithmetic  # noqa: E402
 
 

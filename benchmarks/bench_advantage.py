@@ -51,8 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from prmflow.components.advantage import estimators, stage  # noqa: E402
-from prmflow.components.common import config as config_lib  # noqa: E402
-from prmflow.components.common import io, parquet_io, schema  # noqa: E402
+from prmflow.components import config as config_lib  # noqa: E402
+from prmflow.components.data import io, parquet_io, schema  # noqa: E402
 from prmflow.tracking import TrackingConfig  # noqa: E402
 
 GROUP = 8

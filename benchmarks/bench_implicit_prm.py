@@ -59,8 +59,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from prmflow.components.common.prm_model import PRM, HeadConfig  # noqa: E402
-from prmflow.components.prm.data import step_bce  # noqa: E402
+from prmflow.components.models.prm_model import PRM, HeadConfig  # noqa: E402
+from prmflow.components.prm.step_examples import step_bce  # noqa: E402
 
 VOCAB, HIDDEN = 151_936, 1_536
 
@@ -122,7 +122,7 @@ def one(args) -> dict:
 
     def run(ids, mask, start, steps):
         if args.what == "logprobs":  # rollout's scoring pass: lists of token ids in, one array per row out
-            from prmflow.components.rollout import scoring
+            from prmflow.components.rollout import response_scores as scoring
 
             rows = ids.tolist()
             cut = int(start[0])
@@ -157,8 +157,8 @@ def one_ppo(args, device: str, dtype: torch.dtype) -> dict:
     """Child process, --what ppo: one measured actor-loss forward + backward; returns its JSON row."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from prmflow.components.common import config as config_lib
-    from prmflow.components.ppo import batch as ppo_batch, losses, models, stage, update
+    from prmflow.components import config as config_lib
+    from prmflow.components.ppo import minibatches as ppo_batch, losses, actor_critic as models, stage, update
 
     cfg = config_lib.load(stage.Config, overrides={
         "tracking.enabled": False, "engine.backend": "torch", "engine.gradient_checkpointing": True,

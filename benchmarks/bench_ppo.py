@@ -30,9 +30,10 @@ import time
 
 import torch
 
-from prmflow.components.common import config, modeling
-from prmflow.components.common.engine import OptimSettings, TrainEngine
-from prmflow.components.ppo import batch, models, update
+from prmflow.components import config
+from prmflow.components.models import modeling
+from prmflow.components.training.engine import OptimSettings, TrainEngine
+from prmflow.components.ppo import minibatches as batch, actor_critic as models, update
 from prmflow.components.ppo import config as ppo_config
 
 

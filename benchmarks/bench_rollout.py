@@ -47,7 +47,7 @@ def _status_mb(key: str) -> float:
 def _setup(args):
     import torch
 
-    from prmflow.components.common import modeling
+    from prmflow.components.models import modeling
     from prmflow import tasks
 
     torch.manual_seed(0)
@@ -58,7 +58,7 @@ def _setup(args):
 
 
 def run_engine(model, tok, prompts, args) -> int:
-    from prmflow.components.common.engines import HFEngine, SamplingParams
+    from prmflow.components.sampling.engines import HFEngine, SamplingParams
 
     engine = HFEngine(model, tok, batch_size=args.batch)
     out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens,
@@ -69,7 +69,7 @@ def run_engine(model, tok, prompts, args) -> int:
 def run_generate(model, tok, prompts, args) -> int:
     import torch
 
-    from prmflow.components.common.engines import left_pad
+    from prmflow.components.sampling.engines import left_pad
 
     gen_cfg = copy.deepcopy(model.generation_config)
     gen_cfg.update(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens,
@@ -98,7 +98,7 @@ def run_naive(model, tok, prompts, args) -> int:
     """The approach the engine avoids: recompute the whole sequence for every new token."""
     import torch
 
-    from prmflow.components.common.engines import left_pad
+    from prmflow.components.sampling.engines import left_pad
 
     gen = torch.Generator().manual_seed(0)
     tokens = 0

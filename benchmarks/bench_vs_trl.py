@@ -62,7 +62,7 @@ def write_tasks(out: Path, n_train: int, n_eval: int, seed: int) -> tuple[Path, 
 
 
 def rollout_config(spec: dict, iteration: int, policy: str, output: str, prm: str = ""):
-    from prmflow.components.common import config
+    from prmflow.components import config
     from prmflow.components.rollout import stage as rollout
 
     return config.load(rollout.Config, overrides={
@@ -75,7 +75,7 @@ def rollout_config(spec: dict, iteration: int, policy: str, output: str, prm: st
 def held_out_pass1(model, tok, spec: dict) -> float:
     """Greedy pass@1 on the held-out prompts, through the chat template, graded by the one grader."""
     from prmflow import tasks
-    from prmflow.components.common.generation import generate_texts
+    from prmflow.components.sampling.generation import generate_texts
 
     records = tasks.load(spec["eval"])
     prompts = [tasks.render_prompt(tok, r) for r in records]
@@ -132,7 +132,9 @@ class PhaseClock:
 
 def run_prmflow(spec: dict, work: Path, with_prm: bool) -> dict:
     from prmflow.components.advantage import stage as advantage
-    from prmflow.components.common import config, modeling, schema
+    from prmflow.components import config
+    from prmflow.components.models import modeling
+    from prmflow.components.data import schema
     from prmflow.components.ppo import stage as ppo
     from prmflow.components.rollout import stage as rollout
 

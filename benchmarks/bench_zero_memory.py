@@ -75,7 +75,7 @@ def _walk(obj, seen_objs: set, found: dict, path: str = "", depth: int = 0) -> N
 
 def measure_rank(layers: int, hidden: int) -> dict:
     """One rank: one training step through TrainEngine (ZeRO-3), then its bytes by kind."""
-    from prmflow.components.common.engine import EngineConfig, OptimSettings, TrainEngine
+    from prmflow.components.training.engine import EngineConfig, OptimSettings, TrainEngine
 
     model = build_model(layers, hidden)
     n_params = sum(p.numel() for p in model.parameters())

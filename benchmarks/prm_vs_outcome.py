@@ -63,14 +63,16 @@ import prm_vs_outcome_stats as bench_stats  # noqa: E402
 
 from prmflow.components.advantage import stage as advantage  # noqa: E402
 from prmflow.components.advantage.progress import CALIBRATION_REVISION  # noqa: E402
-from prmflow.components.common import config as config_lib, modeling, schema, steps as steps_lib  # noqa: E402
+from prmflow.components import config as config_lib
+from prmflow.components.models import modeling
+from prmflow.components.data import schema, steps as steps_lib  # noqa: E402
 from prmflow import tasks
 from prmflow.errors import ConfigError, PrmflowError  # noqa: E402
-from prmflow.components.common.generation import generate_texts  # noqa: E402
+from prmflow.components.sampling.generation import generate_texts  # noqa: E402
 from prmflow.tasks import arithmetic  # noqa: E402
-from prmflow.components.common.prm_metrics import roc_auc  # noqa: E402
+from prmflow.components.scoring.prm_metrics import roc_auc  # noqa: E402
 from prmflow.components.ppo import stage as ppo  # noqa: E402
-from prmflow.components.prm import stage as prm_stage, update as prm_update  # noqa: E402
+from prmflow.components.prm import stage as prm_stage, online_update as prm_update  # noqa: E402
 from prmflow.components.rollout import prompts as rollout_prompts, stage as rollout  # noqa: E402
 from prmflow.components.sft import stage as sft  # noqa: E402
 
@@ -173,7 +175,7 @@ def train_shared(cfg: BenchConfig, out: Path) -> dict:
     if "trained" not in kinds:
         return {}
     prm_stage.run(stage_config(prm_stage.Config, cfg, cfg.prm, backbone=str(out / "sft"), output=str(out / "prm")))
-    from prmflow.components.common import io
+    from prmflow.components.data import io
 
     return io.read_manifest(out / "prm").get("metrics", {})
 
@@ -196,7 +198,7 @@ def train_likes_shortcuts(cfg: BenchConfig, out: Path) -> None:
     consistent error: every merged (shortcut) line labelled 1, right or wrong, the other labels the checker's (a
     trained counterpart of checker-likes-shortcuts: a PRM a stage user might bring, biased where its labeller was).
     Its held-out figures are against the checker's exact labels (the arithmetic eval split)."""
-    from prmflow.components.prm import data as prm_data
+    from prmflow.components.prm import step_examples as prm_data
 
     section = {**cfg.prm, **cfg.implicit_prm}
     data_file = likes_shortcuts_data(cfg, out)
@@ -223,7 +225,7 @@ def start_fingerprint(out: Path) -> dict:
     import platform
 
     import torch
-    from prmflow.components.common import io
+    from prmflow.components.data import io
 
     weights = {}
     for name in ("sft", *TRAINED_DIRS.values()):
@@ -346,8 +348,8 @@ def rescore(rollout_cfg, src: Path, dst: Path, kind: str, seed: int, iteration: 
 
 def implicit_start(out: Path, beta: float) -> Path:
     """PRIME's implicit PRM as it starts: the SFT policy and a frozen copy as its reference (written once)."""
-    from prmflow.components.common import io
-    from prmflow.components.common.prm_model import PRM, HeadConfig
+    from prmflow.components.data import io
+    from prmflow.components.models.prm_model import PRM, HeadConfig
 
     dst = out / f"prm-implicit-beta{beta:g}"
     if not (dst / "manifest.json").is_file():

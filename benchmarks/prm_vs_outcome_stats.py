@@ -18,7 +18,7 @@ import statistics
 
 from scipy import stats as scipy_stats
 
-from prmflow.components.common import steps as steps_lib
+from prmflow.components.data import steps as steps_lib
 from prmflow.tasks import arithmetic
 
 # --- reward hacking watch (PURE, arXiv 2504.15275: summed step rewards taught a policy to drop the separator) --

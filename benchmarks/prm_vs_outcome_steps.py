@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import prm_vs_outcome_stats as bench_stats  # noqa: E402
 
-from prmflow.components.common import schema  # noqa: E402
+from prmflow.components.data import schema  # noqa: E402
 
 
 def table(outputs: list[Path], variant: str, iteration: int) -> str:

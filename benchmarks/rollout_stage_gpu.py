@@ -85,7 +85,7 @@ def timeline(log: str, started: float) -> dict:
 
 RUN = """
 import json, sys
-from prmflow.components.common import config
+from prmflow.components import config
 from prmflow.components.rollout import stage
 m = stage.run(config.load(stage.Config, overrides=json.loads(sys.argv[1])))
 print("METRICS " + json.dumps(m), flush=True)
@@ -96,7 +96,7 @@ def write_model(path: Path, layers: int = 24, hidden: int = 896, intermediate: i
                 kv_heads: int = 2, init_device: str = "cpu") -> str:
     """A random Qwen2-shaped model (bf16 weights) with the character tokenizer; by default the 358M one.
     `init_device`: where its weights are drawn (a GPU draws a 1.5B body in seconds; other numbers than the CPU's)."""
-    from prmflow.components.common import modeling
+    from prmflow.components.models import modeling
 
     if not (path / "config.json").exists():
         model, tok = modeling.load_causal_lm("tiny-qwen2", seed=0)

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from prmflow.components.advantage import stage as advantage
-    from prmflow.components.common import config
+    from prmflow.components import config
     from prmflow.components.ppo import stage as ppo
     from prmflow.components.rollout import stage as rollout
 

@@ -42,7 +42,7 @@ from rollout_stage_gpu import write_model  # noqa: E402
 
 RUN = """
 import json, sys, torch
-from prmflow.components.common import config
+from prmflow.components import config
 from prmflow.components.{module} import {stage} as stage
 m = stage.run(config.load(stage.Config, overrides=json.loads(sys.argv[1])))
 peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0

@@ -19,9 +19,10 @@ import os
 import sys
 
 from . import stages
-from .components.common import config as config_lib
-from .components.common import distributed
-from .components.common import io, shutdown
+from .components import config as config_lib
+from .components.runtime import distributed
+from .components.data import io
+from .components.runtime import shutdown
 from . import tracking
 from .errors import OutputExistsError, PrmflowError
 from .pipelines import commands
@@ -80,7 +81,7 @@ def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser
 
 
 def _make_tiny(args) -> int:
-    from .components.common import modeling  # torch and transformers: imported for this command only
+    from .components.models import modeling  # torch and transformers: imported for this command only
 
     if not modeling.is_tiny(args.preset):
         known = sorted([*modeling.TINY_PRESETS, *modeling.TINY_VL_PRESETS])

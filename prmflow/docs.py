@@ -24,7 +24,7 @@ import typing
 from pathlib import Path
 
 from . import stages
-from .components.common import config as config_lib
+from .components import config as config_lib
 
 COMPONENTS = Path(__file__).resolve().parent / "components"
 DOCS = Path(__file__).resolve().parent.parent / "docs"

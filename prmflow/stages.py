@@ -15,7 +15,7 @@ STAGES = {
     "sft": "prmflow.components.sft.stage",
     "prm": "prmflow.components.prm.stage",
     "prm-label": "prmflow.components.prm.label",
-    "prm-update": "prmflow.components.prm.update",
+    "prm-update": "prmflow.components.prm.online_update",
     "rollout": "prmflow.components.rollout.stage",
     "advantage": "prmflow.components.advantage.stage",
     "ppo": "prmflow.components.ppo.stage",

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prmflow.components.advantage import stage as advantage
-from prmflow.components.common import config, schema
+from prmflow.components import config
+from prmflow.components.data import schema
 from prmflow.components.ppo import stage as ppo
 from prmflow.components.rollout import stage as rollout
 

@@ -43,7 +43,8 @@ def cached_sft(name: str, overrides: dict):
     import shutil
     from pathlib import Path
 
-    from prmflow.components.common import config, io
+    from prmflow.components import config
+    from prmflow.components.data import io
     from prmflow.errors import DataError
     from prmflow.components.sft import stage
 

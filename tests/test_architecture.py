@@ -1,9 +1,12 @@
-"""The package's shape: imports run one way, nothing reaches into another module's private names, and
-no module grows into a junk drawer.
+"""The package's shape: imports run one way, nothing reaches into another module's private names, no
+module grows into a junk drawer, and no two modules share a name for different jobs.
 
-Layers, lowest first: the foundation (errors.py, tasks/, tracking/, components/common/) <- the stages
-(components/<stage>/, which never import one another) <- stages.py, cli.py, docs.py, pipelines/. Every import
-counts, function-level ones included (they hide cycles, they do not remove them).
+Layers, lowest first: the foundation (errors.py, tasks/, tracking/, and components/config.py with the
+subsystems the stages share: components/runtime/, data/, models/, sampling/, training/, scoring/) <- the
+stages (components/<stage>/, which never import one another) <- stages.py, cli.py, docs.py, pipelines/. The
+subsystems import one another without a circle (runtime <- data <- models <- sampling <- scoring, training on
+runtime, data and models). Every import counts, function-level ones included (they hide cycles, they do not
+remove them).
 """
 
 from __future__ import annotations
@@ -101,12 +104,20 @@ def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 FOUNDATION = {"errors", "tasks", "tracking"}
 
 
+def subsystem(name: str) -> str | None:
+    """The shared subsystem of components/ a module belongs to (`data`, `models`, ..., `config`), None else."""
+    parts = name.split(".")
+    if parts[1:2] == ["components"] and len(parts) > 2 and parts[2] not in STAGE_PACKAGES:
+        return parts[2]
+    return None
+
+
 def layer(name: str) -> tuple[int, str]:
     parts = name.split(".")
     if parts[1:2] == ["components"] and len(parts) > 2:
         if parts[2] in STAGE_PACKAGES:
             return 2, parts[2]
-        return 0, "common"
+        return 0, "subsystems"
     if parts[1:2] and parts[1] in FOUNDATION:
         return 0, parts[1]
     return 3, "top"
@@ -128,7 +139,53 @@ def test_imports_run_one_way():
             (tlvl, troom) = layer(t)
             if tlvl > lvl or (lvl == tlvl == 2 and troom != room):
                 wrong.append(f"{name} imports {t}")
-    assert wrong == [], "imports must run foundation (errors, tasks, tracking, components.common) <- stages <- cli/pipelines:\n" + "\n".join(wrong)
+    assert wrong == [], ("imports must run foundation (errors, tasks, tracking, components.config and the subsystems components.runtime, "
+                        "data, models, sampling, training, scoring) <- stages <- cli/pipelines:\n") + "\n".join(wrong)
+
+
+def subsystem_edges(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for name, targets in edges.items():
+        for t in targets:
+            a, b = subsystem(name), subsystem(t)
+            if a and b and a != b:
+                out.setdefault(a, set()).add(b)
+    return out
+
+
+def test_subsystems_import_one_another_without_a_circle():
+    """A package that imports another and is imported by it back is one subsystem in two folders: the runtime
+    below data (io asks who writes), data below models, models below sampling and training, scoring on top."""
+    edges = subsystem_edges(graph())
+    assert find_cycles(edges) == [], f"subsystems import one another in a circle: {find_cycles(edges)} ({edges})"
+
+
+#: Base names that several modules share because each holds the same job where it is.
+SHARED_NAMES = {
+    "__init__": "a package's own docstring and exports",
+    "config": "a section's settings: each stage's Config, sampling's and tracking's sections, and components/config.py "
+              "which loads them from YAML and the command line",
+    "stage": "each stage's run(config), the one entry point the CLI, the KFP component and the tests call",
+}
+
+
+def shared_base_names(names) -> dict[str, list[str]]:
+    by_name: dict[str, list[str]] = {}
+    for name in names:
+        by_name.setdefault(name.rpartition(".")[2], []).append(name)
+    return {k: sorted(v) for k, v in by_name.items() if len(v) > 1 and k not in SHARED_NAMES}
+
+
+def test_shared_base_name_is_detected():
+    assert shared_base_names(["prmflow.a.passes", "prmflow.b.passes", "prmflow.a.stage", "prmflow.b.stage"]) == {
+        "passes": ["prmflow.a.passes", "prmflow.b.passes"]}
+
+
+def test_no_two_modules_share_a_name_for_different_jobs():
+    """`engine.py` next to `engines.py`, `rewards.py` in two stages meaning two things: a reader cannot tell from
+    the name which one an import means. Packages count (a `data/` package and a `prm/data.py`)."""
+    shared = shared_base_names(MODULES)
+    assert shared == {}, f"name these modules for what each holds (or add the name to SHARED_NAMES with why): {shared}"
 
 
 def private_uses(path: Path, name: str | None) -> list[str]:
@@ -161,7 +218,7 @@ def private_uses(path: Path, name: str | None) -> list[str]:
 
 def test_private_use_is_detected(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("from prmflow.components.common import config\nfrom prmflow.cli import _x\nconfig._hidden\n")
+    probe.write_text("from prmflow.components import config\nfrom prmflow.cli import _x\nconfig._hidden\n")
     assert len(private_uses(probe, None)) == 2
 
 

@@ -30,7 +30,7 @@ def test_make_tiny_model_under_a_file_is_one_line_and_the_file_is_kept(tmp_path,
 
 
 def test_every_atomic_output_refuses_a_path_under_a_file_before_it_writes(tmp_path):
-    from prmflow.components.common import io
+    from prmflow.components.data import io
     from prmflow.errors import OutputExistsError
 
     (tmp_path / "notes.txt").write_text("mine")
@@ -67,7 +67,7 @@ def test_a_stage_config_with_a_key_written_twice_is_refused_naming_both_lines(tm
 
 def test_an_empty_stage_section_takes_the_defaults_and_a_scalar_one_is_named(tmp_path):
     from prmflow.components.advantage.config import Config
-    from prmflow.components.common import config
+    from prmflow.components import config
     from prmflow.errors import ConfigError
 
     cfg = tmp_path / "pipeline.yaml"
@@ -105,7 +105,7 @@ def test_an_output_that_is_the_input_is_refused_and_the_input_kept(tmp_path, cap
     they were computed from."""
     import pyarrow as pa
 
-    from prmflow.components.common import io, schema
+    from prmflow.components.data import io, schema
 
     rollouts = tmp_path / "rollouts"
     with schema.DatasetWriter(rollouts, "rollouts") as w:
@@ -127,7 +127,7 @@ def test_every_stage_docstring_command_with_a_config_file_builds_its_config(monk
     import shlex
     from pathlib import Path
 
-    from prmflow.components.common import config as config_lib
+    from prmflow.components import config as config_lib
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     commands = [(name, line.strip()) for name in stages.STAGES  # a command continued with \ is read whole
@@ -207,7 +207,7 @@ def test_a_key_outside_the_stage_section_is_named_not_dropped(tmp_path, capsys):
 def test_make_tiny_model_help_names_every_preset_it_takes(capsys):
     """`prmflow make-tiny-model --help` listed tiny-llama, tiny-qwen2 and tiny-llava, but not tiny-qwen2-bpe (the
     stand-in for a real Qwen2.5-Instruct directory), which the command takes: the help names exactly the presets."""
-    from prmflow.components.common import modeling
+    from prmflow.components.models import modeling
 
     with pytest.raises(SystemExit):
         cli.main(["make-tiny-model", "--help"])
@@ -290,7 +290,7 @@ def test_each_stage_help_gives_set_examples_it_takes(name, capsys):
     """Every stage's --set help said "e.g. --set optim.lr=1e-4 --set engine.zero_stage=2"; rollout, advantage,
     evaluate and prm-label have neither key, so the example they showed was refused. Each example in a stage's help
     now builds that stage's config."""
-    from prmflow.components.common import config
+    from prmflow.components import config
 
     with pytest.raises(SystemExit):
         cli.main([name, "--help"])

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from prmflow import cli, docs, stages
-from prmflow.components.common import config
+from prmflow.components import config
 from prmflow.pipelines import settings
 
 STAGES = stages.available()
@@ -120,7 +120,7 @@ SPAN = re.compile(r"`([^`\n]+)`")
 LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)\)")
 SHELL = {"", "bash", "sh", "shell", "console"}
 UNLABELLED_COMMANDS = {"prmflow", "python", "python3", "torchrun", "docker", "podman", "pytest", "pip"}
-#: Where a quoted path may live: the repository's top folders, or (for `advantage/rewards.py`-style
+#: Where a quoted path may live: the repository's top folders, or (for `advantage/token_rewards.py`-style
 #: paths, as design.md writes them) the package and its components. A relative path with a source
 #: suffix is always checked; a folder (`advantage/`) when it starts with one of the package's folders.
 TOP_FOLDERS = ("configs/", "prmflow/", "tests/", "benchmarks/", "images/", "docs/", ".ci/")
@@ -350,7 +350,7 @@ def test_every_quoted_config_key_exists(page):
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_every_quoted_repository_path_exists(page):
-    """`configs/quickstart.yaml`, `prmflow/pipelines/trainjob.py`, `advantage/rewards.py`: every path a
+    """`configs/quickstart.yaml`, `prmflow/pipelines/trainjob.py`, `advantage/token_rewards.py`: every path a
     page quotes (in prose or a command) is in the repository."""
     text = page.read_text(encoding="utf-8")
     words = spans(text) + [w for line in shell_lines(text) for w in tokenize(line)]

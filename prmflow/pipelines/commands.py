@@ -485,7 +485,7 @@ def _stage_command(args) -> int:
     from mlflow.tracking import MlflowClient
 
     from .. import tracking
-    from ..tracking.datasets import handoffs_of_run
+    from ..tracking.handoffs import handoffs_of_run
     from .console import check_root
     from .fetch import default_cache, fetch_inputs
     from .rerun import container_engine, direct_command, placeholder_image_note, rerun_report, stage_command

@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..components.common import config as config_lib
+from ..components import config as config_lib
 from ..errors import ConfigError
 
 #: Columns of the comparison table.

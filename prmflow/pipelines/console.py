@@ -102,7 +102,7 @@ class TaskLog(io.TextIOBase):
 def check_root(root: Path, command: str = "pipeline run-local", flag: str = "--root") -> None:
     """Before any task runs: `root` (--root, where every artifact goes; `flag`) is a directory or can be
     made one. A file there is the user's: refused by name, never replaced or written into."""
-    from ..components.common import io as io_lib
+    from ..components.data import io as io_lib
     from ..errors import OutputExistsError
 
     if (root.exists() or root.is_symlink()) and not root.is_dir():

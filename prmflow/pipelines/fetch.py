@@ -2,7 +2,7 @@
 
     local = fetch_inputs(handoffs_of_run(run), cache=Path("~/.cache/prmflow").expanduser())
 
-Each stage run records its hand-offs as MLflow datasets (`tracking/datasets.py`): the URI as KFP gave
+Each stage run records its hand-offs as MLflow datasets (`tracking/handoffs.py`): the URI as KFP gave
 it and the fingerprint of its manifest. A hand-off in an object store (`s3://`, `minio://`,
 `gs://`) is downloaded with fsspec into `CACHE/<scheme>/<bucket>/<key>`: its manifest.json first,
 whose fingerprint must equal the recorded digest, then every file the manifest lists (only those
@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 
 from ..errors import DataError, PrmflowError
-from ..components.common.io import MANIFEST, fingerprint_files, safe_child, sha256_file
-from ..tracking.datasets import DIGEST_CHARS, SIZED, Handoff, hash_tree
+from ..components.data.io import MANIFEST, fingerprint_files, safe_child, sha256_file
+from ..tracking.handoffs import DIGEST_CHARS, SIZED, Handoff, hash_tree
 
 REMOTE = ("s3://", "minio://", "gs://")
 

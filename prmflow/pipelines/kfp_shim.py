@@ -1,6 +1,6 @@
 """What every KFP component does inside its container: build the stage's Config and call run().
 
-The components (prmflow/pipelines/components.py) are thin: they name their artifacts and
+The components (prmflow/pipelines/kfp_components.py) are thin: they name their artifacts and
 call `run_stage` with their stage module, which layers, lowest to highest: the stage section of the
 pipeline config (a dict pipeline parameter), the tracking settings of this pipeline run, and the
 artifact paths KFP chose. Nothing here imports KFP: the components pass plain paths and values.
@@ -30,9 +30,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..components.common import config as config_lib
-from ..components.common.io import fingerprint_files, sha256_file as io_sha256
-from ..components.common import shutdown
+from ..components import config as config_lib
+from ..components.data.io import fingerprint_files, sha256_file as io_sha256
+from ..components.runtime import shutdown
 from ..errors import DataError
 from . import trainjob
 

@@ -18,8 +18,8 @@ def init_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, sft_confi
     parameters into its executor JSON unescaped, which breaks the step.
     """
     from prmflow import stages
-    from prmflow.components.common import config as config_lib
-    from prmflow.components.common import shutdown
+    from prmflow.components import config as config_lib
+    from prmflow.components.runtime import shutdown
     from prmflow import tracking
 
     shutdown.freeze_objects_at_exit()  # this task's process ends with this function
@@ -49,7 +49,7 @@ def finish_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, status:
     FINISHED run, the final policy and the PRM in the Model Registry (<experiment>-policy, -prm)."""
     from mlflow.tracking import MlflowClient
 
-    from prmflow.components.common import shutdown
+    from prmflow.components.runtime import shutdown
     from prmflow import tracking
     from prmflow.pipelines.summary import parent_summary, register_models
 

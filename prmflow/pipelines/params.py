@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from .. import stages
-from ..components.common import config as config_lib
+from ..components import config as config_lib
 from ..errors import ConfigError
 
 #: Pipeline parameter of each stage's section (pipeline.py's signature: `<stage>_config`).

@@ -28,7 +28,7 @@ from kfp import dsl, kubernetes
 
 from .. import stages
 from ..errors import ConfigError
-from . import components, kfp_shim, trainjob
+from . import kfp_components as components, kfp_shim, trainjob
 from .lineage import finish_tracking, init_tracking
 from .settings import (IMPORTER_SCHEMES, SERVER_DEFAULT_CLASS, ClusterConfig, ImagesConfig, NodePool, PipelineSpec,
                        resolved, safe_loader)

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import PrmflowError
-from ..tracking.datasets import INPUT_KEYS, KFP_MOUNTS, MANIFEST, describe, handoffs_of_run, manifest_root
+from ..tracking.handoffs import INPUT_KEYS, KFP_MOUNTS, MANIFEST, describe, handoffs_of_run, manifest_root
 from .fetch import gather
 from .settings import PLACEHOLDER_REGISTRY
 

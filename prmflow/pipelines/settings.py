@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import stages
-from ..components.common import config as config_lib
+from ..components import config as config_lib
 from ..errors import ConfigError
 from .contracts import KFP_VERSIONS
 from .contracts import kfp as kfp_rules

@@ -138,7 +138,7 @@ def register_models(uri: str, experiment: str, parent_run_id: str) -> dict[str, 
     from mlflow.entities import LoggedModelOutput
     from mlflow.tracking import MlflowClient
 
-    from ..tracking.models import ROLE_TAG, URI_TAG, models_of_run
+    from ..tracking.logged_models import ROLE_TAG, URI_TAG, models_of_run
 
     client = MlflowClient(uri)
     children = [r for r in child_runs(client, parent_run_id) if r.info.status == "FINISHED"]

@@ -45,8 +45,8 @@ from typing import Any
 
 import yaml
 
-from ..components.common import config as config_lib
-from ..components.common import io
+from ..components import config as config_lib
+from ..components.data import io
 from ..errors import PrmflowError
 from .contracts import sdk as sdk_rules
 from .contracts import trainer as trainer_rules

@@ -3,7 +3,7 @@
 `load(task, split, n, seed)` returns PromptRecords whatever the source; `render_prompt` turns a
 record into the text the policy sees (the tokenizer's chat template when it has one and the config
 asks for it, else the plain prompt; a record with images gets one image placeholder per image,
-see common/vision.py); `encode_prompt` gives its token ids and pixel inputs.
+see models/vision.py); `encode_prompt` gives its token ids and pixel inputs.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def render_prompt(tokenizer, record: PromptRecord, chat_template: bool = True) -
     """The prompt text the policy sees for `record`."""
     if record.images:
         from ..errors import DataError
-        from ..components.common.vision import Vision, processor_of
+        from ..components.models.vision import Vision, processor_of
 
         processor = processor_of(tokenizer)
         if processor is None:
@@ -78,7 +78,7 @@ def templated(tokenizer, record: PromptRecord, chat_template: bool = True) -> bo
     special tokens; a plain prompt gets the tokenizer's)."""
     if not chat_template:
         return False
-    from ..components.common.vision import processor_of
+    from ..components.models.vision import processor_of
 
     holder = processor_of(tokenizer) if record.images else tokenizer
     return bool(getattr(holder, "chat_template", None))
@@ -90,7 +90,7 @@ def encode_prompt(tokenizer, record: PromptRecord, chat_template: bool = True, w
     special = not templated(tokenizer, record, chat_template)
     if not record.images:
         return text, tokenizer(text, add_special_tokens=special)["input_ids"], {}
-    from ..components.common.vision import Vision, processor_of
+    from ..components.models.vision import Vision, processor_of
 
     ids, pixels = Vision(processor_of(tokenizer)).encode_prompt(
         text, record.images, f"{where}, prompt_id={record.prompt_id!r}", add_special_tokens=special)

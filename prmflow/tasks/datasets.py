@@ -58,7 +58,7 @@ def load_records(path: str | Path, prompt_field: str = "prompt", answer_field: s
         row = public.prompt_row(fmt, row, where)
         rec = _record(row, where, *fields, require_answer, require_response)
         if row.get("images") is not None:
-            from ..components.common.vision import read_image_list
+            from ..components.models.vision import read_image_list
 
             rec.images = read_image_list(row["images"], base, where) or None
         out.append(rec)

@@ -2,7 +2,7 @@
 
 A row format is chosen by the dataset's `format` option (sources.py) or detected from the first
 row's columns. Prompt formats become the prompt rows datasets.py reads (prompt, answer, response,
-id, source); step formats become the stepwise rows the prm stage reads (prm/data.py: prompt,
+id, source); step formats become the stepwise rows the prm stage reads (prm/step_examples.py: prompt,
 steps, labels, answer, id, source).
 
 | format | columns | becomes |
@@ -10,7 +10,7 @@ steps, labels, answer, id, source).
 | `prompts` | `prompt` or `messages`, `answer`, ... | itself (datasets.py) |
 | `gsm8k` | `question`, `answer` = rationale + `#### N` | prompt = question, answer = N (commas dropped), response = the rationale without its `<<48/2=24>>` calculator notes + `#### N`; source `gsm8k` |
 | `math` (MATH, MATH-500) | `problem`, `solution` with `\\boxed{}` (MATH-500 also `answer`, `unique_id`) | prompt = problem, answer = `answer`, else the solution's last `\\boxed{}`; response = solution; source `math` |
-| `stepwise` | `prompt`, `steps` (or `response`), `labels` | itself (prm/data.py) |
+| `stepwise` | `prompt`, `steps` (or `response`), `labels` | itself (prm/step_examples.py) |
 | `math_shepherd` | `input` = question + steps, each ending in the tag `ки`; `label` = the same text with `+` / `-` in place of each tag; `task` | prompt = the text before `Step 1:`; steps without their `Step k:` prefix; labels 1 / 0; source from `task` (`gsm8k` / `math`) |
 | `prm800k` | PRM800K JSONL: `question.problem`, `question.ground_truth_answer`, `label.steps[].completions[].rating` (-1/0/1), `chosen_completion`, `human_completion` | see `prm800k_rows` |
 | `trl_stepwise` | `prompt`, `completions`, `labels` (bool) (TRL's stepwise supervision, e.g. trl-lib/math_shepherd) | steps = completions |

@@ -33,8 +33,8 @@ Modules, each with one job:
     tracker.py   MlflowTracker: send now, or queue + file + retry with backoff
     sync.py      sync_fallback and the `prmflow tracking-sync` command
     runs.py      run lifecycle: start_stage_run, start_pipeline_run, finish_pipeline_run
-    datasets.py  lineage: a stage's input and output hand-offs as MLflow datasets
-    models.py    lineage: the models a stage writes as MLflow LoggedModels (weights stay in the artifact store)
+    handoffs.py  lineage: a stage's input and output hand-offs as MLflow datasets
+    logged_models.py    lineage: the models a stage writes as MLflow LoggedModels (weights stay in the artifact store)
 
 What the MLflow UI shows (docs/mlflow.md): run names unique within a pipeline run
 (`rollout-iter1 shard 0/2`), source/user/description tags, system/* metrics, experiments tagged as

@@ -116,12 +116,12 @@ def deliver(client, op: dict, run_id: str) -> None:
             client.log_artifacts(run_id, str(path), op.get("artifact_path"))
         else:
             client.log_artifact(run_id, str(path), op.get("artifact_path"))
-    elif kind == "log_inputs":  # lineage datasets (datasets.py)
-        from .datasets import deliver_datasets
+    elif kind == "log_inputs":  # lineage datasets (handoffs.py)
+        from .handoffs import deliver_datasets
 
         deliver_datasets(client, op, run_id)
-    elif kind == "log_model":  # a LoggedModel of a model the stage wrote (models.py)
-        from .models import deliver_model
+    elif kind == "log_model":  # a LoggedModel of a model the stage wrote (logged_models.py)
+        from .logged_models import deliver_model
 
         deliver_model(client, op, run_id)
     elif kind == "set_terminated":

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from .config import TrackingConfig, check_store, configured_uri, limit_http_retries, resolve_uri
-from .datasets import record_stage_handoffs
+from .handoffs import record_stage_handoffs
 from .delivery import PIPELINE_TAG, ROLE_TAG, create_run, find_pipeline_run
-from .models import record_stage_models
+from .logged_models import record_stage_models
 from .null import NullTracker
 from .outbox import default_fallback_path
 from .tracker import MlflowTracker

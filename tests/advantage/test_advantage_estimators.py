@@ -13,7 +13,7 @@ import pytest
 
 from prmflow.components.advantage import stage
 from prmflow.components.advantage.estimators import ESTIMATORS
-from prmflow.components.common import schema
+from prmflow.components.data import schema
 from prmflow.tracking import TrackingConfig
 
 COLUMNS = ("token_rewards", "advantages", "returns", "kl")

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from prmflow.components.advantage.estimators import Moments, Ragged, discounted_reverse_cumsum, group_moments, \
     merge_group_moments, step_suffix_sums
-from prmflow.components.advantage.rewards import KL_ESTIMATORS, kl_per_token, make_steps, step_contributions, \
-    token_rewards
+from prmflow.components.advantage.token_rewards import (
+    KL_ESTIMATORS, kl_per_token, make_steps, step_contributions, token_rewards,
+)
 from prmflow.components.advantage.scan import blocked_reverse_scan
 
 lengths_st = st.lists(st.integers(0, 50), min_size=1, max_size=10)

@@ -14,7 +14,8 @@ import pytest
 
 from prmflow.components.advantage import stage
 from prmflow.components.advantage.estimators import ESTIMATORS
-from prmflow.components.common import config, schema
+from prmflow.components import config
+from prmflow.components.data import schema
 from prmflow.errors import ConfigError, DataError, OutputExistsError
 from prmflow.tracking import TrackingConfig
 
@@ -326,7 +327,7 @@ def test_the_pipeline_step_runs_where_torch_cannot_be_imported(tmp_path):
 import sys
 sys.modules["torch"] = None
 from types import SimpleNamespace as A
-from prmflow.pipelines.components import advantage
+from prmflow.pipelines.kfp_components import advantage
 out = A(path={str(tmp_path / "advantages")!r}, metadata={{}})
 advantage({{"estimator": "grpo", "tracking": {{"enabled": False}}}}, "", "prmflow", 0,
           [A(path={str(tmp_path / "rollouts")!r})], out)

@@ -15,7 +15,8 @@ import torch
 
 from prmflow import cli
 from prmflow.components.advantage import stage as advantage
-from prmflow.components.common import config, schema
+from prmflow.components import config
+from prmflow.components.data import schema
 from prmflow.errors import DataError, OutputExistsError
 from prmflow.tracking import TrackingConfig
 from prmflow.components.ppo import stage as ppo
@@ -55,7 +56,7 @@ def test_advantage_reads_a_plain_directory_as_it_reads_a_handoff(tmp_path, caplo
     plain = write_plain(tmp_path / "plain", rows)
     schema.write_dataset(tmp_path / "handoff", pa.Table.from_pylist(rows), "rollouts")
     args = ["advantage", "--estimator", "reinforce_baseline", "--kl_coef", "0.05", "--tracking.enabled", "false"]
-    with caplog.at_level(logging.WARNING, logger="prmflow.components.common.schema"):
+    with caplog.at_level(logging.WARNING, logger="prmflow.components.data.schema"):
         assert cli.main(args + ["--input", str(plain), "--output", str(tmp_path / "a_plain")]) == 0
     assert "has no manifest.json" in caplog.text and "no checksum was verified" in caplog.text
     assert cli.main(args + ["--input", str(tmp_path / "handoff"), "--output", str(tmp_path / "a_ref")]) == 0

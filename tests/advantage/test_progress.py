@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from prmflow.components.advantage import stage
 from prmflow.components.advantage.estimators import ESTIMATORS, Ragged
 from prmflow.components.advantage.progress import process_credit
-from prmflow.components.advantage.rewards import make_steps
-from prmflow.components.advantage.rewards import progress_rewards
+from prmflow.components.advantage.token_rewards import make_steps
+from prmflow.components.advantage.token_rewards import progress_rewards
 from prmflow.errors import ConfigError
 from test_advantage_stage import make_cfg, read_out, row, write_rows
 

@@ -129,7 +129,7 @@ def test_a_toy_run_writes_the_mlflow_runs_the_png_and_the_table(tmp_path, monkey
     assert got["table"] == table
 
     # the training batch's numbers, recomputed from the rollouts hand-off the run wrote
-    from prmflow.components.common import schema
+    from prmflow.components.data import schema
 
     rollouts = schema.read_dataset(out / "runs" / "oracle" / "seed-1" / "iter0" / "rollouts", "rollouts")
     rewards = rollouts.column("outcome_reward").to_pylist()
@@ -199,7 +199,7 @@ def test_rescore_gives_the_adversarial_and_random_prms_scores(tmp_path):
 
     import pyarrow as pa
 
-    from prmflow.components.common import schema
+    from prmflow.components.data import schema
 
     responses = ["1+2*3=9\n9-4=5\nanswer: 5", "2+2=4\nanswer: 4", "answer: 7"]
     rows = [{"prompt_id": f"p{i}", "sample_idx": 0, "iteration": 0, "response": r, "response_ids": [1, 2],
@@ -322,8 +322,8 @@ def test_an_implicit_prm_starts_as_the_sft_policy_and_follows_it(tmp_path):
     cfg_file.write_text(json.dumps(toy))
     with open(tmp_path / "console.txt", "w") as f:
         bench.run(bench.config_lib.load(bench.BenchConfig, cfg_file), console=f)
-    from prmflow.components.common import schema
-    from prmflow.components.common.prm_model import saved_head
+    from prmflow.components.data import schema
+    from prmflow.components.models.prm_model import saved_head
 
     run = tmp_path / "out" / "runs" / "imp" / "seed-0"
     first = [x for row in schema.read_dataset(run / "iter0" / "rollouts", "rollouts").column("step_rewards").to_pylist()
@@ -425,7 +425,7 @@ def test_every_committed_regime_loads_with_its_variants_as_written(path):
     dot, `adversarial-progress-ungated-w0.2`, was once split at the dot and refused)."""
     import yaml
 
-    from prmflow.components.common import config as config_lib
+    from prmflow.components import config as config_lib
 
     written = yaml.safe_load(path.read_text())["variants"]
     cfg = config_lib.load(bench.BenchConfig, path)

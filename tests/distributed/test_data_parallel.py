@@ -69,7 +69,8 @@ def ppo_inputs(tmp_path_factory) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ppo"))
     from ppo_helpers import build_rows, write_advantages
 
-    from prmflow.components.common import io, modeling
+    from prmflow.components.data import io
+    from prmflow.components.models import modeling
 
     root = tmp_path_factory.mktemp("ppo-inputs")
     model, tok = modeling.load_causal_lm("tiny-llama", seed=0)

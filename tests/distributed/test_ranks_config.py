@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from prmflow.components.common import distributed
-from prmflow.components.common.engine import EngineConfig
+from prmflow.components.runtime import distributed
+from prmflow.components.training.engine import EngineConfig
 from prmflow.errors import ConfigError
 
 
@@ -55,7 +55,7 @@ def test_a_rank_leaves_its_process_group_when_its_stage_ends_or_is_preempted(mon
     hang) and outside a launcher (a one-process run keeps its group for the next stage in the process)."""
     import torch.distributed as dist
 
-    from prmflow.components.common.preemption import Preempted
+    from prmflow.components.runtime.preemption import Preempted
 
     def group():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)

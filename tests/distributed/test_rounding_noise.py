@@ -14,7 +14,8 @@ import pytest
 import torch
 from dp_helpers import ARGS, EPS, WEIGHT_TOL, max_abs_diff, weights
 
-from prmflow.components.common import config, engine as engine_lib
+from prmflow.components import config
+from prmflow.components.training import engine as engine_lib
 from prmflow.components.sft import stage
 
 #: The smallest documented mistake of a 2-rank run (DeepSpeed's average over ranks not undone), in weights.

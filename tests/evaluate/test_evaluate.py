@@ -5,9 +5,10 @@ import re
 import pytest
 import torch
 
-from prmflow.components.common import config, modeling
+from prmflow.components import config
+from prmflow.components.models import modeling
 from prmflow import tasks, tracking
-from prmflow.components.common.generation import generate_texts
+from prmflow.components.sampling.generation import generate_texts
 from prmflow.components.evaluate import report, stage
 
 
@@ -104,7 +105,7 @@ def test_prompts_without_an_answer_are_named_by_evaluate_s_own_key(tmp_path, cap
                     reason="reads what the CPU stand-in (tests/fake_vllm.py) recorded")
 def test_sampler_vllm_samples_through_one_engine_per_policy_and_frees_it_before_the_prm(
         vllm_module, sft_policy, flat_prm, tmp_path, monkeypatch):
-    from prmflow.components.common import prm_scoring
+    from prmflow.components.scoring import prm_scoring
 
     made = len(vllm_module.ENGINES)
     alive_when_the_prm_loaded = []
@@ -151,7 +152,7 @@ def test_sampler_vllm_refuses_what_vllm_would_before_a_model_loads(tmp_path):
 def test_a_tiny_preset_is_taken_where_the_error_offers_it_and_a_missing_baseline_is_refused_before_sampling(
         tmp_path, capsys, monkeypatch):
     from prmflow import cli
-    from prmflow.components.common import bestofn
+    from prmflow.components.scoring import bestofn
 
     base = ["evaluate", "--policy", "tiny-llama", "--num_prompts", "2", "--n_samples", "2",
             "--sampling.max_new_tokens", "4", "--tracking.enabled", "false"]

@@ -452,7 +452,7 @@ def ppo_iterations(tmp_path, monkeypatch):
     from ppo_helpers import FAST, build_rows, write_advantages
 
     from prmflow import cli
-    from prmflow.components.common import config
+    from prmflow.components import config
     from prmflow.components.ppo import stage
 
     monkeypatch.chdir(tmp_path)

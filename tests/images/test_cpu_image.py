@@ -20,7 +20,7 @@ import pyarrow as pa
 import pytest
 
 from prmflow import stages
-from prmflow.components.common import schema
+from prmflow.components.data import schema
 
 import image_build
 

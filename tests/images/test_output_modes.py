@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from prmflow.components.common import io
+from prmflow.components.data import io
 
 
 def test_committed_output_has_the_umask_modes_not_the_temporary_ones(tmp_path):

@@ -11,7 +11,7 @@ import yaml
 
 from prmflow import cli
 from prmflow.components.advantage import stage as advantage
-from prmflow.components.common import config
+from prmflow.components import config
 from prmflow.pipelines.settings import safe_loader
 
 from .test_compile_submit import IMAGES, STORAGE

@@ -331,7 +331,7 @@ def test_image_entrypoint_runs_a_stage(tmp_path):
 
 
 def test_stage_command_mounts_inputs_of_a_logged_run(tmp_path, sqlite_store, capsys):
-    from prmflow.components.common import config
+    from prmflow.components import config
     from prmflow.components.sft import stage
 
     data = tmp_path / "data.jsonl"

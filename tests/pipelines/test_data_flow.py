@@ -204,7 +204,7 @@ def test_a_location_names_the_workspace_copy_and_a_missing_file_is_a_clear_error
     (out / "policy").mkdir(parents=True)
     (out / "policy" / "model.safetensors").write_bytes(b"x" * 100)
     (out / "kl_state.json").write_text('{"kl_coef": 0.1}')
-    from prmflow.components.common import io
+    from prmflow.components.data import io
     io.write_json_atomic(out / "manifest.json", io.build_manifest(out, "ppo"))
     meta = kfp_shim.write_location(str(tmp_path / "artifact"), str(out), "policy")
     assert meta["where"] == str(out / "policy") and meta["bytes"] == 100

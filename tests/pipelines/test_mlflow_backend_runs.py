@@ -57,7 +57,7 @@ def test_the_parent_run_leaves_out_the_keys_of_ppo_parts_that_are_off_as_the_ppo
     from mlflow.tracking import MlflowClient
 
     from prmflow.components.ppo import stage as ppo_stage
-    from prmflow.components.common import config as config_lib
+    from prmflow.components import config as config_lib
     from prmflow.pipelines.lineage import init_tracking
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from mlflow.tracking import MlflowClient
 
-from prmflow.components.common import io
+from prmflow.components.data import io
 from prmflow import tracking
 from prmflow.pipelines import lineage
 

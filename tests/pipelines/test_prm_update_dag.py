@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from prmflow.errors import ConfigError
-from prmflow.pipelines import components, kfp_shim, plan
+from prmflow.pipelines import kfp_components as components, kfp_shim, plan
 from prmflow.pipelines.settings import load_spec
 
 from .test_compile_submit import CLUSTER_YAML, compile_spec
@@ -173,7 +173,7 @@ def test_the_plan_counts_the_update_in_every_iteration(compiled):
 def test_the_component_copies_its_rollouts_and_the_next_update_replays_them(tmp_path, monkeypatch):
     """The component itself (no KFP): update k copies rollouts k to its workspace directory; update k+1
     replays that copy and what update k replayed; the workspace path changes with every input."""
-    from prmflow.components.common import io
+    from prmflow.components.data import io
 
     seen = []
 
@@ -242,7 +242,8 @@ def test_two_updates_with_the_real_stage_train_on_the_copied_shards_and_replay_t
     its gathered shards' copy, update 1 warm starts from update 0's PRM and replays that copy."""
     import pyarrow as pa
 
-    from prmflow.components.common import config, schema
+    from prmflow.components import config
+    from prmflow.components.data import schema
     from prmflow.components.prm import stage
     from prmflow.tasks import arithmetic
 

@@ -24,7 +24,8 @@ import yaml
 from tiny_pipeline import tiny_pipeline
 from prmflow import cli
 from prmflow.components.advantage import stage as advantage
-from prmflow.components.common import config, schema
+from prmflow.components import config
+from prmflow.components.data import schema
 from prmflow.pipelines import kfp_shim
 from prmflow.errors import DataError
 

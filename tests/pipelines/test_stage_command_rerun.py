@@ -22,9 +22,9 @@ import pytest
 
 from prmflow import cli
 from prmflow.components.advantage import stage as advantage
-from prmflow.components.common import io, schema
+from prmflow.components.data import io, schema
 from prmflow.pipelines import kfp_shim
-from prmflow.tracking import datasets
+from prmflow.tracking import handoffs as datasets
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "advantage"))
 from advantage_reference import random_rollouts  # noqa: E402
@@ -72,7 +72,7 @@ def record_cluster_run(tmp_path: Path, monkeypatch, fs) -> tuple[str, str, Path]
         shards.append(str(mount / BUCKET / key))
     out = mount / BUCKET / RUN_ROOT / "advantage/advantages"
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    # what the advantage component does in its pod (prmflow/pipelines/components.py)
+    # what the advantage component does in its pod (prmflow/pipelines/kfp_components.py)
     gathered = kfp_shim.gather_shards(shards, str(tmp_path / "pod" / "tmp" / "advantages.inputs"))
     config = {"estimator": "gae", "gamma": 0.9, "lam": 0.8, "kl_coef": 0.05}  # not the defaults: the re-run must use them
     kfp_shim.run_stage("advantage", advantage, config, {"input": gathered, "output": str(out)},
@@ -191,7 +191,7 @@ def test_a_failed_stage_run_keeps_its_inputs_and_can_be_re_run(tmp_path, capsys)
     """The run to re-run is usually one that failed: its inputs are recorded when it starts, no output when it fails."""
     from mlflow.tracking import MlflowClient
 
-    from prmflow.components.common import config
+    from prmflow.components import config
     from prmflow.errors import DataError
 
     rollouts = tmp_path / "rollouts"

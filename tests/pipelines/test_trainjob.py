@@ -13,11 +13,11 @@ import yaml
 from kfp import dsl
 
 from prmflow import cli
-from prmflow.components.common import config as config_lib
-from prmflow.components.common import io
+from prmflow.components import config as config_lib
+from prmflow.components.data import io
 from prmflow.pipelines import kfp_shim, trainjob
 from prmflow.errors import ConfigError
-from prmflow.pipelines import components as ppo_component
+from prmflow.pipelines import kfp_components as ppo_component
 from prmflow.components.ppo import stage as ppo_stage
 from prmflow.pipelines.settings import load_spec, safe_loader
 
@@ -427,7 +427,7 @@ def test_sft_trainjob_command_trains_and_tags_its_mlflow_run(tmp_path, monkeypat
     volume): the step's artifact is the trained policy and the stage's MLflow run names the TrainJob."""
     import mlflow
 
-    from prmflow.pipelines import components as sft_component
+    from prmflow.pipelines import kfp_components as sft_component
 
     workspace = tmp_path / "pvc"
     workspace.mkdir()

@@ -17,7 +17,8 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from prmflow.components.common import modeling, schema, tensor_ops
+from prmflow.components.models import modeling, tensor_ops
+from prmflow.components.data import schema
 from prmflow.tasks import arithmetic
 
 FAST = {"tracking.enabled": False, "engine.backend": "torch", "optim.lr": 1e-3, "critic_lr": 1e-3}

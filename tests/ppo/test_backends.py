@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from ppo_helpers import FAST, params, write_advantages
-from prmflow.components.common import config, modeling
-from prmflow.components.ppo import batch, models, stage, update
+from prmflow.components import config
+from prmflow.components.models import modeling
+from prmflow.components.ppo import minibatches as batch, actor_critic as models, stage, update
 
 ENGINES = {
     "torch": {"engine.backend": "torch"},
@@ -37,7 +38,7 @@ def torch_reference(sft_policy, rows16, tmp_path_factory):
 
 @pytest.mark.parametrize("engine", [
     "zero0", "zero1", "zero2", "zero3",
-    "zero2-offload",  # needs zero_force_ds_cpu_optimizer=false in common/engine.py (set)
+    "zero2-offload",  # needs zero_force_ds_cpu_optimizer=false in training/engine.py (set)
 ])
 def test_deepspeed_matches_torch(sft_policy, torch_reference, tmp_path, engine):
     adv, (policy, critic, hist) = torch_reference

@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from ppo_helpers import FAST
-from prmflow.components.common import config, modeling, supervised_data
-from prmflow.components.ppo import batch, losses, models, prepass, ptx, stage, update
+from prmflow.components import config
+from prmflow.components.models import modeling
+from prmflow.components.training import supervised_data
+from prmflow.components.ppo import minibatches as batch, losses, actor_critic as models, prepass, ptx, stage, update
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 CHUNK = 5  # does not divide the micro-batches' response tokens: the last chunk is short

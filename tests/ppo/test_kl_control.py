@@ -1,7 +1,7 @@
 import pytest
 
 from prmflow.errors import ConfigError
-from prmflow.components.common import kl_state
+from prmflow.components.training import kl_state
 from prmflow.components.ppo import kl_control
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from ppo_helpers import FAST, build_rows, write_advantages
 from prmflow import cli
-from prmflow.components.common import config
+from prmflow.components import config
 from prmflow.components.ppo import stage
 
 

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from ppo_helpers import FAST, params, score, write_advantages
-from prmflow.components.common import config, modeling
+from prmflow.components import config
+from prmflow.components.models import modeling
 from prmflow import tracking
 from prmflow.errors import ConfigError, DataError, ModelLoadError, OutputExistsError
-from prmflow.components.common import supervised_data
-from prmflow.components.ppo import batch, models, prepass, ptx, stage
+from prmflow.components.training import supervised_data
+from prmflow.components.ppo import minibatches as batch, actor_critic as models, prepass, ptx, stage
 
 
 def make_cfg(policy, adv, out, **overrides):
@@ -307,7 +308,7 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(sft_policy, rows
     import os
     import signal
 
-    from prmflow.components.common import preemption
+    from prmflow.components.runtime import preemption
 
     adv = write_advantages(tmp_path / "adv", rows16, lambda i, t: (-1) ** i * (1 + t % 2), returns=0.3, values=0.0)
     kw = dict(epochs=1, minibatch_size=4, micro_batch_size=2, train_critic=True, ema_decay=0.5,

@@ -16,12 +16,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from prmflow.components.common import modeling, steps
+from prmflow.components.models import modeling
+from prmflow.components.data import steps
 from prmflow import tasks
-from prmflow.components.common.prm_model import PRM, encode
-from prmflow.components.common.prm_scoring import PRMScorer
+from prmflow.components.models.prm_model import PRM, encode
+from prmflow.components.scoring.prm_scoring import PRMScorer
 from prmflow.components.prm import label
-from prmflow.components.rollout import scoring
+from prmflow.components.rollout import response_scores as scoring
 
 TOK = modeling.load_tokenizer("tiny-qwen2-bpe")
 RAW_PROMPT = "Compute left to right: 7+5*3\n"

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from prmflow.components.common.prm_model import PRM, HeadConfig, implicit_step_logits
-from prmflow.components.prm.data import step_bce
+from prmflow.components.models.prm_model import PRM, HeadConfig, implicit_step_logits
+from prmflow.components.prm.step_examples import step_bce
 
 from live_logits import LiveLogits
 

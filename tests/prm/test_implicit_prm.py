@@ -9,10 +9,12 @@ import json
 import pytest
 import torch
 
-from prmflow.components.common import config, io, modeling
-from prmflow.components.common.prm_model import PRM, HeadConfig, saved_head
-from prmflow.components.common.prm_scoring import load_scorer
-from prmflow.components.prm import update
+from prmflow.components import config
+from prmflow.components.data import io
+from prmflow.components.models import modeling
+from prmflow.components.models.prm_model import PRM, HeadConfig, saved_head
+from prmflow.components.scoring.prm_scoring import load_scorer
+from prmflow.components.prm import online_update as update
 from prmflow.errors import ConfigError, ModelLoadError
 
 from test_prm_update import scorer_auc, write_rollouts

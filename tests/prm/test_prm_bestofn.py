@@ -10,7 +10,7 @@ import pytest
 
 from prmflow import tasks
 from prmflow.tasks import arithmetic
-from prmflow.components.common import bestofn
+from prmflow.components.scoring import bestofn
 from prmflow.errors import ConfigError
 
 
@@ -83,8 +83,9 @@ def test_stage_learns_and_adds_best_of_n_to_a_finished_prm(tmp_path, sft_policy,
     on the same samples."""
     import json
 
-    from prmflow.components.common import config, modeling
-    from prmflow.components.common.generation import generate_texts
+    from prmflow.components import config
+    from prmflow.components.models import modeling
+    from prmflow.components.sampling.generation import generate_texts
     from prmflow.components.prm import stage
 
     base = {"output": str(tmp_path / "prm"), "backbone": "tiny-llama", "extra_layers": 0, "train_layers": 0,
@@ -114,7 +115,7 @@ def test_stage_learns_and_adds_best_of_n_to_a_finished_prm(tmp_path, sft_policy,
 def test_the_policy_samples_where_and_in_the_dtype_the_config_says(monkeypatch):
     # evaluate and the prm stage's best-of-N sample with this loader: on a GPU pod the policy must leave the
     # CPU (it once stayed there: sampling a 7B policy on CPU in float32), in bfloat16 unless told otherwise
-    from prmflow.components.common import modeling
+    from prmflow.components.models import modeling
 
     monkeypatch.setattr(modeling.torch.cuda, "is_available", lambda: True)
     assert modeling.placement() == (modeling.torch.device("cuda"), "bfloat16")

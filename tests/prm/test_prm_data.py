@@ -11,12 +11,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from prmflow.components.common import config
+from prmflow.components import config
 from prmflow.errors import DataError
 from prmflow.tasks import arithmetic
-from prmflow.components.common.prm_metrics import roc_auc, step_metrics
-from prmflow.components.common.prm_model import PRM
-from prmflow.components.prm import data, stage
+from prmflow.components.scoring.prm_metrics import roc_auc, step_metrics
+from prmflow.components.models.prm_model import PRM
+from prmflow.components.prm import step_examples as data, stage
 
 GOOD = {"prompt": "Compute left to right: 7+5*3\n", "steps": ["7+5=12", "12*3=36", "answer: 36"], "labels": [1, 1, 1]}
 

@@ -11,11 +11,13 @@ import re
 import pytest
 import torch
 
-from prmflow.components.common import config, modeling, text_sampling
+from prmflow.components import config
+from prmflow.components.models import modeling
+from prmflow.components.sampling import text_sampling
 from prmflow import tasks
 from prmflow.errors import ModelLoadError
 from prmflow.tasks import arithmetic
-from prmflow.components.prm import data, label
+from prmflow.components.prm import step_examples as data, label
 
 
 def test_estimate_labels_any_and_fraction():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from prmflow.tasks import arithmetic
-from prmflow.components.common.prm_model import PRM, encode
-from prmflow.components.prm import data
+from prmflow.components.models.prm_model import PRM, encode
+from prmflow.components.prm import step_examples as data
 
 
 def _last_char_positions(response: str, steps: list[str], tag: str = "") -> list[int]:
@@ -108,8 +108,8 @@ def test_a_step_swallowed_by_the_previous_token_shares_its_readout(tmp_path):
     row, naming it (two labels on one token would be indistinguishable to the loss)."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    from prmflow.components.common import modeling
-    from prmflow.components.common.prm_scoring import PRMScorer
+    from prmflow.components.models import modeling
+    from prmflow.components.scoring.prm_scoring import PRMScorer
 
     tok = _bpe_tokenizer(pre_tokenize=False)
     examples = data.arithmetic_examples(60, seed=4, split="eval", cfg=arithmetic.ArithmeticConfig())

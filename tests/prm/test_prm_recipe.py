@@ -12,7 +12,7 @@ Then the RL loop of tests/ppo/test_learning.py runs on this PRM's step rewards a
 import pytest
 from rl_loop import assert_learned, rl_loop
 
-from prmflow.components.common import config
+from prmflow.components import config
 from prmflow.components.prm import stage
 
 

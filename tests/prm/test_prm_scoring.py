@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-from prmflow.components.common import modeling, steps
-from prmflow.components.common.prm_model import PRM, HeadConfig, encode
-from prmflow.components.common.prm_scoring import PRMScorer, load_scorer
+from prmflow.components.models import modeling
+from prmflow.components.data import steps
+from prmflow.components.models.prm_model import PRM, HeadConfig, encode
+from prmflow.components.scoring.prm_scoring import PRMScorer, load_scorer
 
 PROMPTS = ["Compute left to right: 7+5*3\n", "Compute left to right: 2*4-1+6\n", "Compute left to right: 9-2\n"]
 RESPONSES = ["7+5=12\n12*3=36\nanswer: 36", "2*4=8\n\n8-1=7\n7+6=14\nanswer: 14\n", "9-2=7\nanswer: 7"]

@@ -10,11 +10,13 @@ import torch
 from safetensors.torch import load_file
 
 from prmflow import cli
-from prmflow.components.common import checkpoint, config, modeling
-from prmflow.components.common.prm_metrics import step_metrics
-from prmflow.components.common.prm_model import PRM, HeadConfig
-from prmflow.components.common.prm_scoring import load_scorer
-from prmflow.components.prm import data, stage
+from prmflow.components.training import checkpoint
+from prmflow.components import config
+from prmflow.components.models import modeling
+from prmflow.components.scoring.prm_metrics import step_metrics
+from prmflow.components.models.prm_model import PRM, HeadConfig
+from prmflow.components.scoring.prm_scoring import load_scorer
+from prmflow.components.prm import step_examples as data, stage
 from prmflow.errors import ConfigError
 
 SHORT = {"backbone": "tiny-llama", "extra_layers": 0, "train_layers": 0, "optim.lr": 2e-3, "num_prompts": 40,
@@ -148,8 +150,8 @@ def test_cli_runs_the_stage_and_refuses_bad_config(tmp_path, capsys):
 
 
 def test_extra_layers_start_as_the_identity_and_only_the_top_trains(tmp_path):
-    from prmflow.components.common import modeling
-    from prmflow.components.common.prm_model import append_identity_layers, freeze_below
+    from prmflow.components.models import modeling
+    from prmflow.components.models.prm_model import append_identity_layers, freeze_below
 
     lm, tok = modeling.build_tiny_model("tiny-llama", seed=0)
     lm.eval()

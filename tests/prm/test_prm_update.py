@@ -10,12 +10,13 @@ import pyarrow as pa
 import pytest
 
 from prmflow import cli
-from prmflow.components.common import config, schema
+from prmflow.components import config
+from prmflow.components.data import schema
 from prmflow.errors import ConfigError, DataError
 from prmflow.tasks import arithmetic
-from prmflow.components.common.prm_scoring import load_scorer
-from prmflow.components.common.prm_metrics import roc_auc
-from prmflow.components.prm import stage, update
+from prmflow.components.scoring.prm_scoring import load_scorer
+from prmflow.components.scoring.prm_metrics import roc_auc
+from prmflow.components.prm import stage, online_update as update
 
 SHORT = {"backbone": "tiny-llama", "extra_layers": 0, "train_layers": 0, "optim.lr": 2e-3, "num_prompts": 40,
          "eval_size": 8, "negatives_per_problem": 1, "max_steps": 6, "micro_batch_size": 8, "optim.warmup_steps": 1,
@@ -140,7 +141,7 @@ def test_config_errors_and_the_cli(tmp_path, base_prm, capsys):
 def test_a_killed_update_resumes_to_the_uninterrupted_result(tmp_path, base_prm, monkeypatch):
     from safetensors.torch import load_file
 
-    from prmflow.components.common import checkpoint
+    from prmflow.components.training import checkpoint
 
     write_rollouts(tmp_path / "rollouts", 8)
     update.run(make_cfg(tmp_path, base_prm, "full", max_steps=6, save_every=3))
@@ -169,7 +170,7 @@ def test_a_killed_update_resumes_to_the_uninterrupted_result(tmp_path, base_prm,
 # --- labels=shared_prefix: a group's other samples as a prefix's completions --------------------------
 
 def test_shared_prefix_labels_by_hand():
-    from prmflow.components.prm import data
+    from prmflow.components.prm import step_examples as data
 
     win = data.StepExample("p", ["a", "b", "c"], [1.0] * 3, prompt_id="0:p")
     lost_late = data.StepExample("p", ["a", "b", "x"], [0.0] * 3, prompt_id="0:p")  # shares a, b with the win

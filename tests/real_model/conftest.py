@@ -20,7 +20,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_lm(smollm2):
     """(model, tokenizer) of SmolLM2-135M-Instruct, loaded once through prmflow's loader (eval mode)."""
-    from prmflow.components.common import modeling
+    from prmflow.components.models import modeling
 
     model, tok = modeling.load_causal_lm(smollm2)
     model.eval()

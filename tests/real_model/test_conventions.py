@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from prmflow.components.common import modeling, steps
+from prmflow.components.models import modeling
+from prmflow.components.data import steps
 from prmflow import tasks
 from prmflow.tasks import arithmetic
-from prmflow.components.common import supervised_data
-from prmflow.components.ppo.batch import Sample, collate as ppo_collate
-from prmflow.components.rollout import scoring
-from prmflow.components.common.tensor_ops import sequence_logprobs
+from prmflow.components.training import supervised_data
+from prmflow.components.ppo.minibatches import Sample, collate as ppo_collate
+from prmflow.components.rollout import response_scores as scoring
+from prmflow.components.models.tensor_ops import sequence_logprobs
 
 pytestmark = pytest.mark.real_model
 

@@ -13,9 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 from prmflow.components.advantage import stage as advantage
-from prmflow.components.common import config, modeling, schema
+from prmflow.components import config
+from prmflow.components.models import modeling
+from prmflow.components.data import schema
 from prmflow.components.evaluate import stage as evaluate
-from prmflow.components.common.prm_scoring import load_scorer
+from prmflow.components.scoring.prm_scoring import load_scorer
 from prmflow.components.ppo import stage as ppo
 from prmflow.components.prm import stage as prm
 from prmflow.components.rollout import stage as rollout

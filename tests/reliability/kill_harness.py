@@ -50,7 +50,7 @@ class StageCase:
     """Write shared inputs (rollouts, datasets) into the inputs directory, once per session."""
     output: str = "out"
     signals: tuple[int, ...] = (signal.SIGKILL,)
-    """Signals to send: add SIGTERM where the stage checkpoints on it (common/preemption.py)."""
+    """Signals to send: add SIGTERM where the stage checkpoints on it (runtime/preemption.py)."""
     kill_events: tuple[str, ...] = ()
     """Globs relative to the run dir: a kill fires as soon as one matches (e.g. '.out.work/.latest.tmp-*')."""
     checkpoint: str | None = None

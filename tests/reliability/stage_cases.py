@@ -12,7 +12,7 @@ in CASES, e.g.:
         prepare=make_ppo_inputs,          # writes inputs/sft, inputs/advantages once per session
         read=read_policy,                 # a policy directory: manifest + checksums + safetensors
         compare=same_files,               # bit-for-bit on CPU; or a tolerance-based compare
-        signals=(signal.SIGKILL, signal.SIGTERM),       # SIGTERM once ppo wires common/preemption.py
+        signals=(signal.SIGKILL, signal.SIGTERM),       # SIGTERM once ppo wires runtime/preemption.py
         kill_events=(".out.work/.latest.tmp-*", ".out.tmp-*"),
         checkpoint=".out.work/latest/manifest.json",
     )
@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from kill_harness import StageCase
-from prmflow.components.common import io, schema
+from prmflow.components.data import io, schema
 
 # --- readers ----------------------------------------------------------------------------------------
 

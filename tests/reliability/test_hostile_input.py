@@ -22,12 +22,14 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from prmflow.components.advantage import stage as advantage
-from prmflow.components.common import config, io, modeling, schema
-from prmflow.components.common.engine import EngineConfig
+from prmflow.components import config
+from prmflow.components.data import io, schema
+from prmflow.components.models import modeling
+from prmflow.components.training.engine import EngineConfig
 from prmflow.errors import ConfigError, DataError, PrmflowError
 from prmflow.tasks.datasets import load_records
 from prmflow.tracking import TrackingConfig
-from prmflow.components.common import supervised_data as sft_data
+from prmflow.components.training import supervised_data as sft_data
 from prmflow.components.sft import stage as sft
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
@@ -205,7 +207,7 @@ def valid_advantages() -> pa.Table:
 @SETTINGS
 @given(st.data())
 def test_ppo_refuses_corrupted_advantages_clearly(reliability, data):
-    from prmflow.components.ppo import batch, stage as ppo
+    from prmflow.components.ppo import minibatches as batch, stage as ppo
 
     table, col, must_fail = data.draw(st.composite(lambda draw: _corrupt(
         draw, valid_advantages(), ADV_PRESENT, ADV_PER_TOKEN, ADV_FLOATS, ADV_LISTS, PPO_NEEDS))())

@@ -14,7 +14,9 @@ from safetensors.torch import load_file
 
 from kill_harness import run_attempt
 from stage_cases import CASES
-from prmflow.components.common import checkpoint, config, preemption
+from prmflow.components.training import checkpoint
+from prmflow.components import config
+from prmflow.components.runtime import preemption
 from prmflow.components.sft import stage
 
 SHORT = {"num_prompts": 64, "eval_size": 4, "max_steps": 8, "micro_batch_size": 4, "optim.warmup_steps": 2,

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 import prmflow
-from prmflow.components.common import checkpoint, io, modeling
+from prmflow.components.training import checkpoint
+from prmflow.components.data import io
+from prmflow.components.models import modeling
 from prmflow.errors import DataError, ModelLoadError, OutputExistsError
 
 PACKAGE = Path(prmflow.__file__).parent
@@ -123,7 +125,7 @@ def test_package_source_has_no_unsafe_loads(reliability):
 
 def test_stage_configs_keep_remote_code_off():
     from prmflow import stages
-    from prmflow.components.common import config
+    from prmflow.components import config
 
     for name, module in stages.available().items():
         for key, (_, _, default) in config.flat_fields(module.Config).items():

@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 from kill_harness import free_port
 from stage_cases import make_rollouts
 from prmflow.components.advantage import stage as advantage
-from prmflow.components.common import checkpoint, config
+from prmflow.components.training import checkpoint
+from prmflow.components import config
 from prmflow import tracking
 from prmflow.components.sft import stage as sft
 
@@ -230,7 +231,7 @@ def test_unreachable_server_costs_little_and_mlflow_retries_are_off(tmp_path, mo
 
 
 def test_preempted_stage_marks_its_run_killed(store):
-    from prmflow.components.common.preemption import Preempted
+    from prmflow.components.runtime.preemption import Preempted
 
     with pytest.raises(Preempted):
         with tracking.start_stage_run(tracking.TrackingConfig(uri=store), "sft") as tracker:

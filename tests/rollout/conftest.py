@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from prmflow.components.common import modeling
+from prmflow.components.models import modeling
 
 
 def make_scalar_dir(path, base=None, alphabet=None, seed=0, head_std=0.5):

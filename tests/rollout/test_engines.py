@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from prmflow.components.common import modeling
+from prmflow.components.models import modeling
 from prmflow import tasks
-from prmflow.components.common import engines
-from prmflow.components.common.engines import HFEngine, SamplingParams
-from prmflow.components.common.vllm_engine import VLLMEngine, VLLMSettings
+from prmflow.components.sampling import engines
+from prmflow.components.sampling.engines import HFEngine, SamplingParams
+from prmflow.components.sampling.vllm_engine import VLLMEngine, VLLMSettings
 
 
 

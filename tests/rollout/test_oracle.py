@@ -31,7 +31,7 @@ def test_pipeline_step_uses_the_oracle_only_when_configured(monkeypatch, configu
     from kfp import dsl
 
     from prmflow.pipelines import kfp_shim
-    from prmflow.pipelines import components as component
+    from prmflow.pipelines import kfp_components as component
 
     seen = {}
     monkeypatch.setattr(kfp_shim, "run_stage", lambda name, stage, config, paths, *a, **k: seen.update(paths))

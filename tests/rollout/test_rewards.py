@@ -12,7 +12,7 @@ import pytest
 
 from prmflow.errors import ConfigError
 from prmflow.tasks import arithmetic
-from prmflow.components.rollout import reward_components, rewards
+from prmflow.components.rollout import reward_components, outcome_rewards as rewards
 from prmflow.components.rollout.reward_components import RewardError, RewardInput
 
 

@@ -7,11 +7,12 @@ import sys
 
 import pytest
 
-from prmflow.components.common import config, schema
+from prmflow.components import config
+from prmflow.components.data import schema
 from prmflow.errors import ConfigError
-from prmflow.components.common import vllm_engine
+from prmflow.components.sampling import vllm_engine
 from prmflow.components.rollout import stage
-from prmflow.components.common.vllm_engine import VLLMSettings
+from prmflow.components.sampling.vllm_engine import VLLMSettings
 
 # 12 prompts x 2 samples in batches of 4 sequences: 6 generation batches, 3 per rank
 SMALL = {"num_prompts": 12, "n_samples": 2, "batch_sequences": 4, "sampling.max_new_tokens": 24,
@@ -85,8 +86,8 @@ def test_vllm_engine_gets_tensor_parallel_size_and_samples_only_its_ranks_prompt
             self.__dict__.update(kwargs)
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
-    from prmflow.components.common.engines import SamplingParams as Params
-    from prmflow.components.common.vllm_engine import VLLMEngine
+    from prmflow.components.sampling.engines import SamplingParams as Params
+    from prmflow.components.sampling.vllm_engine import VLLMEngine
 
     engine = VLLMEngine("/models/qwen-7b", "bfloat16", seed=5, settings=VLLMSettings(tensor_parallel_size=2))
     assert calls["init"]["tensor_parallel_size"] == 2 and calls["init"]["model"] == "/models/qwen-7b"

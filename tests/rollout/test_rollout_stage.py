@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from prmflow import cli
-from prmflow.components.common import config, io, modeling, schema, steps
+from prmflow.components import config
+from prmflow.components.data import io, schema, steps
+from prmflow.components.models import modeling
 from prmflow import tasks
 from prmflow.errors import ConfigError, DataError, ModelLoadError, OutputExistsError
 from prmflow.tasks import arithmetic
 from prmflow.components.rollout import prompts, stage
-from prmflow.components.rollout.rewards import RewardError
+from prmflow.components.rollout.outcome_rewards import RewardError
 
 SMALL = {"num_prompts": 8, "n_samples": 2, "sampling.max_new_tokens": 48, "tracking.enabled": False}
 LOGPROB_ATOL = 1e-5  # float32: the same tokens scored in a padded batch vs alone

@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from prmflow.components.common import modeling, prm_model, steps
-from prmflow.components.rollout import scoring
+from prmflow.components.models import modeling, prm_model
+from prmflow.components.data import steps
+from prmflow.components.rollout import response_scores as scoring
 
 scoring_selected = scoring.selected_logprobs  # the real one, for the tests that count its calls
 

@@ -13,13 +13,15 @@ import shutil
 import pytest
 import torch
 
-from prmflow.components.common import config, modeling, schema
+from prmflow.components import config
+from prmflow.components.models import modeling
+from prmflow.components.data import schema
 from prmflow import tasks
 from prmflow.errors import ConfigError
-from prmflow.components.common import engines, vllm_engine
-from prmflow.components.rollout import passes, stage
-from prmflow.components.common.engines import SamplingParams
-from prmflow.components.common.vllm_engine import VLLMEngine, VLLMSettings
+from prmflow.components.sampling import engines, vllm_engine
+from prmflow.components.rollout import model_passes as passes, stage
+from prmflow.components.sampling.engines import SamplingParams
+from prmflow.components.sampling.vllm_engine import VLLMEngine, VLLMSettings
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None and torch.cuda.is_available(),
                                 reason="these tests read what the CPU stand-in (fake_vllm.py) recorded; tests/rollout/"

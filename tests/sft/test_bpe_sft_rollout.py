@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prmflow.components.common import config, modeling, schema
-from prmflow.components.common.bpe_tokenizer import DEFAULT_SYSTEM
-from prmflow.components.common.generation import generate_texts
-from prmflow.components.ppo.batch import Sample, collate
-from prmflow.components.rollout import scoring, stage as rollout
+from prmflow.components import config
+from prmflow.components.models import modeling
+from prmflow.components.data import schema
+from prmflow.components.models.bpe_tokenizer import DEFAULT_SYSTEM
+from prmflow.components.sampling.generation import generate_texts
+from prmflow.components.ppo.minibatches import Sample, collate
+from prmflow.components.rollout import response_scores as scoring, stage as rollout
 from sft_cache import cached_sft
 
 pytestmark = pytest.mark.slow  # one short SFT (cached), one rollout
@@ -69,7 +71,7 @@ def test_ppo_trains_on_im_end_and_never_on_pad(bpe_run):
 
 def test_evaluation_stops_where_the_rollout_engine_stops(bpe_run):
     """Greedy evaluation text (generate_texts) = the HF engine's greedy sample, cut at <|im_end|>."""
-    from prmflow.components.common.engines import HFEngine, SamplingParams
+    from prmflow.components.sampling.engines import HFEngine, SamplingParams
 
     policy, rows = bpe_run
     model, tok = modeling.load_causal_lm(policy)

@@ -11,9 +11,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from prmflow import cli
-from prmflow.components.common import checkpoint, config, modeling
+from prmflow.components.training import checkpoint
+from prmflow.components import config
+from prmflow.components.models import modeling
 from prmflow import tasks
-from prmflow.components.common import supervised_data as data
+from prmflow.components.training import supervised_data as data
 from prmflow.components.sft import stage
 
 SHORT = {"num_prompts": 256, "eval_size": 16, "max_steps": 12, "micro_batch_size": 16, "optim.warmup_steps": 2,

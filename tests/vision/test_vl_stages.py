@@ -11,13 +11,15 @@ import pytest
 import torch
 
 from prmflow.components.advantage import stage as advantage
-from prmflow.components.common import config, io, modeling, schema, vision
+from prmflow.components import config
+from prmflow.components.data import io, schema
+from prmflow.components.models import modeling, vision
 from prmflow import tasks
 from prmflow.errors import ConfigError, DataError
 from prmflow.components.evaluate import stage as evaluate
-from prmflow.components.ppo import batch as ppo_batch, stage as ppo
+from prmflow.components.ppo import minibatches as ppo_batch, stage as ppo
 from prmflow.components.prm import stage as prm
-from prmflow.components.common.prm_scoring import PRMScorer
+from prmflow.components.scoring.prm_scoring import PRMScorer
 from prmflow.components.rollout import stage as rollout
 from prmflow.components.sft import stage as sft
 
@@ -77,7 +79,7 @@ def test_the_vl_prm_sees_the_image(chain):
 
 
 def test_a_text_prm_refuses_images():
-    from prmflow.components.common.prm_model import prompt_ids
+    from prmflow.components.models.prm_model import prompt_ids
 
     with pytest.raises(DataError, match="needs a vision-language PRM"):
         prompt_ids(modeling.load_tokenizer("tiny-llama"), "<image>x", tasks.load("visual", "test", 1, 0)[0].images)
@@ -85,7 +87,7 @@ def test_a_text_prm_refuses_images():
 
 def test_the_vl_prm_needs_the_lm_tokens_head(chain):
     with pytest.raises(ConfigError, match="vision-language model: read its steps with head.kind=lm_tokens"):
-        from prmflow.components.common.prm_model import PRM
+        from prmflow.components.models.prm_model import PRM
 
         PRM.load(str(chain / "sft"))
 
@@ -187,7 +189,7 @@ def test_evaluate_scores_vl_policies_with_the_vl_prm(chain, tmp_path):
 def test_sft_skips_a_batch_whose_image_tokens_do_not_match(tmp_path, caplog, monkeypatch):
     """The check before every SFT update: examples made to mismatch (a processor that expands one
     image token fewer) are skipped with the reason, and nothing crashes."""
-    from prmflow.components.common import supervised_data as sft_data
+    from prmflow.components.training import supervised_data as sft_data
 
     real, calls = sft_data.tasks.encode_prompt, []
 

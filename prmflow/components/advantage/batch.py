@@ -14,12 +14,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..common import schema
+from ..data import schema
 from ...errors import DataError
 from .config import Plan
 from .estimators import Moments, Ragged
-from .rewards import (PROGRESS, STEPLESS_SCORE, clip_rewards, kl_per_token, make_steps, step_contributions,
-                      token_rewards)
+from .token_rewards import (
+    PROGRESS, STEPLESS_SCORE, clip_rewards, kl_per_token, make_steps, step_contributions, token_rewards,
+)
 
 # --- naming a row, nulls where values are needed ------------------------------------------------
 

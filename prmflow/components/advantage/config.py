@@ -2,7 +2,7 @@
 plan it resolves to: the estimator, beta, and which rollout columns each pass needs and why.
 
 Bad combinations are rejected in `Config.__post_init__` with a message naming the key to change;
-`resolve` reads the KL-controller state (common/kl_state.py, the one reader of kl_state.json) and
+`resolve` reads the KL-controller state (training/kl_state.py, the one reader of kl_state.json) and
 states, per column, what to do when it is missing.
 """
 
@@ -13,10 +13,10 @@ from typing import Literal
 
 from ...errors import ConfigError
 from ...tracking import TrackingConfig
-from ..common import config as config_lib
-from ..common.kl_state import read_kl_coef
+from .. import config as config_lib
+from ..training.kl_state import read_kl_coef
 from .estimators import ESTIMATORS, Estimator
-from .rewards import KL_ESTIMATORS, PROGRESS, STEP_REWARD_MODES
+from .token_rewards import KL_ESTIMATORS, PROGRESS, STEP_REWARD_MODES
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Config:
     overwrite: bool = False
     """Replace an existing output made from another config or input; off: that is an error. One made from this config and input is kept (nothing to do)."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    """MLflow run settings (common/tracking.py)."""
+    """MLflow run settings (prmflow/tracking/)."""
 
     def __post_init__(self) -> None:
         _check_choice("estimator", self.estimator, ESTIMATORS)

@@ -1,5 +1,5 @@
 """Group statistics of the advantage stage: per-group moments (two-pass, and merged from parts) and
-streaming moments over many arrays, float64 throughout (estimators.py reads them; passes.py streams them)."""
+streaming moments over many arrays, float64 throughout (estimators.py reads them; streaming_passes.py streams them)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""grpo_progress's step credit, computed once over the whole input by the progress pass (passes.py).
+"""grpo_progress's step credit, computed once over the whole input by the progress pass (streaming_passes.py).
 
 Everything here is per step of the whole input, rows in reading order: scores (S,) the PRM's score of
 the prefix that ends with each step, counts (R,) steps per row, outcome (R,), group (R,) its group.
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..common.prm_metrics import roc_auc
-from .rewards import calibrate, fit_calibration, prm_progress, progress_rewards
+from ..scoring.prm_metrics import roc_auc
+from .token_rewards import calibrate, fit_calibration, prm_progress, progress_rewards
 
 CALIBRATION_FOLDS = 5
 """Folds of prompts the calibration is cross-fitted over: each fold is read through a fit on the others

@@ -6,7 +6,7 @@
 
 The config and its validation are in config.py. Algorithmic choices:
 - Token reward r_t = -beta*kl_t + step reward at each step end + outcome reward at the last token
-  (rewards.py); the KL term is k1, k2 or k3 of old_logprobs vs ref_logprobs, beta is kl_coef or
+  (token_rewards.py); the KL term is k1, k2 or k3 of old_logprobs vs ref_logprobs, beta is kl_coef or
   the PPO stage's adaptive value read from kl_state. Step rewards enter raw (PRM probability),
   centered (minus 0.5, a fixed point, not a group mean) or min-form (only the worst step counts).
 - Estimators are small functions registered by name in estimators.ESTIMATORS: gae, reinforce,
@@ -24,14 +24,14 @@ The config and its validation are in config.py. Algorithmic choices:
   ddof=1, sum) are taken over the group signal: the outcome reward, or every step reward of the
   group when outcome rewards are off (grpo_process). A group of >= 2 samples whose signal is all
   equal is a zero-variance group: kept, dropped or down-weighted (zero_variance).
-- Streaming in passes over the input (passes.py), each batch vectorized over a flat ragged layout
+- Streaming in passes over the input (streaming_passes.py), each batch vectorized over a flat ragged layout
   (batch.py: no padding, no Python loop over samples or tokens; discounted sums are one scipy
   lfilter pass):
   1. group pass over (prompt_id, iteration, outcome_reward | step_rewards) only -> group stats;
   2. whitening pass, only when whitening: mean/std of the advantages over all written tokens;
   3. write pass: token rewards, advantages, returns, kl -> DatasetWriter (atomic: nothing appears
      at --output unless every row was computed), reading one batch ahead and writing one behind
-     on threads (common/parquet_io.py); Parquet dictionary encoding only for the columns that
+     on threads (data/parquet_io.py); Parquet dictionary encoding only for the columns that
      repeat within a group.
   Memory: a few batches in flight (read ahead, computing, being written) plus 4 bytes per input
   row (its group) and a few numbers per group.
@@ -44,11 +44,11 @@ from __future__ import annotations
 import logging
 import time
 
-from ..common import config as config_lib
-from ..common import io, schema
+from .. import config as config_lib
+from ..data import io, schema
 from ...tracking import start_stage_run
 from .config import Config, recorded, resolve
-from .passes import check_columns_exist, group_pass, progress_pass, whitening_pass, write_pass
+from .streaming_passes import check_columns_exist, group_pass, progress_pass, whitening_pass, write_pass
 
 log = logging.getLogger(__name__)
 

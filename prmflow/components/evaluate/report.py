@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import html
 
-from ..common import steps as steps_lib
+from ..data import steps as steps_lib
 from ...tasks import arithmetic
 
 

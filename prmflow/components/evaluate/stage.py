@@ -22,15 +22,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..common import config as config_lib, io, modeling
+from .. import config as config_lib
+from ..data import io
+from ..models import modeling
 from ... import tasks, tracking
 from ...errors import ConfigError
-from ..common.sampling import SamplingConfig
+from ..sampling.config import SamplingConfig
 from ...tasks import arithmetic
-from ..common import bestofn
-from ..common.prm_scoring import PRMScorer
-from ..common.text_sampling import check_sampling
-from ..common.vllm_engine import VLLMSettings
+from ..scoring import bestofn
+from ..scoring.prm_scoring import PRMScorer
+from ..sampling.text_sampling import check_sampling
+from ..sampling.vllm_engine import VLLMSettings
 from . import report
 
 log = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ... import tracking
-from ..common.engine import EngineConfig
+from ..training.engine import EngineConfig
 from ...errors import ConfigError
-from ..common.optim import OptimConfig
+from ..training.optim import OptimConfig
 from ...tasks.arithmetic import ArithmeticConfig
 
 

@@ -3,7 +3,7 @@
 The coefficient is state that crosses iterations: the advantage stage of iteration k uses beta_k
 to build rewards, the ppo stage of iteration k measures the KL of that batch (`next_state`) and
 writes beta_{k+1} to `OUTPUT/kl_state.json` (the file's format and its one reader and writer:
-prmflow/components/common/kl_state.py), which the next iteration's advantage stage reads; that stage
+prmflow/components/training/kl_state.py), which the next iteration's advantage stage reads; that stage
 records the beta it used in the advantages manifest (`kl_coef_used`), the only place ppo reads it.
 
 Adaptive rule (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", 2.2):
@@ -17,9 +17,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..common import schema
+from ..data import schema
 from ...errors import DataError
-from .batch import Sample
+from .minibatches import Sample
 from .config import Config
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..common.tensor_ops import masked_mean, masked_sum
+from ..models.tensor_ops import masked_mean, masked_sum
 
 
 def _where(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

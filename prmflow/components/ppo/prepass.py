@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from ..common import vision
-from ..common.engine import TrainEngine
+from ..models import vision
+from ..training.engine import TrainEngine
 from ...errors import DataError
 from . import losses
-from .batch import Sample, collate, micro_split
+from .minibatches import Sample, collate, micro_split
 from .config import Config
-from .models import PolicyScorer, response_values
+from .actor_critic import PolicyScorer, response_values
 
 
 @torch.no_grad()

@@ -9,10 +9,10 @@ import logging
 
 import torch
 
-from ..common import config as config_lib
+from .. import config as config_lib
 from ... import tasks
-from ..common import supervised_data
-from ..common.head_chunks import chunked_head_scores
+from ..training import supervised_data
+from ..models.head_chunks import chunked_head_scores
 from .config import Config
 
 log = logging.getLogger(__name__)

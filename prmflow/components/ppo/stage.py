@@ -28,7 +28,7 @@ on SIGTERM the update in progress finishes, the checkpoint is saved and the proc
 finished output with the same config and the same input fingerprints is left alone.
 
 This file is the run: loading, the update loop, resume and output. The rest of the stage:
-config.py (the knobs), batch.py (hand-off rows -> minibatches -> micro-batches), models.py (policy
+config.py (the knobs), minibatches.py (hand-off rows -> minibatches -> micro-batches), actor_critic.py (policy
 and critic forward passes, their engines), prepass.py (old log-probs, entropy mask, V_old, images),
 ptx.py (the supervised data), update.py (one update: the losses, top to bottom), losses.py (the
 formulas as tensor functions), kl_control.py (beta for the next iteration).
@@ -47,15 +47,19 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..common import checkpoint, config as config_lib, distributed, io, modeling, preemption, schema, vision
+from ..training import checkpoint
+from .. import config as config_lib
+from ..runtime import distributed, preemption
+from ..data import io, schema
+from ..models import modeling, vision
 from ... import tracking
-from ..common.engine import init_distributed
+from ..training.engine import init_distributed
 from ...errors import ConfigError, DataError, ModelLoadError, PrmflowError
-from ..common import kl_state as kl_state_file
+from ..training import kl_state as kl_state_file
 from . import kl_control
-from .batch import Sample, collate, load_batch, micro_split, minibatch_plan, shard_ptx
+from .minibatches import Sample, collate, load_batch, micro_split, minibatch_plan, shard_ptx
 from .config import Config
-from .models import disable_dropout, load_critic, make_engine
+from .actor_critic import disable_dropout, load_critic, make_engine
 from .prepass import attach_pixels, precompute
 from .ptx import load_ptx, ptx_batch
 from .update import Updater

@@ -22,13 +22,13 @@ import math
 
 import torch
 
-from ..common import distributed
-from ..common.engine import TrainEngine
-from ..common.tensor_ops import entropy_from_logits, masked_sum
+from ..runtime import distributed
+from ..training.engine import TrainEngine
+from ..models.tensor_ops import entropy_from_logits, masked_sum
 from . import losses
-from .batch import MicroBatch
+from .minibatches import MicroBatch
 from .config import Config
-from .models import PolicyScorer, entropy_sample, response_values
+from .actor_critic import PolicyScorer, entropy_sample, response_values
 from .ptx import PtxScorer
 
 #: Statistics summed over the minibatch's tokens and reported as per-token means.

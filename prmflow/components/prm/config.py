@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..common import checkpoint, config as config_lib, io, modeling
+from ..training import checkpoint
+from .. import config as config_lib
+from ..data import io
+from ..models import modeling
 from ... import tasks, tracking
-from ..common.engine import EngineConfig
+from ..training.engine import EngineConfig
 from ...errors import ConfigError
-from ..common.optim import OptimConfig
-from ..common.sampling import SamplingConfig
+from ..training.optim import OptimConfig
+from ..sampling.config import SamplingConfig
 from ...tasks.arithmetic import ArithmeticConfig
-from ..common import bestofn
-from ..common.prm_model import HeadConfig
+from ..scoring import bestofn
+from ..models.prm_model import HeadConfig
 
 
 @dataclass

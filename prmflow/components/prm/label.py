@@ -24,16 +24,19 @@ from typing import Literal
 import torch
 from tqdm.auto import tqdm
 
-from ..common import checkpoint, config as config_lib, io, modeling, steps as steps_lib
+from ..training import checkpoint
+from .. import config as config_lib
+from ..data import io, steps as steps_lib
+from ..models import modeling
 from ... import tasks, tracking
 from ...errors import ConfigError, DataError
-from ..common.sampling import SamplingConfig
-from ..common.text_sampling import TextSampler, check_sampling
-from ..common.vllm_engine import VLLMSettings
+from ..sampling.config import SamplingConfig
+from ..sampling.text_sampling import TextSampler, check_sampling
+from ..sampling.vllm_engine import VLLMSettings
 from ...tasks import arithmetic
 from ...tasks.arithmetic import ArithmeticConfig
-from .data import StepExample, write_jsonl
-from ..common.prm_metrics import roc_auc
+from .step_examples import StepExample, write_jsonl
+from ..scoring.prm_metrics import roc_auc
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,13 @@ Math-Shepherd's good/bad-token readout, `head.kind=lm_tokens`); binary cross-ent
 on step positions only, against hard (0/1) or soft ([0, 1]) labels, averaged over every step of
 the optimizer step (so gradient accumulation does not change the objective); AdamW, warm-up then
 cosine decay, gradient clipping, DeepSpeed or plain PyTorch, in the training loop sft uses too
-(common/supervised.py; this module supplies the loss and the evaluation). Evaluated every
+(training/supervised.py; this module supplies the loss and the evaluation). Evaluated every
 eval_every steps on held-out solutions: step AUC, step accuracy and first-error recall. With
 bon.policy, the finished PRM reranks N sampled solutions per held-out prompt (best-of-N)
 against majority vote, a random pick and greedy pass@1. Resume: a checkpoint beside the output
 (`.OUTPUT.work/latest`) is picked up on restart with the same config and inputs; SIGTERM (a pod
 being stopped) finishes the step in progress, saves that checkpoint and exits 143
-(common/preemption.py). Re-running a finished config on the same inputs does nothing, except
+(runtime/preemption.py). Re-running a finished config on the same inputs does nothing, except
 adding best-of-N results when bon.* asks for new ones; an existing output from another config or
 other inputs is an error unless overwrite=true.
 """
@@ -29,13 +29,18 @@ from pathlib import Path
 
 import torch
 
-from ..common import checkpoint, config as config_lib, distributed, io, modeling, preemption, vision
+from ..training import checkpoint
+from .. import config as config_lib
+from ..runtime import distributed, preemption
+from ..data import io
+from ..models import modeling, vision
 from ... import tasks, tracking
-from ..common.engine import OptimSettings, TrainEngine, init_distributed
-from ..common import bestofn, supervised
-from ..common.prm_metrics import step_metrics
-from ..common.prm_model import PRM, append_identity_layers, freeze_below, saved_head
-from . import data
+from ..training.engine import OptimSettings, TrainEngine, init_distributed
+from ..scoring import bestofn
+from ..training import supervised
+from ..scoring.prm_metrics import step_metrics
+from ..models.prm_model import PRM, append_identity_layers, freeze_below, saved_head
+from . import step_examples as data
 from .config import Config, input_fingerprints, training_identity
 
 log = logging.getLogger(__name__)
@@ -62,14 +67,14 @@ def predict(prm: PRM, examples: list[data.Tokenized], batch_size: int, model=Non
 
 
 def evaluate(prm: PRM, examples: list[data.Tokenized], batch_size: int, model=None) -> dict:
-    """eval/* step metrics (common/prm_metrics.py) of `predict` against the examples' labels."""
+    """eval/* step metrics (scoring/prm_metrics.py) of `predict` against the examples' labels."""
     scores = predict(prm, examples, batch_size, model)
     return step_metrics([e.labels for e in examples], scores)
 
 
 @dataclass
 class PRMObjective:
-    """The prm stage's objective for the shared loop (common/supervised.py): BCE with logits on step
+    """The prm stage's objective for the shared loop (training/supervised.py): BCE with logits on step
     positions, a mean over every step of the optimizer step; evaluated by step AUC, step accuracy and
     first-error recall on held-out solutions (`evaluate`)."""
 

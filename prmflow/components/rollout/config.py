@@ -6,13 +6,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..common import modeling
+from ..models import modeling
 from ... import tasks, tracking
 from ...errors import ConfigError
-from ..common.sampling import SamplingConfig
+from ..sampling.config import SamplingConfig
 from ...tasks.arithmetic import ArithmeticConfig
-from . import rewards as rewards_lib
-from ..common.vllm_engine import VLLMSettings, check_vllm_sampling
+from . import outcome_rewards as rewards_lib
+from ..sampling.vllm_engine import VLLMSettings, check_vllm_sampling
 
 
 @dataclass

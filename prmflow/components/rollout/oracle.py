@@ -9,7 +9,7 @@ step checker: they are refused naming the first one.
 
 from __future__ import annotations
 
-from ..common import steps as steps_lib
+from ..data import steps as steps_lib
 from ...errors import ConfigError
 from ...tasks import arithmetic
 

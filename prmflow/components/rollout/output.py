@@ -12,12 +12,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..common import checkpoint, config as config_lib, io, steps as steps_lib
+from ..training import checkpoint
+from .. import config as config_lib
+from ..data import io, steps as steps_lib
 from ... import tasks
 from ...errors import OutputExistsError
-from . import rewards as rewards_lib
+from . import outcome_rewards as rewards_lib
 from .config import Config
-from ..common.engines import Completion
+from ..sampling.engines import Completion
 
 
 def output_dir(cfg: Config) -> Path:

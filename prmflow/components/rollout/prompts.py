@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import random
 
-from ..common import config as config_lib
+from .. import config as config_lib
 from ... import tasks
 from ...errors import ConfigError, DataError
 from .config import Config

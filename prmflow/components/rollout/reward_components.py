@@ -1,4 +1,4 @@
-"""Reward components: the kinds of term a reward recipe (rewards.py) adds up, registered by name.
+"""Reward components: the kinds of term a reward recipe (outcome_rewards.py) adds up, registered by name.
 
 A component turns a batch of sampled responses into one float each. The kinds:
 - arithmetic: the built-in task's exact verifier (1 or 0): the last `answer: N` line holds N.

@@ -9,11 +9,11 @@ Phases, in one process:
 1. prompts (prompts.py): the task's rows for this iteration (`select_prompts`), this shard's share
    (index % num_shards == shard), rendered with the chat template and tokenized as SFT did;
    prompts longer than max_prompt_len keep their last tokens (counted and logged) or fail.
-2. generate (passes.py, with engines.py): HF KV-cache loop or vLLM; behavior_logprobs and
+2. generate (model_passes.py, with engines.py): HF KV-cache loop or vLLM; behavior_logprobs and
    finish_reason per sample.
-3. outcome reward (rewards.py): the recipe of each row's `source`, a weighted sum of components,
+3. outcome reward (outcome_rewards.py): the recipe of each row's `source`, a weighted sum of components,
    computed before the model passes so a broken reward fails fast.
-4. score (passes.py, with scoring.py): old_logprobs from a fresh full forward of the policy, or,
+4. score (model_passes.py, with response_scores.py): old_logprobs from a fresh full forward of the policy, or,
    with the HF sampler in float32, its own log-probs of the tokens it drew (key old_logprobs), ref_logprobs from `ref` when set (KL term), values from `critic`
    when set, step_ends from the policy's tokens, step_rewards from the PRM on the re-tokenized text.
 5. write (output.py): DatasetWriter into a temporary sibling, validated, renamed at the end; the
@@ -32,14 +32,16 @@ import time
 
 import torch
 
-from ..common import config as config_lib, modeling, schema, vision
+from .. import config as config_lib
+from ..models import modeling, vision
+from ..data import schema
 from ... import tracking
 from ...errors import ConfigError, DataError
-from . import oracle, passes, prompts
-from . import rewards as rewards_lib
-from . import scoring
+from . import oracle, model_passes as passes, prompts
+from . import outcome_rewards as rewards_lib
+from . import response_scores as scoring
 from .config import Config
-from ..common.engines import SamplingParams
+from ..sampling.engines import SamplingParams
 from .output import (existing_output, identity, input_digests, output_dir, rollout_metrics, rollouts_table,
                      sample_table)
 

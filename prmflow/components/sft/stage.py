@@ -10,11 +10,11 @@ the longest example of a micro-batch (with grad_accum > 1 a step's examples are 
 in length order: less padding, the same step), AdamW with linear warm-up then cosine/linear decay, gradient
 clipping, DeepSpeed (ZeRO 0-3) or plain PyTorch, optional LoRA through peft (saved merged). Held-out
 evaluation: loss, and greedy-decoding accuracy checked by the task's verifier. The training loop is
-the one prm uses too (common/supervised.py); this module supplies the loss. Resume: a checkpoint
+the one prm uses too (training/supervised.py); this module supplies the loss. Resume: a checkpoint
 beside the output (`.OUTPUT.work/latest`) is picked up on restart with the same config, continuing
 the step count, LR schedule and data order. On SIGTERM (Kubernetes stopping the pod) the step in
 progress finishes, the resume checkpoint is saved and the process exits with status 143
-(common/preemption.py); running the same command again continues bit-for-bit.
+(runtime/preemption.py); running the same command again continues bit-for-bit.
 """
 
 from __future__ import annotations
@@ -26,14 +26,18 @@ from typing import Any
 
 import torch
 
-from ..common import checkpoint, config as config_lib, distributed, io, modeling, preemption, vision
+from ..training import checkpoint
+from .. import config as config_lib
+from ..runtime import distributed, preemption
+from ..data import io
+from ..models import modeling, vision
 from ... import tasks, tracking
-from ..common.engine import EngineConfig, OptimSettings, TrainEngine, init_distributed
+from ..training.engine import EngineConfig, OptimSettings, TrainEngine, init_distributed
 from ...errors import ConfigError
-from ..common.generation import generate_texts
-from ..common.optim import OptimConfig
+from ..sampling.generation import generate_texts
+from ..training.optim import OptimConfig
 from ...tasks.arithmetic import ArithmeticConfig
-from ..common import supervised, supervised_data as data
+from ..training import supervised, supervised_data as data
 
 log = logging.getLogger(__name__)
 

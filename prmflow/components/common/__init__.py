@@ -1,1 +1,0 @@
-"""What two or more stages share. Imports no KFP."""

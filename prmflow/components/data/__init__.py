@@ -1,0 +1,1 @@
+"""Hand-offs on disk: atomic outputs and manifests, the Parquet schemas and their readers, step spans."""

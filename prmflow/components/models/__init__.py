@@ -1,0 +1,1 @@
+"""Models and tokenizers: loading, vision inputs, chat turns, the PRM and its heads, logprob math."""

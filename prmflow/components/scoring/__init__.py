@@ -1,0 +1,1 @@
+"""Scoring with a PRM: per-step scores, step metrics, best-of-N reranking."""

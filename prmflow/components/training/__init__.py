@@ -1,0 +1,1 @@
+"""Training: the engine (optimizer, ZeRO, precision), checkpoints and resume, the supervised loop."""

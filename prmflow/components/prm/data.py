@@ -19,7 +19,6 @@ every one labelled by the exact checker `arithmetic.step_labels`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -285,8 +284,9 @@ def load_data(cfg: Config) -> tuple[list[StepExample], list[StepExample]]:
 
 
 def prompt_key(ex: StepExample) -> tuple:
-    """What makes two rows solutions of one problem: the same prompt text and the same images."""
-    return (ex.prompt, tuple(hashlib.sha256(b).hexdigest() for b in ex.images or ()))
+    """What makes two rows solutions of one problem: the same prompt text and the same images (tasks.prompt_key,
+    which evaluate's held-out check uses too)."""
+    return tasks.prompt_key(ex)
 
 
 def hold_out_last_prompts(rows: list[StepExample], eval_size: int) -> tuple[list[StepExample], list[StepExample]]:

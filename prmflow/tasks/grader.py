@@ -237,7 +237,10 @@ def _rational(expr) -> Fraction | None:
         expr = expr.rhs  # `x = 2` answers 2, as math-verify reads it
     if not isinstance(expr, sympy.Expr) or not expr.is_number:
         return None
-    value = sympy.simplify(_exact(expr))
+    expr = _exact(expr)
+    if expr.is_rational is False:  # sympy's assumptions see sqrt(2)/2 or 2*pi at once; simplify would take ms
+        return None
+    value = expr if expr.is_Rational else sympy.simplify(expr)
     return Fraction(int(value.p), int(value.q)) if value.is_Rational else None
 
 

@@ -131,6 +131,16 @@ def test_evaluate_refuses_prompts_the_policy_trained_on_naming_both_files(tmp_pa
     tasks.check_held_out(records, [train], "clean.jsonl")  # disjoint: no error
 
 
+def test_evaluate_on_a_dataset_with_no_train_tasks_warns_that_nothing_checks_it(tmp_path, caplog):
+    data = _write(tmp_path / "test.jsonl", _gsm8k_rows(100, 1))
+    cfg = config.load(stage.Config, overrides={
+        "policy": "tiny-llama", "task": data, "num_prompts": 1, "n_samples": 1, "sampling.max_new_tokens": 2,
+        "output": str(tmp_path / "e"), "tracking.enabled": False, "device": "cpu"})
+    with caplog.at_level("WARNING"):
+        stage.run(cfg)
+    assert f"task '{data}' is a dataset and train_tasks is empty" in caplog.text
+
+
 def test_held_out_reads_of_a_save_to_disk_dataset_take_its_test_split(tmp_path):
     """A `datasets` directory (as save_to_disk writes it; a hub id reads the same way) without ?split=: training
     reads its train split, evaluate (best-of-N's prompts) its test split; with no test split, a held-out read is

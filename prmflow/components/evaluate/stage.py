@@ -110,6 +110,9 @@ def run(cfg: Config) -> dict:
     records = bestofn.load_prompts(bon_cfg, cfg.arithmetic, cfg.seed, key="task")
     if cfg.task not in tasks.TASKS:  # a built-in task's test split is disjoint from its train split by a hash
         tasks.check_held_out(records, cfg.train_tasks, cfg.task)
+        if not cfg.train_tasks:
+            log.warning("evaluate: task '%s' is a dataset and train_tasks is empty, so nothing checks that its prompts "
+                        "are held out; name the datasets the policy trained on in train_tasks", cfg.task)
     tracker = tracking.start_stage_run(cfg.tracking, "evaluate", params=config_lib.flat_dict(cfg),
                                        iteration=cfg.iteration if cfg.iteration >= 0 else None)
     with tracker:

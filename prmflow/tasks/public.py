@@ -36,6 +36,7 @@ SHEPHERD_TAG = "ки"
 NEUTRAL_DEFAULT = 1.0
 """PRM800K: label of a neutral (0) step; 1.0 = neutral counts as correct (see prm800k_rows)."""
 
+
 class RowSkipped(Exception):
     """A row that holds no labelled solution, by the dataset's own conventions; the message names the kind,
     and the loader counts them (prm/data.py `load_stepwise` logs how many, and the first one)."""

@@ -183,7 +183,7 @@ def test_shared_base_name_is_detected():
 
 def test_no_two_modules_share_a_name_for_different_jobs():
     """`engine.py` next to `engines.py`, `rewards.py` in two stages meaning two things: a reader cannot tell from
-    the name which one an import means. Packages count (a `data/` package and a `prm/data.py`)."""
+    the name which one an import means. Packages count (a `data/` package and a stage module named `data.py`)."""
     shared = shared_base_names(MODULES)
     assert shared == {}, f"name these modules for what each holds (or add the name to SHARED_NAMES with why): {shared}"
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import stages
+from .. import stages, tasks
 from ..components import config as config_lib
 from ..errors import ConfigError
 from .contracts import KFP_VERSIONS
@@ -323,10 +323,16 @@ def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None,
     available = stages.available()
     stage_configs: dict[str, dict[str, Any]] = {}
     prefixes: dict[str, str] = {}  # stage -> the arithmetic prompt prefix it trains or tests on
+    trained_on: list[str] = []  # the datasets the policy trains on: evaluate refuses their prompts (train_tasks)
     for name in sections:
         section = data.get(name) or {}
+        if name == "evaluate" and name in available and "train_tasks" not in section and trained_on:
+            section = {**section, "train_tasks": list(trained_on)}
         if name in available:
             built = config_lib.build(available[name].Config, config_lib.flatten(section), where=f"{path} [{name}]")
+            policy_data = [built.task] if name in ("sft", "rollout") else [built.ptx_task] if (
+                name == "ppo" and built.ptx_coef > 0) else []  # ppo's SFT (ptx) loss trains on ptx_task
+            trained_on += [t for t in policy_data if t not in trained_on and t not in tasks.TASKS]
             if hasattr(built, "arithmetic") and (getattr(built, "task", None) == "arithmetic" or (
                     getattr(built, "ptx_coef", 0) > 0 and built.ptx_task == "arithmetic")):  # ppo's SFT (ptx) loss
                 prefixes[name] = built.arithmetic.prompt_prefix

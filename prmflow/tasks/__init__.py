@@ -8,6 +8,7 @@ see models/vision.py); `encode_prompt` gives its token ids and pixel inputs.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 
@@ -35,8 +36,9 @@ def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, *
     vision-language policies) or a dataset: a .jsonl / .parquet file, a directory, an object-store
     URL or hub:ID, in the project's format or a public one (GSM8K, MATH; see sources.py, public.py).
 
-    For a dataset, `split` picks nothing (pass a file per split, or ?split=NAME for a datasets
-    directory or hub id); `n` keeps the first n rows.
+    For a dataset, `split` 'eval' or 'test' reads held-out rows: a datasets directory or hub id
+    without ?split= gives its `test` split (else `train`); a file has no splits (pass a file per
+    split: `check_held_out` refuses prompts a policy trained on). `n` keeps the first n rows.
     `task_kwargs` configure the arithmetic task (the visual task uses its defaults).
     """
     if task == "visual":
@@ -52,7 +54,32 @@ def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, *
         return [PromptRecord(p.prompt_id, p.prompt, p.answer, p.solution, None, "arithmetic") for p in problems]
     from .datasets import load_records
 
-    return load_records(task, n=n)
+    return load_records(task, n=n, held_out=split in ("eval", "test"))
+
+
+def prompt_key(record) -> tuple:
+    """What makes two rows the same problem: the same prompt text and the same images (a PromptRecord,
+    or anything with `prompt` and `images`)."""
+    return (record.prompt, tuple(hashlib.sha256(b).hexdigest() for b in record.images or ()))
+
+
+def check_held_out(records: list[PromptRecord], train_tasks: list[str], task: str, key: str = "task") -> None:
+    """Refuse held-out `records` (read from `task`, named `key` in the config) whose prompts are in any
+    dataset of `train_tasks` (what the policy trained on): a ConfigError naming both datasets, how many
+    prompts they share and the first one. Built-in tasks are skipped (their splits are disjoint by a hash)."""
+    from ..errors import ConfigError
+
+    for train_task in train_tasks:
+        if not train_task or train_task in TASKS:
+            continue
+        seen = {prompt_key(r) for r in load(train_task)}
+        shared = [r for r in records if prompt_key(r) in seen]
+        if shared:
+            raise ConfigError(
+                f"{key} '{task}': {len(shared)} of its {len(records)} evaluated prompts are also in the training data "
+                f"'{train_task}' (train_tasks; first: prompt_id {shared[0].prompt_id!r}), so the scores would not be "
+                f"held out. Evaluate on rows the policy never saw: a test file (SFT's eval_task, say), or ?split=test "
+                f"of a datasets directory or hub id; or drop '{train_task}' from train_tasks to score training prompts.")
 
 
 def render_prompt(tokenizer, record: PromptRecord, chat_template: bool = True) -> str:

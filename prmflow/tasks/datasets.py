@@ -32,8 +32,9 @@ from . import PromptRecord, public, sources
 
 def load_records(path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer",
                  response_field: str = "response", require_answer: bool = False,
-                 require_response: bool = False, n: int | None = None) -> list[PromptRecord]:
-    """Read a dataset (sources.py) into PromptRecords, at most `n`, failing on the first bad row.
+                 require_response: bool = False, n: int | None = None, held_out: bool = False) -> list[PromptRecord]:
+    """Read a dataset (sources.py) into PromptRecords, at most `n`, failing on the first bad row;
+    `held_out`: a dataset with splits and no ?split= gives its test split (sources.iter_rows).
 
     The row format is the dataset's `format` option, else detected from each file's first row (a
     directory may mix GSM8K and MATH files); renamed fields (prompt_field, ...) mean the project's
@@ -46,7 +47,7 @@ def load_records(path: str | Path, prompt_field: str = "prompt", answer_field: s
     local = Path(spec.location)
     base = (local if local.is_dir() else local.parent) if "://" not in spec.location else Path.cwd()
     out: list[PromptRecord] = []
-    for where, row in sources.iter_rows(spec):
+    for where, row in sources.iter_rows(spec, held_out):
         if n is not None and len(out) >= n:
             break
         if given is None and sources.file_of(where) != last_file:  # each file of a directory in its own format

@@ -7,21 +7,31 @@ prm-label, best-of-N, evaluate) call `grade`, so the accuracy we report measures
 Each source is graded in its own convention:
 - the built-in tasks (arithmetic, visual): the task's exact checker, `arithmetic.verify` (the
   last `answer: N` line must hold the integer N; no line is a format error);
-- `gsm8k` (rows of the gsm8k format): GSM8K's own convention: the final answer is what follows the
-  last `#### ` (else the last \\boxed{...}, else an `answer:` line, else the last number), read as
-  its last number (`#### $1,234.` and `#### 1234 dollars` are 1234), compared exactly;
-- `math` (MATH, MATH-500, PRM800K): the last \\boxed{...}, else a `final answer is X` / `answer: X`
-  line; a bare number with neither is no answer (MATH's convention: the boxed answer is the
-  answer), compared by `answers_match` (\\frac{1}{2} = 0.5 = 1/2);
+- `gsm8k` (rows of the gsm8k format): GSM8K's own convention: the final answer is the number after
+  the first `#### ` (lm-evaluation-harness's strict match, `#### (\\-?[0-9\\.\\,]+)` with its first match
+  taken: lm_eval/tasks/gsm8k/gsm8k.yaml, lm_eval/filters/extraction.py RegexFilter group_select=0; we
+  also allow a `$` before it: `#### $1,234.` is 1234), else the last \\boxed{...}, else an `answer:`
+  line read as its last number, else the last number, compared exactly;
+- `math` (MATH, MATH-500, PRM800K): the last \\boxed{...} (or MATH's brace-less `\\boxed 5`, read up to
+  the next `$` as lm-evaluation-harness's minerva_math `last_boxed_only_string` does), else a
+  `final answer is X` / `answer: X` line; a bare number with neither is no answer (MATH's convention:
+  the boxed answer is the answer), compared by `answers_match`;
 - anything else (user datasets): `grade_math`'s default: the last \\boxed{...}, else an `answer:`
   line, else GSM8K's `#### N`, else the last number, compared by `answers_match`.
+The last-number fallback reads `18, which` as 18 (a comma only joins groups of three digits) and
+`so 10-5` as 5 (a minus directly after a digit, letter or bracket is a hyphen, not a sign).
 `answer_key` names the answer a response commits to in the same convention (best-of-N's majority vote).
 
-`answers_match` compares plain numbers (integers, decimals, a/b fractions, negative, with thousands
-separators) exactly as rationals, and everything else (\\frac, \\sqrt, %, degrees, intervals,
-expressions) with math-verify (https://github.com/huggingface/Math-Verify). The plain-number
-path is exact (0.333333 is not 1/3) and takes microseconds where math-verify's sympy takes
-milliseconds, which matters when a rollout grades thousands of responses.
+One notion of equal (`answers_match`, `answer_key`): an answer that stands for a rational number is
+that number, exactly (0.333333 is not 1/3, in any notation): plain numbers (`-1,234.5`, `3/4`), what
+math-verify (https://github.com/huggingface/Math-Verify) parses to a rational (`\\frac{3}{4}`,
+`2^{-1}`, `x = 0.75`), a percentage or a trailing unit dropped as MATH's own normalization drops them
+(`50\\%` is 50, `18 dollars` is 18: hendrycks/math modeling/math_equivalence.py `_strip_string`).
+Two answers where neither is rational (`\\sqrt{2}/2`, intervals, sets, expressions in x) are compared
+by math-verify, and keyed by sympy's simplified form. Exact numbers never go through math-verify's
+6-digit rounding, which made 0.333333 equal \\frac{1}{3} but not 1/3. The plain-number path takes
+microseconds where math-verify's sympy takes milliseconds, which matters when a rollout grades
+thousands of responses.
 
 math-verify guards its own work with signal.alarm, which raises outside the main thread and
 cancels any other SIGALRM timer (pytest-timeout's, for one). We turn those timeouts off and bound
@@ -48,11 +58,17 @@ EXACT_SOURCES = ("arithmetic", "visual")
 """Sources graded by the arithmetic task's exact `answer: N` checker (the visual task shares it)."""
 
 _PLAIN_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
-_ANY_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")  # a trailing /d keeps a bare fraction whole
+_SIGN = r"(?:(?<![\w)\]}])-)?"  # a minus right after a digit, letter or bracket is a hyphen (10-5), not a sign
+# a comma only inside thousands groups (18, which -> 18); a trailing /d keeps a bare fraction whole
+_ANY_NUMBER = re.compile(_SIGN + r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?|" + _SIGN + r"\.\d+")
 _ANSWER_LINE = re.compile(r"^\s*(?:final\s+)?answer\s*(?:is)?\s*[:=]?\s*(.+?)\s*$", re.IGNORECASE)
 _FINAL_ANSWER_IS = re.compile(r"final answer is[:\s]*\$?(.+?)\$?\s*(?:\.\s*(?:I hope it is correct\.?)?)?\s*$",
                               re.IGNORECASE | re.MULTILINE)
-_GSM8K_MARK = re.compile(r"####\s*([^\n]*)")
+_GSM8K_MARK = re.compile(r"####\s*\$?\s*(-?[0-9.,]*[0-9])")  # lm-eval's strict match (module docstring), `$` allowed
+_PERCENT = re.compile(r"\s*\\?%\s*$")
+_UNIT_WORDS = re.compile(r"\s*(\S+)\s+([A-Za-z]{2,}(?:\s+[A-Za-z]{2,})*)\s*\.?\s*")
+_MATH_WORDS = {"pi", "sqrt", "ln", "log", "sin", "cos", "tan", "mod", "and", "or", "infinity", "inf"}
+"""Words that are mathematics, not a unit, after a number (`3 pi` is not 3)."""
 
 
 def grade(source: str, response: str, answer: str) -> float:
@@ -78,8 +94,10 @@ def answer_key(source: str, response: str) -> str | None:
     """A canonical text of the answer `response` commits to (equal keys: the same answer, for majority
     votes), in the convention of `source`; None when it commits to none (a format error).
 
-    Plain numbers and what math-verify parses become the value's text (`0.75`, `3/4` and `\\frac{3}{4}`
-    all give "3/4"); anything else its text without spaces.
+    A rational answer is its exact value (`0.75`, `3/4` and `\\frac{3}{4}` give "3/4", `75\\%` gives
+    "75"); another answer math-verify parses is sympy's simplified form; anything else its
+    text without spaces. Two keys are equal exactly when `answers_match` says the answers are (module
+    docstring), up to math-verify's wider notion of equal between two non-rational expressions.
     """
     if source in EXACT_SOURCES:
         got = arithmetic.extract_answer(response)
@@ -87,25 +105,31 @@ def answer_key(source: str, response: str) -> str | None:
     got = final_answer(response, source)
     if got is None:
         return None
-    value = last_number(got) if source == "gsm8k" else plain_number(got)
+    if source == "gsm8k":
+        value = last_number(got)
+        return None if value is None else str(value)
+    value, parsed = answer_value(got)
     if value is not None:
         return str(value)
-    if len(got) <= MAX_ANSWER_CHARS:
-        parse, _ = verifier()
-        parsed = parse(f"\\boxed{{{got}}}", parsing_timeout=None)
-        if parsed and _tractable(parsed[0]) and not isinstance(parsed[0], str):
-            return str(parsed[0])
+    if parsed and not isinstance(parsed[0], str):
+        return str(_simplified(parsed[0]))
     return re.sub(r"\s+", "", got)
 
 
 # --- extraction ----------------------------------------------------------------------------------
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}) in `text`, with nested braces; None if none."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    if not starts:
+    """Content of the last \\boxed{...} (or \\fbox{...}) in `text`, with nested braces, or of a brace-less
+    `\\boxed 5` (up to the next `$` or line end, as lm-evaluation-harness's minerva_math
+    `last_boxed_only_string` reads it); None if none."""
+    marks = list(re.finditer(r"\\(?:boxed|fbox)(?:\s*(\{)|\s+(?=[^\s{]))", text))
+    if not marks:
         return None
-    i, depth = starts[-1], 1
+    last = marks[-1]
+    if last.group(1) is None:  # \boxed 5
+        content = re.split(r"[$\n]", text[last.end():], maxsplit=1)[0].strip().rstrip(".").strip()
+        return content or None
+    i, depth = last.end(), 1
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
@@ -117,9 +141,9 @@ def final_answer(response: str, source: str = "") -> str | None:
     """The answer a response commits to in the convention of `source` (module docstring); by default
     the last \\boxed{}, else an `answer:` line, else `#### x`, else the last number."""
     if source == "gsm8k":
-        marks = _GSM8K_MARK.findall(response)
-        if marks and marks[-1].strip():
-            return marks[-1].strip()
+        mark = _GSM8K_MARK.search(response)  # the first `#### N`, as lm-eval's strict match takes it
+        if mark:
+            return mark.group(1)
     boxed = last_boxed(response)
     if boxed is not None:
         return boxed
@@ -157,22 +181,74 @@ def plain_number(text: str) -> Fraction | None:
 def last_number(text: str) -> Fraction | None:
     """The exact value of the last plain number in `text` (`$1,234.` -> 1234, `18 dollars` -> 18); None if none."""
     numbers = _ANY_NUMBER.findall(text)
-    return plain_number(numbers[-1].rstrip(",")) if numbers else None
+    return plain_number(numbers[-1]) if numbers else None
+
+
+def answer_value(text: str) -> tuple[Fraction | None, list | None]:
+    """(the exact value of `text` when it stands for a rational number, math-verify's parse of it or None).
+
+    The value comes from a plain number, else from what math-verify parses after a trailing
+    percentage or unit words are dropped (MATH's normalization, module docstring): a number with no
+    symbol left (`\\frac{1}{3}`, `2^{-1}`, `50\\%` -> 50, `18 dollars` -> 18) or `x = <number>`.
+    Decimals inside LaTeX count as the decimals written (0.333333 stays 333333/1000000).
+    """
+    x = plain_number(text)
+    if x is not None:
+        return x, None
+    s = _PERCENT.sub("", text)
+    m = _UNIT_WORDS.fullmatch(s)
+    if m and plain_number(m.group(1)) is not None and not set(m.group(2).lower().split()) & _MATH_WORDS:
+        s = m.group(1)
+    x = plain_number(s)
+    if x is not None or len(s) > MAX_ANSWER_CHARS:
+        return x, None
+    parse, _ = verifier()
+    parsed = parse(f"\\boxed{{{s}}}", parsing_timeout=None)
+    if not parsed or not all(map(_tractable, parsed)):
+        return None, None
+    return _rational(parsed[0]), parsed
 
 
 def answers_match(given: str, reference: str) -> bool:
-    """True when `given` equals `reference`: plain numbers as exact rationals, anything else by math-verify."""
-    x, y = plain_number(given), plain_number(reference)
-    if x is not None and y is not None:
+    """True when `given` equals `reference`: a rational answer (either side) by its exact value, two
+    non-rational ones by math-verify (module docstring)."""
+    x, pred = answer_value(given)
+    y, gold = answer_value(reference)
+    if x is not None or y is not None:
         return x == y
-    if max(len(given), len(reference)) > MAX_ANSWER_CHARS:
+    if not (gold and pred):
         return False
-    parse, verify = verifier()
-    gold = parse(f"\\boxed{{{reference}}}", parsing_timeout=None)
-    pred = parse(f"\\boxed{{{given}}}", parsing_timeout=None)
-    if not (gold and pred) or not all(map(_tractable, gold + pred)):
-        return False
+    _, verify = verifier()
     return bool(verify(gold, pred, timeout_seconds=None))  # math-verify's order: gold first
+
+
+def _exact(expr):
+    """`expr` with every float replaced by the decimal it was written as (0.5 -> 1/2), as a rational."""
+    import sympy
+
+    return expr.xreplace({f: sympy.Rational(str(f)) for f in expr.atoms(sympy.Float)})
+
+
+def _rational(expr) -> Fraction | None:
+    """The exact value of a parsed answer that is a rational number (or `symbol = rational`), else None."""
+    import sympy
+
+    if isinstance(expr, sympy.Equality) and isinstance(expr.lhs, sympy.Symbol):
+        expr = expr.rhs  # `x = 2` answers 2, as math-verify reads it
+    if not isinstance(expr, sympy.Expr) or not expr.is_number:
+        return None
+    expr = _exact(expr)
+    if expr.is_rational is False:  # sympy's assumptions see sqrt(2)/2 or 2*pi at once; simplify would take ms
+        return None
+    value = expr if expr.is_Rational else sympy.simplify(expr)
+    return Fraction(int(value.p), int(value.q)) if value.is_Rational else None
+
+
+def _simplified(expr):
+    """A parsed non-rational answer in sympy's simplified form (its key); sets, matrices, ... as they are."""
+    import sympy
+
+    return sympy.simplify(_exact(expr)) if isinstance(expr, sympy.Expr) else expr
 
 
 def _tractable(expr) -> bool:

@@ -11,7 +11,7 @@ steps, labels, answer, id, source).
 | `gsm8k` | `question`, `answer` = rationale + `#### N` | prompt = question, answer = N (commas dropped), response = the rationale without its `<<48/2=24>>` calculator notes + `#### N`; source `gsm8k` |
 | `math` (MATH, MATH-500) | `problem`, `solution` with `\\boxed{}` (MATH-500 also `answer`, `unique_id`) | prompt = problem, answer = `answer`, else the solution's last `\\boxed{}`; response = solution; source `math` |
 | `stepwise` | `prompt`, `steps` (or `response`), `labels` | itself (prm/step_examples.py) |
-| `math_shepherd` | `input` = question + steps, each ending in the tag `ки`; `label` = the same text with `+` / `-` in place of each tag; `task` | prompt = the text before `Step 1:`; steps without their `Step k:` prefix; labels 1 / 0; source from `task` (`gsm8k` / `math`) |
+| `math_shepherd` | `input` = question + steps, each ending in the tag `ки`; `label` = the same text with `+` / `-` in place of each tag; `task` | prompt = the text before `Step 1:` (without one: up to the last `?` before the first tag, as TRL's converter cuts it; neither: RowSkipped); steps without their `Step k:` prefix; labels 1 / 0; source from `task` (`gsm8k` / `math`) |
 | `prm800k` | PRM800K JSONL: `question.problem`, `question.ground_truth_answer`, `label.steps[].completions[].rating` (-1/0/1), `chosen_completion`, `human_completion` | see `prm800k_rows` |
 | `trl_stepwise` | `prompt`, `completions`, `labels` (bool) (TRL's stepwise supervision, e.g. trl-lib/math_shepherd) | steps = completions |
 
@@ -35,6 +35,12 @@ ALIASES = {"math500": "math", "math-500": "math", "math-shepherd": "math_shepher
 SHEPHERD_TAG = "ки"
 NEUTRAL_DEFAULT = 1.0
 """PRM800K: label of a neutral (0) step; 1.0 = neutral counts as correct (see prm800k_rows)."""
+
+
+class RowSkipped(Exception):
+    """A row that holds no labelled solution, by the dataset's own conventions; the message names the kind,
+    and the loader counts them (prm/step_examples.py `load_stepwise` logs how many, and the first one)."""
+
 
 _CALCULATOR = re.compile(r"<<[^<>]*>>")
 _STEP_PREFIX = re.compile(r"^\s*step\s*\d+\s*[:.]\s*", re.IGNORECASE)
@@ -146,12 +152,17 @@ def math_shepherd_rows(row: dict, where: str, separator: str) -> list[dict]:
     if labelled[pos:] != parts[-1]:
         raise DataError(f"{where}: column 'label' does not match column 'input' after the last step tag.")
     first = next((k for k, p in enumerate(parts) if re.search(r"step\s*1\s*:", p, re.IGNORECASE)), None)
-    if first is None:
-        raise DataError(f"{where}: column 'input' has no 'Step 1:' marking where the question ends and the steps begin.")
-    head = "".join(parts[:first + 1])  # a tag before 'Step 1:' is an annotation slip inside the question: dropped
-    m = list(re.finditer(r"step\s*1\s*:", head, re.IGNORECASE))[-1]
-    prompt, steps = head[:m.start()].strip(), [head[m.start():]] + parts[first + 1:-1]
-    labels = labels[first:]
+    if first is not None:
+        head = "".join(parts[:first + 1])  # a tag before 'Step 1:' is an annotation slip inside the question: dropped
+        m = list(re.finditer(r"step\s*1\s*:", head, re.IGNORECASE))[-1]
+        prompt, steps = head[:m.start()].strip(), [head[m.start():]] + parts[first + 1:-1]
+        labels = labels[first:]
+    else:  # no 'Step 1:': the question ends at its last '?' and the first step follows (TRL's converter does the same)
+        cut = parts[0].rfind("?") + 1
+        prompt, steps = parts[0][:cut].strip(), [parts[0][cut:]] + parts[1:-1]
+        if not cut or not steps[0].strip():
+            raise RowSkipped("Math-Shepherd rows with neither 'Step 1:' nor a '?' ending the question before the first "
+                             f"step tag '{SHEPHERD_TAG}'")
     if not prompt:
         raise DataError(f"{where}: column 'input' has no question before 'Step 1:'.")
     task = str(row.get("task") or "").strip().lower()
@@ -173,12 +184,14 @@ def prm800k_rows(row: dict, where: str, separator: str, neutral: float = NEUTRAL
 
     Following the steps a labeller chose (`chosen_completion`, else the `human_completion` they
     wrote, which counts as correct), every completion not chosen at step k ends a solution of its
-    own (the chosen steps before it + that completion); the chosen path is one more. Ratings: 1 ->
+    own (the chosen steps before it + that completion); the chosen path is one more unless the rows
+    of the step where it stops already extend it (phase 2's found_error: the rated completions of the
+    wrong step, none chosen, each end a row; the path alone would repeat their labels). Ratings: 1 ->
     1.0, -1 -> 0.0, 0 (neutral) -> `neutral` (default 1.0: a neutral step is not an error, the binary
     reading OpenR's PRM800K preprocessing uses (openreasoner/openr docs/datasets.md); 0.0 for the
     strict reading, 0.5 for a soft label).
     A completion with no rating is not labelled and dropped; the path stops at a chosen one. Lines
-    whose labeller flagged the problem itself (finish_reason bad_problem) give no rows.
+    whose labeller flagged the problem itself (finish_reason bad_problem) give no rows (RowSkipped).
     """
     question, label = row.get("question"), row.get("label")
     problem = question.get("problem") if isinstance(question, dict) else None
@@ -187,12 +200,13 @@ def prm800k_rows(row: dict, where: str, separator: str, neutral: float = NEUTRAL
     if not isinstance(label, dict) or not isinstance(label.get("steps"), list):
         raise DataError(f"{where}: column 'label' has no 'steps' list.")
     if label.get("finish_reason") == "bad_problem":
-        return []
+        raise RowSkipped("PRM800K lines whose labeller flagged the problem (finish_reason bad_problem)")
     value = {1: 1.0, -1: 0.0, 0: float(neutral)}
     answer = question.get("ground_truth_answer")
     base = {"prompt": problem.strip(), "answer": None if answer is None else str(answer),
             "id": _row_id(row, problem), "source": "math"}
     out, path, labels = [], [], []
+    branched = False  # whether rows were emitted that extend the current path by one step
     for k, step in enumerate(label["steps"]):
         if not isinstance(step, dict):
             raise DataError(f"{where}: label.steps[{k}] is not an object.")
@@ -205,16 +219,17 @@ def prm800k_rows(row: dict, where: str, separator: str, neutral: float = NEUTRAL
             r = _rating(step, c, where, k, j)
             if j != chosen and r is not None and c["text"].strip():
                 out.append({**base, "steps": path + [_step(c["text"], separator)], "labels": labels + [value[r]]})
+                branched = True
         if chosen is not None:
             text, r = completions[chosen]["text"], completions[chosen].get("rating")
             if r is None:
                 break
-            path, labels = path + [_step(text, separator)], labels + [value[r]]
+            path, labels, branched = path + [_step(text, separator)], labels + [value[r]], False
         elif isinstance(step.get("human_completion"), dict) and isinstance(step["human_completion"].get("text"), str):
-            path, labels = path + [_step(step["human_completion"]["text"], separator)], labels + [1.0]
+            path, labels, branched = path + [_step(step["human_completion"]["text"], separator)], labels + [1.0], False
         else:
             break
-    if path:
+    if path and not branched:  # else every step of the path, and its labels, is already in the rows that extend it
         out.append({**base, "steps": path, "labels": labels})
     return [r for r in out if all(s for s in r["steps"])]
 

@@ -11,7 +11,8 @@ A dataset is named by one string (a stage's `task` key), `LOCATION[?option=value
 
 Options: `format` (the row format, see public.py; default: detected from the columns of each file's
 first row, so a directory may hold GSM8K and MATH files side by side),
-`split` (a `datasets` directory holding several splits, or a Hub dataset; default `train`),
+`split` (a `datasets` directory holding several splits, or a Hub dataset; default `train`, and
+`test` where a stage reads held-out data: evaluate's task, best-of-N's, SFT's eval_task),
 `config` (a Hub dataset's configuration, e.g. `main` for GSM8K), `neutral` (PRM800K: the label of
 a neutral step, see public.py).
 
@@ -67,19 +68,20 @@ def parse(task: str) -> Spec:
     return Spec(location, options)
 
 
-def iter_rows(spec: Spec) -> Iterator[tuple[str, dict]]:
+def iter_rows(spec: Spec, held_out: bool = False) -> Iterator[tuple[str, dict]]:
     """(where, row) for every row of the dataset, in order; where = 'FILE, line N' or 'FILE, row N'
-    (`file_of(where)` gives FILE: a directory's files may hold different formats)."""
+    (`file_of(where)` gives FILE: a directory's files may hold different formats). `held_out`: the
+    caller scores on these rows, so a dataset with splits and no ?split= gives its `test` split."""
     loc = spec.location
     if loc.startswith(HUB_PREFIX):
-        yield from _hub_rows(loc[len(HUB_PREFIX):], spec.options)
+        yield from _hub_rows(loc[len(HUB_PREFIX):], spec.options, held_out)
     elif "://" in loc:
         yield from _fsspec_rows(loc)
     else:
         path = Path(loc)
         if path.is_dir():
             if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
-                yield from _hf_disk_rows(path, spec.options)
+                yield from _hf_disk_rows(path, spec.options, held_out)
             elif kind := _handoff_kind(path):  # its manifest.json was read as the first JSONL row: "not valid JSON"
                 raise DataError(f"Dataset '{path}' is a prmflow {kind!r} hand-off (its manifest.json says so), not a "
                                 f"dataset of prompts or solutions. Point it at a .jsonl/.parquet file (or a directory "
@@ -216,8 +218,13 @@ def _table_rows(ds, name: str) -> Iterator[tuple[str, dict]]:
             i += 1
 
 
-def _pick_split(dd, where: str, split: str | None):
+def _pick_split(dd, where: str, split: str | None, held_out: bool):
     names = list(dd.keys())
+    if split is None and held_out:
+        if "test" not in names:  # train (or the only split) is what a training stage reads: not held out
+            raise DataError(f"Dataset '{where}' has splits {names} and none is 'test': held-out prompts (evaluate, "
+                            f"best-of-N, eval_task) need a split the policy did not train on; add ?split=NAME.")
+        split = "test"
     if split is None:
         split = "train" if "train" in names or len(names) != 1 else names[0]
     if split not in names:
@@ -225,7 +232,7 @@ def _pick_split(dd, where: str, split: str | None):
     return dd[split], split
 
 
-def _hf_disk_rows(path: Path, options: dict) -> Iterator[tuple[str, dict]]:
+def _hf_disk_rows(path: Path, options: dict, held_out: bool) -> Iterator[tuple[str, dict]]:
     import datasets
 
     try:
@@ -234,16 +241,16 @@ def _hf_disk_rows(path: Path, options: dict) -> Iterator[tuple[str, dict]]:
         raise DataError(f"'{path}' is not a readable Hugging Face datasets directory ({e}). Re-save it with "
                         f"save_to_disk, or export it to Parquet.") from None
     if isinstance(ds, datasets.DatasetDict):
-        ds, split = _pick_split(ds, str(path), options.get("split"))
+        ds, split = _pick_split(ds, str(path), options.get("split"), held_out)
         yield from _table_rows(ds, f"{path} (split {split})")
     else:
         yield from _table_rows(ds, str(path))
 
 
-def _hub_rows(repo: str, options: dict) -> Iterator[tuple[str, dict]]:
+def _hub_rows(repo: str, options: dict, held_out: bool) -> Iterator[tuple[str, dict]]:
     import datasets
 
-    split = options.get("split", "train")
+    split = options.get("split", "test" if held_out else "train")
     name = f"{HUB_PREFIX}{repo} (split {split})"
     try:
         ds = datasets.load_dataset(repo, options.get("config") or None, split=split)

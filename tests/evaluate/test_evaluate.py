@@ -101,6 +101,81 @@ def test_prompts_without_an_answer_are_named_by_evaluate_s_own_key(tmp_path, cap
     assert "bon.task" not in err
 
 
+def _gsm8k_rows(first, count):
+    return [{"question": f"Tom has {k} apples and buys 2 more. How many apples does he have?",
+             "answer": f"{k}+2 = <<{k}+2={k + 2}>>{k + 2}\n#### {k + 2}"} for k in range(first, first + count)]
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_evaluate_refuses_prompts_the_policy_trained_on_naming_both_files(tmp_path, capsys):
+    """A file has no splits: evaluate on the training file scored its first rows, which SFT and rollout had
+    trained on. With train_tasks (a pipeline fills in sft.task and rollout.task) it exits 2 naming both files and
+    the first shared prompt, nothing written; a held-out file passes the check."""
+    from prmflow import cli
+
+    train = _write(tmp_path / "train.jsonl", _gsm8k_rows(0, 6))
+    held_out = _write(tmp_path / "test.jsonl", _gsm8k_rows(4, 1) + _gsm8k_rows(100, 2))  # one row of train slipped in
+    base = ["evaluate", "--policy", "tiny-llama", "--num_prompts", "3", "--tracking.enabled", "false"]
+    code = cli.main(base + ["--task", train, "--train_tasks", json.dumps([train]), "--output", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert code == 2 and not (tmp_path / "e").exists()
+    assert f"task '{train}': 3 of its 3 evaluated prompts are also in the training data '{train}'" in err, err
+    code = cli.main(base + ["--task", held_out, "--train_tasks", json.dumps(["arithmetic", train]),
+                            "--output", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"task '{held_out}': 1 of its 3 evaluated prompts are also in the training data '{train}'" in err
+    records = tasks.load(_write(tmp_path / "clean.jsonl", _gsm8k_rows(100, 3)), "eval", 3)
+    tasks.check_held_out(records, [train], "clean.jsonl")  # disjoint: no error
+
+
+def test_evaluate_on_a_dataset_with_no_train_tasks_warns_that_nothing_checks_it(tmp_path, caplog):
+    data = _write(tmp_path / "test.jsonl", _gsm8k_rows(100, 1))
+    cfg = config.load(stage.Config, overrides={
+        "policy": "tiny-llama", "task": data, "num_prompts": 1, "n_samples": 1, "sampling.max_new_tokens": 2,
+        "output": str(tmp_path / "e"), "tracking.enabled": False, "device": "cpu"})
+    with caplog.at_level("WARNING"):
+        stage.run(cfg)
+    assert f"task '{data}' is a dataset and train_tasks is empty" in caplog.text
+
+
+def test_held_out_reads_of_a_save_to_disk_dataset_take_its_test_split(tmp_path):
+    """A `datasets` directory (as save_to_disk writes it; a hub id reads the same way) without ?split=: training
+    reads its train split, evaluate (best-of-N's prompts) its test split; with no test split, a held-out read is
+    an error listing the splits, not the train split scored as held out."""
+    import datasets
+
+    from prmflow.components.scoring import bestofn
+    from prmflow.errors import DataError
+
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(_gsm8k_rows(0, 4)),
+                               "test": datasets.Dataset.from_list(_gsm8k_rows(100, 2))})
+    dd.save_to_disk(str(tmp_path / "gsm8k"))
+    train = [r.answer for r in tasks.load(str(tmp_path / "gsm8k"))]
+    evaluated = [r.answer for r in bestofn.load_prompts(bestofn.BestOfNConfig(task=str(tmp_path / "gsm8k"),
+                                                                              num_prompts=10), key="task")]
+    assert (train, evaluated) == (["2", "3", "4", "5"], ["102", "103"])
+    assert [r.answer for r in tasks.load(str(tmp_path / "gsm8k") + "?split=train", "eval")] == train  # asked for
+    datasets.DatasetDict({"train": dd["train"]}).save_to_disk(str(tmp_path / "only-train"))
+    with pytest.raises(DataError, match=r"has splits \['train'\] and none is 'test': held-out prompts"):
+        tasks.load(str(tmp_path / "only-train"), "eval")
+
+
+def test_a_pipeline_gives_evaluate_the_datasets_the_policy_trains_on(tmp_path):
+    from prmflow.pipelines import settings
+
+    data = {"sft": {"task": "data/sft.jsonl", "eval_task": "data/test.jsonl"}, "rollout": {"task": "data/rl/"},
+            "ppo": {"ptx_coef": 0.1, "ptx_task": "data/sft.jsonl"}, "evaluate": {"task": "data/test.jsonl"}}
+    spec = settings.load_spec(None, data=data)
+    assert spec.stages["evaluate"]["train_tasks"] == ["data/sft.jsonl", "data/rl/"]
+    data["evaluate"]["train_tasks"] = []  # said so: nothing is added
+    assert settings.load_spec(None, data=data).stages["evaluate"]["train_tasks"] == []
+    assert "train_tasks" not in settings.load_spec(None, data={"evaluate": {}}).stages["evaluate"]  # built-in tasks
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None and torch.cuda.is_available(),
                     reason="reads what the CPU stand-in (tests/fake_vllm.py) recorded")
 def test_sampler_vllm_samples_through_one_engine_per_policy_and_frees_it_before_the_prm(

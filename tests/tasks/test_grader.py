@@ -73,6 +73,20 @@ TABLE = [
     ("visual", "read: 3 4\n3+4=7\nanswer: 7", "7", 1.0),
     ("visual", "read: 0 9\n0-9=-9\nanswer: -9", "-9", 1.0),
     ("visual", "read: 3 4\n3+4=7\nanswer: 8", "7", 0.0),
+    # extraction (issue 61 #19): a trailing comma, a hyphen, \boxed without braces, unit words, GSM8K's first ####
+    ("dataset", "she has 18, which is even", "18", 1.0),
+    ("gsm8k", "she has 18, which is even", "18", 1.0),
+    ("dataset", "so 10-5", "5", 1.0),
+    ("dataset", "so 10-5", "-5", 0.0),
+    ("dataset", "it is -5", "-5", 1.0),
+    ("math", r"so the answer is $\boxed 5$.", "5", 1.0),
+    ("math", r"first \boxed{4}, then \boxed 5", "5", 1.0),
+    ("dataset", "answer: 18 dollars", "18", 1.0),
+    ("math", "The final answer is 18 dollars.", "18", 1.0),
+    ("dataset", "answer: 3 pi", "3", 0.0),  # pi is mathematics, not a unit
+    ("gsm8k", "#### 18\nThen again: #### 20", "18", 1.0),  # lm-eval's strict match: the first `#### N`
+    ("gsm8k", "#### 18\nThen again: #### 20", "20", 0.0),
+    ("gsm8k", "#### $1,234.", "1234", 1.0),
 ]
 
 
@@ -94,7 +108,8 @@ def test_an_intractable_answer_is_graded_wrong_without_reaching_sympy(monkeypatc
     assert grader.grade("math", r"\boxed{9^{99999999}}", "1") == 0.0
     assert grader.grade("math", r"\boxed{" + "1+" * 400 + "1}", "401") == 0.0  # over MAX_ANSWER_CHARS
     assert compared == []
-    assert grader.grade("math", r"\boxed{\frac{3}{4}}", "0.75") == 1.0 and len(compared) == 1  # a tractable one is compared
+    assert grader.grade("math", r"\boxed{\frac{1}{\sqrt{2}}}", r"\frac{\sqrt{2}}{2}") == 1.0  # a tractable one is compared
+    assert len(compared) == 1
 
 
 def test_grading_works_off_the_main_thread():
@@ -126,3 +141,29 @@ def test_grading_leaves_other_alarm_timers_running():
 ])
 def test_answer_key_is_one_value_per_answer(source, responses, key):
     assert {grader.answer_key(source, r) for r in responses} == {key}
+
+
+# Equivalent forms of a few answers: two forms are equal exactly when they sit in one class. A rational
+# answer is its exact value in every notation (0.333333 is not 1/3, whether 1/3 is written plainly or in
+# LaTeX); a percentage or a unit word is dropped (MATH's normalization); non-rational ones by value.
+CLASSES = [
+    ["1/3", r"\frac{1}{3}", r"\dfrac13", r"\frac{2}{6}", r"x=\frac{1}{3}"],
+    ["0.333333", "0.3333330"],
+    ["0.5", "1/2", r"\frac{1}{2}", "2^{-1}", "0.50"],
+    ["50", r"50\%", "50%", "50 dollars", r"50 \text{ dollars}"],
+    [r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}", r"\sqrt{2}/2"],
+    ["0.707107"],
+    ["x+1", "1 + x"],
+    ["2x", "x+x"],
+]
+FORMS = [(form, k) for k, forms in enumerate(CLASSES) for form in forms]
+
+
+def test_answers_match_and_answer_key_are_one_notion_of_equal():
+    """Every ordered pair of forms: answers_match and equal answer_keys both say 'equal' exactly when the two
+    forms are in one class (the issue's case: 0.333333 matched \\frac{1}{3} but not 1/3, and the keys differed,
+    so a majority vote counted two right answers as two different ones)."""
+    keys = {form: grader.answer_key("math", rf"so \boxed{{{form}}}") for form, _ in FORMS}
+    wrong = [(a, b) for a, i in FORMS for b, j in FORMS
+             if (grader.answers_match(a, b), keys[a] == keys[b]) != (i == j, i == j)]
+    assert wrong == []

@@ -91,6 +91,15 @@ def test_gsm8k_rows_in_gsm8k_format(tmp_path):
     assert tasks.verify(recs[1], "#### 1,233") == 0.0
 
 
+def test_math_row_with_a_brace_less_boxed_answer(tmp_path):
+    """MATH writes some answers as `\\boxed 5` (lm-eval's minerva_math last_boxed_only_string reads them); such a
+    row has an answer, not a DataError."""
+    row = {"problem": "What is $2+3$?", "solution": "Adding, $2+3=\\boxed 5$.", "level": "Level 1", "type": "Algebra"}
+    (rec,) = tasks.load(write_jsonl(tmp_path / "m.jsonl", [row]))
+    assert (rec.answer, rec.source) == ("5", "math")
+    assert tasks.verify(rec, "so $\\boxed 5$") == 1.0 and tasks.verify(rec, "so $\\boxed{6}$") == 0.0
+
+
 def test_math_and_math500_rows(tmp_path):
     recs = tasks.load(write_jsonl(tmp_path / "math.jsonl", MATH)) + tasks.load(write_jsonl(tmp_path / "m5.jsonl", MATH500))
     assert [r.answer for r in recs] == ["4", "\\dfrac{1}{2}", "\\frac{1}{2}"]  # the last \boxed{}, or MATH-500's answer
@@ -149,14 +158,74 @@ def test_math_shepherd_tag_inside_the_question_is_dropped_with_its_label(tmp_pat
     (lambda r: r.update(label=r["label"].replace("+", "?", 1)), "line 1: column 'label' does not match column 'input' at step tag 1"),
     (lambda r: r.update(label=r["label"].replace("He eats 2", "He eats 3")), "at step tag 2"),
     (lambda r: r.update(input=r["input"].replace("ки", "")), "line 1: column 'input' has no step tag"),
-    (lambda r: r.update(input=r["input"].replace("Step 1:", "First:"), label=r["label"].replace("Step 1:", "First:")),
-     "no 'Step 1:'"),
 ])
 def test_bad_math_shepherd_rows_name_the_row(tmp_path, edit, needle):
     row = shepherd_row()
     edit(row)
     with pytest.raises(DataError, match=needle):
         prm_data.load_stepwise(write_jsonl(tmp_path / "ms.jsonl", [row]))
+
+
+def test_math_shepherd_row_without_step_1_splits_at_the_question_mark_or_is_skipped_and_counted(tmp_path, caplog):
+    """TRL's converter (huggingface/trl examples/datasets/math_shepherd.py, process_example) splits a row with
+    no 'Step 1:' at the '?' that ends the question; a row with neither cannot be cut, and is skipped, counted
+    in the log, instead of stopping the load of a 445k-row dataset."""
+    plain = shepherd_row("+-+")
+    for key in ("input", "label"):
+        plain[key] = plain[key].replace("Step 1: ", "").replace("Step 2: ", "").replace("Step 3: ", "")
+    no_question = {k: v.replace("?", ".") for k, v in plain.items()}
+    rows = [shepherd_row(), no_question, plain, no_question]
+    with caplog.at_level("WARNING"):
+        got = prm_data.load_stepwise(write_jsonl(tmp_path / "ms.jsonl", rows))
+    assert [(ex.prompt, ex.steps, ex.labels) for ex in got[1:]] == [
+        (SHEPHERD_Q, ["Tom has 3 + 4 = <<3+4=7>>7 apples.", "He eats 2, so 7 - 2 = <<7-2=5>>5.", "The answer is: 6"],
+         [1.0, 0.0, 1.0])]
+    assert len(got) == 2
+    assert "skipped 2 Math-Shepherd rows with neither 'Step 1:' nor a '?'" in caplog.text and "(first: " in caplog.text
+    assert "ms.jsonl, line 2)" in caplog.text
+    with pytest.raises(DataError, match=r"is empty: it has no rows; 1 Math-Shepherd rows .* were skipped \(first: .*line 1\)"):
+        prm_data.load_stepwise(write_jsonl(tmp_path / "bad.jsonl", [no_question]))
+
+
+# The openai/prm800k README's annotated line (README.md, "Here is one annotated line"; texts shortened where
+# marked): a phase-2 found_error line. Two steps rated 0 and chosen, then the first wrong step: five rated
+# completions, none chosen.
+README_LINE = {
+    "labeler": "340d89bc-f5b7-45e9-b272-909ba68ee363", "timestamp": "2023-01-22T04:34:27.052924", "generation": 9,
+    "is_quality_control_question": False, "is_initial_screening_question": False,
+    "question": {"problem": "What is the greatest common factor of $20 !$ and $200,\\!000$?", "ground_truth_answer": "40,\\!000",
+                 "ground_truth_solution": "...", "pre_generated_steps": ["..."], "pre_generated_answer": "320,000",
+                 "pre_generated_verifier_score": 0.010779580529581414},
+    "label": {"steps": [
+        {"completions": [{"text": "I want to find the largest positive integer that divides both $20 !$ and $200,\\!000$ "
+                                  "evenly.", "rating": 0, "flagged": None}],
+         "human_completion": None, "chosen_completion": 0},
+        {"completions": [{"text": "One way to do this is to factor both numbers into prime factors and look for the "
+                                  "common ones.", "rating": 0, "flagged": None}],
+         "human_completion": None, "chosen_completion": 0},
+        {"completions": [
+            {"text": "I know that $200,\\!000 = 2^5\\cdot 10^4 = 2^9\\cdot 5^4$.", "rating": -1, "flagged": None},
+            {"text": "To factor $20 !$, I can use the fact that every factorial is a multiple of every number less than or "
+                     "equal to it.", "rating": 0, "flagged": False},
+            {"text": "I can use a factor tree to find the prime factors of $200,\\!000$: $200,\\!000 = 2^5\\cdot 10^4 = "
+                     "2^5\\cdot 2^4\\cdot 5^4 = 2^9\\cdot 5^4$.", "rating": -1, "flagged": False},
+            {"text": "I can use a factor tree to find the prime factors of $200,\\!000$.", "rating": 0, "flagged": False},
+            {"text": "To factor $20 !$, I can use the fact that any factorial is divisible by all the primes less than or "
+                     "equal to the input.", "rating": 0, "flagged": False}],
+         "human_completion": None, "chosen_completion": None}],
+    "total_time": 278270, "finish_reason": "found_error"}}
+
+
+def test_prm800k_readme_line_gives_one_row_per_rated_completion_of_the_wrong_step(tmp_path):
+    """Every label of the line once per completion of the step where labelling stopped: 5 rows, the two
+    chosen steps in each (neutral = 1.0), the rated alternative last; no sixth row of the chosen prefix
+    alone, which repeated labels every row already holds (and over-weighted the positives)."""
+    got = prm_data.load_stepwise(write_jsonl(tmp_path / "prm800k.jsonl", [README_LINE]))
+    steps = README_LINE["label"]["steps"]
+    prefix = [steps[0]["completions"][0]["text"], steps[1]["completions"][0]["text"]]
+    want = [(prefix + [c["text"]], [1.0, 1.0, {-1: 0.0, 0: 1.0}[c["rating"]]]) for c in steps[2]["completions"]]
+    assert [(ex.steps, ex.labels) for ex in got] == want
+    assert sum(ex.labels.count(1.0) for ex in got) == 2 * 5 + 3  # the prefix's two positives, once per row
 
 
 def test_prm800k_line_gives_the_chosen_path_and_every_rejected_alternative(tmp_path):
@@ -167,8 +236,8 @@ def test_prm800k_line_gives_the_chosen_path_and_every_rejected_alternative(tmp_p
         ("First add: $2+3=5$.",): [0.0],                                  # rejected alternative at step 0
         (multiply, note, "Then $2+12=13$."): [1.0, 1.0, 0.0],             # neutral counts as correct
         (multiply, note, "Then $2+12$ $=14$.", "# Answer 15"): [1.0, 1.0, 1.0, 0.0],  # human step; newlines joined
-        (multiply, note, "Then $2+12$ $=14$."): [1.0, 1.0, 1.0],         # the chosen path, where the labeller stopped
-    }
+    }  # no row of the chosen path alone: the last row holds its every step and label (found_error)
+    assert len(got) == 3
     assert {ex.answer for ex in got} == {"14"} and {ex.source for ex in got} == {"math"}
     assert len({ex.prompt_id for ex in got}) == 1  # one problem: one group
 
@@ -195,7 +264,7 @@ def test_bad_prm800k_lines_name_line_step_and_field(tmp_path, edit, needle):
 
 def test_prm800k_bad_problem_lines_are_skipped_and_prompt_data_is_refused(tmp_path):
     got = prm_data.load_stepwise(write_jsonl(tmp_path / "p.jsonl", [prm800k_line("bad_problem"), prm800k_line()]))
-    assert len(got) == 4 and {ex.where.rsplit(', ', 1)[1] for ex in got} == {'line 2'}
+    assert len(got) == 3 and {ex.where.rsplit(', ', 1)[1] for ex in got} == {'line 2'}
     with pytest.raises(DataError, match="line 1: a gsm8k dataset has no step labels"):
         prm_data.load_stepwise(write_jsonl(tmp_path / "g.jsonl", GSM8K))
 

@@ -49,7 +49,9 @@ class Config:
     output: str = "outputs/eval"
     """Directory for metrics.json, samples.jsonl and per_step.html (written atomically)."""
     task: str = "arithmetic"
-    """Held-out prompts with answers: 'arithmetic' or 'visual' (their test split; visual needs a vision-language policy) or a .jsonl/.parquet dataset."""
+    """Held-out prompts with answers: 'arithmetic' or 'visual' (their test split; visual needs a vision-language policy) or a dataset: its first num_prompts rows, the test split of a datasets directory or hub id without ?split=."""
+    train_tasks: list[str] = field(default_factory=list)
+    """Datasets the policy trained on (a pipeline fills in sft.task and rollout.task): a prompt of task found in one is an error naming both."""
     num_prompts: int = 200
     """Held-out prompts to evaluate on."""
     n_samples: int = 8
@@ -108,6 +110,11 @@ def run(cfg: Config) -> dict:
     if done is not None:
         return done.get("metrics", {})
     records = bestofn.load_prompts(bon_cfg, cfg.arithmetic, cfg.seed, key="task")
+    if cfg.task not in tasks.TASKS:  # a built-in task's test split is disjoint from its train split by a hash
+        tasks.check_held_out(records, cfg.train_tasks, cfg.task)
+        if not cfg.train_tasks:
+            log.warning("evaluate: task '%s' is a dataset and train_tasks is empty, so nothing checks that its prompts "
+                        "are held out; name the datasets the policy trained on in train_tasks", cfg.task)
     tracker = tracking.start_stage_run(cfg.tracking, "evaluate", params=config_lib.flat_dict(cfg),
                                        iteration=cfg.iteration if cfg.iteration >= 0 else None)
     with tracker:

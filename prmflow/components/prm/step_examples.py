@@ -19,7 +19,6 @@ every one labelled by the exact checker `arithmetic.step_labels`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -120,18 +119,29 @@ def load_stepwise(path: str | Path, separator: str = "\n", n: int | None = None)
     neutral = public.neutral_option(spec.options, str(spec))
     base = Path(spec.location).parent if "://" not in spec.location else Path.cwd()
     out: list[StepExample] = []
+    skipped: dict[str, list[str]] = {}  # kind of row -> where each one is
     for where, raw in sources.iter_rows(spec):
         if given is None and sources.file_of(where) != last_file:  # each file of a directory in its own format
             fmt, last_file = public.detect(raw, where), sources.file_of(where)
         if fmt in public.PROMPT_FORMATS:
             raise DataError(f"{where}: a {fmt} dataset has no step labels; the prm stage needs stepwise rows (prompt, "
                             f"steps, labels), Math-Shepherd, PRM800K or prm-label output (or task=arithmetic).")
-        for row in public.step_rows(fmt, raw, where, separator, neutral):
+        try:
+            rows = public.step_rows(fmt, raw, where, separator, neutral)
+        except public.RowSkipped as e:
+            skipped.setdefault(str(e), []).append(where)
+            continue
+        for row in rows:
             out.append(_stepwise_example(row, where, separator, base))
             if n is not None and len(out) >= n:
-                return out
+                break
+        if n is not None and len(out) >= n:
+            break
+    for kind, wheres in skipped.items():
+        log.warning("%s: skipped %d %s (first: %s)", spec, len(wheres), kind, wheres[0])
     if not out:
-        raise DataError(f"Step data '{spec}' is empty: it has no rows.")
+        raise DataError(f"Step data '{spec}' is empty: it has no rows" + "".join(
+            f"; {len(w)} {kind} were skipped (first: {w[0]})" for kind, w in skipped.items()) + ".")
     return out
 
 
@@ -276,8 +286,9 @@ def load_data(cfg: Config) -> tuple[list[StepExample], list[StepExample]]:
 
 
 def prompt_key(ex: StepExample) -> tuple:
-    """What makes two rows solutions of one problem: the same prompt text and the same images."""
-    return (ex.prompt, tuple(hashlib.sha256(b).hexdigest() for b in ex.images or ()))
+    """What makes two rows solutions of one problem: the same prompt text and the same images (tasks.prompt_key,
+    which evaluate's held-out check uses too)."""
+    return tasks.prompt_key(ex)
 
 
 def hold_out_last_prompts(rows: list[StepExample], eval_size: int) -> tuple[list[StepExample], list[StepExample]]:

@@ -1,9 +1,9 @@
 """Best-of-N evaluation: does reranking N sampled solutions by PRM score pick right answers?
 
 For every held-out prompt the policy samples N solutions; each is scored step by step by the PRM
-and reduced to one number by an aggregation (min: the weakest step, as in Lightman et al. 2023;
-product: P(all steps right) under independence; last: the final step; mean). The pick is the
-solution with the highest aggregate. Baselines, on the same samples:
+and reduced to one number by an aggregation (min: the weakest step, Math-Shepherd's (Wang et al.
+2024); product: P(all steps right) under independence, Lightman et al. 2023's; last: the final step;
+mean). The pick is the solution with the highest aggregate. Baselines, on the same samples:
 - majority: the most frequent final answer (self-consistency, Wang et al. 2022);
 - random: a uniformly random pick, reported as its expectation (the mean correctness of the N);
 - pass1: the policy's greedy solution;

@@ -202,6 +202,29 @@ def test_every_trainjob_passes_each_trainer_versions_webhook_and_crd_schema(tmp_
                        for e in admitted(old, tag)), tag
 
 
+def test_the_trainjob_crd_refuses_a_name_that_is_not_a_dns_label_and_two_env_vars_of_one_name(tmp_path, monkeypatch):
+    """Trainer's CRD (contracts/trainer.py NAME_RULE, ENV_LIST_MAP): metadata.name must be an RFC 1035 label of
+    at most 63 characters (CEL), spec.trainer.env is a list map keyed by name. Every version's schema, as
+    shipped, says so through the same checks the fake API server runs; prmflow's own names pass."""
+    from .test_trainjob import CLUSTER_YAML
+
+    data = yaml.safe_load(CLUSTER_YAML.format(workspace="/workspace"))
+    compile_to(load_spec(None, data=data), str(tmp_path / "p.yaml"))
+    body = rendered_trainjobs(list(yaml.load_all((tmp_path / "p.yaml").read_text(), Loader=safe_loader())),
+                              tmp_path, monkeypatch)[0]
+    names = {trainjob.job_name("a" * 200, stage, it) for stage in ("sft", "prm", "ppo") for it in (None, 0, 9, 123)}
+    for tag in TRAINER_TAGS:
+        for name in names:
+            assert admitted({**body, "metadata": {**body["metadata"], "name": name}}, tag) == [], (tag, name)
+        for name, why in (("prmflow-PPO-it0", "RFC 1035"), ("prmflow_ppo", "RFC 1035"), ("0prmflow", "RFC 1035"),
+                          ("prmflow-", "RFC 1035"), ("p" * 64, "no more than 63")):
+            errors = admitted({**body, "metadata": {**body["metadata"], "name": name}}, tag)
+            assert any(why in e for e in errors), (tag, name, errors)
+        twice = copy.deepcopy(body)
+        twice["spec"]["trainer"]["env"].append({"name": twice["spec"]["trainer"]["env"][0]["name"], "value": "x"})
+        assert any("spec.trainer.env[" in e and "Duplicate value" in e for e in admitted(twice, tag)), tag
+
+
 @pytest.mark.slow
 def test_the_multi_node_recipe_trainjobs_pass_each_trainer_version(tmp_path_factory, tmp_path, monkeypatch):
     bodies = rendered_trainjobs(compiled(tmp_path_factory, "cluster/ppo-7b-2x8.yaml", True), tmp_path, monkeypatch)

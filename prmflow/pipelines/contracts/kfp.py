@@ -47,6 +47,11 @@ WORKSPACE_PVC_PATCH_FIELDS_SOURCE = {  # convertStructToPVCSpec's `allowed`
     "2.16": Source(REPO, "2.16.1", "backend/src/v2/compiler/argocompiler/argo.go", 523),
     "2.17": Source(REPO, "2.17.0", "backend/src/v2/compiler/argocompiler/argo.go", 609),
 }
+WORKSPACE_ACCESS_MODES = {  # GetWorkspacePVC: "workspace PVC spec must specify accessModes"
+    "2.15": Source(REPO, "2.15.0", "backend/src/v2/compiler/argocompiler/argo.go", 548),
+    "2.16": Source(REPO, "2.16.1", "backend/src/v2/compiler/argocompiler/argo.go", 577),
+    "2.17": Source(REPO, "2.17.0", "backend/src/v2/compiler/argocompiler/argo.go", 663),
+}
 WORKSPACE_STORAGE_CLASS = {  # GetWorkspacePVC
     "2.15": Source(REPO, "2.15.0", "backend/src/v2/compiler/argocompiler/argo.go", 552),
     "2.16": Source(REPO, "2.16.1", "backend/src/v2/compiler/argocompiler/argo.go", 581),
@@ -87,7 +92,7 @@ def workspace_pvc_errors(pvc_spec_patch: dict, version: str, server_default_clas
     if unknown:
         errors.append(f"unknown fields in PVC spec patch: {unknown} ({WORKSPACE_PVC_PATCH_FIELDS_SOURCE[fam]})")
     if not pvc_spec_patch.get("accessModes") and not server_default_class:
-        errors.append(f"workspace PVC spec must specify accessModes ({WORKSPACE_STORAGE_CLASS[fam]})")
+        errors.append(f"workspace PVC spec must specify accessModes ({WORKSPACE_ACCESS_MODES[fam]})")
     cls = pvc_spec_patch.get("storageClassName")
     if version_tuple(fam) < (2, 17):
         if not cls and not server_default_class:

@@ -349,9 +349,10 @@ def is_compiled_spec(path: str) -> bool:
     return isinstance(first, dict) and "pipelineInfo" in first and "root" in first
 
 
-def compile_to(spec: PipelineSpec, path: str) -> str:
+def compile_to(spec: PipelineSpec, path: str, check_backend: bool = True) -> str:
     """Compile `spec` to `path`, checked against the rules of the KFP backend it targets
-    (pipeline.cluster.kfp_version, compat.py): a spec that version would refuse is not written."""
+    (pipeline.cluster.kfp_version, compat.py): a spec that version would refuse is not written.
+    check_backend=False: not checked here (submit checks it against the server's own version)."""
     import os
 
     import yaml
@@ -379,8 +380,9 @@ def compile_to(spec: PipelineSpec, path: str) -> str:
         with open(tmp) as f:
             docs = [d for d in yaml.load_all(f, Loader=safe_loader()) if d]
         cluster = spec.pipeline.cluster
-        compat.check(docs, cluster.kfp_version, cluster.workspace_storage_class == SERVER_DEFAULT_CLASS,
-                     where=f"pipeline '{spec.pipeline.name}'")
+        if check_backend:
+            compat.check(docs, cluster.kfp_version, cluster.workspace_storage_class == SERVER_DEFAULT_CLASS,
+                         where=f"pipeline '{spec.pipeline.name}'")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

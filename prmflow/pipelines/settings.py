@@ -193,7 +193,7 @@ class ClusterConfig:
     workspace_storage_class: str = ""
     """Storage class of the per-run workspace (a ReadWriteMany class, `kubectl get storageclass`). Empty: the cluster's default storage class, which only KFP >= 2.17 accepts (see kfp_version); server-default: the class of the claim template in the KFP API server's config (workspace.volumeclaimtemplatespec), if your installation sets one."""
     kfp_version: str = "2.15"
-    """Kubeflow Pipelines version of the target backend (2.15, 2.16 or 2.17): compile, plan and submit refuse what its driver and compiler would refuse (submit also reads the server's own version). Default: the oldest supported, so the spec runs on all of them."""
+    """Kubeflow Pipelines version of the target backend (2.15, 2.16 or 2.17): compile, plan and submit --dry-run refuse what its driver and compiler would refuse (submit and upload check against the version the server states). Default: the oldest supported, so the spec runs on all of them."""
     gpus: GpuShapes = field(default_factory=GpuShapes)
     """GPUs per task (rollout = tensor parallel size x engines per pod); the GPU pool gives node selector and tolerations."""
     shm_size: str = "16Gi"

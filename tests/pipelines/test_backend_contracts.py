@@ -281,3 +281,32 @@ def test_a_server_that_does_not_state_its_version_refuses_the_run_as_its_compile
     assert server.runs == {}
     err = capsys.readouterr().err
     assert "does not state its version" in err and "workspace PVC spec must specify storageClassName" in err
+
+
+def test_submit_asks_the_server_first_and_compiles_a_config_for_its_version(capsys):
+    """`pipeline submit --config` with the default kfp_version (2.15): the server is asked for its version
+    before any version's rules are applied. A dead host gets "cannot reach", not 2.15's storage-class refusal;
+    a 2.17 server gets the quickstart (no storage class), which 2.17 takes; a 2.16 server refuses it by 2.16's
+    rule, naming the key."""
+    import socket
+
+    from .fake_kfp import FakeKfp
+    from .test_compile_submit import IMAGES
+
+    args = ["pipeline", "submit", "--config", str(ROOT / "configs" / "quickstart.yaml"), *IMAGES]
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert cli.main([*args, "--host", dead]) != 0
+    err = capsys.readouterr().err
+    assert "Cannot reach KFP" in err or "did not answer its health check" in err, err
+    assert "storageClassName" not in err and "2.15" not in err
+    with FakeKfp(version="2.17.0") as server:
+        assert cli.main([*args, "--host", server.url]) == 0
+    assert [r["path"] for r in server.sent("POST")] == ["/apis/v2beta1/experiments", "/apis/v2beta1/runs"]
+    assert "checked for the server's Kubeflow Pipelines 2.17.0" in capsys.readouterr().err
+    with FakeKfp(version="2.16.1") as server:
+        assert cli.main([*args, "--host", server.url]) == 2
+    assert server.sent("POST") == []
+    err = capsys.readouterr().err
+    assert "2.16" in err and "pipeline.cluster.workspace_storage_class" in err

@@ -189,7 +189,7 @@ class ClusterConfig:
     workspace_path: str = "/workspace"
     """Mount path of workspace_pvc."""
     workspace_size: str = "200Gi"
-    """Size of KFP's per-run pipeline workspace (KFP >= 2.15), used when workspace_pvc is empty. It is deleted with the run and its PVC name is in every step's cache key, so only workspace_pvc lets a failed run resume."""
+    """Size of KFP's per-run pipeline workspace (KFP >= 2.15), used when workspace_pvc is empty. It is deleted with the run, and its per-run name is in the cache key of each step that mounts it (those opening weights), so only workspace_pvc lets a failed run resume."""
     workspace_storage_class: str = ""
     """Storage class of the per-run workspace (a ReadWriteMany class, `kubectl get storageclass`). Empty: the cluster's default storage class, which only KFP >= 2.17 accepts (see kfp_version); server-default: the class of the claim template in the KFP API server's config (workspace.volumeclaimtemplatespec), if your installation sets one."""
     kfp_version: str = "2.15"

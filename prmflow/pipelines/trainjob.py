@@ -99,6 +99,18 @@ class TrainJobSpec:
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
+    def placement(self) -> str:
+        """What of the TrainJob decides what the stage computes: the image (the code) and the world size and
+        shape (num_nodes, resources_per_node, runtime), as JSON. The step takes it as its `placement`
+        parameter, because KFP's cache key holds a step's parameters but not its env (contracts/kfp.py
+        CACHE_KEY): with it only in $PRMFLOW_TRAINJOB, a new images.gpu or num_nodes was a cache hit. The
+        rest (timeout, polling, tolerations, secrets) changes where and how long it runs, not the result."""
+        return json.dumps({k: getattr(self, k) for k in PLACEMENT_FIELDS}, sort_keys=True)
+
+
+#: The TrainJobSpec fields in the step's cache key (TrainJobSpec.placement).
+PLACEMENT_FIELDS = ("image", "num_nodes", "resources_per_node", "runtime")
+
 
 def spec_from_env() -> TrainJobSpec | None:
     raw = os.environ.get(ENV, "")

@@ -203,7 +203,7 @@ class ClusterConfig:
     model_params: float = 0.0
     """Parameters of the policy (e.g. 7.62e9), for scratch sizing and `pipeline plan`; 0 = read from the policy's config.json when it is readable here."""
     mlflow_secret: str = ""
-    """Kubernetes secret with MLFLOW_TRACKING_URI / MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD keys."""
+    """Kubernetes secret with MLFLOW_TRACKING_URI / MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD keys. KFP 2.17's MLflow integration may set the same variables: then name the server in tracking_uri (docs/mlflow.md)."""
     object_store_secret: str = ""
     """Kubernetes secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / MLFLOW_S3_ENDPOINT_URL keys."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -4,7 +4,7 @@ The rules are prmflow.tracking.kfp_plugin's (each beside its kubeflow/pipelines@
 the API server and the driver around them, on a real MLflow store:
 
 - `start_run` (apiserver/plugins/mlflow/handler.go:53-141): the experiment (KFP-Default unless named,
-  config.go:41), the run of the pipeline run (KFP's tags), and the runtime config every launcher-role
+  config.go:41), the run of the pipeline run (one tag stands in for BuildKFPTags), and the runtime config every launcher-role
   container gets with the credentials (handler.go:106-137, config.go:525-535);
 - `task_env` (driver/container.go:181-187 then :247-271): the task's nested run, tagged mlflow.parentRunId
   (v2/common/plugins/mlflow/handler.go:68-74), and the container's env as the pod gets it: the component's

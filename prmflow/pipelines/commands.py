@@ -146,7 +146,7 @@ def _load(config: str | None, sets: list[str]) -> PipelineSpec:
     return spec
 
 
-def compile_for_cluster(spec: PipelineSpec, path: str) -> str:
+def compile_for_cluster(spec: PipelineSpec, path: str, check_backend: bool = True) -> str:
     """Compile `spec` for a cluster: refused while an image is still a placeholder (a pod that cannot pull
     its image waits in ImagePullBackOff; better to fail here)."""
     from .pipeline import compile_to
@@ -161,30 +161,49 @@ def compile_for_cluster(spec: PipelineSpec, path: str) -> str:
         raise ConfigError(f"{keys} {'is' if one else 'are'} still the placeholder ({values}): build and push "
                           f"{'the image' if one else 'each image'} ({builds} {'prints its digest' if one else 'print their digests'}), "
                           f"then set {'it' if one else 'them'} in the config's pipeline.images section or with {sets}")
-    return compile_to(spec, path)
+    return compile_to(spec, path, check_backend)
 
 
-def check_server(kfp_client, conn: client.Connection, package: str, spec: PipelineSpec | None) -> None:
-    """Refuse, before anything is created, a package the KFP API server's own version would refuse or not
-    mount (compat.py): the compiled-in pipeline.cluster.kfp_version may not be the server's."""
-    from . import compat
+def server_family(kfp_client, conn: client.Connection) -> tuple[str, str]:
+    """(the KFP API server's version, its family among those prmflow checks against, or '' where it states none
+    or one newer than we know). Asked before anything is compiled for it: a server that cannot be reached is
+    reported as such, not as a refusal by some other version's rules. A server older than the oldest we
+    support is refused."""
     from .contracts import KFP_VERSIONS, version_tuple
     from .contracts import kfp as kfp_rules
-    from .settings import SERVER_DEFAULT_CLASS
 
     version = client.server_version(kfp_client, conn)
     if not version:
-        print(f"note: KFP at {conn.where()} does not state its version; the package was checked against "
-              f"pipeline.cluster.kfp_version only", file=sys.stderr)
-        return
+        return "", ""
     try:
-        kfp_rules.family(version)
+        return version, kfp_rules.family(version)
     except ValueError:
         if version_tuple(version) < version_tuple(KFP_VERSIONS[0]):
             raise ConfigError(f"KFP at {conn.where()} is {version}; prmflow's pipeline needs Kubeflow Pipelines "
                               f"{KFP_VERSIONS[0]} or newer (fan-in of collected artifacts, the pipeline workspace).") from None
-        return  # newer than we know: its rules are checked where they are known (the compiled-in version)
+        return version, ""  # newer than we know: its rules are checked where they are known (the compiled-in version)
+
+
+def check_server(conn: client.Connection, package: str, spec: PipelineSpec | None, version: str, family: str) -> None:
+    """Refuse, before anything is created, a package the KFP API server's own version would refuse or not
+    mount (compat.py). A config compiled now (`spec`) was not checked yet: it is checked against the
+    server's version, else (a server that does not say, or one newer than we know) against its
+    pipeline.cluster.kfp_version; a --package was checked against its kfp_version when it was compiled."""
+    from . import compat
+    from .settings import SERVER_DEFAULT_CLASS
+
     server_default = bool(spec) and spec.pipeline.cluster.workspace_storage_class == SERVER_DEFAULT_CLASS
+    if not family:
+        if not version:
+            print(f"note: KFP at {conn.where()} does not state its version; the package was checked against "
+                  f"pipeline.cluster.kfp_version only", file=sys.stderr)
+        if spec:
+            compat.check(_package_doc(package), spec.pipeline.cluster.kfp_version, server_default,
+                         where=f"pipeline '{spec.pipeline.name}'")
+        return
+    if spec and family != spec.pipeline.cluster.kfp_version:
+        print(f"note: checked for the server's Kubeflow Pipelines {version} (pipeline.cluster.kfp_version is "
+              f"{spec.pipeline.cluster.kfp_version})", file=sys.stderr)
     compat.check(_package_doc(package), version, server_default,
                  where=f"the pipeline (compiled for pipeline.cluster.kfp_version "
                        f"{spec.pipeline.cluster.kfp_version if spec else 'as compiled'}; KFP at {conn.where()} is {version})")
@@ -197,8 +216,10 @@ def _compile(args) -> int:
     return 0
 
 
-def _package(args, tmp: str) -> tuple[str, PipelineSpec | None, list[str]]:
-    """(package path, the spec when compiled now, the --set items left for the run's arguments)."""
+def _package(args, tmp: str, check_backend: bool = True) -> tuple[str, PipelineSpec | None, list[str]]:
+    """(package path, the spec when compiled now, the --set items left for the run's arguments).
+    check_backend=False: a config is compiled without its pipeline.cluster.kfp_version's rules, which the
+    caller checks once it knows the server's version (`check_server`)."""
     if args.package:
         if args.config:
             raise ConfigError("Give --config (compiled now) or --package (compiled before), not both.")
@@ -215,7 +236,7 @@ def _package(args, tmp: str) -> tuple[str, PipelineSpec | None, list[str]]:
                               f"{args.package}; recompile with them (stage keys, STAGE.KEY=VALUE, still apply).")
         return args.package, None, list(args.set)  # all stage keys: they merge into the run's arguments
     spec = _load(args.config, args.set)
-    return compile_for_cluster(spec, os.path.join(tmp, "pipeline.yaml")), spec, []
+    return compile_for_cluster(spec, os.path.join(tmp, "pipeline.yaml"), check_backend), spec, []
 
 
 def _package_doc(path: str) -> list[dict]:
@@ -267,7 +288,8 @@ def _submit(args) -> int:
     import yaml
 
     with tempfile.TemporaryDirectory() as tmp:
-        package, spec, stage_sets = _package(args, tmp)
+        # a dry run checks the config's kfp_version; a submission checks the server's, once it has asked
+        package, spec, stage_sets = _package(args, tmp, check_backend=args.dry_run)
         defaults = package_defaults(package)
         _, per_stage = split_sets(stage_sets)
         arguments = run_arguments(defaults, parse_params(args.param), per_stage)
@@ -286,7 +308,7 @@ def _submit(args) -> int:
         service_account = args.service_account or (spec.pipeline.cluster.service_account if spec else "")
         conn = client.Connection.from_args(args)
         kfp_client = client.connect(conn)
-        check_server(kfp_client, conn, package, spec)
+        check_server(conn, package, spec, *server_family(kfp_client, conn))
         with client.api_errors(conn, "creating the run"):
             result = kfp_client.create_run_from_pipeline_package(
                 package, arguments=arguments, run_name=args.run_name or None, experiment_name=args.experiment,
@@ -310,14 +332,14 @@ def _upload(args) -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        package, spec, stage_sets = _package(args, tmp)
+        package, spec, stage_sets = _package(args, tmp, check_backend=False)  # checked for the server's version
         if stage_sets:  # a compiled package's stage defaults are what the UI offers: recompile to change them
             raise ConfigError("--set STAGE.KEY with --package: upload compiles stage keys in; use --config.")
         name = args.name or (spec.pipeline.name if spec else _package_doc(package)[0]["pipelineInfo"]["name"])
         version = args.version or "sha256-" + hashlib.sha256(Path(package).read_bytes()).hexdigest()[:12]
         conn = client.Connection.from_args(args)
         kfp_client = client.connect(conn)
-        check_server(kfp_client, conn, package, spec)
+        check_server(conn, package, spec, *server_family(kfp_client, conn))
         query = json_lib.dumps({"predicates": [{"operation": "EQUALS", "key": "display_name", "stringValue": name}]})
         with client.api_errors(conn, f"looking up pipeline {name}"):
             found = kfp_client.list_pipelines(filter=query, namespace=conn.namespace or None).pipelines or []

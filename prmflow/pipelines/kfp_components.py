@@ -21,12 +21,15 @@ from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
 STAGES = ("sft", "prm", "rollout", "prm_update", "advantage", "ppo", "evaluate")
 
 
-def sft(config: dict, tracking_uri: str, experiment: str, workspace: str, policy: Output[Model]):
-    """Train the SFT policy; `policy` locates its HF checkpoint directory on the workspace."""
+def sft(config: dict, tracking_uri: str, experiment: str, workspace: str, policy: Output[Model], placement: str = ""):
+    """Train the SFT policy; `policy` locates its HF checkpoint directory on the workspace. `placement`: a
+    TrainJob step's image and node shape (TrainJobSpec.placement), a parameter so that KFP's cache key and the
+    output's place on the workspace change with them (the TrainJob itself reads $PRMFLOW_TRAINJOB)."""
     from prmflow.pipelines.kfp_shim import artifact_metadata, run_stage, workspace_output, write_location
     from prmflow.components.sft import stage
 
-    out = workspace_output(workspace, "sft", "sft", config, {}) if workspace else policy.path
+    placed = {"placement": placement} if placement else {}  # a new image or node shape: computed anew, elsewhere
+    out = workspace_output(workspace, "sft", "sft", config, placed) if workspace else policy.path
     metrics = run_stage("sft", stage, config, {"output": out}, tracking_uri=tracking_uri, experiment=experiment)
     policy.metadata.update(artifact_metadata(metrics))
     if workspace:
@@ -34,14 +37,15 @@ def sft(config: dict, tracking_uri: str, experiment: str, workspace: str, policy
 
 
 def prm(config: dict, tracking_uri: str, experiment: str, workspace: str, prm_model: Output[Model],
-        base: Input[Model] = None):
+        base: Input[Model] = None, placement: str = ""):
     """Train the process reward model on `base` (the SFT policy; not wired when the config names its
-    own backbone); `prm_model` locates its HF token-classification directory."""
+    own backbone); `prm_model` locates its HF token-classification directory. `placement`: as sft's."""
     from prmflow.pipelines.kfp_shim import (artifact_metadata, located, location_fingerprint, run_stage,
                                             workspace_output, write_location)
     from prmflow.components.prm import stage
 
     inputs = {"base": location_fingerprint(base.path)} if base is not None else {}
+    inputs.update({"placement": placement} if placement else {})
     out = workspace_output(workspace, "prm", "prm", config, inputs) if workspace else prm_model.path
     paths = {"output": out, **({"backbone": located(base.path)} if base is not None else {})}
     metrics = run_stage("prm", stage, config, paths, tracking_uri=tracking_uri, experiment=experiment)
@@ -121,8 +125,8 @@ def advantage(config: dict, tracking_uri: str, experiment: str, iteration: int, 
 
 def ppo(config: dict, tracking_uri: str, experiment: str, workspace: str, iteration: int, policy: Input[Model],
         advantages: Input[Dataset], updated: Output[Model], critic: Output[Model], state: Output[Artifact],
-        kl_state: Output[Artifact], previous: Input[Artifact] = None):
-    """Update the policy (and critic). `updated` locates the new policy, `critic` the new critic (an empty
+        kl_state: Output[Artifact], previous: Input[Artifact] = None, placement: str = ""):
+    """Update the policy (and critic). `placement`: as sft's. `updated` locates the new policy, `critic` the new critic (an empty
     location without train_critic; nothing wires it then), `state` the whole output on the workspace
     (critic, optimizer moments, updates.jsonl), `kl_state` is the KL controller's state for the next
     advantage step. `previous` (the last iteration's `state`) carries the critic and the optimizer over."""
@@ -134,7 +138,8 @@ def ppo(config: dict, tracking_uri: str, experiment: str, workspace: str, iterat
     from prmflow.components.ppo import stage
 
     inputs = {"policy": location_fingerprint(policy.path), "advantages": location_fingerprint(advantages.path),
-              "previous": location_fingerprint(previous.path) if previous is not None else "", "iteration": iteration}
+              "previous": location_fingerprint(previous.path) if previous is not None else "", "iteration": iteration,
+              **({"placement": placement} if placement else {})}
     out = workspace_output(workspace, f"ppo-{iteration}", "ppo", config, inputs) if workspace else state.path
     paths = {"policy": located(policy.path), "input": advantages.path, "output": out}
     if previous is not None:  # the critic and Adam's moments continue; a missing one starts fresh

@@ -52,11 +52,13 @@ def finish_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, status:
     from prmflow.components.runtime import shutdown
     from prmflow import tracking
     from prmflow.pipelines.summary import parent_summary, register_models
+    from prmflow.tracking import kfp_plugin
 
     shutdown.freeze_objects_at_exit()
     cfg = tracking.TrackingConfig(uri=tracking_uri, experiment=experiment, pipeline_run_id=kfp_run_id)
     state = "FINISHED" if status.state == "SUCCEEDED" else "FAILED"
     uri = tracking.resolve_uri(cfg)
+    kfp_plugin.target(uri)  # on another server than KFP's: without the auth KFP set for its own
     client = MlflowClient(uri)
     parent = tracking.find_pipeline_run(client, experiment, kfp_run_id)
     metrics, series = parent_summary(client, parent) if parent else ({}, [])

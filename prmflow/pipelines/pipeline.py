@@ -206,6 +206,12 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
     def trainer_image(stage):
         return cpu if stage in on_trainjob else gpu
 
+    tj_spec = trainjob_spec(cluster, pipe.images, scratch)
+
+    def placed(stage) -> dict:
+        """A TrainJob step's image and node shape as a parameter: in the cache key, which env is not."""
+        return {"placement": tj_spec.placement()} if stage in on_trainjob else {}
+
     sft_op, prm_op = _component(_stage_fn("sft"), trainer_image("sft")), _component(_stage_fn("prm"), trainer_image("prm"))
     rollout_op, ppo_op = _component(_stage_fn("rollout"), gpu), _component(_stage_fn("ppo"), trainer_image("ppo"))
     advantage_op = _component(_stage_fn("advantage"), cpu)
@@ -237,7 +243,7 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
         """A training step: the stage in its own GPU pod, or a TrainJob submitted and awaited from the CPU pool."""
         if stage not in on_trainjob:
             return on_gpu(task, stage).set_display_name(name)
-        task.set_env_variable(trainjob.ENV, trainjob_spec(cluster, pipe.images, scratch).to_json())
+        task.set_env_variable(trainjob.ENV, tj_spec.to_json())
         return on_cpu(task, gpu_retries=True).set_display_name(f"{name} (trainjob)")
 
     def model_input(uri: str, key: str, name: str):
@@ -266,13 +272,13 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
             if pipe.sft_model:  # an existing warm-up: imported, not retrained
                 sft_policy = model_input(pipe.sft_model, "sft_model", "sft")
             else:
-                sft_policy = train("sft", sft_op(config=sft_config, **common, workspace=ws).after(init),
+                sft_policy = train("sft", sft_op(config=sft_config, **common, workspace=ws, **placed("sft")).after(init),
                                    "sft").outputs["policy"]
             if pipe.prm_model:
                 prm_model = model_input(pipe.prm_model, "prm_model", "prm")
             else:
                 prm_base = {"base": sft_policy} if prm_needs_base else {}
-                prm_model = train("prm", prm_op(config=prm_config, **common, workspace=ws, **prm_base).after(init),
+                prm_model = train("prm", prm_op(config=prm_config, **common, workspace=ws, **prm_base, **placed("prm")).after(init),
                                   "prm").outputs["prm_model"]
             policy, upd, prm_upd = sft_policy, None, None
             for k in range(pipe.iterations):
@@ -292,7 +298,7 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
                                           rollouts=dsl.Collected(roll.outputs["rollouts"]), **kl_in))
                 adv.set_display_name(f"advantage-{k}")
                 prev = {"previous": upd.outputs["state"]} if k and carry_state else {}
-                upd = train("ppo", ppo_op(config=ppo_config, **common, workspace=ws, iteration=k, policy=policy,
+                upd = train("ppo", ppo_op(config=ppo_config, **common, workspace=ws, **placed("ppo"), iteration=k, policy=policy,
                                           advantages=adv.outputs["advantages"], **prev), f"ppo-{k}")
                 policy = upd.outputs["updated"]
                 if update_op is not None:  # PRM_k+1 from PRM_k on rollouts k; advantage k and ppo k do not wait
@@ -349,9 +355,10 @@ def is_compiled_spec(path: str) -> bool:
     return isinstance(first, dict) and "pipelineInfo" in first and "root" in first
 
 
-def compile_to(spec: PipelineSpec, path: str) -> str:
+def compile_to(spec: PipelineSpec, path: str, check_backend: bool = True) -> str:
     """Compile `spec` to `path`, checked against the rules of the KFP backend it targets
-    (pipeline.cluster.kfp_version, compat.py): a spec that version would refuse is not written."""
+    (pipeline.cluster.kfp_version, compat.py): a spec that version would refuse is not written.
+    check_backend=False: not checked here (submit checks it against the server's own version)."""
     import os
 
     import yaml
@@ -379,8 +386,9 @@ def compile_to(spec: PipelineSpec, path: str) -> str:
         with open(tmp) as f:
             docs = [d for d in yaml.load_all(f, Loader=safe_loader()) if d]
         cluster = spec.pipeline.cluster
-        compat.check(docs, cluster.kfp_version, cluster.workspace_storage_class == SERVER_DEFAULT_CLASS,
-                     where=f"pipeline '{spec.pipeline.name}'")
+        if check_backend:
+            compat.check(docs, cluster.kfp_version, cluster.workspace_storage_class == SERVER_DEFAULT_CLASS,
+                         where=f"pipeline '{spec.pipeline.name}'")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

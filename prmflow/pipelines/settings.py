@@ -189,11 +189,11 @@ class ClusterConfig:
     workspace_path: str = "/workspace"
     """Mount path of workspace_pvc."""
     workspace_size: str = "200Gi"
-    """Size of KFP's per-run pipeline workspace (KFP >= 2.15), used when workspace_pvc is empty. It is deleted with the run and its PVC name is in every step's cache key, so only workspace_pvc lets a failed run resume."""
+    """Size of KFP's per-run pipeline workspace (KFP >= 2.15), used when workspace_pvc is empty. It is deleted with the run, and its per-run name is in the cache key of each step that mounts it (those opening weights), so only workspace_pvc lets a failed run resume."""
     workspace_storage_class: str = ""
     """Storage class of the per-run workspace (a ReadWriteMany class, `kubectl get storageclass`). Empty: the cluster's default storage class, which only KFP >= 2.17 accepts (see kfp_version); server-default: the class of the claim template in the KFP API server's config (workspace.volumeclaimtemplatespec), if your installation sets one."""
     kfp_version: str = "2.15"
-    """Kubeflow Pipelines version of the target backend (2.15, 2.16 or 2.17): compile, plan and submit refuse what its driver and compiler would refuse (submit also reads the server's own version). Default: the oldest supported, so the spec runs on all of them."""
+    """Kubeflow Pipelines version of the target backend (2.15, 2.16 or 2.17): compile, plan and submit --dry-run refuse what its driver and compiler would refuse (submit and upload check against the version the server states). Default: the oldest supported, so the spec runs on all of them."""
     gpus: GpuShapes = field(default_factory=GpuShapes)
     """GPUs per task (rollout = tensor parallel size x engines per pod); the GPU pool gives node selector and tolerations."""
     shm_size: str = "16Gi"
@@ -203,7 +203,7 @@ class ClusterConfig:
     model_params: float = 0.0
     """Parameters of the policy (e.g. 7.62e9), for scratch sizing and `pipeline plan`; 0 = read from the policy's config.json when it is readable here."""
     mlflow_secret: str = ""
-    """Kubernetes secret with MLFLOW_TRACKING_URI / MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD keys."""
+    """Kubernetes secret with MLFLOW_TRACKING_URI / MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD keys. KFP 2.17's MLflow integration may set the same variables: then name the server in tracking_uri (docs/mlflow.md)."""
     object_store_secret: str = ""
     """Kubernetes secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / MLFLOW_S3_ENDPOINT_URL keys."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

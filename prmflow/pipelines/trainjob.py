@@ -48,6 +48,7 @@ import yaml
 from ..components import config as config_lib
 from ..components.data import io
 from ..errors import PrmflowError
+from ..tracking import kfp_plugin
 from .contracts import sdk as sdk_rules
 from .contracts import trainer as trainer_rules
 
@@ -98,6 +99,18 @@ class TrainJobSpec:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
+
+    def placement(self) -> str:
+        """What of the TrainJob decides what the stage computes: the image (the code) and the world size and
+        shape (num_nodes, resources_per_node, runtime), as JSON. The step takes it as its `placement`
+        parameter, because KFP's cache key holds a step's parameters but not its env (contracts/kfp.py
+        CACHE_KEY): with it only in $PRMFLOW_TRAINJOB, a new images.gpu or num_nodes was a cache hit. The
+        rest (timeout, polling, tolerations, secrets) changes where and how long it runs, not the result."""
+        return json.dumps({k: getattr(self, k) for k in PLACEMENT_FIELDS}, sort_keys=True)
+
+
+#: The TrainJobSpec fields in the step's cache key (TrainJobSpec.placement).
+PLACEMENT_FIELDS = ("image", "num_nodes", "resources_per_node", "runtime")
 
 
 def spec_from_env() -> TrainJobSpec | None:
@@ -175,16 +188,20 @@ def _runtime_patch(spec: TrainJobSpec):
             spec=JobSpecPatch(template=PodTemplatePatch(metadata=metadata, spec=pod))))]))))
 
 
-def trainer_env(spec: TrainJobSpec) -> list[dict]:
-    """spec.trainer.env of the node container: each secret key by reference (optional, as on the task pods)
-    and TMPDIR on /scratch."""
+def trainer_env(spec: TrainJobSpec, mlflow_env: list[dict] | None = None) -> list[dict]:
+    """spec.trainer.env of the node container: each secret key by reference (optional, as on the task pods),
+    TMPDIR on /scratch, and `mlflow_env` (what KFP's MLflow integration gave the step, kfp_plugin.forward_env),
+    which replaces a secret key of the same name: an env name appears once (the CRD's list map, contracts/trainer.py
+    ENV_LIST_MAP), and the pods log where the step would, with KFP's credentials for KFP's server."""
+    mlflow_env = list(mlflow_env or [])
+    taken = {e["name"] for e in mlflow_env}
     env = [{"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
-           for secret, keys in sorted(spec.secret_env.items()) for key in keys]
-    return env + ([{"name": "TMPDIR", "value": SCRATCH}] if spec.scratch_size else [])
+           for secret, keys in sorted(spec.secret_env.items()) for key in keys if key not in taken]
+    return env + mlflow_env + ([{"name": "TMPDIR", "value": SCRATCH}] if spec.scratch_size else [])
 
 
 def trainjob_body(client, runtime, spec: TrainJobSpec, name: str, stage: str, command: list[str],
-                  kfp_run_id: str) -> dict:
+                  kfp_run_id: str, mlflow_env: list[dict] | None = None) -> dict:
     """The TrainJob the step submits, as the SDK's `train()` builds it from our options (name, labels,
     command, runtime patch, deadline), with `trainer_env` added to spec.trainer.env (train() passes only
     the command and args of an option's trainer section on: contracts/sdk.py)."""
@@ -209,7 +226,7 @@ def trainjob_body(client, runtime, spec: TrainJobSpec, name: str, stage: str, co
         spec=backend._get_trainjob_spec(runtime=runtime, trainer=trainer, trainer_overrides=section.get("trainer", {}),
                                         runtime_patches=section.get("runtimePatches"),
                                         active_deadline_seconds=section.get("activeDeadlineSeconds"))).to_dict()
-    env = trainer_env(spec)
+    env = trainer_env(spec, mlflow_env)
     if env:
         body["spec"].setdefault("trainer", {})
         body["spec"]["trainer"]["env"] = list(body["spec"]["trainer"].get("env") or []) + env
@@ -455,7 +472,8 @@ def run(stage: str, config_cls: type, values: dict[str, Any], paths: dict[str, A
                                 f"launcher only.")
         command = [*LAUNCHER, "prmflow", stage, "--config", str(config_path)]
         try:
-            body = trainjob_body(client, runtime, spec, name, stage, command, kfp_run_id)
+            body = trainjob_body(client, runtime, spec, name, stage, command, kfp_run_id,
+                                 kfp_plugin.forward_env(str(values.get("tracking.uri") or "")))
             _create(client, body)
         except (RuntimeError, TimeoutError, ValueError) as e:
             raise TrainJobError(f"Could not submit TrainJob '{name}' for stage {stage}: {e} ({_api_message(e)})") from e

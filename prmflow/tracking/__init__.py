@@ -33,6 +33,7 @@ Modules, each with one job:
     tracker.py   MlflowTracker: send now, or queue + file + retry with backoff
     sync.py      sync_fallback and the `prmflow tracking-sync` command
     runs.py      run lifecycle: start_stage_run, start_pipeline_run, finish_pipeline_run
+    kfp_plugin.py  KFP 2.17's MLflow plugin: what a task is told, and how prmflow's runs join KFP's tree
     handoffs.py  lineage: a stage's input and output hand-offs as MLflow datasets
     logged_models.py    lineage: the models a stage writes as MLflow LoggedModels (weights stay in the artifact store)
 

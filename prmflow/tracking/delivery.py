@@ -58,14 +58,13 @@ def experiment_id(client, name: str) -> str:
 def find_pipeline_run(client, experiment: str, pipeline_run_id: str) -> str | None:
     """Id of the parent run that init_tracking created (or adopted: KFP >= 2.17's own run of the pipeline
     run, in the backend's experiment) for KFP run `pipeline_run_id`, if any."""
-    import os
+    from .kfp_plugin import runtime_config
 
-    injected = os.environ.get("MLFLOW_RUN_ID", "")  # KFP's run of this task: its parent is KFP's pipeline run
-    if injected:
+    kfp = runtime_config()  # KFP 2.17's MLflow integration: its run of the pipeline, when on this server
+    if kfp is not None:
         try:
-            parent = client.get_run(injected).data.tags.get("mlflow.parentRunId", "")
-            if parent and client.get_run(parent).data.tags.get(PIPELINE_TAG) == pipeline_run_id:
-                return parent
+            if client.get_run(kfp.parent_run_id).data.tags.get(PIPELINE_TAG) == pipeline_run_id:
+                return kfp.parent_run_id
         except Exception:  # noqa: BLE001 - another server, or gone: search by tag below
             pass
     exp = client.get_experiment_by_name(experiment)
@@ -78,7 +77,7 @@ def find_pipeline_run(client, experiment: str, pipeline_run_id: str) -> str | No
 
 def create_run(client, op: dict, dedupe: bool) -> tuple[str, str]:
     """Create the run described by a create_run record; returns (run_id, parent_run_id)."""
-    exp = experiment_id(client, op["experiment"])
+    exp = op.get("experiment_id") or experiment_id(client, op["experiment"])  # an id: KFP's experiment
     if dedupe:  # a replay: the run may already exist from an attempt whose answer was lost
         found = client.search_runs([exp], filter_string=f"tags.`{RUN_KEY_TAG}` = '{op['key']}'", max_results=1)
         if found:

@@ -11,6 +11,7 @@ from typing import Any
 
 from .config import TrackingConfig, check_store, configured_uri, limit_http_retries, resolve_uri
 from .handoffs import record_stage_handoffs
+from . import kfp_plugin
 from .delivery import PIPELINE_TAG, ROLE_TAG, create_run, find_pipeline_run
 from .logged_models import record_stage_models
 from .null import NullTracker
@@ -67,46 +68,35 @@ def mlflow_client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-#: What Kubeflow Pipelines >= 2.17 with its MLflow integration sets in every task container: the task's own
-#: nested run (a child, tag mlflow.parentRunId, of the run the backend made for the pipeline run) and the
-#: server (kubeflow/pipelines@2.17.0 backend/src/v2/common/plugins/mlflow/handler.go:141-144).
-INJECTED_RUN_ENV, INJECTED_URI_ENV = "MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI"
-PARENT_TAG = "mlflow.parentRunId"
-
-
-def injected_run(uri: str) -> str:
-    """The run the KFP backend made for this task (MLFLOW_RUN_ID), when it is on the server we log to; ''
-    otherwise. prmflow itself never exports MLFLOW_RUN_ID (children point at their parent by tag)."""
-    run_id = os.environ.get(INJECTED_RUN_ENV, "")
-    same_server = os.environ.get(INJECTED_URI_ENV, "").rstrip("/") == uri.rstrip("/")
-    return run_id if run_id and same_server else ""
-
-
 def _adopt(cfg: TrackingConfig, uri: str, run_name: str, tags: dict[str, str], params: dict[str, Any] | None,
-           fallback: str | Path, pipeline: bool) -> MlflowTracker | None:
-    """Log into the runs the KFP backend made instead of making a second tree: a stage into its task's run,
-    the pipeline's parent into the backend's run of the pipeline (the task run's parent). None when the
-    backend made none here, or its parent cannot be read (then prmflow makes its own, as without it)."""
-    run_id = injected_run(uri)
-    if not run_id:
-        return None
+           fallback: str | Path, pipeline: bool) -> tuple[MlflowTracker | None, kfp_plugin.RuntimeConfig | None]:
+    """File this run in the tree KFP 2.17's MLflow integration made on the server we log to (kfp_plugin.py):
+    the pipeline's parent is KFP's run of the pipeline; a stage logs into its task's run where KFP names it
+    (MLFLOW_RUN_ID, with injectUserEnvVars). Returns (the adopted tracker or None, KFP's runtime config when
+    prmflow's own run must go under KFP's parent instead, else None). A KFP run that cannot be read is logged
+    and prmflow makes its own runs, as without the integration."""
+    kfp = kfp_plugin.target(uri)
+    if kfp is None:
+        return None, None
+    run_id, parent = kfp.parent_run_id, ""
+    if not pipeline:
+        task_run = os.environ.get(kfp_plugin.RUN_ENV, "") if kfp.inject_user_env_vars else ""
+        if not task_run:
+            return None, kfp  # prmflow's run, under KFP's parent in KFP's experiment
+        run_id, parent = task_run, kfp.parent_run_id
     client = mlflow_client(uri)
     try:
-        parent = client.get_run(run_id).data.tags.get(PARENT_TAG, "")
+        client.get_run(run_id)
     except Exception as e:  # noqa: BLE001 - unreadable: fall back to prmflow's own runs
         log.warning("cannot read the KFP-made MLflow run %s (%s); making prmflow's own", run_id, e)
-        return None
-    if pipeline:
-        if not parent:
-            return None
-        run_id, parent = parent, ""
+        return None, None
     tracker = MlflowTracker(client, run_id, uri, parent_run_id=parent, fallback_path=fallback,
                             finish_wait_s=cfg.finish_wait_s)
     # a stage's run gets prmflow's name (rollout-iter1 shard 0/2); the pipeline's keeps the one KFP gave it
     tracker.set_tags({**tags, **({} if pipeline else {"mlflow.runName": run_name}), "prmflow.kfp_mlflow": "adopted"})
     if params:
         tracker.log_params(params)
-    return tracker
+    return tracker, None
 
 
 def start_run(cfg: TrackingConfig, run_name: str, tags: dict[str, Any] | None = None,
@@ -126,13 +116,16 @@ def start_run(cfg: TrackingConfig, run_name: str, tags: dict[str, Any] | None = 
     if cfg.pipeline_run_id:
         all_tags[PIPELINE_TAG] = cfg.pipeline_run_id
     fallback = cfg.fallback_path or fallback_path or default_fallback_path(None, run_name)
-    adopted = _adopt(cfg, uri, cfg.run_name or run_name, all_tags, params, fallback,
-                     pipeline=all_tags.get(ROLE_TAG) == "pipeline")
+    adopted, kfp = _adopt(cfg, uri, cfg.run_name or run_name, all_tags, params, fallback,
+                          pipeline=all_tags.get(ROLE_TAG) == "pipeline")
     if adopted is not None:
         return adopted
     tracker = MlflowTracker(mlflow_client(uri), "", uri, fallback_path=fallback, finish_wait_s=cfg.finish_wait_s)
     create = {"op": "create_run", "experiment": cfg.experiment, "run_name": cfg.run_name or run_name, "tags": all_tags,
               "parent_run_id": cfg.parent_run_id, "pipeline_run_id": cfg.pipeline_run_id}
+    if kfp is not None:  # under KFP's run of the pipeline, in KFP's experiment: one tree
+        create.update(parent_run_id=kfp.parent_run_id, experiment_id=kfp.experiment_id)
+        all_tags["prmflow.kfp_mlflow"] = "nested"
     if strict:
         create.update(key=tracker.key, time=int(time.time() * 1000))
         tracker.run_id, tracker.parent_run_id = create_run(tracker.client, create, dedupe=False)
@@ -162,6 +155,7 @@ def finish_pipeline_run(cfg: TrackingConfig, status: str, metrics: dict[str, flo
     if not cfg.enabled or not cfg.pipeline_run_id:
         return None
     uri = resolve_uri(cfg)
+    kfp_plugin.target(uri)  # on another server than KFP's: without the auth KFP set for its own
     client = mlflow_client(uri)
     run_id = find_pipeline_run(client, cfg.experiment, cfg.pipeline_run_id)
     if run_id is None:

@@ -11,7 +11,8 @@ Kubernetes does, with its JobSet and pods); `trainer_version` is what the Traine
 none; `pod_logs` ({pod: text}) answers the pod log reads of `kubectl logs` / CoreV1Api.
 
 Admission as the emulated Trainer does it: a created TrainJob must pass that version's validating webhook
-and the openAPIV3Schema of its CRD (tests/data/trainer/, from the tag), both through
+and the openAPIV3Schema of its CRD (tests/data/trainer/, from the tag) with its list-map keys (no two env vars
+of one name) and its CEL rules (an RFC 1035 name of <= 63 characters), all through
 prmflow.pipelines.contracts.trainer; a refused one gets the API server's 422 Invalid answer, naming
 the rule. `read_faults` are what the next status reads of a running TrainJob meet, in order:
 ("stall", seconds) answers late, ("status", code) answers that error (e.g. a transient 500).

@@ -202,6 +202,29 @@ def test_every_trainjob_passes_each_trainer_versions_webhook_and_crd_schema(tmp_
                        for e in admitted(old, tag)), tag
 
 
+def test_the_trainjob_crd_refuses_a_name_that_is_not_a_dns_label_and_two_env_vars_of_one_name(tmp_path, monkeypatch):
+    """Trainer's CRD (contracts/trainer.py NAME_RULE, ENV_LIST_MAP): metadata.name must be an RFC 1035 label of
+    at most 63 characters (CEL), spec.trainer.env is a list map keyed by name. Every version's schema, as
+    shipped, says so through the same checks the fake API server runs; prmflow's own names pass."""
+    from .test_trainjob import CLUSTER_YAML
+
+    data = yaml.safe_load(CLUSTER_YAML.format(workspace="/workspace"))
+    compile_to(load_spec(None, data=data), str(tmp_path / "p.yaml"))
+    body = rendered_trainjobs(list(yaml.load_all((tmp_path / "p.yaml").read_text(), Loader=safe_loader())),
+                              tmp_path, monkeypatch)[0]
+    names = {trainjob.job_name("a" * 200, stage, it) for stage in ("sft", "prm", "ppo") for it in (None, 0, 9, 123)}
+    for tag in TRAINER_TAGS:
+        for name in names:
+            assert admitted({**body, "metadata": {**body["metadata"], "name": name}}, tag) == [], (tag, name)
+        for name, why in (("prmflow-PPO-it0", "RFC 1035"), ("prmflow_ppo", "RFC 1035"), ("0prmflow", "RFC 1035"),
+                          ("prmflow-", "RFC 1035"), ("p" * 64, "no more than 63")):
+            errors = admitted({**body, "metadata": {**body["metadata"], "name": name}}, tag)
+            assert any(why in e for e in errors), (tag, name, errors)
+        twice = copy.deepcopy(body)
+        twice["spec"]["trainer"]["env"].append({"name": twice["spec"]["trainer"]["env"][0]["name"], "value": "x"})
+        assert any("spec.trainer.env[" in e and "Duplicate value" in e for e in admitted(twice, tag)), tag
+
+
 @pytest.mark.slow
 def test_the_multi_node_recipe_trainjobs_pass_each_trainer_version(tmp_path_factory, tmp_path, monkeypatch):
     bodies = rendered_trainjobs(compiled(tmp_path_factory, "cluster/ppo-7b-2x8.yaml", True), tmp_path, monkeypatch)
@@ -258,3 +281,32 @@ def test_a_server_that_does_not_state_its_version_refuses_the_run_as_its_compile
     assert server.runs == {}
     err = capsys.readouterr().err
     assert "does not state its version" in err and "workspace PVC spec must specify storageClassName" in err
+
+
+def test_submit_asks_the_server_first_and_compiles_a_config_for_its_version(capsys):
+    """`pipeline submit --config` with the default kfp_version (2.15): the server is asked for its version
+    before any version's rules are applied. A dead host gets "cannot reach", not 2.15's storage-class refusal;
+    a 2.17 server gets the quickstart (no storage class), which 2.17 takes; a 2.16 server refuses it by 2.16's
+    rule, naming the key."""
+    import socket
+
+    from .fake_kfp import FakeKfp
+    from .test_compile_submit import IMAGES
+
+    args = ["pipeline", "submit", "--config", str(ROOT / "configs" / "quickstart.yaml"), *IMAGES]
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert cli.main([*args, "--host", dead]) != 0
+    err = capsys.readouterr().err
+    assert "Cannot reach KFP" in err or "did not answer its health check" in err, err
+    assert "storageClassName" not in err and "2.15" not in err
+    with FakeKfp(version="2.17.0") as server:
+        assert cli.main([*args, "--host", server.url]) == 0
+    assert [r["path"] for r in server.sent("POST")] == ["/apis/v2beta1/experiments", "/apis/v2beta1/runs"]
+    assert "checked for the server's Kubeflow Pipelines 2.17.0" in capsys.readouterr().err
+    with FakeKfp(version="2.16.1") as server:
+        assert cli.main([*args, "--host", server.url]) == 2
+    assert server.sent("POST") == []
+    err = capsys.readouterr().err
+    assert "2.16" in err and "pipeline.cluster.workspace_storage_class" in err

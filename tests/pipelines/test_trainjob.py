@@ -83,6 +83,39 @@ def test_compiled_pipeline_has_the_submit_and_wait_step_for_ppo(tmp_path):
     assert spec["deploymentSpec"]["executors"][sft_ex]["container"]["resources"]["accelerator"]["resourceCount"] == "8"
 
 
+def driver_cache_keys(spec: dict, platform: dict) -> dict[str, dict]:
+    """{task name: its cache key as KFP's driver builds it} (contracts/kfp.py cache_key, cache.go:83-111)."""
+    from prmflow.pipelines.contracts import kfp as kfp_rules
+
+    keys = {}
+    for task in kfp_rules.executor_tasks(spec):
+        label = spec["components"][task.component]["executorLabel"]
+        container = spec["deploymentSpec"]["executors"][label]["container"]
+        pvcs = [m["constant"] for m in platform.get(label, {}).get("pvcMount", [])]
+        outputs = spec["components"][task.component].get("outputDefinitions", {})
+        keys[task.name] = kfp_rules.cache_key(task, container, pvcs, outputs)
+    return keys
+
+
+@pytest.mark.parametrize("change,reruns", [("images.gpu=registry.example.com/ml/prmflow-gpu:1.1", True),
+                                           ("cluster.trainer.num_nodes=4", True),
+                                           ("cluster.gpu_pool.accelerator_count=4", True),
+                                           ("cluster.trainer.timeout_s=3600", False)])
+def test_a_new_image_or_node_shape_changes_the_trainjob_steps_cache_key(tmp_path, change, reruns):
+    """KFP's cache key holds a step's parameters, command, image and PVCs, never its env: a TrainJob step runs
+    on the CPU image and reads its TrainJob from $PRMFLOW_TRAINJOB, so a new GPU image or num_nodes there alone
+    was a cache hit that reused the old result. The image and node shape are now the step's `placement`
+    parameter; the deadline is not (a finished result does not depend on it)."""
+    text = CLUSTER_YAML.format(workspace="/workspace")
+    before = driver_cache_keys(*compile_yaml(tmp_path / "a", text) if (tmp_path / "a").mkdir() is None else ())
+    after = driver_cache_keys(*compile_yaml(tmp_path / "b", text, f"--set={change}") if (tmp_path / "b").mkdir() is None else ())
+    for task in ("ppo-0 (trainjob)", "ppo-1 (trainjob)"):
+        assert (before[task] != after[task]) == reruns, (change, task)
+    # the env still carries the whole TrainJob, and the GPU pod steps key on their own image as before
+    assert (before["rollout-0"] != after["rollout-0"]) == change.startswith("images.gpu")
+    assert before["advantage-0"] == after["advantage-0"]
+
+
 def test_trainjob_without_a_shared_volume_is_refused_at_compile_time(tmp_path):
     text = CLUSTER_YAML.format(workspace="/workspace").replace("    workspace_pvc: prmflow-rwx\n", "")
     cfg = tmp_path / "p.yaml"

@@ -12,6 +12,8 @@ Read from kubeflow/pipelines at 2.15.0, 2.16.0/2.16.1 and 2.17.0 (the lines belo
   required, and before 2.17 so is a storageClassName: without one, the run is refused at creation
   ("workspace PVC spec must specify storageClassName"). 2.17.0 leaves it to the cluster's default
   storage class, and refuses only an explicit empty string.
+- A task's cache key holds its parameters, input artifacts, command + args, image and mounted PVC names,
+  never its env (`cache_key`): what must re-run a step when it changes has to be a parameter.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ WORKSPACE_PVC_PATCH_FIELDS_SOURCE = {  # convertStructToPVCSpec's `allowed`
     "2.15": Source(REPO, "2.15.0", "backend/src/v2/compiler/argocompiler/argo.go", 494),
     "2.16": Source(REPO, "2.16.1", "backend/src/v2/compiler/argocompiler/argo.go", 523),
     "2.17": Source(REPO, "2.17.0", "backend/src/v2/compiler/argocompiler/argo.go", 609),
+}
+WORKSPACE_ACCESS_MODES = {  # GetWorkspacePVC: "workspace PVC spec must specify accessModes"
+    "2.15": Source(REPO, "2.15.0", "backend/src/v2/compiler/argocompiler/argo.go", 548),
+    "2.16": Source(REPO, "2.16.1", "backend/src/v2/compiler/argocompiler/argo.go", 577),
+    "2.17": Source(REPO, "2.17.0", "backend/src/v2/compiler/argocompiler/argo.go", 663),
 }
 WORKSPACE_STORAGE_CLASS = {  # GetWorkspacePVC
     "2.15": Source(REPO, "2.15.0", "backend/src/v2/compiler/argocompiler/argo.go", 552),
@@ -87,7 +94,7 @@ def workspace_pvc_errors(pvc_spec_patch: dict, version: str, server_default_clas
     if unknown:
         errors.append(f"unknown fields in PVC spec patch: {unknown} ({WORKSPACE_PVC_PATCH_FIELDS_SOURCE[fam]})")
     if not pvc_spec_patch.get("accessModes") and not server_default_class:
-        errors.append(f"workspace PVC spec must specify accessModes ({WORKSPACE_STORAGE_CLASS[fam]})")
+        errors.append(f"workspace PVC spec must specify accessModes ({WORKSPACE_ACCESS_MODES[fam]})")
     cls = pvc_spec_patch.get("storageClassName")
     if version_tuple(fam) < (2, 17):
         if not cls and not server_default_class:
@@ -159,3 +166,34 @@ def executor_tasks(ir: dict) -> list[ExecutorTask]:
                    (ir["root"].get("inputDefinitions") or {}).get("parameters", {}).items()}
     visit("__root__", root_params, {})
     return found
+
+
+#: What KFP's driver puts in a task's cache key (the same at 2.15-2.17; read at 2.17.0): the input parameter
+#: values and input artifact names, the output artifacts' and parameters' specs, the container's command + args
+#: and image, and the names of the PVCs the task mounts (getFingerPrint -> GenerateCacheKey). Not the env, the
+#: resources, node selectors or tolerations: a change there alone is a cache hit.
+CACHE_KEY = Source(REPO, "2.17.0", "backend/src/v2/driver/cache.go", "83-111")
+CACHE_KEY_FIELDS = Source(REPO, "2.17.0", "backend/src/v2/cacheutils/cache.go", "173-228")
+#: The PVC names in the key: those of the task's own pvcMount, plus the per-run workspace's only when the
+#: driver mounts it into this task (needsWorkspaceMount).
+CACHE_KEY_PVCS = Source(REPO, "2.17.0", "backend/src/v2/driver/container.go", "149-171")
+#: The per-run workspace PVC's name in the key (GetWorkspacePVCName: the run name and a suffix): one per run.
+PER_RUN_WORKSPACE_PVC = "{run}-kfp-workspace"
+
+
+def cache_key(task: ExecutorTask, container: dict, pvc_mounts: list[str], outputs: dict | None = None) -> dict:
+    """The driver's cache key of `task` (as far as a compiled spec fixes it): `container` is the task's
+    deploymentSpec executor container (image, command, args), `pvc_mounts` the claim names of its
+    pvcMount, `outputs` its component's outputDefinitions. Input artifacts are keyed by their producers
+    (the driver keys them by artifact name, which a cached producer keeps)."""
+    pvcs = set(pvc_mounts)
+    if driver_mounts_workspace(task.parameters):
+        pvcs.add(PER_RUN_WORKSPACE_PVC)
+    return {
+        "inputParameterValues": task.parameters,
+        "inputArtifactNames": {k: sorted(map(list, v)) for k, v in task.inputs.items()},
+        "outputs": outputs or {},
+        "containerSpec": {"image": container.get("image", ""),
+                          "cmdArgs": [*container.get("command", []), *container.get("args", [])],
+                          "pvcNames": sorted(pvcs)},
+    }

@@ -10,7 +10,9 @@ same rules on the same lines unless noted):
   patch manager that is not a domain-prefixed path.
 - The torch plugin refuses the env torchrun's PET_* variables are set through (the runtime sets them).
 - The API server validates against the CRD's openAPIV3Schema (shipped for each tag under
-  tests/data/trainer/) and prunes unknown fields.
+  tests/data/trainer/) and prunes unknown fields; a list of type map (spec.trainer.env, keyed by name)
+  refuses two items with the same key, and the CRD's CEL rules refuse a TrainJob name that is not an
+  RFC 1035 label of at most 63 characters.
 """
 
 from __future__ import annotations
@@ -33,8 +35,26 @@ RESERVED_TORCH_ENV = {"2.2": Source(REPO, "v2.2.0", TORCH_PLUGIN, 68), "2.3": So
 #: spec.trainer.env: []corev1.EnvVar (pkg/apis/trainer/v1alpha1/trainjob_types.go, type Trainer).
 TRAINER_ENV = {"2.2": Source(REPO, "v2.2.1", "pkg/apis/trainer/v1alpha1/trainjob_types.go", 267),
                "2.3": Source(REPO, "v2.3.0", "pkg/apis/trainer/v1alpha1/trainjob_types.go", 273)}
-CRD = {fam: Source(REPO, tag, "manifests/base/crds/trainer.kubeflow.org_trainjobs.yaml", "openAPIV3Schema")
-       for fam, tag in TAGS.items()}
+CRD_PATH = "manifests/base/crds/trainer.kubeflow.org_trainjobs.yaml"
+CRD = {fam: Source(REPO, tag, CRD_PATH, "openAPIV3Schema") for fam, tag in TAGS.items()}
+#: The TrainJob's CEL rules on metadata.name (x-kubernetes-validations of the root schema).
+NAME_RULE = {"2.2": Source(REPO, "v2.2.1", CRD_PATH, "6012-6015"), "2.3": Source(REPO, "v2.3.0", CRD_PATH, "6050-6053")}
+#: spec.trainer.env is x-kubernetes-list-type: map keyed by name: no two env vars of one name.
+ENV_LIST_MAP = {"2.2": Source(REPO, "v2.2.1", CRD_PATH, "5746-5748"), "2.3": Source(REPO, "v2.3.0", CRD_PATH, "5784-5786")}
+#: The CEL rules of the TrainJob schema this module evaluates, by their text in the CRD, each as a check of
+#: the value it sits on (regexes, lengths and set membership: Python says what CEL says). Transition rules
+#: (`oldSelf`) apply to updates only, never to a create, so they are not listed.
+_RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_STORAGE_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://.+$")
+CEL_RULES = {
+    "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')":
+        lambda obj: bool(_RFC1035.search(str((obj.get("metadata") or {}).get("name", "")))),
+    "size(self.metadata.name) <= 63": lambda obj: len(str((obj.get("metadata") or {}).get("name", ""))) <= 63,
+    "self == '' || self.matches('^[A-Za-z][A-Za-z0-9+.-]*://.+$')": lambda v: v == "" or bool(_STORAGE_URI.search(v)),
+    "self in ['trainer.kubeflow.org/trainjob-controller', 'kueue.x-k8s.io/multikueue']":
+        lambda v: v in ("trainer.kubeflow.org/trainjob-controller", "kueue.x-k8s.io/multikueue"),
+    "has(self.lastUpdatedTime)": lambda v: "lastUpdatedTime" in v,
+}
 
 #: The TrainJob condition types that end it (trainjob_types.go:61 and :64 at v2.2.1 and v2.3.0); the
 #: SDK reports the job's status as the type of its true condition.
@@ -103,10 +123,19 @@ def _integer(value) -> bool:
 
 
 def schema_errors(value, schema: dict, path: str = "") -> list[str]:
-    """Where `value` breaks a CRD's structural openAPIV3Schema (types, required, enums, bounds), and every
-    field the API server would prune as unknown. CEL rules (x-kubernetes-validations) are not evaluated."""
+    """Where `value` breaks a CRD's structural openAPIV3Schema (types, required, enums, bounds, the unique keys of
+    a list of type map), and every field the API server would prune as unknown; of the CEL rules
+    (x-kubernetes-validations), those in CEL_RULES are evaluated and any other is reported as not checked."""
     errors: list[str] = []
     where = path or "<root>"
+    for rule in schema.get("x-kubernetes-validations") or []:
+        check = CEL_RULES.get(rule.get("rule"))
+        if "oldSelf" in rule.get("rule", ""):  # a transition rule: checked on update only
+            continue
+        if check is None:
+            errors.append(f"{where}: CEL rule {rule.get('rule')!r} is not evaluated here (add it to CEL_RULES)")
+        elif not check(value):
+            errors.append(f"{where}: Invalid value: {rule.get('message') or rule['rule']}")
     if schema.get("x-kubernetes-int-or-string"):
         if not (_integer(value) or isinstance(value, str)):
             errors.append(f"{where}: must be an integer or a string")
@@ -132,6 +161,14 @@ def schema_errors(value, schema: dict, path: str = "") -> list[str]:
             return [f"{where}: must be a list"]
         if "maxItems" in schema and len(value) > schema["maxItems"]:
             errors.append(f"{where}: at most {schema['maxItems']} items")
+        if schema.get("x-kubernetes-list-type") == "map":  # apiextensions' listtype validation: unique map keys
+            keys = schema.get("x-kubernetes-list-map-keys") or []
+            seen = set()
+            for i, item in enumerate(value):
+                key = tuple((item or {}).get(k) for k in keys) if isinstance(item, dict) else None
+                if key in seen:
+                    errors.append(f"{path}[{i}]: Duplicate value: {dict(zip(keys, key))}")
+                seen.add(key)
         for i, item in enumerate(value):
             errors += schema_errors(item, schema.get("items") or {}, f"{path}[{i}]")
     elif kind == "string":

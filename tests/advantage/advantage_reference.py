@@ -304,8 +304,9 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
     credit=step: z_k spread over step k's tokens (the last step runs to the last token) as z_k x Lbar / L_k
     (L_k its tokens, Lbar their mean over the row's steps), times w, the row's whole term scaled down by the
     one factor that takes its most opposed token to 0 when a token would change sign.
-    credit=baseline: a token of step k >= 1 gets (R - mean) / (std + eps) + w * (mean of the group's other
-    outcomes - the PRM's score after step k-1); tokens of the first step get the first term alone."""
+    credit=baseline: token t gets (R - mean) / (std + eps) + w * (the mean Phi after the first step of the
+    group's other responses - Phi after step j), j the last step whose recorded last token is before t - 1;
+    tokens before any such step (or of a row whose group has no other response with a step) the first term alone."""
     groups = defaultdict(list)
     for row in rows:
         groups[group_of(row)].append(row)
@@ -366,10 +367,11 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
         adv, r, term = [], [0.0] * n, []
         for t in range(n):
             later = [e for e in ends if e >= t]
-            if credit == "baseline":
-                k = ends.index(min(later)) if later else 0  # the step t belongs to
-                others = [r["outcome_reward"] for r in groups[key] if r is not row]
-                term.append(statistics.fmean(others) - phi(row["step_rewards"][k - 1]) if k >= 1 else 0.0)
+            if credit == "baseline":  # the recorded ends: the last step does not run on here
+                closed = [j for j, e in enumerate(row["step_ends"]) if e < t - 1]
+                others = [phi_of[id(o)](o["step_rewards"][0]) for o in groups[key] if o is not row and o["step_rewards"]]
+                start = statistics.fmean(others) if others else None
+                term.append(start - phi(row["step_rewards"][closed[-1]]) if closed and others else 0.0)
                 continue
             span = min(later) if later else None
             p = sum(zk for e, zk in zip(ends, z) if e == span)  # the step t belongs to

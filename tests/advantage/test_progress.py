@@ -65,9 +65,11 @@ def test_progress_by_hand(tmp_path):
 
 
 def test_baseline_credit_by_hand(tmp_path):
-    # one group, outcomes [1, 0, 0]: mean 1/3, std (ddof=1) sqrt(1/3); the others' mean: 0 for row 0, 1/2 for rows 1-2
-    # row 0: scores [0.2, 0.9, x]: step 0's tokens get a_out, step 1's + w(0 - 0.2), step 2's + w(0 - 0.9)
-    # row 1: scores [0.8, y]: step 1's tokens get -a + w(0.5 - 0.8), its token after the last step end (EOS) too
+    # one group, outcomes [1, 0, 0]: mean 1/3, std (ddof=1) sqrt(1/3). start_{-i}, the others' mean first-step Phi:
+    # 0.8 for row 0 (row 1's), 0.2 for row 1 (row 0's). A token gets w(start_{-i} - Phi_j), j the last step whose
+    # last token is before the token before it (the token right after a step end decides the boundary)
+    # row 0: ends [1, 3, 5], scores [0.2, 0.9, x]: tokens 0-2 a_out, 3-4 + 0.5(0.8 - 0.2), 5 + 0.5(0.8 - 0.9)
+    # row 1: ends [1, 3], scores [0.8, y]: tokens 0-2 -a, 3-4 (EOS after the last step too) + 0.5(0.2 - 0.8)
     # row 2: no steps: -a everywhere
     write_rows(tmp_path, [
         row(idx=0, n=6, step_ends=[1, 3, 5], step_rewards=[0.2, 0.9, 0.3], outcome_reward=1.0),
@@ -78,16 +80,18 @@ def test_baseline_credit_by_hand(tmp_path):
     out = {r["sample_idx"]: r["advantages"] for r in read_out(tmp_path)}
     std = math.sqrt(1 / 3)
     up, down = (2 / 3) / std, -(1 / 3) / std
-    assert out[0] == pytest.approx([up, up, up - 0.1, up - 0.1, up - 0.45, up - 0.45], abs=1e-5)
-    assert out[1] == pytest.approx([down, down, down - 0.15, down - 0.15, down - 0.15], abs=1e-5)
+    assert out[0] == pytest.approx([up, up, up, up + 0.3, up + 0.3, up - 0.05], abs=1e-5)
+    assert out[1] == pytest.approx([down, down, down, down - 0.3, down - 0.3], abs=1e-5)
     assert out[2] == pytest.approx([down, down], abs=1e-5)
 
 
 # --- what each credit does to the expected policy gradient, computed exactly on a tabular policy ------------
-# Two steps of one token each: a1 in {single, shortcut}, then a2 in {single, shortcut} given a1; the outcome
-# is a fixed table of (a1, a2). Every group of G responses is enumerated with its probability, so the
-# stage's advantages give the exact E[sum_t A_t grad log pi(a_t | s_t)]: no sampling noise.
+# Two steps of one token each: a1 in {single, shortcut}, then the separator (a token of its own, always taken),
+# then a2 in {single, shortcut} given a1; the outcome is a fixed table of (a1, a2). Every group of G responses
+# is enumerated with its probability, so the stage's advantages give the exact E[sum_t A_t grad log pi(a_t | s_t)]:
+# no sampling noise.
 G = 3
+SEP = 2  # the separator token between the two steps
 LOGITS1 = np.array([0.3, -0.2])
 LOGITS2 = np.array([[0.1, 0.4], [-0.5, 0.2]])  # row a1
 OUTCOME = {(0, 0): 1.0, (0, 1): 0.0, (1, 0): 1.0, (1, 1): 0.0}
@@ -110,7 +114,7 @@ def _calibration_rows(prm: str) -> list[dict]:
     enumerated prompt is fitted on these alone (a prompt's own responses never enter its fit)."""
     hi = max((0, 1), key=lambda a1: PRMS[prm][a1])
     paths = [(hi, 0), (hi, 0), (1 - hi, 1)]
-    return [row(pid=f"r{j:02d}", idx=i, n=2, response_ids=[a1, a2], step_ends=[0, 1],
+    return [row(pid=f"r{j:02d}", idx=i, n=3, response_ids=[a1, SEP, a2], step_ends=[0, 2],
                 step_rewards=[PRMS[prm][a1], OUTCOME[a1, a2]], outcome_reward=OUTCOME[a1, a2])
             for j in range(20) for i, (a1, a2) in enumerate(paths)]
 
@@ -126,7 +130,7 @@ def _expected_gradient(tmp_path, prm: str, calibration_rows: list[dict] = (), si
     for g, combo in enumerate(itertools.product(paths, repeat=size)):
         weights[g] = float(np.prod([p1[a1] * p2[a1, a2] for a1, a2 in combo]))
         for i, (a1, a2) in enumerate(combo):
-            rows.append(row(pid="target", idx=i, n=2, response_ids=[a1, a2], step_ends=[0, 1],
+            rows.append(row(pid="target", idx=i, n=3, response_ids=[a1, SEP, a2], step_ends=[0, 2],
                             step_rewards=[PRMS[prm][a1] if prm else 0.5, OUTCOME[a1, a2]],
                             outcome_reward=OUTCOME[a1, a2], iteration=g))
     d = tmp_path / (prm or "grpo") / "_".join(f"{k}{v}" for k, v in options.items())
@@ -137,10 +141,10 @@ def _expected_gradient(tmp_path, prm: str, calibration_rows: list[dict] = (), si
     for r in read_out(d):
         if r["prompt_id"] != "target":
             continue
-        a1, a2 = r["response_ids"]
+        a1, _, a2 = r["response_ids"]
         w = weights[r["iteration"]]
         grad[:2] += w * r["advantages"][0] * (np.eye(2)[a1] - p1)
-        grad[2 + 2 * a1:4 + 2 * a1] += w * r["advantages"][1] * (np.eye(2)[a2] - p2[a1])
+        grad[2 + 2 * a1:4 + 2 * a1] += w * r["advantages"][2] * (np.eye(2)[a2] - p2[a1])
     _expected_gradient.summary = summary
     return grad
 
@@ -167,7 +171,7 @@ def _expected_gradient_one_group_at_a_time(tmp_path, prm: str, calibration_rows:
     for g, combo in enumerate(itertools.product(paths, repeat=size)):
         weight = float(np.prod([p1[a1] * p2[a1, a2] for a1, a2 in combo]))
         rows = list(calibration_rows) + [
-            row(pid="target", idx=i, n=2, response_ids=[a1, a2], step_ends=[0, 1],
+            row(pid="target", idx=i, n=3, response_ids=[a1, SEP, a2], step_ends=[0, 2],
                 step_rewards=[PRMS[prm][a1] if prm else 0.5, OUTCOME[a1, a2]], outcome_reward=OUTCOME[a1, a2])
             for i, (a1, a2) in enumerate(combo)]
         d = tmp_path / (prm or "grpo") / f"group{g}"
@@ -176,9 +180,9 @@ def _expected_gradient_one_group_at_a_time(tmp_path, prm: str, calibration_rows:
         stage.run(make_cfg(d, **options))
         for r in read_out(d):
             if r["prompt_id"] == "target":
-                a1, a2 = r["response_ids"]
+                a1, _, a2 = r["response_ids"]
                 grad[:2] += weight * r["advantages"][0] * (np.eye(2)[a1] - p1)
-                grad[2 + 2 * a1:4 + 2 * a1] += weight * r["advantages"][1] * (np.eye(2)[a2] - p2[a1])
+                grad[2 + 2 * a1:4 + 2 * a1] += weight * r["advantages"][2] * (np.eye(2)[a2] - p2[a1])
     return grad
 
 
@@ -196,13 +200,13 @@ def test_calibrated_baseline_credit_leaves_the_expected_policy_gradient_grpos(tm
     assert got == pytest.approx(grpo, abs=1e-6)
     d = tmp_path / "advantages-of-one-group"  # and the baseline did act on the enumerated prompt's tokens
     d.mkdir()
-    rows = [r for r in other] + [row(pid="target", idx=i, n=2, response_ids=[a1, 0], step_ends=[0, 1],
+    rows = [r for r in other] + [row(pid="target", idx=i, n=3, response_ids=[a1, SEP, 0], step_ends=[0, 2],
                                      step_rewards=[PRMS[prm][a1], 1.0], outcome_reward=1.0 - i % 2)
                                  for i, a1 in enumerate([0, 1, 0])]
     write_rows(d, rows)
     stage.run(make_cfg(d, **ungated, process_credit="baseline", process_calibration="isotonic"))
     target = [r["advantages"] for r in read_out(d) if r["prompt_id"] == "target"]
-    assert any(abs(a[1] - a[0]) > 0.1 for a in target)
+    assert any(abs(a[2] - a[0]) > 0.1 for a in target)
 
 
 def test_step_credit_moves_the_expected_gradient_where_the_prm_is_wrong(tmp_path):
@@ -432,6 +436,30 @@ def test_a_constant_prm_moves_no_credit_once_calibrated(tmp_path):
     assert any(np.abs(np.subtract(raw[k], grpo[k])).max() > 0.05 for k in raw)
 
 
+@pytest.mark.parametrize("phi", ["constant 0.7", "no evidence"])
+def test_a_flat_phi_under_baseline_credit_is_grpo_exactly(tmp_path, phi):
+    # "a flat map moves no credit": under baseline credit a flat Phi (a constant PRM, or the one-prompt batch
+    # whose calibration has no data: NO_EVIDENCE_PHI) must leave GRPO's advantages, bit for bit, and an all-fail
+    # group GRPO's 0 (its start_{-i} and Phi_j are the same constant)
+    rows = [r for r in _shortcut_rows(np.random.default_rng(2)) if r["prompt_id"] in ("p0", "p1", "p2")]
+    rows += [row(pid="fails", idx=i, n=8, step_ends=[3, 7], step_rewards=[0.2, 0.9], outcome_reward=0.0)
+             for i in range(4)]
+    for r in rows:
+        r["step_rewards"] = [0.7] * len(r["step_rewards"])
+    options = {"process_calibration": "isotonic"} if phi == "no evidence" else {}
+    if phi == "no evidence":  # one prompt: its fold's fit has no other prompt's data
+        rows = [r for r in rows if r["prompt_id"] == "fails"] + [
+            {**r, "prompt_id": "fails", "sample_idx": 4 + i} for i, r in enumerate(rows[:3])]
+    got, summary = _advantages(tmp_path / "baseline", rows, **{**UNGATED, "process_weight": 1.0},
+                               process_credit="baseline", **options)
+    grpo, _ = _advantages(tmp_path / "grpo", rows, estimator="grpo")
+    assert summary["advantage/process_weight"] == 1.0  # ungated: the process term is on
+    for k in grpo:
+        assert got[k] == grpo[k], k
+    if phi == "constant 0.7":
+        assert all(a == 0.0 for k in grpo if k[1] == "fails" for a in got[k])
+
+
 def test_a_noise_prm_calibrates_nearly_flat_and_moves_little(tmp_path):
     # scores that say nothing about the outcome: fitted on bins of >= sqrt(N) prefixes the map stays near
     # flat (fitted per distinct score, its extreme scores fit their own outcomes)
@@ -512,14 +540,13 @@ def test_step_credit_sums_to_zero_per_response_and_never_flips_a_sign(batch):
     group = np.zeros(n, dtype=np.int64)
     mean, std = outcome.mean(), outcome.std(ddof=1)
     folds = np.arange(n) % 2 if calibration == "folds" else None  # two "prompts" of one group: both folds fit
-    credit = process_credit(flat_scores, counts, outcome, group, np.full(n, mean), np.full(n, outcome.sum()),
-                            np.full(n, float(n)), folds, "step", 1e-6)
-    steps = make_steps(layout, np.array([e for row_ends in ends for e in row_ends], dtype=np.int64), counts,
-                       credit.progress, to_end=True)
+    credit = process_credit(flat_scores, counts, outcome, group, np.full(n, mean), folds, "step", 1e-6)
+    recorded = np.array([e for row_ends in ends for e in row_ends], dtype=np.int64)
+    steps = make_steps(layout, recorded, counts, credit.progress, to_end=True)
     group_std = np.full(n, std if std == std else 0.0)
     adv, _ = ESTIMATORS["grpo_progress"].fn(
         outcome=outcome, group_mean=np.full(n, mean), group_std=group_std, eps=1e-6, layout=layout, steps=steps,
-        process_values=credit.credit, process_weight=weight, process_credit="step",
+        recorded_ends=layout.offsets[:-1][steps.row] + recorded, process_values=credit.credit, process_weight=weight, process_credit="step",
         token_rewards=np.zeros(layout.n_tokens), gamma=1.0)
     out = (outcome - mean) / (group_std + 1e-6)
     for i in range(n):

@@ -220,9 +220,8 @@ def progress_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Process:
     prompts = None
     if cfg.process_calibration == "isotonic":
         prompts = prompt_ranks([pid for _, pid in groups.keys])[g]
-    pc_ = process_credit(np.concatenate(values_of), counts, outcome, g, groups.stats["mean"][g],
-                         groups.stats["sum"][g], groups.n[g].astype(np.float64), prompts, cfg.process_credit,
-                         cfg.norm_eps)
+    pc_ = process_credit(np.concatenate(values_of), counts, outcome, g, groups.stats["mean"][g], prompts,
+                         cfg.process_credit, cfg.norm_eps)
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     weight = gate(pc_.step_auc, cfg.process_weight, cfg.process_auc_min, cfg.process_auc_full)

@@ -44,9 +44,9 @@ CALIBRATION_FOLDS = 5
 NO_EVIDENCE_PHI = 0.5
 """Phi of every prefix of a fold whose fit has no data (a batch of one prompt): flat, so it moves no credit."""
 
-CALIBRATION_REVISION = 2
+CALIBRATION_REVISION = 3
 """Raised whenever a change alters what process_calibration=isotonic computes (2: the map chosen against a flat
-one, a flat group's credit exactly 0). benchmarks/prm_vs_outcome.py puts it in the digest of every calibrated
+one, a flat group's credit exactly 0; 3: the baseline credit's start_{-i} and its step boundary one token later). benchmarks/prm_vs_outcome.py puts it in the digest of every calibrated
 run, so a finished run made by earlier code is not taken for one of today's."""
 
 SELECTION_SE = 1.0
@@ -61,7 +61,8 @@ class ProcessCredit:
     progress: np.ndarray
     """(S,) d_k = Phi_k - Phi_{k-1}, Phi_{-1} = the group's mean outcome, the last Phi the outcome: the token reward."""
     credit: np.ndarray
-    """(S,) the process term of each step before the gated weight: z_k (step) or mean_{-i} - Phi_{k-1} (baseline)."""
+    """(S,) the process term of each step before the gated weight: z_k (step) or start_{-i} - Phi_k (baseline:
+    the term of the tokens after step k, `baseline_credit`)."""
     step_auc: float
     """The PRM's raw scores of every step but a row's last against the row's outcome (>= 0.5 a success)."""
     steps: int
@@ -146,12 +147,36 @@ def class_scale(centered: np.ndarray, row: np.ndarray, group: np.ndarray, outcom
     return np.sqrt(var)[cls]
 
 
+def baseline_credit(phi: np.ndarray, row: np.ndarray, counts: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """(S,) per step j of row i: start_{-i} - Phi_j, the baseline term of the tokens that follow step j once it is
+    closed (estimators.closed_step_values places it). start_{-i}: the mean first-step Phi of the other responses
+    of i's group (the PRM's value of the prompt, estimated without i's own actions, in Phi's units); 0 for a row
+    with no other response with a step. A flat Phi (every prefix c) gives c - c = 0 exactly: no credit moves
+    and the advantages are GRPO's, an all-fail group's 0 included. Slow equivalent:
+    tests/advantage/advantage_reference.py `grpo_progress` (credit=baseline)."""
+    n_rows = len(counts)
+    has = counts > 0
+    first = (np.cumsum(counts) - counts)[has]
+    n_groups = int(group.max()) + 1 if len(group) else 0
+    own = np.zeros(n_rows)
+    own[has] = phi[first]
+    total = np.bincount(group[has], phi[first], n_groups)[group]  # (R,) over the row's group
+    others = np.bincount(group[has], minlength=n_groups)[group] - has  # (R,) other rows with a step
+    start = np.divide(total - own, others, out=np.zeros(n_rows), where=others > 0)
+    low, high = np.full(n_groups, np.inf), np.full(n_groups, -np.inf)
+    np.minimum.at(low, group[has], phi[first])
+    np.maximum.at(high, group[has], phi[first])
+    # a group whose first-step Phi are all equal starts at that value exactly (the mean of equal floats can be
+    # 1 ulp off, which left ~1e-17 credit where GRPO's advantage is exactly 0)
+    start = np.where((low == high)[group] & (others > 0), low[group], start)
+    return np.where((others > 0)[row], start[row] - phi, 0.0)
+
+
 def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, group: np.ndarray,
-                   group_mean: np.ndarray, group_sum: np.ndarray, group_n: np.ndarray,
-                   prompt_of_row: np.ndarray | None, kind: str, eps: float) -> ProcessCredit:
+                   group_mean: np.ndarray, prompt_of_row: np.ndarray | None, kind: str, eps: float) -> ProcessCredit:
     """The per-step progress and process term of grpo_progress (module docstring).
 
-    scores (S,); counts, outcome, group (R,); group_mean, group_sum, group_n (R,) the outcome statistics of
+    scores (S,); counts, outcome, group (R,); group_mean (R,) the mean outcome of
     each row's group; prompt_of_row (R,) with calibration (`prompt_ranks`), None without; kind: 'step' or
     'baseline'; eps: added to the class scale.
     step: c_k = the process progress minus its row's mean (the raw PRM's progress d, or with calibration the
@@ -161,7 +186,7 @@ def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, 
     progress is read in outcome units (as GRPO's A_out is) and a nearly flat map moves nearly nothing.
     Rescaled to unit std per class instead, a map fitted to noise (spread 0.002) moved unit-size credit
     towards whatever the PRM likes, since a monotone fit can only lean its way.
-    baseline: mean outcome of the group's other responses - Phi_{k-1} for k >= 1, 0 for a row's first step.
+    baseline: `baseline_credit`, start_{-i} - Phi_k per step k.
     """
     scores = np.asarray(scores, dtype=np.float64)
     counts = np.asarray(counts, dtype=np.int64)
@@ -179,11 +204,7 @@ def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, 
         phi, spread = cross_fitted_phi(scores, row, outcome, intermediate, prompt_of_row)
     progress = progress_rewards(phi, counts, outcome, group_mean)
     if kind == "baseline":
-        others = (group_sum - outcome) / np.maximum(group_n - 1, 1)  # (R,) mean_{-i}
-        before = np.empty_like(phi)
-        before[1:] = phi[:-1]
-        credit = others[row] - before
-        credit[first] = 0.0
+        credit = baseline_credit(phi, row, counts, group)
     else:
         if prompt_of_row is None:
             own = progress

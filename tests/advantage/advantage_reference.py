@@ -300,7 +300,7 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
     """({key: {token_rewards, advantages}}, step AUC, gated weight), straight from the definitions.
     calibration=isotonic: a row's scores read through `chosen_map` of its fold (`folds`); the process term ranks that
     calibrated Phi's own progress, from the mean over the group of its first-step Phi through the last
-    step's Phi (no outcome), over the std of all the batch's outcomes instead of its class's spread.
+    step's Phi (no outcome), over the std of all the batch's outcomes instead of the RMS of every step's c.
     credit=step: z_k spread over step k's tokens (the last step runs to the last token) as z_k x Lbar / L_k
     (L_k its tokens, Lbar their mean over the row's steps), times w, the row's whole term scaled down by the
     one factor that takes its most opposed token to 0 when a token would change sign.
@@ -326,7 +326,6 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
         if row["step_rewards"]:
             first[group_of(row)].append(phi_of[id(row)](row["step_rewards"][0]))
     centered, d_of = {}, {}
-    by_class = defaultdict(list)
     scores, labels = [], []
     for row in rows:
         mean, _ = stats[group_of(row)]
@@ -339,7 +338,6 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
             process_d = d
         c = [x - statistics.fmean(process_d) for x in process_d] if d else []
         d_of[id(row)], centered[id(row)] = d, c
-        by_class[(group_of(row), row["outcome_reward"])] += c
         scores += list(row["step_rewards"][:-1])
         labels += [row["outcome_reward"] >= 0.5] * max(len(row["step_rewards"]) - 1, 0)
     auc = pairwise_auc(scores, labels)
@@ -355,7 +353,7 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
         mean, std = stats[key]
         phi = phi_of[id(row)]
         a_out = (row["outcome_reward"] - mean) / (std + eps)
-        members = by_class[(key, row["outcome_reward"])]
+        members = [x for o in rows for x in centered[id(o)]]  # every step of the input
         scale = math.sqrt(sum(x * x for x in members) / len(members)) if members else 0.0
         if calibrated:  # calibrated progress is read in outcome units: the std of the batch's outcomes
             scale = statistics.pstdev([o["outcome_reward"] for o in rows])

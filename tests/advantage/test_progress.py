@@ -54,14 +54,32 @@ def test_progress_by_hand(tmp_path):
     assert out[0]["token_rewards"] == pytest.approx([0, 0.1, 0, 0.3, 0, 0.1], abs=1e-6)
     assert out[1]["token_rewards"] == pytest.approx([0, 0.2, 0, -0.7], abs=1e-6)
     a = 0.5 / math.sqrt(0.5)  # outcome advantage, +a and -a
-    s0 = math.sqrt((2 * (1 / 15) ** 2 + (2 / 15) ** 2) / 3)  # each row is its own (group, outcome) class
-    z0 = [-1 / 15 / s0, 2 / 15 / s0, -1 / 15 / s0]
+    s = math.sqrt((2 * (1 / 15) ** 2 + (2 / 15) ** 2 + 2 * 0.45 ** 2) / 5)  # one scale: the RMS of every step's c
+    z0 = [-1 / 15 / s, 2 / 15 / s, -1 / 15 / s]
     assert out[0]["advantages"] == pytest.approx([max(a + z, 0) for z in z0 for _ in range(2)], abs=1e-4)
-    # row 1: z = [+1, -1]; -a + 1 > 0 would flip the sign: the row's term is scaled by a, its first step
+    # row 1: z = [+1.53, -1.53]; -a + 1.53 > 0 would flip the sign: the row's term is scaled by a, its first step
     # reaches 0 and the second moves by as much the other way (the response's credit still sums to -4a)
     assert out[1]["advantages"] == pytest.approx([0.0, 0.0, -2 * a, -2 * a], abs=1e-5)
     # the only intermediate steps: 0.6, 0.9 (a success) and 0.7 (a failure): AUC 0.5
     assert summary["advantage/prm_step_auc"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("delta", [0.001, 0.01])
+def test_a_response_alone_in_its_outcome_class_keeps_the_size_of_its_prm_differences(delta):
+    # one group: three successes with 3 steps of clear PRM differences, one failure alone in its (group, outcome)
+    # class with 2 steps whose progress differs by 2*delta only (Phi_0 = (mean + R) / 2 + delta): its z must stay
+    # small; scaled by its own RMS it was +-1 whatever delta (issue 61 item 5). One scale for every step.
+    counts = np.array([3, 3, 3, 2])
+    outcome = np.array([1.0, 1.0, 1.0, 0.0])
+    scores = np.array([0.3, 0.9, 1.0, 0.8, 0.4, 1.0, 0.6, 0.7, 1.0, 0.375 + delta, 0.0])
+    pc = process_credit(scores, counts, outcome, np.zeros(4, np.int64), np.full(4, 0.75), None, "step", 1e-6)
+    d = progress_rewards(scores, counts, outcome, np.full(4, 0.75))
+    row_of = np.repeat(np.arange(4), counts)
+    c = d - (np.bincount(row_of, d) / counts)[row_of]
+    rms = np.sqrt(np.mean(c ** 2))  # one scale: the RMS of every step's centered progress (eps = 1e-6 aside)
+    assert c[-2:] == pytest.approx([delta, -delta])
+    assert pc.credit == pytest.approx(c / rms, rel=1e-4)
+    assert np.abs(pc.credit[-2:]).max() < 0.05
 
 
 def test_baseline_credit_by_hand(tmp_path):

@@ -137,14 +137,12 @@ def centered_by_row(values: np.ndarray, row: np.ndarray, n_rows: int) -> np.ndar
     return values - mean[row]
 
 
-def class_scale(centered: np.ndarray, row: np.ndarray, group: np.ndarray, outcome: np.ndarray) -> np.ndarray:
-    """(S,) per step: the root mean square of the centered values over the steps of the responses of its
-    row's group with its row's outcome (their mean is 0, so this is their std); 0 without spread."""
-    _, cls = np.unique(np.stack([group.astype(np.float64), outcome]), axis=1, return_inverse=True)
-    cls = cls.reshape(-1)[row]
-    n = np.bincount(cls).astype(np.float64)
-    var = np.divide(np.bincount(cls, centered ** 2), n, out=np.zeros(len(n)), where=n > 0)
-    return np.sqrt(var)[cls]
+def pooled_scale(centered: np.ndarray) -> float:
+    """The root mean square of the centered progress over every step of the input (their mean is 0, so this is
+    their std); 0 without steps. One scale for all responses: a response's z keeps the size of its PRM
+    differences relative to the input's. Scaled per (group, outcome) class instead, a response alone in its
+    class was divided by its own RMS, so any two-step lone response got z = +-1 whatever its differences."""
+    return float(np.sqrt(np.mean(centered ** 2))) if len(centered) else 0.0
 
 
 def baseline_credit(phi: np.ndarray, row: np.ndarray, counts: np.ndarray, group: np.ndarray) -> np.ndarray:
@@ -178,14 +176,14 @@ def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, 
 
     scores (S,); counts, outcome, group (R,); group_mean (R,) the mean outcome of
     each row's group; prompt_of_row (R,) with calibration (`prompt_ranks`), None without; kind: 'step' or
-    'baseline'; eps: added to the class scale.
+    'baseline'; eps: added to the scale.
     step: c_k = the process progress minus its row's mean (the raw PRM's progress d, or with calibration the
     calibrated PRM's own progress, from the group's mean first-step Phi through the last step's: no
-    outcome in it); z_k = c_k / (its (group, outcome) class's scale + eps) for raw scores, and with
+    outcome in it); z_k = c_k / (`pooled_scale` of every step's c + eps) for raw scores, and with
     calibration c_k / (the std of the batch's outcomes + eps): calibrated Phi is a chance of success, so its
     progress is read in outcome units (as GRPO's A_out is) and a nearly flat map moves nearly nothing.
-    Rescaled to unit std per class instead, a map fitted to noise (spread 0.002) moved unit-size credit
-    towards whatever the PRM likes, since a monotone fit can only lean its way.
+    Rescaled to unit std instead, a map fitted to noise (spread 0.002) moved unit-size credit towards
+    whatever the PRM likes, since a monotone fit can only lean its way.
     baseline: `baseline_credit`, start_{-i} - Phi_k per step k.
     """
     scores = np.asarray(scores, dtype=np.float64)
@@ -221,8 +219,8 @@ def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, 
             start = np.where(low == high, low, start)[group]
             own = prm_progress(phi, counts, start)
         c = centered_by_row(own, row, n_rows)
-        if prompt_of_row is None:  # raw scores: ranked at unit scale among the responses that ended alike
-            credit = c / (class_scale(c, row, group, outcome) + eps)
+        if prompt_of_row is None:  # raw scores: at unit RMS over the whole input's steps (`pooled_scale`)
+            credit = c / (pooled_scale(c) + eps)
         else:  # calibrated Phi is in outcome units: its progress is read in them, so a weak map moves little
             credit = c / (float(np.std(outcome)) + eps)
     return ProcessCredit(progress, credit, auc, int(intermediate.sum()), spread)

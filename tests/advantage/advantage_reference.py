@@ -14,6 +14,8 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
+PROCESS_BOUND = 2.0  # grpo_progress step credit: no token's process credit above this x |A_out| (x w where A_out = 0)
+
 
 def random_rollouts(rng: np.random.Generator, n_groups: int = 6, max_size: int = 5, min_size: int = 2,
                     max_len: int = 40, binary_outcome: bool = True, iteration: int = 0,
@@ -303,7 +305,8 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
     step's Phi (no outcome), over the std of all the batch's outcomes instead of the RMS of every step's c.
     credit=step: z_k spread over step k's tokens (the last step runs to the last token) as z_k x Lbar / L_k
     (L_k its tokens, Lbar their mean over the row's steps), times w, the row's whole term scaled down by the
-    one factor that takes its most opposed token to 0 when a token would change sign.
+    one factor that takes its most opposed token to 0 when a token would change sign, or its largest token to
+    PROCESS_BOUND x |A_out| (x w where A_out = 0) when it is larger, whichever is smaller.
     credit=baseline: token t gets (R - mean) / (std + eps) + w * (the mean Phi after the first step of the
     group's other responses - Phi after step j), j the last step whose recorded last token is before t - 1;
     tokens before any such step (or of a row whose group has no other response with a step) the first term alone."""
@@ -378,7 +381,9 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
             adv = [a_out + w * x for x in term]
         else:
             worst = max([(-x if a_out > 0 else x) for x in term] + [0.0]) if a_out != 0 else 0.0
-            factor = abs(a_out) / worst if worst > abs(a_out) else 1.0
+            largest = max([abs(x) for x in term] + [0.0])
+            cap = PROCESS_BOUND * (abs(a_out) if a_out != 0 else w)
+            factor = min(abs(a_out) / worst if worst > abs(a_out) else 1.0, cap / largest if largest > cap else 1.0)
             adv = [a_out + factor * x for x in term]
             adv = [max(a, 0.0) if a_out > 0 else min(a, 0.0) if a_out < 0 else a for a in adv]
         for e, dk in zip(ends, d_of[id(row)]):

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prmflow.components.advantage import stage
-from prmflow.components.advantage.estimators import ESTIMATORS, Ragged
+from prmflow.components.advantage.estimators import ESTIMATORS, PROCESS_BOUND, Ragged
 from prmflow.components.advantage.progress import process_credit
 from prmflow.components.advantage.rewards import make_steps
 from prmflow.components.advantage.rewards import progress_rewards
@@ -571,6 +571,65 @@ def test_step_credit_sums_to_zero_per_response_and_never_flips_a_sign(batch):
         a = adv[layout.offsets[i]:layout.offsets[i + 1]]
         assert a.sum() == pytest.approx(out[i] * lengths[i], abs=1e-9 * (1 + np.abs(a).sum())), i
         assert (a * out[i] >= 0).all(), i
+
+
+def _step_credit_advantages(lengths, ends, scores, outcome, weight):
+    """grpo_progress's step-credit advantages (N,) of one group, uncalibrated, and the outcome advantage (B,)."""
+    layout = Ragged.from_lengths(np.array(lengths))
+    counts = np.array([len(e) for e in ends])
+    n = len(lengths)
+    mean, std = outcome.mean(), outcome.std(ddof=1)
+    credit = process_credit(np.array([x for s in scores for x in s], dtype=np.float64), counts, outcome,
+                            np.zeros(n, dtype=np.int64), np.full(n, mean), None, "step", 1e-6)
+    recorded = np.array([e for row_ends in ends for e in row_ends], dtype=np.int64)
+    steps = make_steps(layout, recorded, counts, credit.progress, to_end=True)
+    group_std = np.full(n, std if std == std else 0.0)
+    adv, _ = ESTIMATORS["grpo_progress"].fn(
+        outcome=outcome, group_mean=np.full(n, mean), group_std=group_std, eps=1e-6, layout=layout, steps=steps,
+        recorded_ends=layout.offsets[:-1][steps.row] + recorded, process_values=credit.credit,
+        process_weight=weight, process_credit="step", token_rewards=np.zeros(layout.n_tokens), gamma=1.0)
+    return layout, adv, (outcome - mean) / (group_std + 1e-6)
+
+
+@st.composite
+def _unequal_steps(draw):
+    """One group of 2-6 responses of 1-200 tokens with 0-6 steps at random ends (1-token steps beside long
+    ones are common), any PRM scores, 0/1 outcomes, any weight."""
+    lengths, ends, scores, outcome = [], [], [], []
+    for _ in range(draw(st.integers(2, 6))):
+        length = draw(st.integers(1, 200))
+        cut = sorted(draw(st.sets(st.sampled_from([0, 1, length - 2, length - 1]) | st.integers(0, length - 1),
+                                  max_size=6).map(lambda c: {x for x in c if 0 <= x < length})))
+        lengths.append(length)
+        ends.append(cut)
+        scores.append(draw(st.lists(st.floats(0, 1), min_size=len(cut), max_size=len(cut))))
+        outcome.append(float(draw(st.integers(0, 1))))
+    return lengths, ends, scores, np.array(outcome), draw(st.floats(0.05, 5.0))
+
+
+@given(batch=_unequal_steps())
+@settings(max_examples=60, deadline=None)
+def test_no_tokens_process_credit_exceeds_the_stated_multiple_of_its_outcome_advantage(batch):
+    # the bound (estimators.PROCESS_BOUND): |A_t - A_out_i| <= PROCESS_BOUND x |A_out_i|, or x w where A_out_i = 0;
+    # per-token balancing (z_k x Lbar / L_k) alone has none (issue 61 item 2). The row's credit still sums to 0.
+    lengths, ends, scores, outcome, weight = batch
+    layout, adv, out = _step_credit_advantages(lengths, ends, scores, outcome, weight)
+    for i in range(len(lengths)):
+        a = adv[layout.offsets[i]:layout.offsets[i + 1]]
+        bound = PROCESS_BOUND * (abs(out[i]) if out[i] != 0 else weight)
+        assert np.abs(a - out[i]).max() <= bound * (1 + 1e-9) + 1e-12, i
+        assert a.sum() == pytest.approx(out[i] * lengths[i], abs=1e-9 * (1 + np.abs(a).sum())), i
+
+
+def test_a_one_token_step_of_a_long_success_is_bounded():
+    # the issue's case: a 100-token success whose first step is 1 token (its PRM jump large), beside a failure;
+    # the first token got 25.7 against an outcome advantage of 0.707 (36x)
+    lengths = [100, 100]
+    ends = [[0, 50, 99], [49, 99]]
+    scores = [[0.95, 0.2, 1.0], [0.5, 0.0]]
+    layout, adv, out = _step_credit_advantages(lengths, ends, scores, np.array([1.0, 0.0]), 0.5)
+    assert out[0] == pytest.approx(0.7071, abs=1e-4)
+    assert adv[0] - out[0] == pytest.approx(PROCESS_BOUND * out[0], rel=1e-6)  # the cap binds, at 2 x 0.707
 
 
 def _benchmark_batch(rng, prm: str, unsolved: bool = False) -> list[dict]:

@@ -379,20 +379,31 @@ def balanced_token_values(steps: Steps, layout: Ragged, per_step: np.ndarray) ->
     return per_step_token_values(Steps(ends, row, scaled), layout, scaled)
 
 
-def shrink_to_sign(outcome_adv: np.ndarray, process: np.ndarray, layout: Ragged) -> np.ndarray:
-    """(N,) outcome_adv (B,) on every token of its row plus process (N,), the row's process term scaled down
-    as a whole (by the one factor in [0, 1] that takes its most opposed token to 0) so that no token's
-    advantage has the sign opposite to its row's outcome advantage. A row's process term keeps its sum (0
-    for a balanced one): a response the outcome rewards never has a token pushed down, nor one it punishes
-    pushed up, and the credit moved between its tokens still adds up to nothing. Rows with outcome
-    advantage 0 (a group whose responses all ended alike) keep their process term whole."""
+PROCESS_BOUND = 2.0
+"""grpo_progress's step credit: no token's process credit exceeds PROCESS_BOUND x |A^out_i| in size (x w, the gated
+weight, in a row whose A^out_i is 0). Balancing per token (z_k x Lbar / L_k) has no bound of its own: a 1-token
+step of a 100-token response gets ~50x its z."""
+
+
+def shrink_to_bounds(outcome_adv: np.ndarray, process: np.ndarray, layout: Ragged, weight: float) -> np.ndarray:
+    """(N,) outcome_adv (B,) on every token of its row plus process (N,), the row's process term scaled down as a
+    whole by the largest factor in [0, 1] that meets both bounds: (1) no token's advantage has the sign opposite
+    to its row's outcome advantage (the factor that takes the most opposed token to 0); (2) no token's process
+    credit exceeds PROCESS_BOUND x |A^out_i| in size (x weight in a row with A^out_i = 0, a group whose
+    responses all ended alike: (1) leaves its term whole). One factor per row keeps the row's sum (0 for a
+    balanced term): a response the outcome rewards never has a token pushed down, nor one it punishes pushed
+    up, the credit moved between its tokens still adds up to nothing, and a token's advantage lies within
+    (1 + PROCESS_BOUND) x |A^out_i|. Slow equivalent: tests/advantage/advantage_reference.py `grpo_progress`."""
     a = layout.broadcast(outcome_adv)
     against = np.where(a > 0, -process, np.where(a < 0, process, 0.0))  # > 0 where the term opposes
-    worst = np.zeros(layout.n_rows)
+    worst, largest = np.zeros(layout.n_rows), np.zeros(layout.n_rows)
     if layout.n_tokens:
         worst[layout.nonempty] = np.maximum.reduceat(against, layout.starts)
+        largest[layout.nonempty] = np.maximum.reduceat(np.abs(process), layout.starts)
     room = np.abs(outcome_adv)
-    factor = np.where(worst > room, room / np.where(worst > 0, worst, 1.0), 1.0)
+    cap = PROCESS_BOUND * np.where(outcome_adv != 0, room, weight)
+    factor = np.minimum(np.where(worst > room, room / np.where(worst > 0, worst, 1.0), 1.0),
+                        np.where(largest > cap, cap / np.where(largest > 0, largest, 1.0), 1.0))
     adv = a + layout.broadcast(factor) * process
     return np.where(a > 0, np.maximum(adv, 0.0), np.where(a < 0, np.minimum(adv, 0.0), adv))  # rounding only
 
@@ -405,14 +416,15 @@ def grpo_progress(outcome: np.ndarray, group_mean: np.ndarray, group_std: np.nda
 
     A^out_i = (R_i - mean_group) / (std_group + eps); the process term per step, process_values, comes from
     progress.process_credit (computed once by the progress pass). process_credit=step: z_k (the PRM's
-    progress centered within its response, at unit scale among the group's responses with the same
-    outcome), spread over step k's tokens balanced per token (`balanced_token_values`: z_k x Lbar / L_k, so
-    a response's credit moves between its tokens and sums to 0 however long its steps are), times w = the
-    weight after the evidence gate, then shrunk per response so no token's sign opposes A^out_i
-    (`shrink_to_sign`); a row's last step runs to its last token. process_credit=baseline: A_t = A^out_i +
-    w * (start_{-i} - Phi_j) with j the last step closed before t (`closed_step_values`: its last token is
-    before t - 1), start_{-i} the mean first-step Phi of the group's other responses, no shrink: the PRM's
-    value of the prefix as a baseline, unbiased, and |A_t - A^out_i| <= w for Phi in [0, 1].
+    progress centered within its response, at unit RMS over the input's steps), spread over step k's tokens
+    balanced per token (`balanced_token_values`: z_k x Lbar / L_k, so a response's credit moves between its
+    tokens and sums to 0 however long its steps are), times w = the weight after the evidence gate, then
+    shrunk per response so no token's sign opposes A^out_i and no token's process credit exceeds
+    PROCESS_BOUND x |A^out_i| (`shrink_to_bounds`); a row's last step runs to its last token.
+    process_credit=baseline: A_t = A^out_i + w * (start_{-i} - Phi_j), j the last step closed before t
+    (`closed_step_values`: its last token is before t - 1), start_{-i} the mean first-step Phi of the group's
+    other responses, no shrink: the PRM's value of the prefix as a baseline, unbiased, and
+    |A_t - A^out_i| <= w for Phi in [0, 1].
     Slow equivalent: tests/advantage/advantage_reference.py `grpo_progress`.
     """
     out = (outcome - group_mean) / (group_std + eps)  # (B,)
@@ -425,4 +437,4 @@ def grpo_progress(outcome: np.ndarray, group_mean: np.ndarray, group_std: np.nda
         term = closed_step_values(recorded_ends, st.row, layout, process_values)
         return adv + process_weight * term, returns
     process = process_weight * balanced_token_values(st, layout, process_values)
-    return shrink_to_sign(out, process, layout), returns
+    return shrink_to_bounds(out, process, layout, process_weight), returns

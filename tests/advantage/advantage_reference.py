@@ -298,7 +298,8 @@ def chosen_map(rows: list[dict], fold: dict[str, int], f: int) -> Callable[[floa
 
 
 def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: float,
-                  eps: float = 1e-6, credit: str = "step", calibration: str = "none") -> tuple[dict[tuple, dict], float, float]:
+                  eps: float = 1e-6, credit: str = "step", calibration: str = "none",
+                  lag: int = 1) -> tuple[dict[tuple, dict], float, float]:
     """({key: {token_rewards, advantages}}, step AUC, gated weight), straight from the definitions.
     calibration=isotonic: a row's scores read through `chosen_map` of its fold (`folds`); the process term ranks that
     calibrated Phi's own progress, from the mean over the group of its first-step Phi through the last
@@ -308,7 +309,8 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
     one factor that takes its most opposed token to 0 when a token would change sign, or its largest token to
     PROCESS_BOUND x |A_out| (x w where A_out = 0) when it is larger, whichever is smaller.
     credit=baseline: token t gets (R - mean) / (std + eps) + w * (the mean Phi after the first step of the
-    group's other responses - Phi after step j), j the last step whose recorded last token is before t - 1;
+    group's other responses - Phi after step j), j the last step whose recorded last token is before t - lag
+    (lag: the separator's bytes);
     tokens before any such step (or of a row whose group has no other response with a step) the first term alone."""
     groups = defaultdict(list)
     for row in rows:
@@ -369,7 +371,7 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
         for t in range(n):
             later = [e for e in ends if e >= t]
             if credit == "baseline":  # the recorded ends: the last step does not run on here
-                closed = [j for j, e in enumerate(row["step_ends"]) if e < t - 1]
+                closed = [j for j, e in enumerate(row["step_ends"]) if e < t - lag]
                 others = [phi_of[id(o)](o["step_rewards"][0]) for o in groups[key] if o is not row and o["step_rewards"]]
                 start = statistics.fmean(others) if others else None
                 term.append(start - phi(row["step_rewards"][closed[-1]]) if closed and others else 0.0)

@@ -564,7 +564,8 @@ def test_step_credit_sums_to_zero_per_response_and_never_flips_a_sign(batch):
     group_std = np.full(n, std if std == std else 0.0)
     adv, _ = ESTIMATORS["grpo_progress"].fn(
         outcome=outcome, group_mean=np.full(n, mean), group_std=group_std, eps=1e-6, layout=layout, steps=steps,
-        recorded_ends=layout.offsets[:-1][steps.row] + recorded, process_values=credit.credit, process_weight=weight, process_credit="step",
+        recorded_ends=layout.offsets[:-1][steps.row] + recorded, boundary_lag=1, process_values=credit.credit,
+        process_weight=weight, process_credit="step",
         token_rewards=np.zeros(layout.n_tokens), gamma=1.0)
     out = (outcome - mean) / (group_std + 1e-6)
     for i in range(n):
@@ -586,7 +587,7 @@ def _step_credit_advantages(lengths, ends, scores, outcome, weight):
     group_std = np.full(n, std if std == std else 0.0)
     adv, _ = ESTIMATORS["grpo_progress"].fn(
         outcome=outcome, group_mean=np.full(n, mean), group_std=group_std, eps=1e-6, layout=layout, steps=steps,
-        recorded_ends=layout.offsets[:-1][steps.row] + recorded, process_values=credit.credit,
+        recorded_ends=layout.offsets[:-1][steps.row] + recorded, boundary_lag=1, process_values=credit.credit,
         process_weight=weight, process_credit="step", token_rewards=np.zeros(layout.n_tokens), gamma=1.0)
     return layout, adv, (outcome - mean) / (group_std + 1e-6)
 

@@ -1,24 +1,27 @@
 """grpo_progress's baseline credit where the policy chooses whether to end a step, computed exactly over real
 tokenizations: the baseline of a token must not depend on the token it scores.
 
-One prompt, responses "x = 4<choice>so y = 5" with the choice a newline (two steps) or a space (one step),
-taken with probability P_NEWLINE; the outcome is drawn apart from the text (1 with probability P_SUCCESS),
-so it is independent of the choice and GRPO's expected gradient on the choice's logit is 0. The PRM rates
-the first step's prefix 0.9 (issue 61, item 1). The step ends are placed by the rollout's own code
-(`scoring.step_ends`: `steps.step_spans` / `steps.step_end_tokens`) from the token ids; every group of G
-responses is enumerated with its probability, so the stage's advantages give the exact
-E[A_t * d/d logit log pi(choice)] at the token where the two texts first differ.
+One prompt, responses "x = 4<choice>so y = 5" with the choice ending the step (a newline: two steps) or not (a
+space: one step), the two-step text taken with probability P_NEWLINE; the outcome is drawn apart from the text
+(1 with probability P_SUCCESS), so it is independent of the choice and GRPO's expected gradient on the choice's
+logit is 0. The PRM rates the first step's prefix 0.9 (issue 61, item 1). The step ends are placed by the
+rollout's own code (`scoring.step_ends`: `steps.step_spans` / `steps.step_end_tokens`) from the token ids, and
+the rollouts' manifest records the separator as the rollout stage's does; every group of G responses is
+enumerated with its probability, so the stage's advantages give the exact E[A_t * d/d logit log pi(choice)] at
+the token where the two texts first differ.
 """
 
 import itertools
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from prmflow.components.advantage import stage
+from prmflow.components.common import schema
 from prmflow.components.common.bpe_tokenizer import build_bpe_tokenizer
 from prmflow.components.rollout import scoring
-from test_advantage_stage import make_cfg, read_out, row, write_rows
+from test_advantage_stage import make_cfg, read_out, row
 
 G = 2
 P_NEWLINE, P_SUCCESS = 0.5, 0.1
@@ -27,15 +30,14 @@ UNGATED = {"estimator": "grpo_progress", "step_reward_mode": "progress", "proces
            "process_auc_min": 0.0, "process_auc_full": 0.0}
 
 
-def _newline_opens_the_next_token():
-    """A byte-level BPE without a pre-tokenizer split (as SentencePiece-style vocabularies do), whose merges
-    join a newline or a space with the letter after it: "\\ns" and " s" are single tokens."""
+def _byte_level(merges: list[tuple[str, str]]):
+    """A byte-level BPE without a pre-tokenizer split (as SentencePiece-style vocabularies do): every byte a
+    token, then `merges` (in the byte-level alphabet: "Ċ" is a newline, "Ġ" a space)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {c: i for i, c in enumerate(alphabet)}
-    merges = [("Ċ", "s"), ("Ġ", "s")]  # byte-level spelling of "\n" + "s" and " " + "s"
     for a, b in merges:
         vocab[a + b] = len(vocab)
     tk = Tokenizer(models.BPE(vocab, merges))
@@ -44,12 +46,20 @@ def _newline_opens_the_next_token():
     return PreTrainedTokenizerFast(tokenizer_object=tk)
 
 
-# name -> (tokenizer, the two texts (newline, space), the choice's token in each)
+def _newline_opens_the_next_token():
+    """"\\ns" and " s" are single tokens: the newline opens the token after it."""
+    return _byte_level([("Ċ", "s"), ("Ġ", "s")])
+
+
+# name -> (tokenizer, step separator, the two texts (two steps, one step), the choice's token in each)
 CASES = {
-    "newline its own token": (build_bpe_tokenizer, ("x = 4\nso y = 5", "x = 4 so y = 5"), ("\n", " ")),
-    "newline opens the next token": (_newline_opens_the_next_token, ("x = 4\nso y = 5", "x = 4 so y = 5"),
+    "newline its own token": (build_bpe_tokenizer, "\n", ("x = 4\nso y = 5", "x = 4 so y = 5"), ("\n", " ")),
+    "newline opens the next token": (_newline_opens_the_next_token, "\n", ("x = 4\nso y = 5", "x = 4 so y = 5"),
                                      ("\ns", " s")),
-    "qwen2 '.\\n' one token": (build_bpe_tokenizer, ("x = 4.\nso y = 5", "x = 4. so y = 5"), (".\n", ".")),
+    "qwen2 '.\\n' one token": (build_bpe_tokenizer, "\n", ("x = 4.\nso y = 5", "x = 4. so y = 5"), (".\n", ".")),
+    # a two-byte separator, one token per byte: the choice is the separator's second token
+    "'\\n\\n' separator, a token per newline": (lambda: _byte_level([]), "\n\n",
+                                              ("x = 4\n\nso y = 5", "x = 4\nso y = 5"), ("\n", "s")),
 }
 
 
@@ -59,20 +69,20 @@ def _prm(text: str, end: int) -> float:
 
 
 def _choice_gradient(tmp_path, case: str, **options) -> float:
-    """Exact E[A_t(choice token) * (1[newline] - P_NEWLINE)] per response (the group's sum over G)."""
-    make_tokenizer, texts, choice_tokens = CASES[case]
+    """Exact E[A_t(choice token) * (1[two steps] - P_NEWLINE)] per response (the group's sum over G)."""
+    make_tokenizer, separator, texts, choice_tokens = CASES[case]
     tok = make_tokenizer()
-    variants = []  # (response_ids, step_ends, step scores) of the newline and the space response
+    variants = []  # (response_ids, step_ends, step scores) of the two-step and the one-step response
     for text in texts:
         ids = tok.encode(text, add_special_tokens=False)
-        decoded, ends = scoring.step_ends(tok, ids, "\n")
-        spans = [b for _, b in scoring.steps_lib.step_spans(decoded, "\n")]
+        decoded, ends = scoring.step_ends(tok, ids, separator)
+        spans = [b for _, b in scoring.steps_lib.step_spans(decoded, separator)]
         variants.append((ids, ends, [_prm(decoded, b) for b in spans]))
     (nl_ids, nl_ends, _), (sp_ids, sp_ends, _) = variants
     d = next(i for i, (a, b) in enumerate(zip(nl_ids, sp_ids)) if a != b)  # the token that decides
     assert [tok.decode([nl_ids[d]]), tok.decode([sp_ids[d]])] == list(choice_tokens)  # the case is what it says
     assert len(nl_ends) == 2 and len(sp_ends) == 1
-    kinds = [(c, o) for c in (0, 1) for o in (1.0, 0.0)]  # c = 0: newline
+    kinds = [(c, o) for c in (0, 1) for o in (1.0, 0.0)]  # c = 0: two steps
     prob = {(c, o): (P_NEWLINE if c == 0 else 1 - P_NEWLINE) * (P_SUCCESS if o else 1 - P_SUCCESS) for c, o in kinds}
     rows, weight = [], {}
     for g, combo in enumerate(itertools.product(kinds, repeat=G)):
@@ -82,9 +92,10 @@ def _choice_gradient(tmp_path, case: str, **options) -> float:
             rows.append(row(pid="target", idx=i, n=len(ids), response_ids=ids, step_ends=ends, step_rewards=scores,
                             outcome_reward=o, iteration=g, old_logprobs=[-1.0] * len(ids),
                             ref_logprobs=[-1.0] * len(ids), values=[0.0] * len(ids)))
-    out = tmp_path / case.replace(" ", "_").replace("'", "").replace("\\", "") / options["estimator"]
+    out = tmp_path / "".join(c if c.isalnum() else "_" for c in case) / options["estimator"]
     out.mkdir(parents=True)
-    write_rows(out, rows)
+    with schema.DatasetWriter(out / "rollouts", "rollouts", config={"step_separator": separator}) as w:
+        w.write(pa.Table.from_pylist(rows))  # the rollout stage's manifest records its config, separator included
     stage.run(make_cfg(out, **options))
     grad = 0.0
     for r in read_out(out):

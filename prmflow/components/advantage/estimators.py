@@ -172,6 +172,7 @@ INPUTS = {
     "process_values": "(S,) grpo_progress: each step's process term before the weight (progress.process_credit)",
     "recorded_ends": "(S,) grpo_progress: flat index of each step's last token as step_ends records it (the last "
                      "step not run on to the row's end)",
+    "boundary_lag": "grpo_progress: the most tokens the step separator can span (its UTF-8 bytes; 1 for a newline)",
 }
 """What an estimator may name as an argument, and what it is."""
 
@@ -333,22 +334,24 @@ def per_step_token_values(steps: Steps, layout: Ragged, per_step: np.ndarray) ->
     return out
 
 
-def closed_step_values(recorded_ends: np.ndarray, row: np.ndarray, layout: Ragged, per_step: np.ndarray) -> np.ndarray:
-    """(N,) token t gets per_step[j] of the last step j of its row that ends before token t - 1 (its recorded
-    last token <= t - 2), 0 while there is none. The token right after a step's last token is where the policy
-    chooses whether the step ends (a separator token, or one that opens the next step with the separator, or
-    not), so it still gets the value of the step before: which steps have closed is then read from the tokens
-    before t alone, for a one-byte separator such as the default newline (each token holds >= 1 byte), and a
-    term built from it is a baseline that does not depend on the action it scores. recorded_ends: (S,) flat
-    index of each step's last token, row: (S,) its row. Slow equivalent, per row: `closed = [j for j, e in
-    enumerate(ends) if e < t - 1]; out[t] = per_step[closed[-1]] if closed else 0`."""
+def closed_step_values(recorded_ends: np.ndarray, row: np.ndarray, layout: Ragged, per_step: np.ndarray,
+                       lag: int = 1) -> np.ndarray:
+    """(N,) token t gets per_step[j] of the last step j of its row whose recorded last token is before t - lag
+    (<= t - lag - 1), 0 while there is none; lag: the most tokens the separator can span (its bytes: 1 for a
+    newline). The tokens right after a step's last token are where the policy chooses whether the step ends
+    (a separator token, one that opens the next step with the separator, or anything else), so they still get
+    the value of the step before. Each token holds at least one byte, so once step j's last token is before
+    t - lag the whole separator lies in tokens before t: which steps have closed is read from the tokens before
+    t alone, and a term built from it is a baseline that does not depend on the action it scores.
+    recorded_ends: (S,) flat index of each step's last token, row: (S,) its row. Slow equivalent, per row:
+    `closed = [j for j, e in enumerate(ends) if e < t - lag]; out[t] = per_step[closed[-1]] if closed else 0`."""
     out = np.zeros(layout.n_tokens, dtype=np.float64)
     if not len(recorded_ends) or not layout.n_tokens:
         return out
     order = np.argsort(recorded_ends, kind="stable")  # steps are normally in order already
     ends, rows, values = recorded_ends[order], row[order], per_step[order]
     tok = np.arange(layout.n_tokens)
-    j = np.searchsorted(ends, tok - 1, side="left") - 1  # (N,) the last step ending before t - 1, any row
+    j = np.searchsorted(ends, tok - lag, side="left") - 1  # (N,) the last step ending before t - lag, any row
     row_of_token = np.repeat(np.arange(layout.n_rows), layout.lengths)
     ok = j >= 0
     ok[ok] = rows[j[ok]] == row_of_token[ok]
@@ -410,8 +413,9 @@ def shrink_to_bounds(outcome_adv: np.ndarray, process: np.ndarray, layout: Ragge
 
 @register("grpo_progress", min_group_size=2, uses_token_rewards=False, signal="outcome", process=True)
 def grpo_progress(outcome: np.ndarray, group_mean: np.ndarray, group_std: np.ndarray, eps: float, layout: Ragged,
-                  steps: Steps, recorded_ends: np.ndarray, process_values: np.ndarray, process_weight: float,
-                  process_credit: str, token_rewards: np.ndarray, gamma: float) -> tuple[np.ndarray, np.ndarray]:
+                  steps: Steps, recorded_ends: np.ndarray, boundary_lag: int, process_values: np.ndarray,
+                  process_weight: float, process_credit: str, token_rewards: np.ndarray,
+                  gamma: float) -> tuple[np.ndarray, np.ndarray]:
     """Outcome GRPO plus a gated, outcome-anchored process advantage from the PRM's step progress.
 
     A^out_i = (R_i - mean_group) / (std_group + eps); the process term per step, process_values, comes from
@@ -422,7 +426,7 @@ def grpo_progress(outcome: np.ndarray, group_mean: np.ndarray, group_std: np.nda
     shrunk per response so no token's sign opposes A^out_i and no token's process credit exceeds
     PROCESS_BOUND x |A^out_i| (`shrink_to_bounds`); a row's last step runs to its last token.
     process_credit=baseline: A_t = A^out_i + w * (start_{-i} - Phi_j), j the last step closed before t
-    (`closed_step_values`: its last token is before t - 1), start_{-i} the mean first-step Phi of the group's
+    (`closed_step_values`: its last token is before t - boundary_lag), start_{-i} the mean first-step Phi of the group's
     other responses, no shrink: the PRM's value of the prefix as a baseline, unbiased, and
     |A_t - A^out_i| <= w for Phi in [0, 1].
     Slow equivalent: tests/advantage/advantage_reference.py `grpo_progress`.
@@ -434,7 +438,7 @@ def grpo_progress(outcome: np.ndarray, group_mean: np.ndarray, group_std: np.nda
     if not len(st.value) or process_weight == 0.0:
         return adv, returns
     if process_credit == "baseline":
-        term = closed_step_values(recorded_ends, st.row, layout, process_values)
+        term = closed_step_values(recorded_ends, st.row, layout, process_values, boundary_lag)
         return adv + process_weight * term, returns
     process = process_weight * balanced_token_values(st, layout, process_values)
     return shrink_to_bounds(out, process, layout, process_weight), returns

@@ -80,6 +80,7 @@ class Groups:
                "keep": self.keep[g], "weight": self.weight[g]}
         if self.process is not None:
             out["process_weight"] = self.process.weight
+            out["boundary_lag"] = self.process.boundary_lag
             first, last = self.process.step_offsets[start], self.process.step_offsets[start + count]
             out["process_progress"] = self.process.progress[first:last]
             out["process_values"] = self.process.credit[first:last]
@@ -189,6 +190,8 @@ class Process:
     """Steps whose score entered step_auc."""
     spread: float | None = None
     """process_calibration=isotonic: the mean range of the cross-fitted maps; None: off."""
+    boundary_lag: int = 1
+    """Tokens the step separator can span (`separator_bytes`): the baseline credit's step boundary lag."""
 
 
 def gate(auc: float, weight: float, auc_min: float, auc_full: float) -> float:
@@ -199,6 +202,14 @@ def gate(auc: float, weight: float, auc_min: float, auc_full: float) -> float:
     if auc >= auc_full:
         return weight
     return weight * (auc - auc_min) / (auc_full - auc_min)
+
+
+def separator_bytes(ds: schema.Dataset) -> int:
+    """The UTF-8 bytes of the rollouts' step_separator (the longest over the input's shards) as their manifests
+    record it: the most tokens a separator can span, each token holding at least one byte. A shard that does not
+    record it (plain Parquet) counts as the shared default, a newline: 1."""
+    seps = [((m or {}).get("config") or {}).get("step_separator") for m in ds.manifests]
+    return max([len(x.encode()) for x in seps if isinstance(x, str) and x] or [1])
 
 
 def progress_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Process:
@@ -225,7 +236,8 @@ def progress_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Process:
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     weight = gate(pc_.step_auc, cfg.process_weight, cfg.process_auc_min, cfg.process_auc_full)
-    return Process(pc_.progress, pc_.credit, offsets, pc_.step_auc, weight, pc_.steps, pc_.spread)
+    return Process(pc_.progress, pc_.credit, offsets, pc_.step_auc, weight, pc_.steps, pc_.spread,
+                   separator_bytes(ds))
 
 
 # --- pass 2 (optional): whitening statistics ------------------------------------------------------------

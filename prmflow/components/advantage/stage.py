@@ -15,8 +15,8 @@ The config and its validation are in config.py. Algorithmic choices:
   steps' progress Phi_k - Phi_{k-1} (the last Phi is the outcome) centered within each response and
   scaled to unit RMS over the input, shrunk never to flip the outcome advantage's sign nor to exceed
   PROCESS_BOUND x its size; w = process_weight gated by the PRM's step AUC on this batch (passes.gate).
-  process_credit=baseline instead adds w(start_{-i} - Phi_j), j the last step closed before the token
-  before: the PRM's value of the prefix as a baseline, unbiased whatever the PRM says.
+  process_credit=baseline instead adds w(start_{-i} - Phi_j), j the last step whose separator lies wholly
+  before the token: the PRM's value of the prefix as a baseline, unbiased whatever the PRM says.
   process_calibration=isotonic reads Phi as the PRM's score mapped to this batch's mean outcome by
   an isotonic fit (rewards.fit_calibration): a PRM whose ranking the outcomes do not bear out gets a
   flat Phi and moves no credit by what it likes.

@@ -258,6 +258,16 @@ def whitening_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Moments:
 
 # --- pass 3: write -------------------------------------------------------------------------------
 
+def generation_budget(ds: schema.Dataset) -> int | None:
+    """The rollouts' generation budget (sampling.max_new_tokens, the largest over the input's shards) as their
+    manifests record it, passed on in the advantages' manifest for ppo's Dr. GRPO constant; None when a shard
+    does not record it (plain Parquet from elsewhere)."""
+    budgets = [((m or {}).get("config") or {}).get("sampling", {}).get("max_new_tokens") for m in ds.manifests]
+    if not budgets or not all(isinstance(b, int) and b > 0 for b in budgets):
+        return None
+    return max(budgets)
+
+
 def write_pass(ds: schema.Dataset, plan: Plan, groups: Groups, whitening: Moments | None) -> dict:
     """Compute and write every batch; return row counts and Moments of the written columns."""
     cfg = plan.cfg
@@ -265,7 +275,8 @@ def write_pass(ds: schema.Dataset, plan: Plan, groups: Groups, whitening: Moment
     rows_in = rows_out = 0
     writer = schema.DatasetWriter(cfg.output, "advantages", config=recorded(cfg),
                                   parents=[str(d) for d in ds.dirs], overwrite=cfg.overwrite,
-                                  extra={"kl_coef_used": plan.beta, "inputs": io.fingerprint(ds.dirs)})
+                                  extra={"kl_coef_used": plan.beta, "inputs": io.fingerprint(ds.dirs),
+                                         "max_new_tokens": generation_budget(ds)})
     # inputs were validated on read and finish_batch checks the new columns: the writer skips re-validating
     write_validated = functools.partial(writer.write, validated=True)
     with writer, parquet_io.write_behind(write_validated) as write, \

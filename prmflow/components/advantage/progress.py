@@ -11,7 +11,7 @@ CALIBRATION_FOLDS folds, and the scores of a prompt's responses are read through
 other folds' prompts only, on their intermediate prefixes only (every step but a response's last, as
 the evidence gate). So (1) a PRM that judges final answers well earns nothing from it: its answer
 line never enters a fit, and its steps are worth what its ranking of steps is worth; (2) a response's
-Phi never depends on its own outcome (nor on its group's), so the baseline credit, whose Phi_{k-1}
+Phi never depends on its own outcome (nor on its group's), so the baseline credit, whose Phi_j
 depends on the prefix alone, leaves the expected policy gradient GRPO's with calibration on too.
 
 A fold's fitted map is a model choice against the flat map (every prefix the mean outcome of the fit's

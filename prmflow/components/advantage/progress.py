@@ -46,8 +46,9 @@ NO_EVIDENCE_PHI = 0.5
 
 CALIBRATION_REVISION = 3
 """Raised whenever a change alters what process_calibration=isotonic computes (2: the map chosen against a flat
-one, a flat group's credit exactly 0; 3: the baseline credit's start_{-i} and its step boundary one token later). benchmarks/prm_vs_outcome.py puts it in the digest of every calibrated
-run, so a finished run made by earlier code is not taken for one of today's."""
+one, a flat group's credit exactly 0; 3: the baseline credit's start_{-i} and its lagged step boundary, the step
+credit's one scale and bound). benchmarks/prm_vs_outcome.py puts it in the digest of every calibrated run, so a
+finished run made by earlier code is not taken for one of today's."""
 
 SELECTION_SE = 1.0
 """A fold reads the fitted map only where its held-out gain over the flat map (mean over held-out prompts of

@@ -584,7 +584,7 @@ def _step_credit_advantages(lengths, ends, scores, outcome, weight):
                             np.zeros(n, dtype=np.int64), np.full(n, mean), None, "step", 1e-6)
     recorded = np.array([e for row_ends in ends for e in row_ends], dtype=np.int64)
     steps = make_steps(layout, recorded, counts, credit.progress, to_end=True)
-    group_std = np.full(n, std if std == std else 0.0)
+    group_std = np.full(n, 0.0 if np.isnan(std) else std)
     adv, _ = ESTIMATORS["grpo_progress"].fn(
         outcome=outcome, group_mean=np.full(n, mean), group_std=group_std, eps=1e-6, layout=layout, steps=steps,
         recorded_ends=layout.offsets[:-1][steps.row] + recorded, boundary_lag=1, process_values=credit.credit,
@@ -600,7 +600,7 @@ def _unequal_steps(draw):
     for _ in range(draw(st.integers(2, 6))):
         length = draw(st.integers(1, 200))
         cut = sorted(draw(st.sets(st.sampled_from([0, 1, length - 2, length - 1]) | st.integers(0, length - 1),
-                                  max_size=6).map(lambda c: {x for x in c if 0 <= x < length})))
+                                  max_size=6).map(lambda c, n=length: {x for x in c if 0 <= x < n})))
         lengths.append(length)
         ends.append(cut)
         scores.append(draw(st.lists(st.floats(0, 1), min_size=len(cut), max_size=len(cut))))
@@ -628,7 +628,7 @@ def test_a_one_token_step_of_a_long_success_is_bounded():
     lengths = [100, 100]
     ends = [[0, 50, 99], [49, 99]]
     scores = [[0.95, 0.2, 1.0], [0.5, 0.0]]
-    layout, adv, out = _step_credit_advantages(lengths, ends, scores, np.array([1.0, 0.0]), 0.5)
+    _, adv, out = _step_credit_advantages(lengths, ends, scores, np.array([1.0, 0.0]), 0.5)
     assert out[0] == pytest.approx(0.7071, abs=1e-4)
     assert adv[0] - out[0] == pytest.approx(PROCESS_BOUND * out[0], rel=1e-6)  # the cap binds, at 2 x 0.707
 

@@ -16,12 +16,12 @@ import itertools
 import numpy as np
 import pyarrow as pa
 import pytest
+from test_advantage_stage import make_cfg, read_out, row
 
 from prmflow.components.advantage import stage
 from prmflow.components.common import schema
 from prmflow.components.common.bpe_tokenizer import build_bpe_tokenizer
 from prmflow.components.rollout import scoring
-from test_advantage_stage import make_cfg, read_out, row
 
 G = 2
 P_NEWLINE, P_SUCCESS = 0.5, 0.1

@@ -14,6 +14,8 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
+PROCESS_BOUND = 2.0  # grpo_progress step credit: no token's process credit above this x |A_out| (x w where A_out = 0)
+
 
 def random_rollouts(rng: np.random.Generator, n_groups: int = 6, max_size: int = 5, min_size: int = 2,
                     max_len: int = 40, binary_outcome: bool = True, iteration: int = 0,
@@ -296,16 +298,20 @@ def chosen_map(rows: list[dict], fold: dict[str, int], f: int) -> Callable[[floa
 
 
 def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: float,
-                  eps: float = 1e-6, credit: str = "step", calibration: str = "none") -> tuple[dict[tuple, dict], float, float]:
+                  eps: float = 1e-6, credit: str = "step", calibration: str = "none",
+                  lag: int = 1) -> tuple[dict[tuple, dict], float, float]:
     """({key: {token_rewards, advantages}}, step AUC, gated weight), straight from the definitions.
     calibration=isotonic: a row's scores read through `chosen_map` of its fold (`folds`); the process term ranks that
     calibrated Phi's own progress, from the mean over the group of its first-step Phi through the last
-    step's Phi (no outcome), over the std of all the batch's outcomes instead of its class's spread.
+    step's Phi (no outcome), over the std of all the batch's outcomes instead of the RMS of every step's c.
     credit=step: z_k spread over step k's tokens (the last step runs to the last token) as z_k x Lbar / L_k
     (L_k its tokens, Lbar their mean over the row's steps), times w, the row's whole term scaled down by the
-    one factor that takes its most opposed token to 0 when a token would change sign.
-    credit=baseline: a token of step k >= 1 gets (R - mean) / (std + eps) + w * (mean of the group's other
-    outcomes - the PRM's score after step k-1); tokens of the first step get the first term alone."""
+    one factor that takes its most opposed token to 0 when a token would change sign, or its largest token to
+    PROCESS_BOUND x |A_out| (x w where A_out = 0) when it is larger, whichever is smaller.
+    credit=baseline: token t gets (R - mean) / (std + eps) + w * (the mean Phi after the first step of the
+    group's other responses - Phi after step j), j the last step whose recorded last token is before t - lag
+    (lag: the separator's bytes);
+    tokens before any such step (or of a row whose group has no other response with a step) the first term alone."""
     groups = defaultdict(list)
     for row in rows:
         groups[group_of(row)].append(row)
@@ -325,7 +331,6 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
         if row["step_rewards"]:
             first[group_of(row)].append(phi_of[id(row)](row["step_rewards"][0]))
     centered, d_of = {}, {}
-    by_class = defaultdict(list)
     scores, labels = [], []
     for row in rows:
         mean, _ = stats[group_of(row)]
@@ -338,7 +343,6 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
             process_d = d
         c = [x - statistics.fmean(process_d) for x in process_d] if d else []
         d_of[id(row)], centered[id(row)] = d, c
-        by_class[(group_of(row), row["outcome_reward"])] += c
         scores += list(row["step_rewards"][:-1])
         labels += [row["outcome_reward"] >= 0.5] * max(len(row["step_rewards"]) - 1, 0)
     auc = pairwise_auc(scores, labels)
@@ -354,7 +358,7 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
         mean, std = stats[key]
         phi = phi_of[id(row)]
         a_out = (row["outcome_reward"] - mean) / (std + eps)
-        members = by_class[(key, row["outcome_reward"])]
+        members = [x for o in rows for x in centered[id(o)]]  # every step of the input
         scale = math.sqrt(sum(x * x for x in members) / len(members)) if members else 0.0
         if calibrated:  # calibrated progress is read in outcome units: the std of the batch's outcomes
             scale = statistics.pstdev([o["outcome_reward"] for o in rows])
@@ -366,10 +370,11 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
         adv, r, term = [], [0.0] * n, []
         for t in range(n):
             later = [e for e in ends if e >= t]
-            if credit == "baseline":
-                k = ends.index(min(later)) if later else 0  # the step t belongs to
-                others = [r["outcome_reward"] for r in groups[key] if r is not row]
-                term.append(statistics.fmean(others) - phi(row["step_rewards"][k - 1]) if k >= 1 else 0.0)
+            if credit == "baseline":  # the recorded ends: the last step does not run on here
+                closed = [j for j, e in enumerate(row["step_ends"]) if e < t - lag]
+                others = [phi_of[id(o)](o["step_rewards"][0]) for o in groups[key] if o is not row and o["step_rewards"]]
+                start = statistics.fmean(others) if others else None
+                term.append(start - phi(row["step_rewards"][closed[-1]]) if closed and others else 0.0)
                 continue
             span = min(later) if later else None
             p = sum(zk for e, zk in zip(ends, z) if e == span)  # the step t belongs to
@@ -378,7 +383,9 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
             adv = [a_out + w * x for x in term]
         else:
             worst = max([(-x if a_out > 0 else x) for x in term] + [0.0]) if a_out != 0 else 0.0
-            factor = abs(a_out) / worst if worst > abs(a_out) else 1.0
+            largest = max([abs(x) for x in term] + [0.0])
+            cap = PROCESS_BOUND * (abs(a_out) if a_out != 0 else w)
+            factor = min(abs(a_out) / worst if worst > abs(a_out) else 1.0, cap / largest if largest > cap else 1.0)
             adv = [a_out + factor * x for x in term]
             adv = [max(a, 0.0) if a_out > 0 else min(a, 0.0) if a_out < 0 else a for a in adv]
         for e, dk in zip(ends, d_of[id(row)]):

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prmflow.components.advantage import stage
-from prmflow.components.advantage.estimators import ESTIMATORS, Ragged
+from prmflow.components.advantage.estimators import ESTIMATORS, PROCESS_BOUND, Ragged
 from prmflow.components.advantage.progress import process_credit
 from prmflow.components.advantage.token_rewards import make_steps
 from prmflow.components.advantage.token_rewards import progress_rewards
@@ -54,20 +54,40 @@ def test_progress_by_hand(tmp_path):
     assert out[0]["token_rewards"] == pytest.approx([0, 0.1, 0, 0.3, 0, 0.1], abs=1e-6)
     assert out[1]["token_rewards"] == pytest.approx([0, 0.2, 0, -0.7], abs=1e-6)
     a = 0.5 / math.sqrt(0.5)  # outcome advantage, +a and -a
-    s0 = math.sqrt((2 * (1 / 15) ** 2 + (2 / 15) ** 2) / 3)  # each row is its own (group, outcome) class
-    z0 = [-1 / 15 / s0, 2 / 15 / s0, -1 / 15 / s0]
+    s = math.sqrt((2 * (1 / 15) ** 2 + (2 / 15) ** 2 + 2 * 0.45 ** 2) / 5)  # one scale: the RMS of every step's c
+    z0 = [-1 / 15 / s, 2 / 15 / s, -1 / 15 / s]
     assert out[0]["advantages"] == pytest.approx([max(a + z, 0) for z in z0 for _ in range(2)], abs=1e-4)
-    # row 1: z = [+1, -1]; -a + 1 > 0 would flip the sign: the row's term is scaled by a, its first step
+    # row 1: z = [+1.53, -1.53]; -a + 1.53 > 0 would flip the sign: the row's term is scaled by a, its first step
     # reaches 0 and the second moves by as much the other way (the response's credit still sums to -4a)
     assert out[1]["advantages"] == pytest.approx([0.0, 0.0, -2 * a, -2 * a], abs=1e-5)
     # the only intermediate steps: 0.6, 0.9 (a success) and 0.7 (a failure): AUC 0.5
     assert summary["advantage/prm_step_auc"] == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("delta", [0.001, 0.01])
+def test_a_response_alone_in_its_outcome_class_keeps_the_size_of_its_prm_differences(delta):
+    # one group: three successes with 3 steps of clear PRM differences, one failure alone in its (group, outcome)
+    # class with 2 steps whose progress differs by 2*delta only (Phi_0 = (mean + R) / 2 + delta): its z must stay
+    # small; scaled by its own RMS it was +-1 whatever delta (issue 61 item 5). One scale for every step.
+    counts = np.array([3, 3, 3, 2])
+    outcome = np.array([1.0, 1.0, 1.0, 0.0])
+    scores = np.array([0.3, 0.9, 1.0, 0.8, 0.4, 1.0, 0.6, 0.7, 1.0, 0.375 + delta, 0.0])
+    pc = process_credit(scores, counts, outcome, np.zeros(4, np.int64), np.full(4, 0.75), None, "step", 1e-6)
+    d = progress_rewards(scores, counts, outcome, np.full(4, 0.75))
+    row_of = np.repeat(np.arange(4), counts)
+    c = d - (np.bincount(row_of, d) / counts)[row_of]
+    rms = np.sqrt(np.mean(c ** 2))  # one scale: the RMS of every step's centered progress (eps = 1e-6 aside)
+    assert c[-2:] == pytest.approx([delta, -delta])
+    assert pc.credit == pytest.approx(c / rms, rel=1e-4)
+    assert np.abs(pc.credit[-2:]).max() < 0.05
+
+
 def test_baseline_credit_by_hand(tmp_path):
-    # one group, outcomes [1, 0, 0]: mean 1/3, std (ddof=1) sqrt(1/3); the others' mean: 0 for row 0, 1/2 for rows 1-2
-    # row 0: scores [0.2, 0.9, x]: step 0's tokens get a_out, step 1's + w(0 - 0.2), step 2's + w(0 - 0.9)
-    # row 1: scores [0.8, y]: step 1's tokens get -a + w(0.5 - 0.8), its token after the last step end (EOS) too
+    # one group, outcomes [1, 0, 0]: mean 1/3, std (ddof=1) sqrt(1/3). start_{-i}, the others' mean first-step Phi:
+    # 0.8 for row 0 (row 1's), 0.2 for row 1 (row 0's). A token gets w(start_{-i} - Phi_j), j the last step whose
+    # last token is before the token before it (the token right after a step end decides the boundary)
+    # row 0: ends [1, 3, 5], scores [0.2, 0.9, x]: tokens 0-2 a_out, 3-4 + 0.5(0.8 - 0.2), 5 + 0.5(0.8 - 0.9)
+    # row 1: ends [1, 3], scores [0.8, y]: tokens 0-2 -a, 3-4 (EOS after the last step too) + 0.5(0.2 - 0.8)
     # row 2: no steps: -a everywhere
     write_rows(tmp_path, [
         row(idx=0, n=6, step_ends=[1, 3, 5], step_rewards=[0.2, 0.9, 0.3], outcome_reward=1.0),
@@ -78,16 +98,18 @@ def test_baseline_credit_by_hand(tmp_path):
     out = {r["sample_idx"]: r["advantages"] for r in read_out(tmp_path)}
     std = math.sqrt(1 / 3)
     up, down = (2 / 3) / std, -(1 / 3) / std
-    assert out[0] == pytest.approx([up, up, up - 0.1, up - 0.1, up - 0.45, up - 0.45], abs=1e-5)
-    assert out[1] == pytest.approx([down, down, down - 0.15, down - 0.15, down - 0.15], abs=1e-5)
+    assert out[0] == pytest.approx([up, up, up, up + 0.3, up + 0.3, up - 0.05], abs=1e-5)
+    assert out[1] == pytest.approx([down, down, down, down - 0.3, down - 0.3], abs=1e-5)
     assert out[2] == pytest.approx([down, down], abs=1e-5)
 
 
 # --- what each credit does to the expected policy gradient, computed exactly on a tabular policy ------------
-# Two steps of one token each: a1 in {single, shortcut}, then a2 in {single, shortcut} given a1; the outcome
-# is a fixed table of (a1, a2). Every group of G responses is enumerated with its probability, so the
-# stage's advantages give the exact E[sum_t A_t grad log pi(a_t | s_t)]: no sampling noise.
+# Two steps of one token each: a1 in {single, shortcut}, then the separator (a token of its own, always taken),
+# then a2 in {single, shortcut} given a1; the outcome is a fixed table of (a1, a2). Every group of G responses
+# is enumerated with its probability, so the stage's advantages give the exact E[sum_t A_t grad log pi(a_t | s_t)]:
+# no sampling noise.
 G = 3
+SEP = 2  # the separator token between the two steps
 LOGITS1 = np.array([0.3, -0.2])
 LOGITS2 = np.array([[0.1, 0.4], [-0.5, 0.2]])  # row a1
 OUTCOME = {(0, 0): 1.0, (0, 1): 0.0, (1, 0): 1.0, (1, 1): 0.0}
@@ -110,7 +132,7 @@ def _calibration_rows(prm: str) -> list[dict]:
     enumerated prompt is fitted on these alone (a prompt's own responses never enter its fit)."""
     hi = max((0, 1), key=lambda a1: PRMS[prm][a1])
     paths = [(hi, 0), (hi, 0), (1 - hi, 1)]
-    return [row(pid=f"r{j:02d}", idx=i, n=2, response_ids=[a1, a2], step_ends=[0, 1],
+    return [row(pid=f"r{j:02d}", idx=i, n=3, response_ids=[a1, SEP, a2], step_ends=[0, 2],
                 step_rewards=[PRMS[prm][a1], OUTCOME[a1, a2]], outcome_reward=OUTCOME[a1, a2])
             for j in range(20) for i, (a1, a2) in enumerate(paths)]
 
@@ -126,7 +148,7 @@ def _expected_gradient(tmp_path, prm: str, calibration_rows: list[dict] = (), si
     for g, combo in enumerate(itertools.product(paths, repeat=size)):
         weights[g] = float(np.prod([p1[a1] * p2[a1, a2] for a1, a2 in combo]))
         for i, (a1, a2) in enumerate(combo):
-            rows.append(row(pid="target", idx=i, n=2, response_ids=[a1, a2], step_ends=[0, 1],
+            rows.append(row(pid="target", idx=i, n=3, response_ids=[a1, SEP, a2], step_ends=[0, 2],
                             step_rewards=[PRMS[prm][a1] if prm else 0.5, OUTCOME[a1, a2]],
                             outcome_reward=OUTCOME[a1, a2], iteration=g))
     d = tmp_path / (prm or "grpo") / "_".join(f"{k}{v}" for k, v in options.items())
@@ -137,10 +159,10 @@ def _expected_gradient(tmp_path, prm: str, calibration_rows: list[dict] = (), si
     for r in read_out(d):
         if r["prompt_id"] != "target":
             continue
-        a1, a2 = r["response_ids"]
+        a1, _, a2 = r["response_ids"]
         w = weights[r["iteration"]]
         grad[:2] += w * r["advantages"][0] * (np.eye(2)[a1] - p1)
-        grad[2 + 2 * a1:4 + 2 * a1] += w * r["advantages"][1] * (np.eye(2)[a2] - p2[a1])
+        grad[2 + 2 * a1:4 + 2 * a1] += w * r["advantages"][2] * (np.eye(2)[a2] - p2[a1])
     _expected_gradient.summary = summary
     return grad
 
@@ -167,7 +189,7 @@ def _expected_gradient_one_group_at_a_time(tmp_path, prm: str, calibration_rows:
     for g, combo in enumerate(itertools.product(paths, repeat=size)):
         weight = float(np.prod([p1[a1] * p2[a1, a2] for a1, a2 in combo]))
         rows = list(calibration_rows) + [
-            row(pid="target", idx=i, n=2, response_ids=[a1, a2], step_ends=[0, 1],
+            row(pid="target", idx=i, n=3, response_ids=[a1, SEP, a2], step_ends=[0, 2],
                 step_rewards=[PRMS[prm][a1] if prm else 0.5, OUTCOME[a1, a2]], outcome_reward=OUTCOME[a1, a2])
             for i, (a1, a2) in enumerate(combo)]
         d = tmp_path / (prm or "grpo") / f"group{g}"
@@ -176,9 +198,9 @@ def _expected_gradient_one_group_at_a_time(tmp_path, prm: str, calibration_rows:
         stage.run(make_cfg(d, **options))
         for r in read_out(d):
             if r["prompt_id"] == "target":
-                a1, a2 = r["response_ids"]
+                a1, _, a2 = r["response_ids"]
                 grad[:2] += weight * r["advantages"][0] * (np.eye(2)[a1] - p1)
-                grad[2 + 2 * a1:4 + 2 * a1] += weight * r["advantages"][1] * (np.eye(2)[a2] - p2[a1])
+                grad[2 + 2 * a1:4 + 2 * a1] += weight * r["advantages"][2] * (np.eye(2)[a2] - p2[a1])
     return grad
 
 
@@ -196,13 +218,13 @@ def test_calibrated_baseline_credit_leaves_the_expected_policy_gradient_grpos(tm
     assert got == pytest.approx(grpo, abs=1e-6)
     d = tmp_path / "advantages-of-one-group"  # and the baseline did act on the enumerated prompt's tokens
     d.mkdir()
-    rows = [r for r in other] + [row(pid="target", idx=i, n=2, response_ids=[a1, 0], step_ends=[0, 1],
+    rows = [r for r in other] + [row(pid="target", idx=i, n=3, response_ids=[a1, SEP, 0], step_ends=[0, 2],
                                      step_rewards=[PRMS[prm][a1], 1.0], outcome_reward=1.0 - i % 2)
                                  for i, a1 in enumerate([0, 1, 0])]
     write_rows(d, rows)
     stage.run(make_cfg(d, **ungated, process_credit="baseline", process_calibration="isotonic"))
     target = [r["advantages"] for r in read_out(d) if r["prompt_id"] == "target"]
-    assert any(abs(a[1] - a[0]) > 0.1 for a in target)
+    assert any(abs(a[2] - a[0]) > 0.1 for a in target)
 
 
 def test_step_credit_moves_the_expected_gradient_where_the_prm_is_wrong(tmp_path):
@@ -432,6 +454,30 @@ def test_a_constant_prm_moves_no_credit_once_calibrated(tmp_path):
     assert any(np.abs(np.subtract(raw[k], grpo[k])).max() > 0.05 for k in raw)
 
 
+@pytest.mark.parametrize("phi", ["constant 0.7", "no evidence"])
+def test_a_flat_phi_under_baseline_credit_is_grpo_exactly(tmp_path, phi):
+    # "a flat map moves no credit": under baseline credit a flat Phi (a constant PRM, or the one-prompt batch
+    # whose calibration has no data: NO_EVIDENCE_PHI) must leave GRPO's advantages, bit for bit, and an all-fail
+    # group GRPO's 0 (its start_{-i} and Phi_j are the same constant)
+    rows = [r for r in _shortcut_rows(np.random.default_rng(2)) if r["prompt_id"] in ("p0", "p1", "p2")]
+    rows += [row(pid="fails", idx=i, n=8, step_ends=[3, 7], step_rewards=[0.2, 0.9], outcome_reward=0.0)
+             for i in range(4)]
+    for r in rows:
+        r["step_rewards"] = [0.7] * len(r["step_rewards"])
+    options = {"process_calibration": "isotonic"} if phi == "no evidence" else {}
+    if phi == "no evidence":  # one prompt: its fold's fit has no other prompt's data
+        rows = [r for r in rows if r["prompt_id"] == "fails"] + [
+            {**r, "prompt_id": "fails", "sample_idx": 4 + i} for i, r in enumerate(rows[:3])]
+    got, summary = _advantages(tmp_path / "baseline", rows, **{**UNGATED, "process_weight": 1.0},
+                               process_credit="baseline", **options)
+    grpo, _ = _advantages(tmp_path / "grpo", rows, estimator="grpo")
+    assert summary["advantage/process_weight"] == 1.0  # ungated: the process term is on
+    for k in grpo:
+        assert got[k] == grpo[k], k
+    if phi == "constant 0.7":
+        assert all(a == 0.0 for k in grpo if k[1] == "fails" for a in got[k])
+
+
 def test_a_noise_prm_calibrates_nearly_flat_and_moves_little(tmp_path):
     # scores that say nothing about the outcome: fitted on bins of >= sqrt(N) prefixes the map stays near
     # flat (fitted per distinct score, its extreme scores fit their own outcomes)
@@ -512,20 +558,79 @@ def test_step_credit_sums_to_zero_per_response_and_never_flips_a_sign(batch):
     group = np.zeros(n, dtype=np.int64)
     mean, std = outcome.mean(), outcome.std(ddof=1)
     folds = np.arange(n) % 2 if calibration == "folds" else None  # two "prompts" of one group: both folds fit
-    credit = process_credit(flat_scores, counts, outcome, group, np.full(n, mean), np.full(n, outcome.sum()),
-                            np.full(n, float(n)), folds, "step", 1e-6)
-    steps = make_steps(layout, np.array([e for row_ends in ends for e in row_ends], dtype=np.int64), counts,
-                       credit.progress, to_end=True)
+    credit = process_credit(flat_scores, counts, outcome, group, np.full(n, mean), folds, "step", 1e-6)
+    recorded = np.array([e for row_ends in ends for e in row_ends], dtype=np.int64)
+    steps = make_steps(layout, recorded, counts, credit.progress, to_end=True)
     group_std = np.full(n, std if std == std else 0.0)
     adv, _ = ESTIMATORS["grpo_progress"].fn(
         outcome=outcome, group_mean=np.full(n, mean), group_std=group_std, eps=1e-6, layout=layout, steps=steps,
-        process_values=credit.credit, process_weight=weight, process_credit="step",
+        recorded_ends=layout.offsets[:-1][steps.row] + recorded, boundary_lag=1, process_values=credit.credit,
+        process_weight=weight, process_credit="step",
         token_rewards=np.zeros(layout.n_tokens), gamma=1.0)
     out = (outcome - mean) / (group_std + 1e-6)
     for i in range(n):
         a = adv[layout.offsets[i]:layout.offsets[i + 1]]
         assert a.sum() == pytest.approx(out[i] * lengths[i], abs=1e-9 * (1 + np.abs(a).sum())), i
         assert (a * out[i] >= 0).all(), i
+
+
+def _step_credit_advantages(lengths, ends, scores, outcome, weight):
+    """grpo_progress's step-credit advantages (N,) of one group, uncalibrated, and the outcome advantage (B,)."""
+    layout = Ragged.from_lengths(np.array(lengths))
+    counts = np.array([len(e) for e in ends])
+    n = len(lengths)
+    mean, std = outcome.mean(), outcome.std(ddof=1)
+    credit = process_credit(np.array([x for s in scores for x in s], dtype=np.float64), counts, outcome,
+                            np.zeros(n, dtype=np.int64), np.full(n, mean), None, "step", 1e-6)
+    recorded = np.array([e for row_ends in ends for e in row_ends], dtype=np.int64)
+    steps = make_steps(layout, recorded, counts, credit.progress, to_end=True)
+    group_std = np.full(n, 0.0 if np.isnan(std) else std)
+    adv, _ = ESTIMATORS["grpo_progress"].fn(
+        outcome=outcome, group_mean=np.full(n, mean), group_std=group_std, eps=1e-6, layout=layout, steps=steps,
+        recorded_ends=layout.offsets[:-1][steps.row] + recorded, boundary_lag=1, process_values=credit.credit,
+        process_weight=weight, process_credit="step", token_rewards=np.zeros(layout.n_tokens), gamma=1.0)
+    return layout, adv, (outcome - mean) / (group_std + 1e-6)
+
+
+@st.composite
+def _unequal_steps(draw):
+    """One group of 2-6 responses of 1-200 tokens with 0-6 steps at random ends (1-token steps beside long
+    ones are common), any PRM scores, 0/1 outcomes, any weight."""
+    lengths, ends, scores, outcome = [], [], [], []
+    for _ in range(draw(st.integers(2, 6))):
+        length = draw(st.integers(1, 200))
+        cut = sorted(draw(st.sets(st.sampled_from([0, 1, length - 2, length - 1]) | st.integers(0, length - 1),
+                                  max_size=6).map(lambda c, n=length: {x for x in c if 0 <= x < n})))
+        lengths.append(length)
+        ends.append(cut)
+        scores.append(draw(st.lists(st.floats(0, 1), min_size=len(cut), max_size=len(cut))))
+        outcome.append(float(draw(st.integers(0, 1))))
+    return lengths, ends, scores, np.array(outcome), draw(st.floats(0.05, 5.0))
+
+
+@given(batch=_unequal_steps())
+@settings(max_examples=60, deadline=None)
+def test_no_tokens_process_credit_exceeds_the_stated_multiple_of_its_outcome_advantage(batch):
+    # the bound (estimators.PROCESS_BOUND): |A_t - A_out_i| <= PROCESS_BOUND x |A_out_i|, or x w where A_out_i = 0;
+    # per-token balancing (z_k x Lbar / L_k) alone has none (issue 61 item 2). The row's credit still sums to 0.
+    lengths, ends, scores, outcome, weight = batch
+    layout, adv, out = _step_credit_advantages(lengths, ends, scores, outcome, weight)
+    for i in range(len(lengths)):
+        a = adv[layout.offsets[i]:layout.offsets[i + 1]]
+        bound = PROCESS_BOUND * (abs(out[i]) if out[i] != 0 else weight)
+        assert np.abs(a - out[i]).max() <= bound * (1 + 1e-9) + 1e-12, i
+        assert a.sum() == pytest.approx(out[i] * lengths[i], abs=1e-9 * (1 + np.abs(a).sum())), i
+
+
+def test_a_one_token_step_of_a_long_success_is_bounded():
+    # the issue's case: a 100-token success whose first step is 1 token (its PRM jump large), beside a failure;
+    # the first token got 25.7 against an outcome advantage of 0.707 (36x)
+    lengths = [100, 100]
+    ends = [[0, 50, 99], [49, 99]]
+    scores = [[0.95, 0.2, 1.0], [0.5, 0.0]]
+    _, adv, out = _step_credit_advantages(lengths, ends, scores, np.array([1.0, 0.0]), 0.5)
+    assert out[0] == pytest.approx(0.7071, abs=1e-4)
+    assert adv[0] - out[0] == pytest.approx(PROCESS_BOUND * out[0], rel=1e-6)  # the cap binds, at 2 x 0.707
 
 
 def _benchmark_batch(rng, prm: str, unsolved: bool = False) -> list[dict]:

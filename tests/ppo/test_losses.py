@@ -23,7 +23,7 @@ def _rand(seed=0, B=3, T=5):
 @pytest.mark.parametrize("name,formula", [
     ("k1", lambda x: x),
     ("k2", lambda x: x * x / 2),
-    ("k3", lambda x: math.exp(-x) - 1 + x),
+    ("k3", lambda x: min(math.exp(-x) - 1 + x, 10.0)),
 ])
 def test_kl_estimators_match_their_definitions(name, formula):
     logp, ref, _, mask = _rand(1)
@@ -42,6 +42,20 @@ def test_k3_is_nonnegative_and_padding_cannot_overflow():
     k3.sum().backward()
     assert torch.isfinite(k3).all() and (k3 >= 0).all()
     assert torch.isfinite(logp.grad).all() and logp.grad[0, 1] == 0
+
+
+def test_k3_is_clamped_as_verl_clamps_low_var_kl():
+    # volcengine/verl@v0.7.0 verl/trainer/ppo/core_algos.py:1637-1643: kl = clamp(ref - logp, -20, 20);
+    # clamp(exp(kl) - kl - 1, -10, 10). One token whose reference is far likelier (x = -15: exp(15) = 3.3e6)
+    # must not outweigh the batch, and the clamped token gets no gradient
+    logp = torch.tensor([[-16.0, -1.0, -0.5, -40.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.3, -31.0, -1.0]])  # x = -15, 0.3, 30.5, -39
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    k3 = losses.kl_estimate("k3", logp, ref, mask)
+    want = [min(math.exp(-x) - 1 + x, 10.0) for x in (-15.0, 0.3, 20.0, -20.0)]  # x past 20 counts as 20
+    assert k3[0].tolist() == pytest.approx(want, rel=1e-6)
+    k3.sum().backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 2] == 0 and logp.grad[0, 3] == 0 and logp.grad[0, 1] != 0
 
 
 # --- policy loss -----------------------------------------------------------------------------

@@ -100,8 +100,10 @@ def test_one_update_moves_logprobs_with_the_sign_of_the_advantage(sft_policy, ro
 def test_loss_aggregation_matches_hand_value_and_is_micro_batch_invariant(sft_policy, rows16, tmp_path, mode):
     rows = rows16[:8]
     a = [2.0, -1.0, 0.5, 3.0, -2.0, 1.0, 0.25, -0.5]  # one advantage per response
-    adv = write_advantages(tmp_path / "adv", rows, lambda i, t: a[i])
+    # Dr. GRPO's constant: the generation budget the advantages' manifest carries (40), not the longest response
+    adv = write_advantages(tmp_path / "adv", rows, lambda i, t: a[i], manifest={"max_new_tokens": 40})
     lens = [len(r["response_ids"]) for r in rows]
+    assert max(lens) < 40
     aggregate = {  # per-row token losses (lists of tensors) -> one number, written out by hand
         "token-mean": lambda ls: sum(l.sum() for l in ls) / sum(lens),
         "seq-mean-token-mean": lambda ls: sum(l.mean() for l in ls) / 8,
@@ -129,7 +131,7 @@ def test_loss_aggregation_matches_hand_value_and_is_micro_batch_invariant(sft_po
     for micro in (2, 8):
         out = tmp_path / f"out{micro}"
         stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=8, micro_batch_size=micro,
-                           loss_agg=mode, drgrpo_max_len=40))
+                           loss_agg=mode))
         h = history(out)[0]
         assert h["policy_loss"] == pytest.approx(ref_loss.item(), rel=1e-4)
         assert h["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)  # same gradient, not just the same loss

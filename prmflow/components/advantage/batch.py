@@ -108,8 +108,10 @@ def compute_batch(t: pa.Table, group_rows: dict[str, np.ndarray], plan: Plan) ->
                  "group_mean": group_rows["group_mean"], "group_std": group_rows["group_std"],
                  "group_sum": group_rows["group_sum"]}
     if est.process:
+        recorded = layout.offsets[:-1][steps.row] + flat_values(t, "step_ends").astype(np.int64)
         available.update(process_weight=group_rows["process_weight"], process_values=group_rows["process_values"],
-                         process_credit=cfg.process_credit)
+                         process_credit=cfg.process_credit, recorded_ends=recorded,
+                         boundary_lag=group_rows["boundary_lag"])
     advantages, returns = est.compute(available)
     return BatchResult(layout, rewards, advantages, returns, kl, kl_rows)
 

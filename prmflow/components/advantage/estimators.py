@@ -170,6 +170,9 @@ INPUTS = {
     "process_weight": "grpo_progress: the process weight after the evidence gate",
     "process_credit": "grpo_progress: 'step' or 'baseline'",
     "process_values": "(S,) grpo_progress: each step's process term before the weight (progress.process_credit)",
+    "recorded_ends": "(S,) grpo_progress: flat index of each step's last token as step_ends records it (the last "
+                     "step not run on to the row's end)",
+    "boundary_lag": "grpo_progress: the most tokens the step separator can span (its UTF-8 bytes; 1 for a newline)",
 }
 """What an estimator may name as an argument, and what it is."""
 
@@ -331,6 +334,31 @@ def per_step_token_values(steps: Steps, layout: Ragged, per_step: np.ndarray) ->
     return out
 
 
+def closed_step_values(recorded_ends: np.ndarray, row: np.ndarray, layout: Ragged, per_step: np.ndarray,
+                       lag: int = 1) -> np.ndarray:
+    """(N,) token t gets per_step[j] of the last step j of its row whose recorded last token is before t - lag
+    (<= t - lag - 1), 0 while there is none; lag: the most tokens the separator can span (its bytes: 1 for a
+    newline). The tokens right after a step's last token are where the policy chooses whether the step ends
+    (a separator token, one that opens the next step with the separator, or anything else), so they still get
+    the value of the step before. Each token holds at least one byte, so once step j's last token is before
+    t - lag the whole separator lies in tokens before t: which steps have closed is read from the tokens before
+    t alone, and a term built from it is a baseline that does not depend on the action it scores.
+    recorded_ends: (S,) flat index of each step's last token, row: (S,) its row. Slow equivalent, per row:
+    `closed = [j for j, e in enumerate(ends) if e < t - lag]; out[t] = per_step[closed[-1]] if closed else 0`."""
+    out = np.zeros(layout.n_tokens, dtype=np.float64)
+    if not len(recorded_ends) or not layout.n_tokens:
+        return out
+    order = np.argsort(recorded_ends, kind="stable")  # steps are normally in order already
+    ends, rows, values = recorded_ends[order], row[order], per_step[order]
+    tok = np.arange(layout.n_tokens)
+    j = np.searchsorted(ends, tok - lag, side="left") - 1  # (N,) the last step ending before t - lag, any row
+    row_of_token = np.repeat(np.arange(layout.n_rows), layout.lengths)
+    ok = j >= 0
+    ok[ok] = rows[j[ok]] == row_of_token[ok]
+    out[ok] = values[j[ok]]
+    return out
+
+
 def balanced_token_values(steps: Steps, layout: Ragged, per_step: np.ndarray) -> np.ndarray:
     """(N,) per_step spread over the tokens of each step, balanced per token: a token of step k gets
     per_step[k] x Lbar / L_k, L_k the step's tokens, Lbar the mean of L over the row's steps (steps that end
@@ -354,39 +382,53 @@ def balanced_token_values(steps: Steps, layout: Ragged, per_step: np.ndarray) ->
     return per_step_token_values(Steps(ends, row, scaled), layout, scaled)
 
 
-def shrink_to_sign(outcome_adv: np.ndarray, process: np.ndarray, layout: Ragged) -> np.ndarray:
-    """(N,) outcome_adv (B,) on every token of its row plus process (N,), the row's process term scaled down
-    as a whole (by the one factor in [0, 1] that takes its most opposed token to 0) so that no token's
-    advantage has the sign opposite to its row's outcome advantage. A row's process term keeps its sum (0
-    for a balanced one): a response the outcome rewards never has a token pushed down, nor one it punishes
-    pushed up, and the credit moved between its tokens still adds up to nothing. Rows with outcome
-    advantage 0 (a group whose responses all ended alike) keep their process term whole."""
+PROCESS_BOUND = 2.0
+"""grpo_progress's step credit: no token's process credit exceeds PROCESS_BOUND x |A^out_i| in size (x w, the gated
+weight, in a row whose A^out_i is 0). Balancing per token (z_k x Lbar / L_k) has no bound of its own: a 1-token
+step of a 100-token response gets ~50x its z."""
+
+
+def shrink_to_bounds(outcome_adv: np.ndarray, process: np.ndarray, layout: Ragged, weight: float) -> np.ndarray:
+    """(N,) outcome_adv (B,) on every token of its row plus process (N,), the row's process term scaled down as a
+    whole by the largest factor in [0, 1] that meets both bounds: (1) no token's advantage has the sign opposite
+    to its row's outcome advantage (the factor that takes the most opposed token to 0); (2) no token's process
+    credit exceeds PROCESS_BOUND x |A^out_i| in size (x weight in a row with A^out_i = 0, a group whose
+    responses all ended alike: (1) leaves its term whole). One factor per row keeps the row's sum (0 for a
+    balanced term): a response the outcome rewards never has a token pushed down, nor one it punishes pushed
+    up, the credit moved between its tokens still adds up to nothing, and a token's advantage lies within
+    (1 + PROCESS_BOUND) x |A^out_i|. Slow equivalent: tests/advantage/advantage_reference.py `grpo_progress`."""
     a = layout.broadcast(outcome_adv)
     against = np.where(a > 0, -process, np.where(a < 0, process, 0.0))  # > 0 where the term opposes
-    worst = np.zeros(layout.n_rows)
+    worst, largest = np.zeros(layout.n_rows), np.zeros(layout.n_rows)
     if layout.n_tokens:
         worst[layout.nonempty] = np.maximum.reduceat(against, layout.starts)
+        largest[layout.nonempty] = np.maximum.reduceat(np.abs(process), layout.starts)
     room = np.abs(outcome_adv)
-    factor = np.where(worst > room, room / np.where(worst > 0, worst, 1.0), 1.0)
+    cap = PROCESS_BOUND * np.where(outcome_adv != 0, room, weight)
+    factor = np.minimum(np.where(worst > room, room / np.where(worst > 0, worst, 1.0), 1.0),
+                        np.where(largest > cap, cap / np.where(largest > 0, largest, 1.0), 1.0))
     adv = a + layout.broadcast(factor) * process
     return np.where(a > 0, np.maximum(adv, 0.0), np.where(a < 0, np.minimum(adv, 0.0), adv))  # rounding only
 
 
 @register("grpo_progress", min_group_size=2, uses_token_rewards=False, signal="outcome", process=True)
 def grpo_progress(outcome: np.ndarray, group_mean: np.ndarray, group_std: np.ndarray, eps: float, layout: Ragged,
-                  steps: Steps, process_values: np.ndarray, process_weight: float, process_credit: str,
-                  token_rewards: np.ndarray, gamma: float) -> tuple[np.ndarray, np.ndarray]:
+                  steps: Steps, recorded_ends: np.ndarray, boundary_lag: int, process_values: np.ndarray,
+                  process_weight: float, process_credit: str, token_rewards: np.ndarray,
+                  gamma: float) -> tuple[np.ndarray, np.ndarray]:
     """Outcome GRPO plus a gated, outcome-anchored process advantage from the PRM's step progress.
 
     A^out_i = (R_i - mean_group) / (std_group + eps); the process term per step, process_values, comes from
     progress.process_credit (computed once by the progress pass). process_credit=step: z_k (the PRM's
-    progress centered within its response, at unit scale among the group's responses with the same
-    outcome), spread over step k's tokens balanced per token (`balanced_token_values`: z_k x Lbar / L_k, so
-    a response's credit moves between its tokens and sums to 0 however long its steps are), times w = the
-    weight after the evidence gate, then shrunk per response so no token's sign opposes A^out_i
-    (`shrink_to_sign`). process_credit=baseline: A_t = A^out_i + w * (mean_{-i} - Phi_{k-1}) for the
-    tokens of step k >= 1 (of steps ending in the same token the first holds it), no shrink: the PRM's
-    value of the prefix as a baseline, unbiased. A row's last step runs to its last token.
+    progress centered within its response, at unit RMS over the input's steps), spread over step k's tokens
+    balanced per token (`balanced_token_values`: z_k x Lbar / L_k, so a response's credit moves between its
+    tokens and sums to 0 however long its steps are), times w = the weight after the evidence gate, then
+    shrunk per response so no token's sign opposes A^out_i and no token's process credit exceeds
+    PROCESS_BOUND x |A^out_i| (`shrink_to_bounds`); a row's last step runs to its last token.
+    process_credit=baseline: A_t = A^out_i + w * (start_{-i} - Phi_j), j the last step closed before t
+    (`closed_step_values`: its last token is before t - boundary_lag), start_{-i} the mean first-step Phi of the group's
+    other responses, no shrink: the PRM's value of the prefix as a baseline, unbiased, and
+    |A_t - A^out_i| <= w for Phi in [0, 1].
     Slow equivalent: tests/advantage/advantage_reference.py `grpo_progress`.
     """
     out = (outcome - group_mean) / (group_std + eps)  # (B,)
@@ -396,9 +438,7 @@ def grpo_progress(outcome: np.ndarray, group_mean: np.ndarray, group_std: np.nda
     if not len(st.value) or process_weight == 0.0:
         return adv, returns
     if process_credit == "baseline":
-        holds = np.zeros(len(process_values), bool)  # of steps ending in the same token, the first holds it
-        holds[np.unique(st.token, return_index=True)[1]] = True
-        term = per_step_token_values(st, layout, np.where(holds, process_values, 0.0))
+        term = closed_step_values(recorded_ends, st.row, layout, process_values, boundary_lag)
         return adv + process_weight * term, returns
     process = process_weight * balanced_token_values(st, layout, process_values)
-    return shrink_to_sign(out, process, layout), returns
+    return shrink_to_bounds(out, process, layout, process_weight), returns

@@ -11,7 +11,7 @@ CALIBRATION_FOLDS folds, and the scores of a prompt's responses are read through
 other folds' prompts only, on their intermediate prefixes only (every step but a response's last, as
 the evidence gate). So (1) a PRM that judges final answers well earns nothing from it: its answer
 line never enters a fit, and its steps are worth what its ranking of steps is worth; (2) a response's
-Phi never depends on its own outcome (nor on its group's), so the baseline credit, whose Phi_{k-1}
+Phi never depends on its own outcome (nor on its group's), so the baseline credit, whose Phi_j
 depends on the prefix alone, leaves the expected policy gradient GRPO's with calibration on too.
 
 A fold's fitted map is a model choice against the flat map (every prefix the mean outcome of the fit's
@@ -44,10 +44,11 @@ CALIBRATION_FOLDS = 5
 NO_EVIDENCE_PHI = 0.5
 """Phi of every prefix of a fold whose fit has no data (a batch of one prompt): flat, so it moves no credit."""
 
-CALIBRATION_REVISION = 2
+CALIBRATION_REVISION = 3
 """Raised whenever a change alters what process_calibration=isotonic computes (2: the map chosen against a flat
-one, a flat group's credit exactly 0). benchmarks/prm_vs_outcome.py puts it in the digest of every calibrated
-run, so a finished run made by earlier code is not taken for one of today's."""
+one, a flat group's credit exactly 0; 3: the baseline credit's start_{-i} and its lagged step boundary, the step
+credit's one scale and bound). benchmarks/prm_vs_outcome.py puts it in the digest of every calibrated run, so a
+finished run made by earlier code is not taken for one of today's."""
 
 SELECTION_SE = 1.0
 """A fold reads the fitted map only where its held-out gain over the flat map (mean over held-out prompts of
@@ -61,7 +62,8 @@ class ProcessCredit:
     progress: np.ndarray
     """(S,) d_k = Phi_k - Phi_{k-1}, Phi_{-1} = the group's mean outcome, the last Phi the outcome: the token reward."""
     credit: np.ndarray
-    """(S,) the process term of each step before the gated weight: z_k (step) or mean_{-i} - Phi_{k-1} (baseline)."""
+    """(S,) the process term of each step before the gated weight: z_k (step) or start_{-i} - Phi_k (baseline:
+    the term of the tokens after step k, `baseline_credit`)."""
     step_auc: float
     """The PRM's raw scores of every step but a row's last against the row's outcome (>= 0.5 a success)."""
     steps: int
@@ -136,32 +138,54 @@ def centered_by_row(values: np.ndarray, row: np.ndarray, n_rows: int) -> np.ndar
     return values - mean[row]
 
 
-def class_scale(centered: np.ndarray, row: np.ndarray, group: np.ndarray, outcome: np.ndarray) -> np.ndarray:
-    """(S,) per step: the root mean square of the centered values over the steps of the responses of its
-    row's group with its row's outcome (their mean is 0, so this is their std); 0 without spread."""
-    _, cls = np.unique(np.stack([group.astype(np.float64), outcome]), axis=1, return_inverse=True)
-    cls = cls.reshape(-1)[row]
-    n = np.bincount(cls).astype(np.float64)
-    var = np.divide(np.bincount(cls, centered ** 2), n, out=np.zeros(len(n)), where=n > 0)
-    return np.sqrt(var)[cls]
+def pooled_scale(centered: np.ndarray) -> float:
+    """The root mean square of the centered progress over every step of the input (their mean is 0, so this is
+    their std); 0 without steps. One scale for all responses: a response's z keeps the size of its PRM
+    differences relative to the input's. Scaled per (group, outcome) class instead, a response alone in its
+    class was divided by its own RMS, so any two-step lone response got z = +-1 whatever its differences."""
+    return float(np.sqrt(np.mean(centered ** 2))) if len(centered) else 0.0
+
+
+def baseline_credit(phi: np.ndarray, row: np.ndarray, counts: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """(S,) per step j of row i: start_{-i} - Phi_j, the baseline term of the tokens that follow step j once it is
+    closed (estimators.closed_step_values places it). start_{-i}: the mean first-step Phi of the other responses
+    of i's group (the PRM's value of the prompt, estimated without i's own actions, in Phi's units); 0 for a row
+    with no other response with a step. A flat Phi (every prefix c) gives c - c = 0 exactly: no credit moves
+    and the advantages are GRPO's, an all-fail group's 0 included. Slow equivalent:
+    tests/advantage/advantage_reference.py `grpo_progress` (credit=baseline)."""
+    n_rows = len(counts)
+    has = counts > 0
+    first = (np.cumsum(counts) - counts)[has]
+    n_groups = int(group.max()) + 1 if len(group) else 0
+    own = np.zeros(n_rows)
+    own[has] = phi[first]
+    total = np.bincount(group[has], phi[first], n_groups)[group]  # (R,) over the row's group
+    others = np.bincount(group[has], minlength=n_groups)[group] - has  # (R,) other rows with a step
+    start = np.divide(total - own, others, out=np.zeros(n_rows), where=others > 0)
+    low, high = np.full(n_groups, np.inf), np.full(n_groups, -np.inf)
+    np.minimum.at(low, group[has], phi[first])
+    np.maximum.at(high, group[has], phi[first])
+    # a group whose first-step Phi are all equal starts at that value exactly (the mean of equal floats can be
+    # 1 ulp off, which left ~1e-17 credit where GRPO's advantage is exactly 0)
+    start = np.where((low == high)[group] & (others > 0), low[group], start)
+    return np.where((others > 0)[row], start[row] - phi, 0.0)
 
 
 def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, group: np.ndarray,
-                   group_mean: np.ndarray, group_sum: np.ndarray, group_n: np.ndarray,
-                   prompt_of_row: np.ndarray | None, kind: str, eps: float) -> ProcessCredit:
+                   group_mean: np.ndarray, prompt_of_row: np.ndarray | None, kind: str, eps: float) -> ProcessCredit:
     """The per-step progress and process term of grpo_progress (module docstring).
 
-    scores (S,); counts, outcome, group (R,); group_mean, group_sum, group_n (R,) the outcome statistics of
+    scores (S,); counts, outcome, group (R,); group_mean (R,) the mean outcome of
     each row's group; prompt_of_row (R,) with calibration (`prompt_ranks`), None without; kind: 'step' or
-    'baseline'; eps: added to the class scale.
+    'baseline'; eps: added to the scale.
     step: c_k = the process progress minus its row's mean (the raw PRM's progress d, or with calibration the
     calibrated PRM's own progress, from the group's mean first-step Phi through the last step's: no
-    outcome in it); z_k = c_k / (its (group, outcome) class's scale + eps) for raw scores, and with
+    outcome in it); z_k = c_k / (`pooled_scale` of every step's c + eps) for raw scores, and with
     calibration c_k / (the std of the batch's outcomes + eps): calibrated Phi is a chance of success, so its
     progress is read in outcome units (as GRPO's A_out is) and a nearly flat map moves nearly nothing.
-    Rescaled to unit std per class instead, a map fitted to noise (spread 0.002) moved unit-size credit
-    towards whatever the PRM likes, since a monotone fit can only lean its way.
-    baseline: mean outcome of the group's other responses - Phi_{k-1} for k >= 1, 0 for a row's first step.
+    Rescaled to unit std instead, a map fitted to noise (spread 0.002) moved unit-size credit towards
+    whatever the PRM likes, since a monotone fit can only lean its way.
+    baseline: `baseline_credit`, start_{-i} - Phi_k per step k.
     """
     scores = np.asarray(scores, dtype=np.float64)
     counts = np.asarray(counts, dtype=np.int64)
@@ -179,11 +203,7 @@ def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, 
         phi, spread = cross_fitted_phi(scores, row, outcome, intermediate, prompt_of_row)
     progress = progress_rewards(phi, counts, outcome, group_mean)
     if kind == "baseline":
-        others = (group_sum - outcome) / np.maximum(group_n - 1, 1)  # (R,) mean_{-i}
-        before = np.empty_like(phi)
-        before[1:] = phi[:-1]
-        credit = others[row] - before
-        credit[first] = 0.0
+        credit = baseline_credit(phi, row, counts, group)
     else:
         if prompt_of_row is None:
             own = progress
@@ -200,8 +220,8 @@ def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, 
             start = np.where(low == high, low, start)[group]
             own = prm_progress(phi, counts, start)
         c = centered_by_row(own, row, n_rows)
-        if prompt_of_row is None:  # raw scores: ranked at unit scale among the responses that ended alike
-            credit = c / (class_scale(c, row, group, outcome) + eps)
+        if prompt_of_row is None:  # raw scores: at unit RMS over the whole input's steps (`pooled_scale`)
+            credit = c / (pooled_scale(c) + eps)
         else:  # calibrated Phi is in outcome units: its progress is read in them, so a weak map moves little
             credit = c / (float(np.std(outcome)) + eps)
     return ProcessCredit(progress, credit, auc, int(intermediate.sum()), spread)

@@ -13,10 +13,10 @@ The config and its validation are in config.py. Algorithmic choices:
   reinforce_baseline, grpo, dr_grpo, rloo, grpo_process, grpo_progress.
 - grpo_progress (step_reward_mode=progress): outcome GRPO plus w times a process advantage, the
   steps' progress Phi_k - Phi_{k-1} (the last Phi is the outcome) centered within each response and
-  scaled within the responses of its group with the same outcome, clipped never to flip the outcome
-  advantage's sign; w = process_weight gated by the PRM's step AUC on this batch (passes.gate).
-  process_credit=baseline instead adds w(mean of the group's other outcomes - Phi_{k-1}) to step k's
-  tokens (k >= 1): the PRM's value of the prefix as a baseline, unbiased whatever the PRM says.
+  scaled to unit RMS over the input, shrunk never to flip the outcome advantage's sign nor to exceed
+  PROCESS_BOUND x its size; w = process_weight gated by the PRM's step AUC on this batch (passes.gate).
+  process_credit=baseline instead adds w(start_{-i} - Phi_j), j the last step whose separator lies wholly
+  before the token: the PRM's value of the prefix as a baseline, unbiased whatever the PRM says.
   process_calibration=isotonic reads Phi as the PRM's score mapped to this batch's mean outcome by
   an isotonic fit (rewards.fit_calibration): a PRM whose ranking the outcomes do not bear out gets a
   flat Phi and moves no credit by what it likes.

@@ -80,6 +80,7 @@ class Groups:
                "keep": self.keep[g], "weight": self.weight[g]}
         if self.process is not None:
             out["process_weight"] = self.process.weight
+            out["boundary_lag"] = self.process.boundary_lag
             first, last = self.process.step_offsets[start], self.process.step_offsets[start + count]
             out["process_progress"] = self.process.progress[first:last]
             out["process_values"] = self.process.credit[first:last]
@@ -189,6 +190,8 @@ class Process:
     """Steps whose score entered step_auc."""
     spread: float | None = None
     """process_calibration=isotonic: the mean range of the cross-fitted maps; None: off."""
+    boundary_lag: int = 1
+    """Tokens the step separator can span (`separator_bytes`): the baseline credit's step boundary lag."""
 
 
 def gate(auc: float, weight: float, auc_min: float, auc_full: float) -> float:
@@ -199,6 +202,14 @@ def gate(auc: float, weight: float, auc_min: float, auc_full: float) -> float:
     if auc >= auc_full:
         return weight
     return weight * (auc - auc_min) / (auc_full - auc_min)
+
+
+def separator_bytes(ds: schema.Dataset) -> int:
+    """The UTF-8 bytes of the rollouts' step_separator (the longest over the input's shards) as their manifests
+    record it: the most tokens a separator can span, each token holding at least one byte. A shard that does not
+    record it (plain Parquet) counts as the shared default, a newline: 1."""
+    seps = [((m or {}).get("config") or {}).get("step_separator") for m in ds.manifests]
+    return max([len(x.encode()) for x in seps if isinstance(x, str) and x] or [1])
 
 
 def progress_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Process:
@@ -220,13 +231,13 @@ def progress_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Process:
     prompts = None
     if cfg.process_calibration == "isotonic":
         prompts = prompt_ranks([pid for _, pid in groups.keys])[g]
-    pc_ = process_credit(np.concatenate(values_of), counts, outcome, g, groups.stats["mean"][g],
-                         groups.stats["sum"][g], groups.n[g].astype(np.float64), prompts, cfg.process_credit,
-                         cfg.norm_eps)
+    pc_ = process_credit(np.concatenate(values_of), counts, outcome, g, groups.stats["mean"][g], prompts,
+                         cfg.process_credit, cfg.norm_eps)
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     weight = gate(pc_.step_auc, cfg.process_weight, cfg.process_auc_min, cfg.process_auc_full)
-    return Process(pc_.progress, pc_.credit, offsets, pc_.step_auc, weight, pc_.steps, pc_.spread)
+    return Process(pc_.progress, pc_.credit, offsets, pc_.step_auc, weight, pc_.steps, pc_.spread,
+                   separator_bytes(ds))
 
 
 # --- pass 2 (optional): whitening statistics ------------------------------------------------------------
@@ -247,6 +258,16 @@ def whitening_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Moments:
 
 # --- pass 3: write -------------------------------------------------------------------------------
 
+def generation_budget(ds: schema.Dataset) -> int | None:
+    """The rollouts' generation budget (sampling.max_new_tokens, the largest over the input's shards) as their
+    manifests record it, passed on in the advantages' manifest for ppo's Dr. GRPO constant; None when a shard
+    does not record it (plain Parquet from elsewhere)."""
+    budgets = [((m or {}).get("config") or {}).get("sampling", {}).get("max_new_tokens") for m in ds.manifests]
+    if not budgets or not all(isinstance(b, int) and b > 0 for b in budgets):
+        return None
+    return max(budgets)
+
+
 def write_pass(ds: schema.Dataset, plan: Plan, groups: Groups, whitening: Moments | None) -> dict:
     """Compute and write every batch; return row counts and Moments of the written columns."""
     cfg = plan.cfg
@@ -254,7 +275,8 @@ def write_pass(ds: schema.Dataset, plan: Plan, groups: Groups, whitening: Moment
     rows_in = rows_out = 0
     writer = schema.DatasetWriter(cfg.output, "advantages", config=recorded(cfg),
                                   parents=[str(d) for d in ds.dirs], overwrite=cfg.overwrite,
-                                  extra={"kl_coef_used": plan.beta, "inputs": io.fingerprint(ds.dirs)})
+                                  extra={"kl_coef_used": plan.beta, "inputs": io.fingerprint(ds.dirs),
+                                         "max_new_tokens": generation_budget(ds)})
     # inputs were validated on read and finish_batch checks the new columns: the writer skips re-validating
     write_validated = functools.partial(writer.write, validated=True)
     with writer, parquet_io.write_behind(write_validated) as write, \

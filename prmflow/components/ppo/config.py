@@ -46,7 +46,7 @@ class Config:
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How per-token losses become one number: over all tokens, per sequence then over sequences, or Dr. GRPO."""
     drgrpo_max_len: int = 0
-    """Dr. GRPO's constant length (set it to the generation budget); 0 = the longest response of the batch."""
+    """Dr. GRPO's constant length; 0 = the rollout's sampling.max_new_tokens, as the advantages' manifest records it."""
     advantage_clip: float = 0.0
     """Clamp advantages to [-advantage_clip, advantage_clip] (0 = off); guards against outlier rewards."""
     entropy_coef: float = 0.0

@@ -45,10 +45,17 @@ def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logp - ref_logp) ** 2
 
 
+K3_LOG_RATIO_CLAMP, K3_CLAMP = 20.0, 10.0
+"""veRL's low-variance KL (volcengine/verl@v0.7.0 verl/trainer/ppo/core_algos.py:1637-1643, kl_penalty_forward
+'low_var_kl' / 'k3'): the log-ratio clamped to [-20, 20], the estimate to [-10, 10]. One token where the reference
+is far likelier than the policy (exp(-x) with x = -15 is 3.3e6) would otherwise outweigh the rest of the batch."""
+
+
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 = exp(-x) - 1 + x: unbiased and >= 0 (computed with expm1 for precision near x = 0)."""
-    x = logp - ref_logp
-    return torch.expm1(-x) + x
+    """k3 = exp(-x) - 1 + x: unbiased and >= 0 (computed with expm1 for precision near x = 0), with x clamped to
+    +-K3_LOG_RATIO_CLAMP and k3 to +-K3_CLAMP as veRL does (a clamped token's gradient is 0)."""
+    x = (logp - ref_logp).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+    return (torch.expm1(-x) + x).clamp(-K3_CLAMP, K3_CLAMP)
 
 
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -129,7 +136,8 @@ class Normalizer:
     rows: int
     """Sequences in the minibatch, valid tokens or not (Dr. GRPO's batch size)."""
     max_len: int
-    """Dr. GRPO's constant length (the generation budget, or the longest response of the batch)."""
+    """Dr. GRPO's constant length: the generation budget (ppo.batch.dr_grpo_length); `of` without one takes the
+    longest response of the masks, for callers that aggregate a batch on its own."""
 
     @classmethod
     def of(cls, masks: list[torch.Tensor] | torch.Tensor, max_len: int | None = None) -> "Normalizer":

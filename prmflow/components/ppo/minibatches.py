@@ -15,7 +15,7 @@ import torch
 from ..runtime import distributed
 from ..models import modeling, vision
 from ..data import schema
-from ...errors import DataError
+from ...errors import ConfigError, DataError
 from .config import Config
 
 TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "returns", "values")
@@ -83,6 +83,24 @@ def load_batch(cfg: Config) -> list[Sample]:
         if not r.prompt_ids:
             raise DataError(f"'{cfg.input}': row {i} has empty prompt_ids; the first response token needs a prompt.")
     return rows
+
+
+def dr_grpo_length(cfg: Config) -> int:
+    """Dr. GRPO's constant length (loss_agg=seq-mean-token-sum-norm): drgrpo_max_len, else the generation budget
+    the advantages' manifest records (the rollout's sampling.max_new_tokens, passed on by the advantage stage),
+    the same every iteration; 0 for the other aggregations, which do not read it. A budget that is not
+    recorded is a ConfigError naming drgrpo_max_len: the batch's longest response changes every iteration."""
+    if cfg.loss_agg != "seq-mean-token-sum-norm":
+        return 0
+    if cfg.drgrpo_max_len:
+        return cfg.drgrpo_max_len
+    ds = schema.open_dataset(cfg.input, "advantages", verify_checksums=False)
+    budgets = [(m or {}).get("max_new_tokens") for m in ds.manifests]
+    if budgets and all(isinstance(b, int) and b > 0 for b in budgets):
+        return max(budgets)
+    raise ConfigError(f"loss_agg=seq-mean-token-sum-norm (Dr. GRPO) divides by a constant length, the generation "
+                      f"budget, but the advantages '{cfg.input}' do not record the rollout's sampling.max_new_tokens "
+                      f"(written from plain Parquet, or by an older advantage stage); set drgrpo_max_len to it.")
 
 
 @dataclass

@@ -57,7 +57,7 @@ from ..training.engine import init_distributed
 from ...errors import ConfigError, DataError, ModelLoadError, PrmflowError
 from ..training import kl_state as kl_state_file
 from . import kl_control
-from .minibatches import Sample, collate, load_batch, micro_split, minibatch_plan, shard_ptx
+from .minibatches import Sample, collate, dr_grpo_length, load_batch, micro_split, minibatch_plan, shard_ptx
 from .config import Config
 from .actor_critic import disable_dropout, load_critic, make_engine
 from .prepass import attach_pixels, precompute
@@ -168,6 +168,7 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
         raise ConfigError(f"'{cfg.input}' has {len(samples)} responses, fewer than minibatch_size="
                           f"{cfg.minibatch_size}; lower minibatch_size or generate more rollouts.")
     plan = minibatch_plan(len(samples), cfg)
+    max_len = dr_grpo_length(cfg)  # (before any model is loaded: a missing budget fails at once)
     n_updates = len(plan)
     if cfg.critic_warmup_steps >= n_updates:
         raise ConfigError(f"critic_warmup_steps ({cfg.critic_warmup_steps}) leaves no update for the policy "
@@ -213,7 +214,7 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
     with tracker:
         base = cfg.iteration * n_updates  # global update count (as the lr schedule counts): iterations chart one after another
         tracker.log_metrics({"data/responses": len(samples), "data/updates": n_updates}, step=base + state.update)
-        updater = Updater(cfg, actor, critic, max_len=cfg.drgrpo_max_len or max(len(s.response_ids) for s in samples))
+        updater = Updater(cfg, actor, critic, max_len=max_len)
         training = Training(cfg, cfg_dict, samples, plan, updater, tokenizer, ptx_examples, ema, work, base)
         tokens, seconds = _train(training, state, tracker, stop)
         applied = [h for h in state.history if not h.get("skipped")]

@@ -3,9 +3,12 @@ share of each micro-batch, cut as the update cuts it, so the first update's rati
 rank and each rank forwards half of the batch's tokens; the ranks then hold the same old_logprobs for
 every row (a later epoch trains a row on the other rank).
 
-The batch has 17 responses: two minibatches of 8 a epoch and one left over, a micro-batch of one row that
-only rank 0's share holds, so rank 1 takes part in that forward with a row it drops (ZeRO-3 gathers the
-weights inside every forward: a rank that skipped it would leave the other waiting).
+The batch has 17 responses: two minibatches of 8 an epoch and one left over, a micro-batch of one row
+that only rank 0's share holds, so rank 1 takes part in that forward with a row it drops. (ZeRO-3
+gathers each parameter above its persistence threshold, 1e5 elements by default, inside every forward:
+a rank that skipped one would leave the others' collectives unmatched. The tiny model's parameters are
+all below it, so this test sees that rank 1 takes part, not the hang; dropping the placeholder forward
+fails the check of rank 1's forwards.)
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ class Training:
     """The policy's exponential moving average, when ema_decay > 0."""
     work: Path
     """Where the resume checkpoint goes (`.OUTPUT.work`)."""
-    gap: dict[str, float]
+    prepass_metrics: dict[str, float]
     """The prepass's metrics (`prepass.precompute`: the hand-off's old_logprobs against this engine's, train/is_*)."""
 
     @property
@@ -198,7 +198,7 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
         _check_some_applied(cfg, state, n_updates - cfg.critic_warmup_steps)
         kl_state = kl_control.next_state(cfg, t.samples)
         metrics = {**_summary(state, n_updates, tokens, seconds), "train/kl_coef": kl_state["kl_coef"],
-                   "train/rollout_kl": kl_state["measured_kl"], **t.gap}
+                   "train/rollout_kl": kl_state["measured_kl"], **t.prepass_metrics}
         _write_output(t, Result(kl_state, state.history, metrics))
         checkpoint.clear(t.work)
         # the iteration's summary as ppo/* (the per-update train/* curve keeps its own last point)
@@ -237,12 +237,12 @@ def _setup(cfg: Config, cfg_dict: dict) -> Training:
                         cfg.micro_batch_size)
     critic = (make_engine(critic_model, cfg, cfg.critic_lr, cfg.rl_iterations * n_updates, cfg.iteration * n_updates,
                           cfg.micro_batch_size) if critic_model is not None else None)
-    gap = precompute(cfg, samples, plan, actor, critic, tokenizer.pad_token_id)
+    prepass_metrics = precompute(cfg, samples, plan, actor, critic, tokenizer.pad_token_id)
     ptx_examples = load_ptx(cfg, tokenizer) if cfg.ptx_coef else None
     ema = PolicyEMA(actor, cfg.ema_decay) if cfg.ema_decay else None
     updater = Updater(cfg, actor, critic, max_len=cfg.drgrpo_max_len or max(len(s.response_ids) for s in samples))
     return Training(cfg, cfg_dict, samples, plan, updater, tokenizer, ptx_examples, ema,
-                    checkpoint.work_dir_for(cfg.output), gap)
+                    checkpoint.work_dir_for(cfg.output), prepass_metrics)
 
 
 def _resume_or_start(t: Training) -> TrainerState:

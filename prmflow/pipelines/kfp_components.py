@@ -3,6 +3,7 @@ workspace, the iteration) into the stage's `paths` and calls `kfp_shim.run_stage
 
 KFP compiles each function's own source into the pipeline spec and runs it inside the stage's image,
 so every import a shim needs is inside its body. The logic lives in the stages; these only translate.
+Each pipeline stage of prmflow/stages.py has its function here, named `stages.component(stage)`.
 
 Data flow (pipelines/kfp_shim.py): a stage that writes weights (sft, prm, prm-update, ppo) writes them once to
 the workspace and its Model artifact is their *location* (a few KB: where, sha256s, sizes); a reader
@@ -16,10 +17,6 @@ KL term, no PRM with the oracle. The MLflow parent run is found through $PRMFLOW
 from typing import List
 
 from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
-
-#: The stages with a component here, in pipeline order (the pipeline looks each up by name).
-STAGES = ("sft", "prm", "rollout", "prm_update", "advantage", "ppo", "evaluate")
-
 
 def sft(config: dict, tracking_uri: str, experiment: str, workspace: str, policy: Output[Model], placement: str = ""):
     """Train the SFT policy; `policy` locates its HF checkpoint directory on the workspace. `placement`: a

@@ -43,7 +43,7 @@ def _component(fn: Callable, image: str):
 
 def _stage_fn(stage: str) -> Callable | None:
     """The KFP component function of `stage`, or None when this build lacks the stage."""
-    return getattr(components, stage) if stages.load(stage) is not None else None
+    return getattr(components, stages.component(stage)) if stages.load(stage) is not None else None
 
 
 def trainjob_spec(cluster: ClusterConfig, images: ImagesConfig, scratch: str = "") -> trainjob.TrainJobSpec:

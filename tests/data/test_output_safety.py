@@ -13,7 +13,7 @@ import stat
 import pyarrow as pa
 import pytest
 
-from prmflow import cli
+from prmflow import cli, stages
 from prmflow.components.data import io, schema
 from prmflow.components.models import modeling
 from prmflow.errors import OutputExistsError
@@ -45,7 +45,8 @@ def _stage_args(stage: str, inputs, model: str) -> list[str]:
     return []  # sft, prm, prm-label, rollout: the built-in task and the tiny preset
 
 
-STAGES = ["sft", "prm", "prm-label", "prm-update", "rollout", "advantage", "ppo", "evaluate"]
+#: Every stage of the registry: a stage added there is checked here too (its inputs: `_stage_args`).
+STAGES = list(stages.STAGES)
 
 
 @pytest.fixture

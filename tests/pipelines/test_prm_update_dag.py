@@ -278,3 +278,17 @@ def test_two_updates_with_the_real_stage_train_on_the_copied_shards_and_replay_t
     first = Path(manifest["parents"][0])  # the PRM update 1 started from: update 0's
     assert first.parent.name.startswith("prm-update-0-")
     assert str(first.parent / "replay" / "rollouts") in manifest["parents"]
+
+
+def test_every_pipeline_stage_of_the_registry_is_a_task_of_the_dag(compiled):
+    """stages.PIPELINE_STAGES is what the DAG runs: each stage has a task whose executor runs its KFP
+    component, `stages.component(name)` (a stage registered without its wiring in pipeline.build fails here)."""
+    from prmflow import stages
+
+    ir, _ = compiled
+    executors = ir["deploymentSpec"]["executors"]
+    run = {c["executorLabel"]: executors[c["executorLabel"]]["container"] for c in ir["components"].values()
+           if "executorLabel" in c}
+    functions = {args[args.index("--function_to_execute") + 1] for c in run.values()
+                 if "--function_to_execute" in (args := c.get("args", []))}
+    assert {stages.component(name) for name in stages.PIPELINE_STAGES} <= functions, functions

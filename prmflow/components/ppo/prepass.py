@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime import distributed
 from ..models import vision
 from ..training.engine import TrainEngine
 from ...errors import DataError
@@ -20,8 +21,10 @@ def precompute(cfg: Config, samples: list[Sample], plan: list[list[int]], actor:
                critic: TrainEngine | None, pad_id: int) -> dict[str, float]:
     """Fill what the hand-off lacks or what the config asks to recompute, with the starting weights.
 
-    Runs the micro-batches of the first epoch in training order, so a recomputed old_logprobs is
-    bit-identical to what the first update computes (its ratio is exactly 1). Where the hand-off had
+    Runs the micro-batches of the first epoch in training order, each rank its own share of each (as the
+    update cuts them), so a recomputed old_logprobs is bit-identical to what the first update computes on
+    every rank (its ratio is exactly 1) and each rank forwards 1/N of the batch; the ranks then exchange
+    their rows' results, as a later epoch trains a row on another rank. Where the hand-off had
     old_logprobs too, returns how far the rollout's numbers were from this engine's:
     `train/old_logprob_gap_max` and `_mean` (|hand-off - recomputed| over the response tokens), the
     sampler-trainer mismatch that a ratio against the hand-off would have clipped as if it were a policy change.
@@ -54,7 +57,6 @@ def attach_rollout_correction(cfg: Config, samples: list[Sample]) -> dict[str, f
 def _fill(cfg: Config, samples: list[Sample], plan: list[list[int]], actor: TrainEngine, critic: TrainEngine | None,
           pad_id: int) -> dict[str, float]:
     need_logp = cfg.recomputes_old_logprobs()
-    gaps: list[torch.Tensor] = []
     need_entropy = cfg.top_entropy_frac < 1
     need_values = critic is not None and any(s.values is None for s in samples)
     if not (need_logp or need_entropy or need_values):
@@ -64,29 +66,19 @@ def _fill(cfg: Config, samples: list[Sample], plan: list[list[int]], actor: Trai
     rest = sorted(set(range(len(samples))) - set(seen))
     chunks = [c for rows in plan[:per_epoch] for c in micro_split(rows, cfg.micro_batch_size)]
     chunks += micro_split(rest, cfg.micro_batch_size)
-    score = PolicyScorer(actor, cfg.head_chunk_rows)
-    entropies: dict[int, torch.Tensor] = {}
-    for rows in chunks:
-        rows = [i for i in rows if not samples[i].image_mismatch]  # their batches are skipped
-        if not rows:
-            continue
-        mb = collate(samples, rows, pad_id, fields=()).to(actor.device)
-        if need_logp or need_entropy:
-            scores = score(mb, entropy=need_entropy)
-            logp, ent = scores.logp.cpu(), scores.entropy.cpu() if need_entropy else None
+    mine = _score(cfg, samples, _forwards(samples, chunks), actor, critic, pad_id, need_logp, need_entropy, need_values)
+    order = {i: k for k, i in enumerate(i for rows in chunks for i in rows)}  # the rows in the order one process scores
+    scored = sorted((item for part in distributed.gather_objects(mine) for item in part), key=lambda item: order[item[0]])
+    gaps: list[torch.Tensor] = []
+    for i, got in scored:
+        if need_logp:
+            if samples[i].old_logprobs is not None:
+                gaps.append((got["logp"] - torch.tensor(samples[i].old_logprobs)).abs())
+            samples[i].old_logprobs = got["logp"].tolist()
         if need_values:
-            values = response_values(critic, mb).cpu()
-        for b, i in enumerate(rows):
-            r = len(samples[i].response_ids)
-            if need_logp:
-                if samples[i].old_logprobs is not None:
-                    gaps.append((logp[b, :r] - torch.tensor(samples[i].old_logprobs)).abs())
-                samples[i].old_logprobs = logp[b, :r].tolist()
-            if need_entropy:
-                entropies[i] = ent[b, :r]
-            if need_values:
-                samples[i].values = values[b, :r].tolist()
+            samples[i].values = got["values"].tolist()
     if need_entropy:  # threshold over every token of the batch, not per micro-batch
+        entropies = {i: got["entropy"] for i, got in scored}
         order = sorted(entropies)
         keep_mask = losses.top_fraction(torch.cat([entropies[i] for i in order]), cfg.top_entropy_frac)
         start = 0
@@ -98,6 +90,47 @@ def _fill(cfg: Config, samples: list[Sample], plan: list[list[int]], actor: Trai
         return {}
     gap = torch.cat(gaps)
     return {"train/old_logprob_gap_max": gap.max().item(), "train/old_logprob_gap_mean": gap.mean().item()}
+
+
+def _forwards(samples: list[Sample], chunks: list[list[int]]) -> list[tuple[list[int], bool]]:
+    """This rank's forward passes over `chunks` (micro-batches of row indices): (rows, keep the results?).
+
+    Each rank takes its share of each micro-batch as the update cuts it (`distributed.shard`), less the rows
+    whose image tokens do not match their images (their updates are skipped). The ranks' shares, in rank
+    order, are the micro-batch again. Every rank forwards in step with the others (ZeRO-3 gathers the
+    weights inside each forward): one whose share is empty scores another rank's first row and drops it."""
+    n, me = distributed.world_size(), distributed.rank()
+    out = []
+    for rows in chunks:
+        shares = [[i for i in distributed.shard(rows, r, n) if not samples[i].image_mismatch] for r in range(n)]
+        if shares[me]:
+            out.append((shares[me], True))
+        elif any(shares):
+            out.append(([next(i for share in shares for i in share)], False))
+    return out
+
+
+def _score(cfg: Config, samples: list[Sample], forwards: list[tuple[list[int], bool]], actor: TrainEngine,
+           critic: TrainEngine | None, pad_id: int, need_logp: bool, need_entropy: bool,
+           need_values: bool) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """Forward each (rows, keep) of `_forwards` as one micro-batch: [(row, {"logp", "entropy", "values":
+    (r,) float32 over its r response tokens, those asked for})] of the kept rows, in order, on the CPU."""
+    score = PolicyScorer(actor, cfg.head_chunk_rows)
+    out = []
+    for rows, keep in forwards:
+        mb = collate(samples, rows, pad_id, fields=()).to(actor.device)
+        got: dict[str, torch.Tensor] = {}
+        if need_logp or need_entropy:
+            scores = score(mb, entropy=need_entropy)
+            got["logp"] = scores.logp.cpu()
+            if need_entropy:
+                got["entropy"] = scores.entropy.cpu()
+        if need_values:
+            got["values"] = response_values(critic, mb).cpu()
+        for b, i in enumerate(rows if keep else ()):
+            r = len(samples[i].response_ids)
+            out.append((i, {k: v[b, :r].clone() for k, v in got.items()}))
+    return out
 
 
 def attach_pixels(cfg: Config, samples: list[Sample], vis: "vision.Vision | None") -> None:

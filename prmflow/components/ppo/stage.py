@@ -31,7 +31,7 @@ This file is the run: loading, the update loop, resume and output. The rest of t
 config.py (the knobs), minibatches.py (hand-off rows -> minibatches -> micro-batches), actor_critic.py (policy
 and critic forward passes, their engines), prepass.py (old log-probs, entropy mask, V_old, images),
 ptx.py (the supervised data), update.py (one update: the losses, top to bottom), losses.py (the
-formulas as tensor functions), kl_control.py (beta for the next iteration).
+formulas as tensor functions), kl_control.py (beta for the next iteration), ema.py (the policy's EMA).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from .. import config as config_lib
 from ..runtime import distributed, preemption
 from ..data import io, schema
 from ..models import modeling, vision
+from ..training.engine import TrainEngine
 from ... import tracking
 from ..training.engine import init_distributed
 from ...errors import ConfigError, DataError, ModelLoadError, PrmflowError
@@ -59,6 +60,7 @@ from ..training import kl_state as kl_state_file
 from . import kl_control
 from .minibatches import Sample, collate, dr_grpo_length, load_batch, micro_split, minibatch_plan, shard_ptx
 from .config import Config
+from .ema import PolicyEMA
 from .actor_critic import disable_dropout, load_critic, make_engine
 from .prepass import attach_pixels, precompute
 from .ptx import load_ptx, ptx_batch
@@ -108,13 +110,38 @@ class Training:
     tokenizer: Any
     ptx_examples: list | None
     """The supervised (ptx) examples, when ptx_coef > 0."""
-    ema: dict[str, torch.Tensor] | None
+    ema: PolicyEMA | None
     """The policy's exponential moving average, when ema_decay > 0."""
     work: Path
     """Where the resume checkpoint goes (`.OUTPUT.work`)."""
-    base: int
-    """The updates of the earlier RL iterations (as the lr schedule counts): metrics of update u are logged
-    at step base + u, so iterations chart one after another."""
+    prepass_metrics: dict[str, float]
+    """The prepass's metrics (`prepass.precompute`: the hand-off's old_logprobs against this engine's, train/is_*)."""
+
+    @property
+    def actor(self) -> TrainEngine:
+        return self.updater.actor
+
+    @property
+    def critic(self) -> TrainEngine | None:
+        return self.updater.critic
+
+    @property
+    def base(self) -> int:
+        """The updates of the earlier RL iterations (as the lr schedule counts): metrics of update u are
+        logged at step base + u, so iterations chart one after another."""
+        return self.cfg.iteration * len(self.plan)
+
+
+@dataclass
+class Result:
+    """What the run writes to OUTPUT besides the weights (`_write_output`)."""
+
+    kl_state: dict
+    """The KL coefficient for the next iteration (OUTPUT/kl_state.json)."""
+    history: list[dict]
+    """One record per update (OUTPUT/updates.jsonl)."""
+    metrics: dict
+    """The run's summary (the manifest's and each model's `metrics`)."""
 
 
 def _inputs(cfg: Config) -> dict:
@@ -163,6 +190,36 @@ def run(cfg: Config) -> dict:
 
 
 def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
+    t = _setup(cfg, cfg_dict)
+    state = _resume_or_start(t)
+    n_updates = len(t.plan)
+    tracker = tracking.start_stage_run(cfg.tracking, "ppo", params=used_params(cfg), iteration=cfg.iteration,
+                                       tags={"prmflow.output": str(Path(cfg.output).resolve())}) \
+        if distributed.is_main() else tracking.NullTracker()  # one MLflow run, from rank 0
+    with tracker:
+        tracker.log_metrics({"data/responses": len(t.samples), "data/updates": n_updates}, step=t.base + state.update)
+        tokens, seconds = _train(t, state, tracker, stop)
+        _check_some_applied(cfg, state, n_updates - cfg.critic_warmup_steps)
+        kl_state = kl_control.next_state(cfg, t.samples)
+        metrics = {**_summary(state, n_updates, tokens, seconds), "train/kl_coef": kl_state["kl_coef"],
+                   "train/rollout_kl": kl_state["measured_kl"], **t.prepass_metrics}
+        _write_output(t, Result(kl_state, state.history, metrics))
+        checkpoint.clear(t.work)
+        # the iteration's summary as ppo/* (the per-update train/* curve keeps its own last point)
+        tracker.log_metrics({f"ppo/{k.split('/', 1)[1]}": v for k, v in metrics.items()}, step=t.base + n_updates)
+        tracker.log_parent_metrics({k: v for k, v in metrics.items() if k.startswith("train/")},
+                                   step=cfg.iteration)  # one point per RL iteration on the pipeline run (pipeline/*)
+    if distributed.is_main():
+        nan = float("nan")
+        print(f"ppo: {n_updates - state.skipped}/{n_updates} updates, policy loss "
+              f"{metrics.get('train/policy_loss', nan):.4f}, clip frac {metrics.get('train/clip_frac', nan):.3f}, "
+              f"kl_coef {kl_state['kl_coef']:.4g} -> {cfg.output}")
+    return metrics
+
+
+def _setup(cfg: Config, cfg_dict: dict) -> Training:
+    """The batch and its plan, the models and their engines, the prepass over the batch (with the starting
+    weights, before a resume), the ptx examples and the EMA."""
     samples = load_batch(cfg)
     if len(samples) < cfg.minibatch_size:
         raise ConfigError(f"'{cfg.input}' has {len(samples)} responses, fewer than minibatch_size="
@@ -185,137 +242,114 @@ def _run(cfg: Config, cfg_dict: dict, stop: preemption.Preemption) -> dict:
                         cfg.micro_batch_size)
     critic = (make_engine(critic_model, cfg, cfg.critic_lr, cfg.rl_iterations * n_updates, cfg.iteration * n_updates,
                           cfg.micro_batch_size) if critic_model is not None else None)
-    gap = precompute(cfg, samples, plan, actor, critic, tokenizer.pad_token_id)  # starting weights, before a resume
+    prepass_metrics = precompute(cfg, samples, plan, actor, critic, tokenizer.pad_token_id)
     ptx_examples = load_ptx(cfg, tokenizer) if cfg.ptx_coef else None
-    ema = None
-    if cfg.ema_decay:
-        with actor.gathered():
-            ema = {n: p.detach().float().cpu().clone() for n, p in actor.module.named_parameters()}
+    ema = PolicyEMA(actor, cfg.ema_decay) if cfg.ema_decay else None
+    updater = Updater(cfg, actor, critic, max_len=max_len)
+    return Training(cfg, cfg_dict, samples, plan, updater, tokenizer, ptx_examples, ema,
+                    checkpoint.work_dir_for(cfg.output), prepass_metrics)
 
-    work = checkpoint.work_dir_for(cfg.output)
-    state = TrainerState()
-    resume_from = checkpoint.find(work, cfg_dict) if cfg.resume else None
-    if resume_from is None and cfg.optimizer_state:
-        _load_moments(Path(cfg.optimizer_state), actor, critic if cfg.critic else None)
-    if resume_from is not None:
-        state = TrainerState.from_dict(actor.load_state(resume_from / "actor"))
-        if critic is not None:
-            critic.load_state(resume_from / "critic")
-        if ema is not None:
-            from safetensors.torch import load_file
 
-            ema = load_file(str(resume_from / "ema.safetensors"))
-        if distributed.is_main():
-            print(f"ppo: resuming from update {state.update} ({resume_from})")
-
-    tracker = tracking.start_stage_run(cfg.tracking, "ppo", params=used_params(cfg), iteration=cfg.iteration,
-                                       tags={"prmflow.output": str(Path(cfg.output).resolve())}) \
-        if distributed.is_main() else tracking.NullTracker()  # one MLflow run, from rank 0
-    with tracker:
-        base = cfg.iteration * n_updates  # global update count (as the lr schedule counts): iterations chart one after another
-        tracker.log_metrics({"data/responses": len(samples), "data/updates": n_updates}, step=base + state.update)
-        updater = Updater(cfg, actor, critic, max_len=max_len)
-        training = Training(cfg, cfg_dict, samples, plan, updater, tokenizer, ptx_examples, ema, work, base)
-        tokens, seconds = _train(training, state, tracker, stop)
-        applied = [h for h in state.history if not h.get("skipped")]
-        if not any(h["actor"] for h in applied):
-            if state.image_skipped:
-                raise DataError(f"ppo: every policy update of this run was skipped, {state.image_skipped} of them "
-                                f"because image tokens did not match the images (first: "
-                                f"{next(h['reason'] for h in state.history if h.get('reason'))}). Nothing was written "
-                                f"to '{cfg.output}'. Write the rollouts with the policy's own processor.")
-            raise TrainingDivergedError(
-                f"ppo: every policy update of this run ({actor_updates}) was skipped because a loss or gradient "
-                f"was NaN/inf. Nothing was written to '{cfg.output}'. Lower lr, clamp advantages "
-                f"(advantage_clip), turn on dual_clip, or check the advantages hand-off '{cfg.input}'.")
-        metrics = _summary(state, n_updates, tokens, seconds)
-        kl_state = kl_control.next_state(cfg, samples)
-        metrics["train/kl_coef"] = kl_state["kl_coef"]
-        metrics["train/rollout_kl"] = kl_state["measured_kl"]
-        metrics.update(gap)
-        _write_output(cfg, cfg_dict, tokenizer, actor, critic, ema, kl_state, state, metrics)
-        checkpoint.clear(work)
-        # the iteration's summary as ppo/* (the per-update train/* curve keeps its own last point)
-        tracker.log_metrics({f"ppo/{k.split('/', 1)[1]}": v for k, v in metrics.items()}, step=base + n_updates)
-        tracker.log_parent_metrics({k: v for k, v in metrics.items() if k.startswith("train/")},
-                                   step=cfg.iteration)  # one point per RL iteration on the pipeline run (pipeline/*)
-    if not distributed.is_main():
-        return metrics
-    nan = float("nan")
-    print(f"ppo: {n_updates - state.skipped}/{n_updates} updates, policy loss "
-          f"{metrics.get('train/policy_loss', nan):.4f}, clip frac {metrics.get('train/clip_frac', nan):.3f}, "
-          f"kl_coef {kl_state['kl_coef']:.4g} -> {cfg.output}")
-    return metrics
+def _resume_or_start(t: Training) -> TrainerState:
+    """The state of a matching resume checkpoint loaded into the engines and the EMA; else a fresh state,
+    with the previous iteration's optimizer moments when `optimizer_state` names them."""
+    cfg = t.cfg
+    resume_from = checkpoint.find(t.work, t.identity) if cfg.resume else None
+    if resume_from is None:
+        if cfg.optimizer_state:
+            _load_moments(Path(cfg.optimizer_state), t.actor, t.critic if cfg.critic else None)
+        return TrainerState()
+    state = TrainerState.from_dict(t.actor.load_state(resume_from / "actor"))
+    if t.critic is not None:
+        t.critic.load_state(resume_from / "critic")
+    if t.ema is not None:
+        t.ema.load(resume_from)
+    if distributed.is_main():
+        print(f"ppo: resuming from update {state.update} ({resume_from})")
+    return state
 
 
 def _train(t: Training, state: TrainerState, tracker, stop: preemption.Preemption) -> tuple[int, float]:
     """The update loop from `state.update` to the end; returns (tokens trained on, seconds).
 
     Metrics are logged at step t.base + update (t.base: the updates of the earlier RL iterations)."""
-    cfg, samples, plan, actor, pad_id = t.cfg, t.samples, t.plan, t.updater.actor, t.tokenizer.pad_token_id
-    n_updates = len(plan)
-    n_micro = cfg.minibatch_size // cfg.micro_batch_size
+    n_updates = len(t.plan)
     bar = tqdm(total=n_updates, initial=state.update, desc="ppo", unit="update", dynamic_ncols=True,
                mininterval=0.2 if sys.stderr.isatty() else 10.0, disable=not distributed.is_main())
     t0, tokens = time.perf_counter(), 0
     while state.update < n_updates:
         u = state.update
-        train_actor = u >= cfg.critic_warmup_steps
-        bad = next((i for i in plan[u] if samples[i].image_mismatch), None)
-        if bad is not None:  # the image tokens of a prompt do not match its images: skip, with the reason
-            why = f"row {bad}: {samples[bad].image_mismatch}"
+        train_actor = u >= t.cfg.critic_warmup_steps
+        stats = _update(t, u, train_actor)
+        tokens += stats.pop("tokens", 0)
+
+        # its record and metrics, applied or skipped alike
+        state.update += 1
+        if stats.get("skipped"):
+            state.skipped += 1
+            if "reason" in stats:  # a row's image tokens do not match its images
+                state.image_skipped += 1
+            why = stats.get("reason", "NaN/inf loss or gradient")
             log.warning("ppo: update %d skipped: %s", u + 1, why)
             bar.write(f"update {u + 1}: skipped ({why})")
-            state.update += 1
-            state.skipped += 1
-            state.image_skipped += 1
-            state.history.append({"skipped": True, "reason": why, "update": u + 1,
-                                  "epoch": u // (n_updates // cfg.epochs), "actor": train_actor})
-            tracker.log_metrics({"train/skipped_updates": state.skipped,
-                                 "train/skipped_image_mismatch": state.image_skipped}, step=t.base + u + 1)
-            bar.update(1)
-            continue
-
-        # one update: this rank's share of every micro-batch of the minibatch (and of the ptx batch)
-        whole = [collate(samples, rows, pad_id) for rows in micro_split(plan[u], cfg.micro_batch_size)]
-        micro = whole if distributed.world_size() == 1 else [
-            collate(samples, distributed.shard(rows), pad_id) for rows in micro_split(plan[u], cfg.micro_batch_size)]
-        ptx = (ptx_batch(cfg, t.ptx_examples, u, n_micro, pad_id)
-               if t.ptx_examples is not None and train_actor else None)
-        stats = t.updater.update(micro, train_actor, shard_ptx(ptx), whole=whole)
-        state.update += 1
-        if stats is None:
-            state.skipped += 1
-            log.warning("ppo: update %d skipped: a loss or gradient was NaN/inf", u + 1)
-            bar.write(f"update {u + 1}: skipped (NaN/inf loss or gradient)")
-            stats = {"skipped": True}
-        else:
-            tokens += stats.pop("tokens")
-            if t.ema is not None and train_actor:
-                with torch.no_grad(), actor.gathered():
-                    for name, p in actor.module.named_parameters():
-                        t.ema[name].mul_(cfg.ema_decay).add_(p.detach().float().cpu(), alpha=1 - cfg.ema_decay)
-
-        # its record and metrics
-        stats.update(update=u + 1, epoch=u // (n_updates // cfg.epochs), actor=train_actor)
+        stats.update(update=u + 1, epoch=u // (n_updates // t.cfg.epochs), actor=train_actor)
         state.history.append(stats)
         tracker.log_metrics({**{f"train/{k}": v for k, v in stats.items()
                                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("update", "epoch")},
-                             "train/skipped_updates": state.skipped,
+                             "train/skipped_updates": state.skipped, "train/skipped_image_mismatch": state.image_skipped,
                              "perf/tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9)}, step=t.base + u + 1)
         bar.update(1)
         bar.set_postfix(loss=f"{stats.get('policy_loss', float('nan')):.4f}", skipped=state.skipped, refresh=False)
-
-        # resume checkpoint every save_every updates, and on SIGTERM/SIGINT (then exit 143/130)
-        more = state.update < n_updates
-        stopping = distributed.any_rank(stop.requested)  # the ranks stop at the same update, or none does
-        if more and (stopping or (cfg.save_every and state.update % cfg.save_every == 0)):
-            _save_resume(t.work, t.identity, actor, t.updater.critic, t.ema, state)
-        if more and stopping:
-            bar.close()
-            raise preemption.stopped("ppo", state.update, str(t.work / "latest"), stop.signum)
+        _checkpoint_or_stop(t, state, stop, bar)
     bar.close()
     return tokens, time.perf_counter() - t0
+
+
+def _update(t: Training, u: int, train_actor: bool) -> dict:
+    """Update u (and the EMA after it): its statistics, or {"skipped": True} (with the "reason" when a row's
+    image tokens do not match its images) when it was skipped."""
+    cfg, samples, pad_id = t.cfg, t.samples, t.tokenizer.pad_token_id
+    bad = next((i for i in t.plan[u] if samples[i].image_mismatch), None)
+    if bad is not None:
+        return {"skipped": True, "reason": f"row {bad}: {samples[bad].image_mismatch}"}
+    # this rank's share of every micro-batch of the minibatch (and of the ptx batch)
+    whole = [collate(samples, rows, pad_id) for rows in micro_split(t.plan[u], cfg.micro_batch_size)]
+    micro = whole if distributed.world_size() == 1 else [
+        collate(samples, distributed.shard(rows), pad_id) for rows in micro_split(t.plan[u], cfg.micro_batch_size)]
+    ptx = (ptx_batch(cfg, t.ptx_examples, u, cfg.minibatch_size // cfg.micro_batch_size, pad_id)
+           if t.ptx_examples is not None and train_actor else None)
+    stats = t.updater.update(micro, train_actor, shard_ptx(ptx), whole=whole)
+    if stats is None:
+        return {"skipped": True}
+    if t.ema is not None and train_actor:
+        t.ema.update(t.actor)
+    return stats
+
+
+def _checkpoint_or_stop(t: Training, state: TrainerState, stop: preemption.Preemption, bar) -> None:
+    """A resume checkpoint every save_every updates, and on SIGTERM/SIGINT (then exit 143/130)."""
+    more = state.update < len(t.plan)
+    stopping = distributed.any_rank(stop.requested)  # the ranks stop at the same update, or none does
+    if more and (stopping or (t.cfg.save_every and state.update % t.cfg.save_every == 0)):
+        _save_resume(t, state)
+    if more and stopping:
+        bar.close()
+        raise preemption.stopped("ppo", state.update, str(t.work / "latest"), stop.signum)
+
+
+def _check_some_applied(cfg: Config, state: TrainerState, actor_updates: int) -> None:
+    """Fail, writing nothing, when no policy update of the run was applied."""
+    if any(h["actor"] for h in state.history if not h.get("skipped")):
+        return
+    if state.image_skipped:
+        raise DataError(f"ppo: every policy update of this run was skipped, {state.image_skipped} of them "
+                        f"because image tokens did not match the images (first: "
+                        f"{next(h['reason'] for h in state.history if h.get('reason'))}). Nothing was written "
+                        f"to '{cfg.output}'. Write the rollouts with the policy's own processor.")
+    raise TrainingDivergedError(
+        f"ppo: every policy update of this run ({actor_updates}) was skipped because a loss or gradient "
+        f"was NaN/inf. Nothing was written to '{cfg.output}'. Lower lr, clamp advantages "
+        f"(advantage_clip), turn on dual_clip, or check the advantages hand-off '{cfg.input}'.")
 
 
 def _summary(state: TrainerState, n_updates: int, tokens: int, seconds: float) -> dict:
@@ -341,50 +375,40 @@ def _load_moments(root: Path, actor, critic) -> None:
         critic.load_optimizer(root / "critic")
 
 
-def _save_resume(work: Path, cfg_dict: dict, actor, critic, ema, state: TrainerState) -> None:
+def _save_resume(t: Training, state: TrainerState) -> None:
     """`work/latest` (atomically): both engines' state (weights, optimizer, schedule), EMA, trainer state."""
-    with io.shared_output_dir(Path(work) / "latest", "resume-checkpoint", overwrite=True,
+    with io.shared_output_dir(Path(t.work) / "latest", "resume-checkpoint", overwrite=True,
                               manifest={"trainer_state": {"update": state.update},
-                                        "config": io.config_identity(cfg_dict)}) as tmp:
-        actor.save_state(tmp / "actor", state.to_dict())  # collective: every rank's partition
-        if critic is not None:
-            critic.save_state(tmp / "critic", {"update": state.update})
-        if ema is not None and distributed.is_main():
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
+                                        "config": io.config_identity(t.identity)}) as tmp:
+        t.actor.save_state(tmp / "actor", state.to_dict())  # collective: every rank's partition
+        if t.critic is not None:
+            t.critic.save_state(tmp / "critic", {"update": state.update})
+        if t.ema is not None:
+            t.ema.save(tmp)
 
 
-def _write_output(cfg, cfg_dict, tokenizer, actor, critic, ema, kl_state, state, metrics) -> None:
+def _write_output(t: Training, result: Result) -> None:
+    """OUTPUT: policy/, critic/, policy_ema/ (HF), optimizer/, kl_state.json, updates.jsonl, atomically."""
+    cfg = t.cfg
     parents = [cfg.policy, cfg.input] + [p for p in (cfg.critic, cfg.optimizer_state) if p]
-    extra = {"stage": "ppo", "iteration": cfg.iteration, "metrics": metrics}
+    extra = {"stage": "ppo", "iteration": cfg.iteration, "metrics": result.metrics}
     main = distributed.is_main()  # writes the files; every rank takes part in gathers and DeepSpeed saves
     with io.shared_output_dir(cfg.output, "ppo", overwrite=True, manifest={
-            "config": io.config_identity(cfg_dict), "metrics": metrics, "parents": parents}) as tmp:
-        with actor.gathered():  # ZeRO-3 weights gathered once
-            if main:
-                modeling.save_pretrained(actor.module, tokenizer, tmp / "policy", extra=extra)
-        if critic is not None:
-            with critic.gathered():
-                if main:
-                    modeling.save_pretrained(critic.module, tokenizer, tmp / "critic", extra=extra)
-        if ema is not None:
-            with actor.gathered():
-                params = dict(actor.module.named_parameters())
-                saved = {n: p.detach().clone() for n, p in params.items()}
-                with torch.no_grad():
-                    for n, p in params.items():
-                        p.copy_(ema[n].to(p.dtype))
+            "config": io.config_identity(t.identity), "metrics": result.metrics, "parents": parents}) as tmp:
+        for name, engine in (("policy", t.actor), ("critic", t.critic)):
+            if engine is not None:
+                with engine.gathered():  # ZeRO-3 weights gathered once
                     if main:
-                        modeling.save_pretrained(actor.module, tokenizer, tmp / "policy_ema",
-                                                 extra={**extra, "ema_decay": cfg.ema_decay})
-                    for n, p in params.items():
-                        p.copy_(saved[n])
+                        modeling.save_pretrained(engine.module, t.tokenizer, tmp / name, extra=extra)
+        if t.ema is not None:
+            with t.ema.swapped_in(t.actor) as module:
+                if main:
+                    modeling.save_pretrained(module, t.tokenizer, tmp / "policy_ema",
+                                             extra={**extra, "ema_decay": cfg.ema_decay})
         if cfg.save_optimizer:
-            actor.save_optimizer(tmp / "optimizer" / "actor")
-            if critic is not None:
-                critic.save_optimizer(tmp / "optimizer" / "critic")
-        if not main:
-            return
-        kl_state_file.write(tmp / kl_state_file.KL_STATE_FILE, kl_state)
-        (tmp / "updates.jsonl").write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in state.history))
+            for name, engine in (("actor", t.actor), ("critic", t.critic)):
+                if engine is not None:
+                    engine.save_optimizer(tmp / "optimizer" / name)
+        if main:
+            kl_state_file.write(tmp / kl_state_file.KL_STATE_FILE, result.kl_state)
+            (tmp / "updates.jsonl").write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in result.history))

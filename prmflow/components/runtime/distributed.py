@@ -208,6 +208,16 @@ def min_ranks(value: float) -> float:
     return float(t.item())
 
 
+def gather_objects(value: T) -> list[T]:
+    """Every rank's `value` (picklable: CPU tensors, dicts), in rank order, on every rank; [value] in one process."""
+    d = _dist()
+    if not d or d.get_world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * d.get_world_size()
+    d.all_gather_object(out, value)
+    return out
+
+
 def _device(d) -> torch.device:
     import torch
 

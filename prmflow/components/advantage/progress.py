@@ -46,7 +46,7 @@ NO_EVIDENCE_PHI = 0.5
 
 CALIBRATION_REVISION = 2
 """Raised whenever a change alters what process_calibration=isotonic computes (2: the map chosen against a flat
-one, a flat group's credit exactly 0). benchmarks/prm_vs_outcome.py puts it in the digest of every calibrated
+one, a flat group's credit exactly 0). benchmarks/experiments/prm_vs_outcome.py puts it in the digest of every calibrated
 run, so a finished run made by earlier code is not taken for one of today's."""
 
 SELECTION_SE = 1.0

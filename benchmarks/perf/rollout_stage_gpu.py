@@ -1,7 +1,7 @@
 """The rollout stage on one GPU: the HF sampler against vLLM, and what vLLM's engine start is made of.
 
-    python benchmarks/rollout_stage_gpu.py --output /tmp/rollout-stage               # 64 prompts x 8, 128 tokens
-    python benchmarks/rollout_stage_gpu.py --policy DIR --prompts 128 --samples 8 --skip-hf
+    python benchmarks/perf/rollout_stage_gpu.py --output /tmp/rollout-stage               # 64 prompts x 8, 128 tokens
+    python benchmarks/perf/rollout_stage_gpu.py --policy DIR --prompts 128 --samples 8 --skip-hf
 
 Unless --policy is given it writes a random Qwen2-shaped model of 358M parameters (24 layers, hidden 896,
 GQA 14/2 heads, the project's character tokenizer: the model of the first vLLM run, docs/real-models.md) and samples the arithmetic task
@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: vLLM 0.24's own log lines for the parts of an engine start (file:line in vllm-project/vllm v0.24.0)
 START_PARTS = {

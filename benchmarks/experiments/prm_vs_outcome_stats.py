@@ -1,4 +1,4 @@
-"""The numbers of benchmarks/prm_vs_outcome.py, as pure functions (tests/benchmarks checks them by hand).
+"""The numbers of benchmarks/experiments/prm_vs_outcome.py, as pure functions (tests/benchmarks checks them by hand).
 
     response_stats(responses, lengths)    reward-hacking watch of one batch of responses
     mcnemar(a, b)                         exact paired test over prompts (two policies, same prompts)

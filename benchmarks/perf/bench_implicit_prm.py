@@ -1,9 +1,9 @@
 """Implicit PRM (and rollout's log-probs, and the ppo actor loss): peak memory and time of one scoring pass
 (or training step), the LM head read chunk by chunk vs whole (B, T, V) logits, at Qwen2.5-1.5B's head shapes.
 
-    python benchmarks/bench_implicit_prm.py --batch 32 --paths chunked
-    python benchmarks/bench_implicit_prm.py --batch 2 --paths chunked,plain [--train]
-    python benchmarks/bench_implicit_prm.py --what ppo --layers 2 --batch 4 --tokens 1174 --prompt_tokens 150
+    python benchmarks/perf/bench_implicit_prm.py --batch 32 --paths chunked
+    python benchmarks/perf/bench_implicit_prm.py --batch 2 --paths chunked,plain [--train]
+    python benchmarks/perf/bench_implicit_prm.py --what ppo --layers 2 --batch 4 --tokens 1174 --prompt_tokens 150
 
 The model: a Qwen2 built from a config (no download; random weights, which change no size) with
 Qwen2.5-1.5B's hidden size 1,536, vocabulary 151,936, tied head, MLP 8,960 wide, 12 heads / 2 KV
@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from prmflow.components.common.prm_model import PRM, HeadConfig  # noqa: E402

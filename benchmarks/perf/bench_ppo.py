@@ -1,9 +1,9 @@
 """Cost of a PPO update relative to a bare causal-LM training step on the same tokens and engine.
 
-    python benchmarks/bench_ppo.py                                  # tiny-llama, torch and deepspeed, CPU
-    python benchmarks/bench_ppo.py --backends torch --repeats 7 --prompt_len 64 --response_len 128
-    python benchmarks/bench_ppo.py --backends torch --vocab_size 151936   # Qwen2.5's vocabulary: LM head dominates
-    python benchmarks/bench_ppo.py --model_path /models/Qwen2.5-0.5B --micro_batch_size 4   # on a GPU
+    python benchmarks/perf/bench_ppo.py                                  # tiny-llama, torch and deepspeed, CPU
+    python benchmarks/perf/bench_ppo.py --backends torch --repeats 7 --prompt_len 64 --response_len 128
+    python benchmarks/perf/bench_ppo.py --backends torch --vocab_size 151936   # Qwen2.5's vocabulary: LM head dominates
+    python benchmarks/perf/bench_ppo.py --model_path /models/Qwen2.5-0.5B --micro_batch_size 4   # on a GPU
 
 Prints, per backend, the seconds per token of
 - bare:   a causal-LM step (forward over prompt + response with the LM head on the response

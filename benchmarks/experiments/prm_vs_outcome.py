@@ -1,8 +1,8 @@
 """Do step rewards beat outcome-only GRPO at equal rollout budget? (docs/results.md, "Long chains with a risky shortcut")
 
-    python benchmarks/prm_vs_outcome.py --config configs/prm-vs-outcome.yaml
-    python benchmarks/prm_vs_outcome.py --config configs/prm-vs-outcome.yaml --set seeds=[0] --set iterations=2
-    python benchmarks/prm_vs_outcome.py --help          # every key, with its meaning and default
+    python benchmarks/experiments/prm_vs_outcome.py --config configs/prm-vs-outcome.yaml
+    python benchmarks/experiments/prm_vs_outcome.py --config configs/prm-vs-outcome.yaml --set seeds=[0] --set iterations=2
+    python benchmarks/experiments/prm_vs_outcome.py --help          # every key, with its meaning and default
 
 One SFT policy and one PRM (trained once into OUTPUT/sft and OUTPUT/prm; a complete one is reused),
 then for every variant x seed an RL loop run in-process through the stages' `run(config)`:
@@ -620,7 +620,7 @@ def run(cfg: BenchConfig, console=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchmarks/prm_vs_outcome.py", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="benchmarks/experiments/prm_vs_outcome.py", description=__doc__.split("\n\n")[0],
                                      epilog="Keys nest with dots on the command line: --set rollout.num_prompts=32.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     config_lib.add_arguments(parser, BenchConfig)

@@ -1,10 +1,10 @@
 """evaluate and prm-label on one GPU machine: sampling on its GPU against sampling on its CPU, as both stages did on a
 GPU pod before 4b5553a / 4a58755 (the policy loaded in float32 on the CPU and never moved).
 
-    python benchmarks/sampling_stages_gpu.py --output /tmp/sampling-stages
-    python benchmarks/sampling_stages_gpu.py --arms evaluate-gpu,evaluate-cpu --prompts 32
+    python benchmarks/perf/sampling_stages_gpu.py --output /tmp/sampling-stages
+    python benchmarks/perf/sampling_stages_gpu.py --arms evaluate-gpu,evaluate-cpu --prompts 32
 
-The policy: the random 358M Qwen2-shaped model of benchmarks/rollout_stage_gpu.py (the character tokenizer; a
+The policy: the random 358M Qwen2-shaped model of benchmarks/perf/rollout_stage_gpu.py (the character tokenizer; a
 response ends at EOS, which this random model seldom draws: its greedy responses averaged 127 of 128 tokens on the
 H200, or at max_new_tokens). Each arm runs the stage in its own process, as a pod starts it:
 
@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rollout_stage_gpu import write_model  # noqa: E402
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label-samples", type=int, default=2)
     ap.add_argument("--completions", type=int, default=4)
     ap.add_argument("--big-prompts", type=int, default=32, help="evaluate-1.5b's prompts: 32 x 4 samples = one batch of the recipe's 128, then greedy and baseline (64 did not finish in 200 s on an H200)")
-    ap.add_argument("--policy-358m", default="", help="an existing 358M model directory (benchmarks/rollout_stage_gpu.py's) "
+    ap.add_argument("--policy-358m", default="", help="an existing 358M model directory (benchmarks/perf/rollout_stage_gpu.py's) "
                                                         "instead of writing one")
     ap.add_argument("--output", default="outputs/sampling-stages-gpu")
     args = ap.parse_args(argv)

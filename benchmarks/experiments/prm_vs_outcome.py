@@ -218,7 +218,7 @@ def start_fingerprint(out: Path) -> dict:
     """What tells one start from another across machines: the sha256 of the SFT policy's weights and of each
     trained PRM's (its manifest's digest of model.safetensors, what `sha256sum` prints; an implicit PRM's reference
     is the SFT policy's copy), first 16 hex digits, and the float kernels that made them. The same config makes
-    other weights on a CPU with other kernels (docs/process-rewards.md 5e), so two outputs with equal seeds but
+    other weights on a CPU with other kernels (docs/experiments/5e-rebuilt-from-a-clean-checkout.md), so two outputs with equal seeds but
     different digests are different starts."""
     import platform
 

@@ -1,4 +1,4 @@
-"""One arm against its reference over several drawn starts of one regime (docs/process-rewards.md 5f).
+"""One arm against its reference over several drawn starts of one regime (docs/experiments/5f-the-start-drawn.md).
 
     python benchmarks/experiments/prm_vs_outcome_starts.py outputs/prm-vs-outcome outputs/prm-vs-outcome-start1 \
         outputs/prm-vs-outcome-start2 --variant prm-implicit-trained-cv

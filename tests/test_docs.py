@@ -418,11 +418,47 @@ def test_pages_that_code_names_exist():
 def test_a_dangling_mention_is_caught(tmp_path):
     """The check above reads anchors the way GitHub makes them (lower case, punctuation dropped, spaces as hyphens)."""
     text = tmp_path / "x.py"
-    text.write_text("see docs/process-rewards.md#2c-calibrated-potential-process_calibration-isotonic-the-outcomes-"
-                    "decide-what-the-prms-ranking-is-worth and docs/process-rewards.md#what-to-use, not "
+    text.write_text("see docs/process-rewards.md#2c-calibrated-potential-process_calibration-isotonic and "
+                    "docs/process-rewards.md#what-to-use, not "
                     "docs/process-rewards.md#5-measured or docs/nowhere.md (openreasoner/openr docs/datasets.md is theirs)",
                     encoding="utf-8")
     assert mention_problems(text) == ["docs/process-rewards.md#5-measured: no such heading", "docs/nowhere.md: no such page"]
+
+
+DOCSTRING_LIMIT = 300  # characters: a config key's docstring is its --help line and its README table cell
+#: A dated result in package code: a date, a lead or lag in points, or a pointer to an experiment log's section.
+#: Results live in docs/ with the command that made them; code says what it does and links the page.
+DATED_RESULT = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b"
+                          r"|\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)? points (?:below|above|ahead|behind)\b"
+                          r"|process-rewards\.md,? (?:section )?5[a-g]?\b")
+
+
+def test_config_docstrings_are_short():
+    """What a key does in one or two lines and a link; the why and the measurements belong on the docs page."""
+    long = [f"{section}.{key}: {len(doc)} characters" for section, cls in config_classes().items()
+            for key, (_, doc, _) in config.flat_fields(cls).items() if len(doc) > DOCSTRING_LIMIT]
+    assert not long, f"config docstrings over {DOCSTRING_LIMIT} characters (move the substance to docs/):\n" + "\n".join(long)
+
+
+def dated_results(text: str) -> list[str]:
+    return [m.group(0) for m in DATED_RESULT.finditer(text)]
+
+
+def test_no_dated_result_in_package_code():
+    found = [f"{path.relative_to(ROOT)}: {hit}" for path in sorted((ROOT / "prmflow").rglob("*.py"))
+             for hit in dated_results(path.read_text(encoding="utf-8"))]
+    assert not found, "results and dates in package code (put them in docs/, link the section):\n" + "\n".join(found)
+
+
+def test_the_dated_result_pattern_is_narrow():
+    """What it caught in the package before the results moved to docs/, and what it must leave alone."""
+    caught = ["PRM ended 2.2 points below outcome-only with it (docs/process-rewards.md 5b)",
+              "took this credit 10-18 points below outcome-only (docs/process-rewards.md, 5d-5e)",
+              "(one thread, 2026-11-25)", "(docs/process-rewards.md, section 5)"]
+    assert [len(dated_results(s)) > 0 for s in caught] == [True] * len(caught)
+    kept = ["model.dropout.p = 0.0", "docs/process-rewards.md#5-the-evidence", "beta x the log-ratio over 5 steps",
+            "2 points of the grid", "version 2026.1", "top 5 points"]
+    assert [dated_results(s) for s in kept] == [[]] * len(kept)
 
 
 def test_readme_stays_a_front_door():

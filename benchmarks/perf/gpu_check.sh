@@ -8,7 +8,7 @@
 #   bash benchmarks/perf/gpu_check.sh stages DIR    # there, DIR the carried folder: the checks that need no vLLM (below)
 #
 # `stages` (no vLLM; each part given what is left of BUDGET_S):
-#   1. sampling-stages: benchmarks/perf/sampling_stages_gpu.py: evaluate and prm-label sampling on the GPU (their default)
+#   1. sampling-stages: benchmarks/perf/stage_samplers_gpu.py --stage evaluate,prm-label: evaluate and prm-label sampling on the GPU (their default)
 #                       against on the CPU in float32 (where both sampled on a GPU pod before 4b5553a / 4a58755), and
 #                       evaluate at the 1.5B recipe's evaluate shapes
 #   2. stage-tests:     the quick tests of evaluate, the prm stages and rollout with CUDA present (models on it)
@@ -18,13 +18,13 @@
 #
 # The payload is ../shared/gpu (README there): vLLM 0.24.0 and what it needs, for CPython 3.12 with torch 2.11.0+cu130.
 # Parts, in order of what matters most, each given what is left of the 8 minutes (and its own cap):
-#   1. rollout-recipe: benchmarks/perf/rollout_stage_gpu.py, the rollout stage with vLLM (prmflow's start defaults, its
+#   1. rollout-recipe: benchmarks/perf/stage_samplers_gpu.py --stage rollout, the rollout stage with vLLM (prmflow's start defaults, its
 #                      engine core spawned, then in-process) at the cluster recipe's per-shard size (64 prompts x 8,
 #                      1024 tokens), the start split into its parts; then the HF sampler at that batch with 128 tokens
 #                      (its tokens/s at 512 sequences)
 #   2. vllm-tests:     pytest tests/rollout -k vllm (the real engine: greedy = model.generate, seeds, stop ids, new weights,
 #                      the two logprob checks of issue 48, ranks and shards; all 12 passed on an H200, 2026-11-26)
-#   2b. stages-vllm:   benchmarks/perf/sampling_stages_gpu.py: evaluate and prm-label with sampler=vllm against their HF default
+#   2b. stages-vllm:   benchmarks/perf/stage_samplers_gpu.py, the -vllm arms: evaluate and prm-label with sampler=vllm against their HF default
 #   3. gap:            benchmarks/perf/sampler_trainer_gap.py --correction-only --sampler vllm: a bf16 vLLM rollout
 #                      against the float32 trainer, with each rollout_correction mode
 #   4. ppo-sft-tests:  the quick ppo and sft tests on the GPU
@@ -99,7 +99,7 @@ if [ "$MODE" = "stages" ]; then
   export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   python3 -c 'import torch, transformers, mlflow, prmflow; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())' \
     >> "$RESULTS/logs/install.log" 2>&1
-  part sampling-stages 200 python3 benchmarks/perf/sampling_stages_gpu.py --output "$RESULTS/sampling-stages"
+  part sampling-stages 200 python3 benchmarks/perf/stage_samplers_gpu.py --stage evaluate,prm-label --output "$RESULTS/sampling-stages"
   part stage-tests 150 python3 -m pytest -p no:cacheprovider -q -rfE tests/evaluate tests/prm tests/rollout -m "not slow and not real_model"
   part implicit-prm 200 bash -c "python3 benchmarks/perf/bench_implicit_prm.py --layers 28 --dtype bfloat16 --batch 32 --tokens 1174 \
       --prompt_tokens 150 --what logprobs; \
@@ -131,23 +131,23 @@ PYTEST="python3 -m pytest -p no:cacheprovider -q -rfE"
 # samples, up to 1024 new tokens), vLLM in-process and spawned; the machine's first engine start is slower (2026-11-27:
 # load 77 s against 43 s, Triton kernels compiled cold), so the in-process arm, which is measured against 2026-11-27's
 # 20.1 s, comes second, after a warm-up arm of the spawned core
-part rollout-recipe 200 python3 benchmarks/perf/rollout_stage_gpu.py --arms vllm,vllm-inproc --prompts 64 --samples 8 \
+part rollout-recipe 200 python3 benchmarks/perf/stage_samplers_gpu.py --arms vllm,vllm-inproc --prompts 64 --samples 8 \
      --max-new-tokens 1024 --output "$RESULTS/rollout-recipe"
 MODEL="$RESULTS/rollout-recipe/model-358m"
 # the HF sampler at the shard's 512 sequences, 128 tokens: its tokens/s at that batch, from which its wall at 1024 tokens
 # is read (at 1024 tokens the HF arm takes minutes)
-part rollout-recipe-hf 120 python3 benchmarks/perf/rollout_stage_gpu.py --policy "$MODEL" \
+part rollout-recipe-hf 120 python3 benchmarks/perf/stage_samplers_gpu.py --policy "$MODEL" \
      --arms hf --prompts 64 --samples 8 --max-new-tokens 128 --output "$RESULTS/rollout-recipe-hf"
 part vllm-tests 200 $PYTEST tests/rollout -k vllm
 # evaluate and prm-label with sampler=vllm (the rollout's engine) against their HF default, same sizes: never yet on a GPU
-part stages-vllm 150 python3 benchmarks/perf/sampling_stages_gpu.py --policy-358m "$MODEL" \
+part stages-vllm 150 python3 benchmarks/perf/stage_samplers_gpu.py --policy "$MODEL" \
      --arms evaluate-gpu,evaluate-vllm,prm-label-gpu,prm-label-vllm --output "$RESULTS/stages-vllm"
 part gap 100 python3 benchmarks/perf/sampler_trainer_gap.py --correction-only --sampler vllm --output /tmp/gap
 part ppo-sft-tests 100 $PYTEST tests/ppo tests/sft -m "not slow and not real_model"
-part rollout-stage 200 python3 benchmarks/perf/rollout_stage_gpu.py --policy "$MODEL" --prompts 32 --samples 8 \
+part rollout-stage 200 python3 benchmarks/perf/stage_samplers_gpu.py --policy "$MODEL" --prompts 32 --samples 8 \
      --max-new-tokens 128 --arms hf,vllm-inproc --output "$RESULTS/rollout-stage"
 # vLLM's own start defaults (torch.compile, 51 graphs) last: on a cold compile cache it ran past 126 s (2026-11-26)
-part rollout-stock 200 python3 benchmarks/perf/rollout_stage_gpu.py --policy "$MODEL" \
+part rollout-stock 200 python3 benchmarks/perf/stage_samplers_gpu.py --policy "$MODEL" \
      --arms vllm-stock --prompts 32 --samples 8 --max-new-tokens 128 --output "$RESULTS/rollout-stock"
 
 {

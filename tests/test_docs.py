@@ -110,8 +110,8 @@ def test_check_names_the_stale_readme_and_the_write_fixes_it(tmp_path, monkeypat
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-#: Every hand-written page: the README, docs/, each stage's README, the benchmarks' README.
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "prmflow" / "components").glob("*/README.md")),
+#: Every hand-written page: the README, docs/ with its experiment logs, every README in the package, the benchmarks'.
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "prmflow").rglob("README.md")),
          ROOT / "benchmarks" / "README.md"]
 README_LIMIT = 10 * 1024  # bytes: a front door, not a lab notebook; the rest belongs in docs/
 
@@ -360,7 +360,7 @@ def test_every_quoted_repository_path_exists(page):
 
 def slug(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
-    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())  # `_` stays, as on GitHub
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
@@ -383,6 +383,82 @@ def test_relative_links_resolve(page):
         elif fragment and dest.suffix == ".md" and fragment not in anchors(dest):
             problems.append(f"({target}): no heading '#{fragment}' in {dest.relative_to(ROOT)}")
     assert not problems, f"{page_id(page)} has broken links:\n" + "\n".join(problems)
+
+
+#: A page (and maybe a heading) that code, configs or scripts name in their text: `docs/process-rewards.md#2c-...`.
+DOC_MENTION = re.compile(r"(?<![\w./-])((?:docs|benchmarks|prmflow)/[\w./-]*?\.md)(?:#([\w-]+))?")
+#: Where such mentions live: the package (docstrings feed --help and the stage READMEs), the benchmarks, the configs.
+MENTIONING = [*sorted((ROOT / "prmflow").rglob("*.py")), *sorted((ROOT / "benchmarks").rglob("*.py")),
+              *sorted((ROOT / "configs").glob("*.yaml")), *sorted((ROOT / "benchmarks").rglob("*.json"))]
+
+
+def mention_problems(path: Path) -> list[str]:
+    """Each `docs/X.md` or `docs/X.md#anchor` in `path`'s text that names no file, or no heading of it."""
+    problems = []
+    text = path.read_text(encoding="utf-8")
+    for m in DOC_MENTION.finditer(text):
+        file, fragment = m.group(1), m.group(2)
+        if re.search(r"\b[\w.-]+/[\w.-]+ $", text[max(0, m.start() - 80):m.start()]):
+            continue  # another repository's page: `openreasoner/openr docs/datasets.md`
+        dest = ROOT / file
+        if not dest.exists():
+            problems.append(f"{file}: no such page")
+        elif fragment and fragment not in anchors(dest):
+            problems.append(f"{file}#{fragment}: no such heading")
+    return problems
+
+
+def test_pages_that_code_names_exist():
+    """A moved page or a renamed heading leaves no dangling `docs/...md#...` in a docstring, a --help text, a
+    config comment or a benchmark: they are read where no Markdown renderer checks them."""
+    problems = [f"{path.relative_to(ROOT)}: {p}" for path in MENTIONING for p in mention_problems(path)]
+    assert not problems, "pages named in code that do not resolve:\n" + "\n".join(problems)
+
+
+def test_a_dangling_mention_is_caught(tmp_path):
+    """The check above reads anchors the way GitHub makes them (lower case, punctuation dropped, spaces as hyphens)."""
+    text = tmp_path / "x.py"
+    text.write_text("see docs/process-rewards.md#2c-calibrated-potential-process_calibration-isotonic and "
+                    "docs/process-rewards.md#what-to-use, not "
+                    "docs/process-rewards.md#5-measured or docs/nowhere.md (openreasoner/openr docs/datasets.md is theirs)",
+                    encoding="utf-8")
+    assert mention_problems(text) == ["docs/process-rewards.md#5-measured: no such heading", "docs/nowhere.md: no such page"]
+
+
+DOCSTRING_LIMIT = 300  # characters: a config key's docstring is its --help line and its README table cell
+#: A dated result in package code: a date, a lead or lag in points, or a pointer to an experiment log's section.
+#: Results live in docs/ with the command that made them; code says what it does and links the page.
+DATED_RESULT = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b"
+                          r"|\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)? points (?:below|above|ahead|behind)\b"
+                          r"|process-rewards\.md,? (?:section )?5[a-g]?\b")
+
+
+def test_config_docstrings_are_short():
+    """What a key does in one or two lines and a link; the why and the measurements belong on the docs page."""
+    long = [f"{section}.{key}: {len(doc)} characters" for section, cls in config_classes().items()
+            for key, (_, doc, _) in config.flat_fields(cls).items() if len(doc) > DOCSTRING_LIMIT]
+    assert not long, f"config docstrings over {DOCSTRING_LIMIT} characters (move the substance to docs/):\n" + "\n".join(long)
+
+
+def dated_results(text: str) -> list[str]:
+    return [m.group(0) for m in DATED_RESULT.finditer(text)]
+
+
+def test_no_dated_result_in_package_code():
+    found = [f"{path.relative_to(ROOT)}: {hit}" for path in sorted((ROOT / "prmflow").rglob("*.py"))
+             for hit in dated_results(path.read_text(encoding="utf-8"))]
+    assert not found, "results and dates in package code (put them in docs/, link the section):\n" + "\n".join(found)
+
+
+def test_the_dated_result_pattern_is_narrow():
+    """What it caught in the package before the results moved to docs/, and what it must leave alone."""
+    caught = ["PRM ended 2.2 points below outcome-only with it (docs/process-rewards.md 5b)",
+              "took this credit 10-18 points below outcome-only (docs/process-rewards.md, 5d-5e)",
+              "(one thread, 2026-11-25)", "(docs/process-rewards.md, section 5)"]
+    assert [len(dated_results(s)) > 0 for s in caught] == [True] * len(caught)
+    kept = ["model.dropout.p = 0.0", "docs/process-rewards.md#5-the-evidence", "beta x the log-ratio over 5 steps",
+            "2 points of the grid", "version 2026.1", "top 5 points"]
+    assert [dated_results(s) for s in kept] == [[]] * len(kept)
 
 
 def test_readme_stays_a_front_door():

@@ -191,7 +191,7 @@ class ClusterConfig:
     workspace_size: str = "200Gi"
     """Size of KFP's per-run pipeline workspace (KFP >= 2.15), used when workspace_pvc is empty. It is deleted with the run, and its per-run name is in the cache key of each step that mounts it (those opening weights), so only workspace_pvc lets a failed run resume."""
     workspace_storage_class: str = ""
-    """Storage class of the per-run workspace (a ReadWriteMany class, `kubectl get storageclass`). Empty: the cluster's default storage class, which only KFP >= 2.17 accepts (see kfp_version); server-default: the class of the claim template in the KFP API server's config (workspace.volumeclaimtemplatespec), if your installation sets one."""
+    """Storage class of the per-run workspace (ReadWriteMany; `kubectl get storageclass`). Empty: the cluster's default, which only KFP >= 2.17 accepts (see kfp_version); server-default: the claim template's class in the KFP API server's config (workspace.volumeclaimtemplatespec)."""
     kfp_version: str = "2.15"
     """Kubeflow Pipelines version of the target backend (2.15, 2.16 or 2.17): compile, plan and submit --dry-run refuse what its driver and compiler would refuse (submit and upload check against the version the server states). Default: the oldest supported, so the spec runs on all of them."""
     gpus: GpuShapes = field(default_factory=GpuShapes)
@@ -280,7 +280,7 @@ class PipelineConfig:
     prm_model: str = ""
     """Use this trained PRM instead of running the prm stage (directory or URI, imported like sft_model)."""
     prm_update: bool = False
-    """Keep the PRM on-policy: after rollout k, a prm-update-k task (GPU pool) trains the PRM that scored those rollouts on their own outcomes, replaying earlier iterations' rollouts (the prm-update: section); rollout k+1 and the final evaluate read the updated PRM, advantage k and ppo k do not wait for it. Needs a trained PRM (not rollout.prm: oracle) and an advantage that reads step rewards."""
+    """Keep the PRM on-policy: after rollout k a prm-update-k task (GPU pool) trains it on those rollouts' outcomes (section prm-update:); rollout k+1 and evaluate read it. Needs a trained PRM and an advantage that reads step rewards. docs/process-rewards.md#4-the-prm-follows-the-policy-prmflow-prm-update"""
     images: ImagesConfig = field(default_factory=ImagesConfig)
     """The CPU and GPU images and their pull secrets (placeholders until set: compile refuses them)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -51,15 +51,9 @@ class ArithmeticConfig:
     (picked by a hash of the problem, so the same problems in every run). Warm-up data from a mixed
     source: SFT learns to skip the steps that often, and RL can learn that working them out pays."""
     prompt_prefix: str = PROMPT_PREFIX
-    """Text before the expression in every prompt (`Compute left to right: 7+5*3-4`). The tiny
-    character-level presets learn nothing from it and pay for its 23 tokens in every example, about
-    half of a prompt (the quickstart sets it to '': SFT steps 1.4x faster); an instruct model reads it.
-    Every stage of a pipeline must use the same prefix (the pipeline refuses a mix)."""
+    """Text before the expression in every prompt (`Compute left to right: 7+5*3-4`); an instruct model reads it, a tiny character-level preset only pays its 23 tokens (the quickstart sets ''). Every stage of a pipeline must use the same prefix."""
     shortcut_frac: float = 0.0
-    """Chance that a step of a reference solution merges the next two operations into one line
-    (`7+5*3=36`, left to right; picked by a hash of the problem and the step). The checker accepts a
-    right one as one step. A risky habit to imitate: a small policy gets the merged value wrong far more
-    often than a single step, and RL can learn to avoid it (the prm-vs-outcome benchmark's regime)."""
+    """Chance that a step of a reference solution merges the next two operations into one line (`7+5*3=36`; picked by a hash of the problem and the step); the checker accepts a right one as one step. A risky habit for RL to unlearn: docs/results.md#long-chains-with-a-risky-shortcut."""
 
     def __post_init__(self):
         if not 0.0 <= self.direct_answer_frac <= 1.0:

@@ -1,4 +1,4 @@
-"""benchmarks/bare_vs_worked.py: its command line."""
+"""benchmarks/experiments/bare_vs_worked.py: its command line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "experiments"))
 import bare_vs_worked  # noqa: E402
 
 

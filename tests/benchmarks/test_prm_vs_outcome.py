@@ -1,4 +1,4 @@
-"""benchmarks/prm_vs_outcome.py: its numbers against hand counts, and a tiny run of the real command."""
+"""benchmarks/experiments/prm_vs_outcome.py: its numbers against hand counts, and a tiny run of the real command."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "experiments"))
 
 import prm_vs_outcome as bench  # noqa: E402
 import prm_vs_outcome_stats as bs  # noqa: E402

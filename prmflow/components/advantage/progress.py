@@ -20,12 +20,10 @@ cross-validate among themselves, and the map is used only where it predicts held
 better than flat by more than one standard error (the one-standard-error rule of cross-validated model
 choice, Hastie, Tibshirani & Friedman, The Elements of Statistical Learning, 2nd ed., sec. 7.10);
 otherwise Phi is flat, the process term 0, and the advantages are outcome-only GRPO's. Why: an isotonic
-fit can only lean the PRM's way, so a map fitted to a PRM of pure noise still had a spread (0.02-0.2 at
-the benchmark's batch) and moved credit towards whatever the PRM liked; in the shortcut regime a random
-PRM ended 2.2 points below outcome-only with it (docs/process-rewards.md 5b). No threshold on the PRM's
-quality is set: the flat map wins whenever the PRM's ranking does not carry to prompts it was not fitted
-on. Simulated at that batch (32 prompts x 8 responses, 3-5 steps), a noise PRM's map is used in about 1%
-of folds; a PRM whose step AUC against outcomes is about 0.6 in 97%.
+fit can only lean the PRM's way, so a map fitted to a PRM of pure noise still has a spread and moves
+credit towards whatever the PRM likes. No threshold on the PRM's quality is set: the flat map wins
+whenever the PRM's ranking does not carry to prompts it was not fitted on. What this costs and gains is
+measured in docs/process-rewards.md#2c-calibrated-potential-process_calibration-isotonic.
 """
 
 from __future__ import annotations
@@ -47,7 +45,7 @@ NO_EVIDENCE_PHI = 0.5
 CALIBRATION_REVISION = 3
 """Raised whenever a change alters what process_calibration=isotonic computes (2: the map chosen against a flat
 one, a flat group's credit exactly 0; 3: the baseline credit's start_{-i} and its lagged step boundary, the step
-credit's one scale and bound). benchmarks/prm_vs_outcome.py puts it in the digest of every calibrated run, so a
+credit's one scale and bound). benchmarks/experiments/prm_vs_outcome.py puts it in the digest of every calibrated run, so a
 finished run made by earlier code is not taken for one of today's."""
 
 SELECTION_SE = 1.0

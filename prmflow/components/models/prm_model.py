@@ -55,7 +55,7 @@ LOGIT_CHUNK_BYTES = 256 * 2**20
 @dataclass
 class HeadConfig:
     kind: Literal["token_classification", "lm_tokens", "implicit"] = "token_classification"
-    """token_classification: a linear head on the backbone (saved as AutoModelForTokenClassification); lm_tokens: P(good_token) vs P(bad_token) of a causal LM (Math-Shepherd checkpoints); implicit: PRIME's implicit PRM, beta x the log-likelihood ratio of a causal LM to its frozen starting point, summed over the response so far."""
+    """token_classification: a linear head on the backbone (AutoModelForTokenClassification); lm_tokens: P(good_token) vs P(bad_token) of a causal LM (Math-Shepherd); implicit: PRIME's implicit PRM, beta x the log-likelihood ratio of an LM to its frozen start."""
     good_token: str = "+"
     """lm_tokens: the token whose probability means 'this step is correct' (Math-Shepherd: '+')."""
     bad_token: str = "-"

@@ -56,7 +56,7 @@ class Config:
     tokens of each micro-batch (a full-vocabulary softmax per token; at 151,936 tokens it cost as much as a third
     of the update); 0 = every token."""
     head_chunk_rows: int = 512
-    """Response tokens per pass through the LM head when the policy scores them (update and prepass), and reference-solution tokens when it scores the ptx loss: their log-probs and entropies are computed chunk by chunk from the final hidden states (recomputed in the backward pass), so the (batch, response, vocabulary) logits (for ptx, (batch, sequence, vocabulary)) and their float32 copies, several GB per micro-batch at Qwen2.5's 151,936 tokens and the biggest tensors of the step, never exist; at that vocabulary 512 rows are 0.3 GB of float32 logits at a time. 0 = the whole logits (the reference computation; a model whose head cannot be read so, e.g. logits soft-capped after the head, falls back to it with a warning)."""
+    """Tokens per pass through the LM head when the policy scores responses (and the ptx loss its references): log-probs are computed chunk by chunk from the hidden states, so the (batch, tokens, vocabulary) logits never exist. 0 = the whole logits (the reference computation)."""
     kl_loss_coef: float = 0.0
     """KL loss to the reference model (GRPO style; needs ref_logprobs); 0 = KL only in the reward."""
     kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -64,9 +64,9 @@ class Config:
     top_entropy_frac: float = 1.0
     """Policy loss only on this fraction of the batch's highest-entropy tokens (Wang et al. 2025 use 0.2; 1 = all)."""
     recompute_old_logprobs: bool | None = None
-    """Recompute old_logprobs with this stage's engine (one extra forward pass) instead of reading the hand-off's. Empty: on a GPU or with engine.dtype=bfloat16, where the rollout's numbers (bf16, vLLM, another GPU's kernels) differ from this engine's forward, recompute, so the first update's ratio is exactly 1; on CPU in float32 read the hand-off (the rollout's float32 numbers: by default its HF sampler's own, else its scoring forward; equal to this engine's up to ~2e-5)."""
+    """Recompute old_logprobs with this stage's engine (one extra forward) instead of reading the hand-off's. Empty: recompute on a GPU or with engine.dtype=bfloat16 (so the first ratio is exactly 1), read the hand-off on CPU in float32 (equal up to ~2e-5). docs/design.md#the-ppo-update"""
     rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
-    """Importance-sampling correction for the sampler-trainer gap: weight each token's policy loss by pi_old / pi_sampler (old_logprobs over the hand-off's behavior_logprobs), per token or per response (the product), truncated at rollout_correction_cap (truncate, TIS) or dropped above it (mask, MIS). Why: vLLM's bf16 sampler is not the policy the trainer differentiates, even with old_logprobs recomputed; without the weight the update is biased toward what the sampler over-drew. Costs nothing but the behavior_logprobs column (rollout writes it); with the HF sampler in float32 the weights are 1 to ~1e-6 and it changes nothing, hence off by default. Use token_truncate with sampler=vllm. Logged: train/is_weight_mean, train/is_weight_raw_max, train/is_capped_frac."""
+    """Importance-sampling correction for the sampler-trainer gap: weight each token's loss by pi_old / pi_sampler, per token or per response, truncated at rollout_correction_cap (TIS) or masked above it (MIS). Use token_truncate with sampler=vllm; docs/design.md#the-ppo-update."""
     rollout_correction_cap: float = 2.0
     """The cap C of rollout_correction (veRL's and the TIS paper's 2.0): a weight above it is cut to C (truncate) or its token/response leaves the loss (mask). Must be at least 1, so tokens the two engines agree on keep their weight."""
     ptx_coef: float = 0.0

@@ -21,7 +21,7 @@ from ..models.prm_model import HeadConfig
 @dataclass
 class Config:
     backbone: str = "outputs/sft"
-    """Model the PRM is built on: a causal-LM HF directory (default: the sft stage's output), an existing PRM directory, or a tiny preset (random init: then use train_layers=0 and extra_layers=0). Named `backbone`, not `policy`: it is the verifier's starting weights, which need not be the policy's (another model, or a PRM trained before)."""
+    """Model the PRM is built on: a causal-LM HF directory (default: the sft stage's output), an existing PRM directory, or a tiny preset (random init: then train_layers=0, extra_layers=0). The verifier's starting weights, which need not be the policy's."""
     extra_layers: int = 2
     """Decoder layers appended to a causal-LM backbone, starting as the identity: room to compare the backbone's next-token predictions with the tokens actually written (what a verifier does). Costs (layers+extra)/layers compute."""
     train_layers: int = 2
@@ -31,7 +31,7 @@ class Config:
     task: str = "arithmetic"
     """Training data: 'arithmetic' or 'visual' (built-in tasks, exact step labels, incl. deliberately wrong steps; visual needs a vision-language backbone and head.kind=lm_tokens) or a stepwise .jsonl/.parquet file (prompt, steps, labels, optional images)."""
     eval_task: str = ""
-    """Held-out step data: a stepwise file, or 'arithmetic' (its 'eval' split, exact labels: how to judge a PRM trained on prm-label output against the checker). Empty = the arithmetic 'eval' split for task=arithmetic, else the task file's last prompts with every row they have (at least eval_size rows); training never sees a held-out prompt."""
+    """Held-out step data: a stepwise file, or 'arithmetic' (its 'eval' split, exact labels). Empty: the arithmetic 'eval' split for task=arithmetic, else the task file's last prompts (at least eval_size rows). Training never sees a held-out prompt."""
     num_prompts: int = 6000
     """Arithmetic: problems (each gives its reference solution and negatives_per_problem wrong ones); a file: at most this many rows."""
     eval_size: int = 300
@@ -41,7 +41,7 @@ class Config:
     policy: str = ""
     """Arithmetic: a policy (HF directory) whose own sampled solutions, labelled by the exact checker, join the training data (matches the errors the PRM will judge). Empty = reference + corrupted solutions only."""
     policy_from_backbone: bool = False
-    """Arithmetic: sample those solutions from the backbone itself (the SFT policy), as if policy named it. The pipeline's switch: the SFT policy's path is only known at run time. Measured on the quickstart: a PRM trained so ranks the RL policy's own right and wrong solutions apart (weakest step 0.42 vs 0.28); one trained on corrupted references only does not (0.46 vs 0.45 mean step score)."""
+    """Arithmetic: sample those solutions from the backbone itself (the SFT policy), as if policy named it: the pipeline's switch, as the SFT policy's path is known only at run time. Why it matters: the prm stage's README, 'On the quickstart's mixed SFT policy'."""
     n_samples: int = 2
     """Arithmetic with policy (or policy_from_backbone): solutions sampled per training problem."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -74,9 +74,9 @@ class Config:
     label_threshold: float = 0.5
     """A response is a success (every step prefix labelled 1) when its outcome_reward is at least this."""
     implicit_beta: float = 0.0
-    """> 0: `prm` may be a policy (a causal-LM directory, no prmflow.json): the update starts PRIME's implicit PRM from it (head.kind=implicit: the policy trained further, a frozen copy as the reference, step logit beta x their log-likelihood ratio over the response so far; arXiv 2502.01456). A prm written by a PRM stage keeps its own head."""
+    """> 0: `prm` may be a policy (a causal-LM directory, no prmflow.json): the update starts PRIME's implicit PRM from it, step logit beta x the log-likelihood ratio to a frozen copy (docs/process-rewards.md#4b-primes-implicit-prm-headkind-implicit). A PRM keeps its own head."""
     labels: Literal["outcome", "shared_prefix"] = "outcome"
-    """How a step prefix is labelled for training. outcome: its response's checked outcome (P(success | prefix), a value). shared_prefix: 1 if any response to the same prompt in the same rollouts that starts with the same steps succeeded, else 0: the group's other samples serve as the prefix's completions (Math-Shepherd's hard estimate at no extra rollout), so a right step in a response that later fails is labelled 1. The held-out AUC is against the outcome either way."""
+    """How a step prefix is labelled. outcome: its response's checked outcome. shared_prefix: 1 if a response to the same prompt that starts with the same steps succeeded, else 0 (Math-Shepherd's hard estimate, no extra rollout; docs/process-rewards.md#4-the-prm-follows-the-policy-prmflow-prm-update)."""
     iteration: int = 0
     """RL iteration k whose rollouts train the PRM: tags the tracking run and seeds the split and the replay draw."""
     max_steps: int = 40

@@ -48,7 +48,7 @@ class Config:
     score_batch_sequences: int = 32
     """Sequences per forward pass when scoring (old/ref logprobs, values, PRM)."""
     old_logprobs: Literal["auto", "forward", "sampler"] = "auto"
-    """Where old_logprobs (the PPO ratio's denominator) come from. forward: a fresh full forward of the policy over every sampled response (one more pass, as costly as a training forward). sampler: the sampler's own log-probs of the tokens it drew (behavior_logprobs): with sampler=hf the very model and dtype that sampled, read from its KV-cache forward, equal to a full forward up to float32 summation order; with vLLM another engine's numbers, fit only when the ppo stage recomputes old_logprobs (recompute_old_logprobs). auto: sampler with sampler=hf in float32, else forward."""
+    """Where old_logprobs (the PPO ratio's denominator) come from. forward: a full forward of the policy over every response (one more pass). sampler: the sampler's own log-probs (behavior_logprobs; with vLLM fit only if ppo recomputes). auto: sampler for hf in float32, else forward."""
     sampler: Literal["hf", "vllm"] = "hf"
     """Sampling engine: hf (CPU or GPU, transformers) or vllm (GPU node pools, the gpu extra)."""
     device: str = ""

@@ -111,7 +111,7 @@ def leave_group_at_exit():
     may have peers inside a collective, where leaving can hang (the launcher stops them instead). Only
     under a launcher: a one-process run, e.g. several stages in one Python process, keeps its group.
 
-    Seen again after that (CI, 2026-11-25, same test, rank 1 after its work was done): destroying the
+    Seen again after that (CI, same test, rank 1 after its work was done): destroying the
     group does not wait for work already queued on it. A gloo worker thread that finishes a collective
     nobody waited for (ZeRO-3's parameter prefetches, on DeepSpeed's own copy of the world group) drops
     the last reference to its tensors; once the interpreter is finalizing, taking the GIL for that ends

@@ -21,7 +21,7 @@ The HF engine is a KV-cache loop: one prefill per prompt (its cache is copied fo
 then one forward of a single token per step. Sequences that finish are dropped from the batch
 (their cache rows too), so a batch runs only as long as its longest live sample. The naive
 alternative, a full forward of prompt + response for every new token, costs O(T^2) instead of
-O(T); benchmarks/bench_rollout.py measures both against `model.generate`.
+O(T); benchmarks/perf/bench_rollout.py measures both against `model.generate`.
 """
 
 from __future__ import annotations

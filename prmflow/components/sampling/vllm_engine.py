@@ -185,13 +185,13 @@ class VLLMSettings:
     enforce_eager: bool = False
     """No torch.compile and no CUDA graphs (vLLM then sets both off): the quickest start and the slowest decoding; for debugging and tiny runs."""
     compile: bool = False
-    """torch.compile the model (vLLM's compilation mode 3) with piecewise CUDA graphs for prefill. Off (compilation mode 0): no compile at start, and decoding still replays full CUDA graphs (cudagraph_mode FULL_DECODE_ONLY), the part of generation graphs speed up most. Why off: a rollout pod starts one engine per iteration on a cold cache, so the compile is paid every time: on an H200 vLLM's own start (compile, 51 graph sizes) had not finished after 126 s, against 5.6 s for the whole engine init without it (docs/testing.md); turn on for long rollouts where faster prefill pays for it."""
+    """torch.compile the model (vLLM's compilation mode 3) with piecewise CUDA graphs for prefill. Off: no compile at start, decoding still replays full CUDA graphs. Off by default as a rollout pod pays a cold compile every iteration (docs/testing.md#on-a-gpu)."""
     cudagraph_capture_sizes: list[int] = field(default_factory=lambda: list(CUDAGRAPH_SIZES))
     """Decode batch sizes vLLM captures a CUDA graph for (a batch between two sizes runs padded to the next one); each size costs capture time at start. Default: powers of two to 512 (10 graphs, against vLLM's 51), captured in 1-2 s on an H200; [] = vLLM's own list."""
     max_num_seqs: int = 0
     """Sequences vLLM decodes at once; 0 = vLLM's (1024 on an H100/H200 for offline use, 256 on smaller GPUs). It also sizes the start's memory-profiling batch, and CUDA graphs are captured only up to the first size that holds it."""
     in_process: bool = False
-    """Run vLLM's engine core in the stage's own process ($VLLM_ENABLE_V1_MULTIPROCESSING=0) rather than a process it spawns, which imports torch and vLLM again before it starts. On an H200 at the cluster recipe's shard it cut the stage's load from 42.6 s to 20.1 s and its wall from 69.8 s to 52.9 s (docs/testing.md); the 1.5B cluster recipe turns it on. Off by default, as it ran once: the engine's memory is then given back by this process at close, not by a process that exits, and a rank whose GPU is not this process's cuda:0 is refused."""
+    """Run vLLM's engine core in the stage's process ($VLLM_ENABLE_V1_MULTIPROCESSING=0), not a spawned one that imports torch and vLLM again: a faster start (docs/testing.md#on-a-gpu). The engine's memory is then freed at close; a rank whose GPU is not cuda:0 is refused."""
     shutdown_timeout_s: float = 120.0
     """Seconds to wait, after the engine shuts down, for its GPU memory to come back before the scoring models load."""
     extra: dict = field(default_factory=dict)

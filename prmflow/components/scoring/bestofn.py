@@ -71,7 +71,7 @@ class BestOfNConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of the policy and the PRM; auto = bfloat16 on a GPU (half the memory of float32) and for vLLM, float32 on CPU (exact)."""
     sampler: Sampler = "hf"
-    """Sampling engine: hf (transformers, CPU or GPU) or vllm (a GPU with the gpu extra; its engine is shut down, and its memory waited for, before the PRM loads). In the prm stage best-of-N runs right after training, whose model and optimizer states still hold the GPU: with vllm, lower bon.vllm.gpu_memory_utilization to what they leave, or run the stage again on the finished output (best-of-N is then added without training)."""
+    """Sampling engine: hf (transformers, CPU or GPU) or vllm (a GPU with the gpu extra; shut down before the PRM loads). In the prm stage training's states still hold the GPU: lower bon.vllm.gpu_memory_utilization, or rerun on the finished output."""
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
     """vLLM engine settings (sampler=vllm only)."""
 

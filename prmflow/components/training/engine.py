@@ -48,11 +48,11 @@ class EngineConfig:
     offload_optimizer: bool = False
     """DeepSpeed: keep optimizer state in CPU memory (ZeRO >= 1); saves GPU memory, costs speed."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype. bfloat16 runs the forward and backward passes in bf16 while the optimizer updates fp32 master weights (torch: autocast over fp32 parameters; DeepSpeed ZeRO >= 1: bf16 parameters, fp32 master copy and fp32 gradient accumulation), so small updates (lr 1e-6) are not lost to bf16's 8-bit mantissa. float32 is exact and fine on CPU."""
+    """Compute dtype. bfloat16: forward and backward in bf16, the optimizer on fp32 master weights (torch: autocast over fp32 parameters; DeepSpeed: bf16 parameters, fp32 master copy and gradients), so small updates are not lost. float32 is exact and fine on CPU."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about 30% more compute."""
     nproc_per_node: int = 0
-    """Data-parallel ranks on this machine: 0 = one per visible GPU (1 on a CPU machine), N > 1 starts N ranks through torch.distributed.run (deepspeed backend; on CPU N gloo processes). Each rank takes its share of every micro-batch, so the result is that of one process up to float rounding. Ignored under an outside torchrun."""
+    """Data-parallel ranks on this machine: 0 = one per visible GPU (1 on CPU); N > 1 starts N ranks through torch.distributed.run (on CPU, N gloo processes). The result is one process's up to float rounding. Ignored under an outside torchrun."""
     collective_timeout_s: float = 900.0
     """Seconds a collective (gradient reduce, barrier, checkpoint) waits for the other ranks before the job fails: bounds the time a hung or dead rank can stall the others. Must cover the slowest checkpoint save."""
 

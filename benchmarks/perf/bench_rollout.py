@@ -1,7 +1,7 @@
 """Rollout generation throughput: the HF engine against model.generate and a naive recompute loop.
 
-    python benchmarks/bench_rollout.py                      # tiny-llama, 64 prompts, batch 64, 64 new tokens
-    python benchmarks/bench_rollout.py --policy ~/.cache/prmflow-tests/sft-policy-... --natural-eos
+    python benchmarks/perf/bench_rollout.py                      # tiny-llama, 64 prompts, batch 64, 64 new tokens
+    python benchmarks/perf/bench_rollout.py --policy ~/.cache/prmflow-tests/sft-policy-... --natural-eos
 
 Three ways to sample the same prompts with the same batch, the same number of new tokens per
 sample (EOS ignored, so every sample has exactly --max-new-tokens) and the same sampling
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 TARGETS = {"generate": 0.9, "naive": 10.0}
 

@@ -1,6 +1,6 @@
 """Advantage stage benchmark: prints ratios (not part of the test suite).
 
-    python benchmarks/bench_advantage.py [--sequences 4096] [--max-len 1024] [--big 65536] [--skip-memory]
+    python benchmarks/perf/bench_advantage.py [--sequences 4096] [--max-len 1024] [--big 65536] [--skip-memory]
 
 1. Throughput: the stage (Parquet in -> Parquet out) against a pass-through that does the stage's
    I/O with the computation removed: the same reader (schema.open_dataset with its checksum check,
@@ -47,7 +47,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from prmflow.components.advantage import estimators, stage  # noqa: E402
@@ -267,7 +267,7 @@ def bench_gae(work: Path, args) -> None:
 CHILD = """
 import json, sys
 sys.path.insert(0, {root!r})
-from benchmarks.bench_advantage import stage_config
+from benchmarks.perf.bench_advantage import stage_config
 from prmflow.components.advantage import stage
 from pathlib import Path
 s = stage.run(stage_config(Path({inp!r}), Path({out!r})))

@@ -1,7 +1,7 @@
 """Is the shortcut of a prm_vs_outcome regime a habit worth unlearning? Read from a finished benchmark's rollouts.
 
-    python benchmarks/prm_vs_outcome_steps.py outputs/prm-vs-outcome outputs/prm-vs-outcome-chains
-    python benchmarks/prm_vs_outcome_steps.py outputs/prm-vs-outcome --variant outcome-only --iteration 3
+    python benchmarks/experiments/prm_vs_outcome_steps.py outputs/prm-vs-outcome outputs/prm-vs-outcome-chains
+    python benchmarks/experiments/prm_vs_outcome_steps.py outputs/prm-vs-outcome --variant outcome-only --iteration 3
 
 For each OUTPUT: the training rollouts of one variant at one iteration, pooled over its seeds
 (OUTPUT/runs/VARIANT/seed-*/iterK/rollouts), as `prm_vs_outcome_stats.step_failures` counts them: how often a
@@ -30,7 +30,7 @@ def table(outputs: list[Path], variant: str, iteration: int) -> str:
         dirs = sorted(out.glob(f"runs/{variant}/seed-*/iter{iteration}/rollouts"))
         if not dirs:
             raise FileNotFoundError(f"{out}: no rollouts at runs/{variant}/seed-*/iter{iteration}/rollouts; "
-                                    f"run benchmarks/prm_vs_outcome.py with this output first, or name another "
+                                    f"run benchmarks/experiments/prm_vs_outcome.py with this output first, or name another "
                                     f"--variant / --iteration")
         t = schema.read_dataset(dirs, "rollouts", ["prompt", "response", "outcome_reward"])
         f = bench_stats.step_failures(t.column("prompt").to_pylist(), t.column("response").to_pylist(),
@@ -44,7 +44,7 @@ def table(outputs: list[Path], variant: str, iteration: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchmarks/prm_vs_outcome_steps.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/experiments/prm_vs_outcome_steps.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("outputs", nargs="+", type=Path, help="benchmark outputs (the `output` key of its config)")
     parser.add_argument("--variant", default="outcome-only", help="whose rollouts (default: outcome-only)")
     parser.add_argument("--iteration", type=int, default=0, help="which iteration's rollouts (default 0: the SFT policy's)")

@@ -1,31 +1,31 @@
 #!/usr/bin/env bash
 # The GPU check: one script, one GPU machine, under 8 minutes, results in one folder (docs/testing.md, "On a GPU").
 #
-#   bash benchmarks/gpu_check.sh receive DIR   # copy payload parts that arrived in DIR to $PAYLOAD (one call per part)
-#   bash benchmarks/gpu_check.sh run           # install, then the checks below; results in $RESULTS
-#   bash benchmarks/gpu_check.sh pack-slim DIR # here: ../shared/gpu's packages less vLLM and what only vLLM imports,
+#   bash benchmarks/perf/gpu_check.sh receive DIR   # copy payload parts that arrived in DIR to $PAYLOAD (one call per part)
+#   bash benchmarks/perf/gpu_check.sh run           # install, then the checks below; results in $RESULTS
+#   bash benchmarks/perf/gpu_check.sh pack-slim DIR # here: ../shared/gpu's packages less vLLM and what only vLLM imports,
 #                                              # DIR/site-slim.tar.gz (~22 MB: one carry) + the protobuf wheel
-#   bash benchmarks/gpu_check.sh stages DIR    # there, DIR the carried folder: the checks that need no vLLM (below)
+#   bash benchmarks/perf/gpu_check.sh stages DIR    # there, DIR the carried folder: the checks that need no vLLM (below)
 #
 # `stages` (no vLLM; each part given what is left of BUDGET_S):
-#   1. sampling-stages: benchmarks/sampling_stages_gpu.py: evaluate and prm-label sampling on the GPU (their default)
+#   1. sampling-stages: benchmarks/perf/stage_samplers_gpu.py --stage evaluate,prm-label: evaluate and prm-label sampling on the GPU (their default)
 #                       against on the CPU in float32 (where both sampled on a GPU pod before 4b5553a / 4a58755), and
 #                       evaluate at the 1.5B recipe's evaluate shapes
 #   2. stage-tests:     the quick tests of evaluate, the prm stages and rollout with CUDA present (models on it)
-#   3. implicit-prm:    benchmarks/bench_implicit_prm.py at Qwen2.5-1.5B's whole shapes (28 layers), chunked vs plain:
+#   3. implicit-prm:    benchmarks/perf/bench_implicit_prm.py at Qwen2.5-1.5B's whole shapes (28 layers), chunked vs plain:
 #                       rollout's old/ref log-probs at the 1.5B recipe's 32 sequences x (150 + 1024) tokens, the implicit
 #                       PRM's scoring pass at 32 x 600 and its training step at the prm recipe's micro batch 8 x 1024
 #
 # The payload is ../shared/gpu (README there): vLLM 0.24.0 and what it needs, for CPython 3.12 with torch 2.11.0+cu130.
 # Parts, in order of what matters most, each given what is left of the 8 minutes (and its own cap):
-#   1. rollout-recipe: benchmarks/rollout_stage_gpu.py, the rollout stage with vLLM (prmflow's start defaults, its
+#   1. rollout-recipe: benchmarks/perf/stage_samplers_gpu.py --stage rollout, the rollout stage with vLLM (prmflow's start defaults, its
 #                      engine core spawned, then in-process) at the cluster recipe's per-shard size (64 prompts x 8,
 #                      1024 tokens), the start split into its parts; then the HF sampler at that batch with 128 tokens
 #                      (its tokens/s at 512 sequences)
 #   2. vllm-tests:     pytest tests/rollout -k vllm (the real engine: greedy = model.generate, seeds, stop ids, new weights,
 #                      the two logprob checks of issue 48, ranks and shards; all 12 passed on an H200, 2026-11-26)
-#   2b. stages-vllm:   benchmarks/sampling_stages_gpu.py: evaluate and prm-label with sampler=vllm against their HF default
-#   3. gap:            benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm: a bf16 vLLM rollout
+#   2b. stages-vllm:   benchmarks/perf/stage_samplers_gpu.py, the -vllm arms: evaluate and prm-label with sampler=vllm against their HF default
+#   3. gap:            benchmarks/perf/sampler_trainer_gap.py --correction-only --sampler vllm: a bf16 vLLM rollout
 #                      against the float32 trainer, with each rollout_correction mode
 #   4. ppo-sft-tests:  the quick ppo and sft tests on the GPU
 #   5. rollout-stage:  the HF sampler and in-process vLLM at 32 prompts x 8 x 128 tokens
@@ -43,7 +43,7 @@ if [ "${1:-}" = "receive" ]; then
   exit 0
 fi
 if [ "${1:-}" = "pack-slim" ]; then  # vLLM and the packages only vLLM's engine imports stay out (MANIFEST.txt lists all)
-  dest=${2:?pack-slim needs a folder}; src=${SHARED_GPU:-$(dirname "$0")/../../shared/gpu}; tmp=$(mktemp -d)
+  dest=${2:?pack-slim needs a folder}; src=${SHARED_GPU:-$(dirname "$0")/../../../shared/gpu}; tmp=$(mktemp -d)
   cat "$src"/site.tar.gz.part-0* | tar -xzf - -C "$tmp" || exit 1
   mkdir -p "$dest" && tar -czf "$dest/site-slim.tar.gz" -C "$tmp" --exclude='./vllm' --exclude='./vllm-*' \
     --exclude='./xgrammar*' --exclude='./llguidance*' --exclude='./openai*' --exclude='./tvm_ffi' --exclude='./apache_tvm_ffi*' \
@@ -99,12 +99,12 @@ if [ "$MODE" = "stages" ]; then
   export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   python3 -c 'import torch, transformers, mlflow, prmflow; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())' \
     >> "$RESULTS/logs/install.log" 2>&1
-  part sampling-stages 200 python3 benchmarks/sampling_stages_gpu.py --output "$RESULTS/sampling-stages"
+  part sampling-stages 200 python3 benchmarks/perf/stage_samplers_gpu.py --stage evaluate,prm-label --output "$RESULTS/sampling-stages"
   part stage-tests 150 python3 -m pytest -p no:cacheprovider -q -rfE tests/evaluate tests/prm tests/rollout -m "not slow and not real_model"
-  part implicit-prm 200 bash -c "python3 benchmarks/bench_implicit_prm.py --layers 28 --dtype bfloat16 --batch 32 --tokens 1174 \
+  part implicit-prm 200 bash -c "python3 benchmarks/perf/bench_implicit_prm.py --layers 28 --dtype bfloat16 --batch 32 --tokens 1174 \
       --prompt_tokens 150 --what logprobs; \
-    python3 benchmarks/bench_implicit_prm.py --layers 28 --dtype bfloat16 --batch 32 --tokens 600; \
-    python3 benchmarks/bench_implicit_prm.py --layers 28 --dtype bfloat16 --batch 8 --tokens 1024 --train"
+    python3 benchmarks/perf/bench_implicit_prm.py --layers 28 --dtype bfloat16 --batch 32 --tokens 600; \
+    python3 benchmarks/perf/bench_implicit_prm.py --layers 28 --dtype bfloat16 --batch 8 --tokens 1024 --train"
   {
     echo; echo "whole run: $(( $(date +%s) - T0 )) s"
     for f in install stage-tests; do echo; echo "## $f"; echo '```'; tail -15 "$RESULTS/logs/$f.log"; echo '```'; done
@@ -131,23 +131,23 @@ PYTEST="python3 -m pytest -p no:cacheprovider -q -rfE"
 # samples, up to 1024 new tokens), vLLM in-process and spawned; the machine's first engine start is slower (2026-11-27:
 # load 77 s against 43 s, Triton kernels compiled cold), so the in-process arm, which is measured against 2026-11-27's
 # 20.1 s, comes second, after a warm-up arm of the spawned core
-part rollout-recipe 200 python3 benchmarks/rollout_stage_gpu.py --arms vllm,vllm-inproc --prompts 64 --samples 8 \
+part rollout-recipe 200 python3 benchmarks/perf/stage_samplers_gpu.py --arms vllm,vllm-inproc --prompts 64 --samples 8 \
      --max-new-tokens 1024 --output "$RESULTS/rollout-recipe"
 MODEL="$RESULTS/rollout-recipe/model-358m"
 # the HF sampler at the shard's 512 sequences, 128 tokens: its tokens/s at that batch, from which its wall at 1024 tokens
 # is read (at 1024 tokens the HF arm takes minutes)
-part rollout-recipe-hf 120 python3 benchmarks/rollout_stage_gpu.py --policy "$MODEL" \
+part rollout-recipe-hf 120 python3 benchmarks/perf/stage_samplers_gpu.py --policy "$MODEL" \
      --arms hf --prompts 64 --samples 8 --max-new-tokens 128 --output "$RESULTS/rollout-recipe-hf"
 part vllm-tests 200 $PYTEST tests/rollout -k vllm
 # evaluate and prm-label with sampler=vllm (the rollout's engine) against their HF default, same sizes: never yet on a GPU
-part stages-vllm 150 python3 benchmarks/sampling_stages_gpu.py --policy-358m "$MODEL" \
+part stages-vllm 150 python3 benchmarks/perf/stage_samplers_gpu.py --policy "$MODEL" \
      --arms evaluate-gpu,evaluate-vllm,prm-label-gpu,prm-label-vllm --output "$RESULTS/stages-vllm"
-part gap 100 python3 benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm --output /tmp/gap
+part gap 100 python3 benchmarks/perf/sampler_trainer_gap.py --correction-only --sampler vllm --output /tmp/gap
 part ppo-sft-tests 100 $PYTEST tests/ppo tests/sft -m "not slow and not real_model"
-part rollout-stage 200 python3 benchmarks/rollout_stage_gpu.py --policy "$MODEL" --prompts 32 --samples 8 \
+part rollout-stage 200 python3 benchmarks/perf/stage_samplers_gpu.py --policy "$MODEL" --prompts 32 --samples 8 \
      --max-new-tokens 128 --arms hf,vllm-inproc --output "$RESULTS/rollout-stage"
 # vLLM's own start defaults (torch.compile, 51 graphs) last: on a cold compile cache it ran past 126 s (2026-11-26)
-part rollout-stock 200 python3 benchmarks/rollout_stage_gpu.py --policy "$MODEL" \
+part rollout-stock 200 python3 benchmarks/perf/stage_samplers_gpu.py --policy "$MODEL" \
      --arms vllm-stock --prompts 32 --samples 8 --max-new-tokens 128 --output "$RESULTS/rollout-stock"
 
 {

@@ -1,7 +1,7 @@
 """prmflow's RL iterations against TRL's GRPOTrainer: the same work on the same model, one machine, one run.
 
-    python benchmarks/bench_vs_trl.py                      # SmolLM2-135M-Instruct (tests/real_model_cache.py)
-    python benchmarks/bench_vs_trl.py --iterations 3 --prompts 16 --group 8 --arms prmflow,trl,prmflow-prm
+    python benchmarks/perf/bench_vs_trl.py                      # SmolLM2-135M-Instruct (tests/real_model_cache.py)
+    python benchmarks/perf/bench_vs_trl.py --iterations 3 --prompts 16 --group 8 --arms prmflow,trl,prmflow-prm
 
 Both arms start from the same HF directory and do, per RL iteration: sample `group` completions for each of
 `prompts` prompts (the same prompts, in the same order: prmflow's rollout draws them from a GSM8K-format JSONL
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 T_START = time.time()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 PROMPT = "Compute {expr}. Work it out step by step, then give the final answer as a number."
 

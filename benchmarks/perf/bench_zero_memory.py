@@ -1,6 +1,6 @@
 """ZeRO-3 memory per rank: parameters + gradients + optimizer state on 1 rank vs N ranks (gloo, CPU).
 
-    python benchmarks/bench_zero_memory.py [--ranks 2] [--layers 10] [--hidden 512]
+    python benchmarks/perf/bench_zero_memory.py [--ranks 2] [--layers 10] [--hidden 512]
 
 A ~50M-parameter Llama built from a config (no download) is trained one AdamW step through
 prmflow's TrainEngine (DeepSpeed, engine.zero_stage=3, float32) under `torchrun --nproc-per-node 1`

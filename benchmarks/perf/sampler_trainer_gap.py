@@ -1,8 +1,8 @@
 """How far the rollout's old log-probs are from the ppo engine's own forward, on this machine.
 
-    python benchmarks/sampler_trainer_gap.py                          # the tests' tiny SFT policy
-    python benchmarks/sampler_trainer_gap.py --policy outputs/sft --prompts 64 --output /tmp/gap
-    python benchmarks/sampler_trainer_gap.py --correction-only --sampler vllm    # on a GPU, vLLM's bf16 rollout
+    python benchmarks/perf/sampler_trainer_gap.py                          # the tests' tiny SFT policy
+    python benchmarks/perf/sampler_trainer_gap.py --policy outputs/sft --prompts 64 --output /tmp/gap
+    python benchmarks/perf/sampler_trainer_gap.py --correction-only --sampler vllm    # on a GPU, vLLM's bf16 rollout
 
 For each rollout dtype (bfloat16, float32) it runs rollout -> advantage (grpo) -> ppo (torch engine, one
 epoch, one minibatch of every response) with the ppo engine in float32 and in bfloat16 (autocast over fp32
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_policy() -> str:

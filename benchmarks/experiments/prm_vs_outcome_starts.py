@@ -1,6 +1,6 @@
-"""One arm against its reference over several drawn starts of one regime (docs/process-rewards.md 5f).
+"""One arm against its reference over several drawn starts of one regime (docs/experiments/5f-the-start-drawn.md).
 
-    python benchmarks/prm_vs_outcome_starts.py outputs/prm-vs-outcome outputs/prm-vs-outcome-start1 \
+    python benchmarks/experiments/prm_vs_outcome_starts.py outputs/prm-vs-outcome outputs/prm-vs-outcome-start1 \
         outputs/prm-vs-outcome-start2 --variant prm-implicit-trained-cv
 
 Each OUTPUT is a finished benchmark (the `output` key of its config) of one start: the same regime with another
@@ -34,7 +34,7 @@ def load(outputs: list[Path]) -> dict:
     for out in outputs:
         for name in ("results.json", "config.json"):
             if not (out / name).is_file():
-                raise FileNotFoundError(f"{out / name}: missing; run benchmarks/prm_vs_outcome.py with this output first")
+                raise FileNotFoundError(f"{out / name}: missing; run benchmarks/experiments/prm_vs_outcome.py with this output first")
         config = json.loads((out / "config.json").read_text())
         seeds = (config["sft"].get("seed", 0), config["prm"].get("seed", 0))
         label = f"{out} (sft.seed {seeds[0]}, prm.seed {seeds[1]})"
@@ -82,7 +82,7 @@ def table(starts: dict, variant: str, reference: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchmarks/prm_vs_outcome_starts.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/experiments/prm_vs_outcome_starts.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("outputs", nargs="+", type=Path, help="benchmark outputs, one per start of one regime")
     parser.add_argument("--variant", required=True, help="the arm read against the reference, e.g. prm-implicit-trained-cv")
     parser.add_argument("--reference", default="outcome-only", help="(default: outcome-only)")

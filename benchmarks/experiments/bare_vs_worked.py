@@ -1,6 +1,6 @@
 """How often a policy answers bare (the `answer: N` line alone) and how often each kind of answer is right.
 
-    python benchmarks/bare_vs_worked.py SFT_DIR FINAL_DIR [...] [--config configs/quickstart.yaml] [--prompts 1000]
+    python benchmarks/experiments/bare_vs_worked.py SFT_DIR FINAL_DIR [...] [--config configs/quickstart.yaml] [--prompts 1000]
 
 Greedy decoding of the arithmetic task's test split, in batches of --batch prompts: the prompts of the
 evaluation in --config (its `evaluate` section's `arithmetic` keys and seed; default the quickstart's).
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from prmflow.components.models import modeling  # noqa: E402
 from prmflow import tasks
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("policies", nargs="+", help="HF policy directories")
     p.add_argument("--prompts", type=int, default=1000, help="test prompts (default 1000, the quickstart's evaluation)")
-    p.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
+    p.add_argument("--config", default=str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"),
                    help="pipeline YAML whose evaluate section (arithmetic keys, seed) sets the prompts (default: the quickstart's)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--batch", type=int, default=200, help="prompts per generation batch")

@@ -1,8 +1,8 @@
 """Do step rewards beat outcome-only GRPO at equal rollout budget? (docs/results.md, "Long chains with a risky shortcut")
 
-    python benchmarks/prm_vs_outcome.py --config configs/prm-vs-outcome.yaml
-    python benchmarks/prm_vs_outcome.py --config configs/prm-vs-outcome.yaml --set seeds=[0] --set iterations=2
-    python benchmarks/prm_vs_outcome.py --help          # every key, with its meaning and default
+    python benchmarks/experiments/prm_vs_outcome.py --config configs/prm-vs-outcome.yaml
+    python benchmarks/experiments/prm_vs_outcome.py --config configs/prm-vs-outcome.yaml --set seeds=[0] --set iterations=2
+    python benchmarks/experiments/prm_vs_outcome.py --help          # every key, with its meaning and default
 
 One SFT policy and one PRM (trained once into OUTPUT/sft and OUTPUT/prm; a complete one is reused),
 then for every variant x seed an RL loop run in-process through the stages' `run(config)`:
@@ -220,7 +220,7 @@ def start_fingerprint(out: Path) -> dict:
     """What tells one start from another across machines: the sha256 of the SFT policy's weights and of each
     trained PRM's (its manifest's digest of model.safetensors, what `sha256sum` prints; an implicit PRM's reference
     is the SFT policy's copy), first 16 hex digits, and the float kernels that made them. The same config makes
-    other weights on a CPU with other kernels (docs/process-rewards.md 5e), so two outputs with equal seeds but
+    other weights on a CPU with other kernels (docs/experiments/5e-rebuilt-from-a-clean-checkout.md), so two outputs with equal seeds but
     different digests are different starts."""
     import platform
 
@@ -622,7 +622,7 @@ def run(cfg: BenchConfig, console=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchmarks/prm_vs_outcome.py", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="benchmarks/experiments/prm_vs_outcome.py", description=__doc__.split("\n\n")[0],
                                      epilog="Keys nest with dots on the command line: --set rollout.num_prompts=32.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     config_lib.add_arguments(parser, BenchConfig)

@@ -1,4 +1,4 @@
-"""The numbers of benchmarks/prm_vs_outcome.py, as pure functions (tests/benchmarks checks them by hand).
+"""The numbers of benchmarks/experiments/prm_vs_outcome.py, as pure functions (tests/benchmarks checks them by hand).
 
     response_stats(responses, lengths)    reward-hacking watch of one batch of responses
     mcnemar(a, b)                         exact paired test over prompts (two policies, same prompts)
@@ -150,7 +150,7 @@ def format_table(rows: list[dict], reference: str) -> str:
     return "\n".join(lines)
 
 
-#: the bars the table of bars applies (docs/process-rewards.md, section 5): p-values of paired tests, points of pass@1
+#: the bars the table of bars applies (docs/experiments/5-shortcut-regime.md): p-values of paired tests, points of pass@1
 ALPHA, MAX_DEFICIT = 0.05, 0.01
 
 
@@ -295,7 +295,7 @@ def last_train_reward(runs: dict, ref: dict, seeds: list) -> tuple[float, float,
     return sum(x) / len(x), sum(y) / len(y), paired_seed_test(x, y)
 
 
-# --- over drawn starts: one start is one draw (docs/process-rewards.md 5e-5f) -------------------------------------
+# --- over drawn starts: one start is one draw (docs/experiments/5e-rebuilt-from-a-clean-checkout.md, 5f-the-start-drawn.md) -------------------------------------
 
 def over_starts(starts: dict, variant: str, reference: str) -> dict:
     """`variant` against `reference` over several starts of one regime: `starts[label]` is that start's `results`

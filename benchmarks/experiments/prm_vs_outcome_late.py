@@ -1,6 +1,6 @@
 """After half the budget, does a prm_vs_outcome arm still climb, or has it reached the level its reference ends at?
 
-    python benchmarks/prm_vs_outcome_late.py outputs/prm-vs-outcome outputs/prm-vs-outcome-mixed
+    python benchmarks/experiments/prm_vs_outcome_late.py outputs/prm-vs-outcome outputs/prm-vs-outcome-mixed
 
 For each OUTPUT (a finished benchmark's `output`): every variant against the reference, over the seeds both ran,
 as `prm_vs_outcome_stats.second_half` reads OUTPUT/results.json: held-out pass@1 at half the rollouts and at
@@ -32,7 +32,7 @@ def table(outputs: list[Path], reference: str) -> str:
     for out in outputs:
         path = out / "results.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no results; run benchmarks/prm_vs_outcome.py with this output first")
+            raise FileNotFoundError(f"{path}: no results; run benchmarks/experiments/prm_vs_outcome.py with this output first")
         results = json.loads(path.read_text())["results"]
         if reference not in results:
             raise FileNotFoundError(f"{path}: no runs of the reference '{reference}'; name it with --reference "
@@ -54,7 +54,7 @@ def table(outputs: list[Path], reference: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchmarks/prm_vs_outcome_late.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/experiments/prm_vs_outcome_late.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("outputs", nargs="+", type=Path, help="benchmark outputs (the `output` key of its config)")
     parser.add_argument("--reference", default="outcome-only", help="the arm the others are read against "
                                                                     "(default: outcome-only)")

@@ -166,8 +166,9 @@ def compile_for_cluster(spec: PipelineSpec, path: str) -> str:
 
 def check_server(kfp_client, conn: client.Connection, package: str, spec: PipelineSpec | None) -> None:
     """Refuse, before anything is created, a package the KFP API server's own version would refuse or not
-    mount (compat.py): the compiled-in pipeline.cluster.kfp_version may not be the server's."""
-    from . import compat
+    mount (compat.py), or stop when the run outgrows its limits (size.py): the compiled-in
+    pipeline.cluster.kfp_version may not be the server's."""
+    from . import compat, size
     from .contracts import KFP_VERSIONS, version_tuple
     from .contracts import kfp as kfp_rules
     from .settings import SERVER_DEFAULT_CLASS
@@ -188,6 +189,9 @@ def check_server(kfp_client, conn: client.Connection, package: str, spec: Pipeli
     compat.check(_package_doc(package), version, server_default,
                  where=f"the pipeline (compiled for pipeline.cluster.kfp_version "
                        f"{spec.pipeline.cluster.kfp_version if spec else 'as compiled'}; KFP at {conn.where()} is {version})")
+    refusal = size.check_package(_package_doc(package), version)  # the run's size on the server's own version
+    if refusal:
+        raise ConfigError(f"KFP at {conn.where()} is {version}: {refusal}")
 
 
 def _compile(args) -> int:

@@ -349,15 +349,17 @@ def is_compiled_spec(path: str) -> bool:
     return isinstance(first, dict) and "pipelineInfo" in first and "root" in first
 
 
-def compile_to(spec: PipelineSpec, path: str) -> str:
+def compile_to(spec: PipelineSpec, path: str, check_size: bool = True) -> str:
     """Compile `spec` to `path`, checked against the rules of the KFP backend it targets
-    (pipeline.cluster.kfp_version, compat.py): a spec that version would refuse is not written."""
+    (pipeline.cluster.kfp_version, compat.py) and against the size one run may grow to (size.py): a spec
+    that version would refuse, or a run it would stop when it outgrows its limits, is not written
+    (check_size=False: `plan`, which prints the limits instead)."""
     import os
 
     import yaml
     from kfp import compiler
 
-    from . import compat
+    from . import compat, size
 
     if not path.endswith((".yaml", ".yml")):
         # KFP writes by suffix, and a spec with platform features (node pools, volumes, secrets: every prmflow
@@ -381,6 +383,9 @@ def compile_to(spec: PipelineSpec, path: str) -> str:
         cluster = spec.pipeline.cluster
         compat.check(docs, cluster.kfp_version, cluster.workspace_storage_class == SERVER_DEFAULT_CLASS,
                      where=f"pipeline '{spec.pipeline.name}'")
+        refusal = size.too_long(size.spec_capacity(spec), spec.pipeline.iterations) if check_size else None
+        if refusal:  # a run the cluster would stop mid-way (size.py, contracts/argo.py): nothing is written
+            raise ConfigError(f"pipeline '{spec.pipeline.name}': {refusal}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

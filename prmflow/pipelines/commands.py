@@ -84,6 +84,11 @@ def add_parsers(sub) -> None:
     client.add_arguments(u)
     u.set_defaults(handler=_upload)
 
+    st = psub.add_parser("step", help="run one step of a KFP run in its pod (the compiled spec's command; not for hand use)")
+    st.add_argument("--executor_input", required=True, help="KFP's executor input (JSON), as the launcher passes it")
+    st.add_argument("--function_to_execute", required=True, help="the step's function: a stage, locate, or a tracking step")
+    st.set_defaults(handler=_step)
+
     r = psub.add_parser("run-local", help="run the whole DAG on this machine through kfp.local (no docker)")
     r.add_argument("--config", default=None, help="pipeline YAML (without it: the pipeline: and stage defaults, not "
                    "configs/pipeline-local.yaml's smaller budget)")
@@ -306,6 +311,34 @@ def _submit(args) -> int:
         return 0
     print(client.failure_report(run, conn, args.log_lines), file=sys.stderr)
     return 1
+
+
+def step_functions() -> dict:
+    """{name: function} of every step a compiled spec runs with `prmflow pipeline step` (pipeline.STEP_COMMAND)."""
+    from . import components, lineage
+
+    fns = [getattr(components, s) for s in components.STAGES] + [components.locate, lineage.init_tracking,
+                                                                  lineage.finish_tracking]
+    return {f.__name__: f for f in fns}
+
+
+def _step(args) -> int:
+    """One step of a KFP run, in its pod: KFP's executor runs the function from the installed prmflow, as
+    `python -m kfp.dsl.executor_main` runs it from the source a lightweight component ships in the spec."""
+    import json as json_lib
+
+    from kfp.dsl import executor
+
+    fn = step_functions().get(args.function_to_execute)
+    if fn is None:
+        raise ConfigError(f"--function_to_execute {args.function_to_execute!r} is no prmflow step; the steps are "
+                          f"{', '.join(sorted(step_functions()))}. The pod's image may be older than the compiled spec.")
+    try:
+        executor_input = json_lib.loads(args.executor_input)
+    except ValueError as e:
+        raise ConfigError(f"--executor_input is not JSON ({e}); it is KFP's executor input, passed by the launcher.") from None
+    executor.Executor(executor_input=executor_input, function_to_execute=fn).execute()
+    return 0
 
 
 def _upload(args) -> int:

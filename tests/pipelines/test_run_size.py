@@ -7,7 +7,10 @@ each cited in contracts/argo.py."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ import yaml
 
 from prmflow import cli
 from prmflow.errors import ConfigError
-from prmflow.pipelines import size
+from prmflow.pipelines import components, pipeline, size
 from prmflow.pipelines.contracts import argo as rules
 from prmflow.pipelines.params import load_with_sets
 from prmflow.pipelines.settings import safe_loader
@@ -131,3 +134,39 @@ def test_plan_prints_how_many_iterations_one_run_holds_on_each_version(capsys):
     lines = [line for line in out.splitlines() if "one run holds at most" in line]
     assert [line.split("KFP ")[1][:4] for line in lines] == ["2.15", "2.16", "2.17"]
     assert lines[0].startswith("run size:") and f"{size.MARGIN:.0%} of each limit kept free" in lines[0]
+
+
+def test_a_step_run_by_the_installed_prmflow_writes_what_the_lightweight_component_writes(tmp_path):
+    """`prmflow pipeline step` (a cluster step's command) and the lightweight component's own command (KFP ships
+    the function's source and runs it with python3 -m kfp.dsl.executor_main: what run-local and the spec did
+    before) on the same executor input: the same output metadata and the same location file."""
+    model = tmp_path / "weights"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 8}')
+    (model / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+
+    def executor_input(out: Path) -> dict:
+        return {"inputs": {"parameterValues": {"path": str(model)}},
+                "outputs": {"artifacts": {"model": {"artifacts": [{"name": "m", "type": {"schemaTitle": "system.Model",
+                            "schemaVersion": "0.0.1"}, "uri": str(out / "model"), "metadata": {}}]}},
+                            "outputFile": str(out / "output_metadata.json")}}
+
+    container, lightweight = tmp_path / "container", tmp_path / "lightweight"
+    assert cli.main(["pipeline", "step", "--executor_input", json.dumps(executor_input(container)),
+                     "--function_to_execute", "locate"]) == 0
+    spec = pipeline._component(components.locate, "unused-image", local=True).component_spec.implementation.container
+    args = [json.dumps(executor_input(lightweight)) if a == "{{$}}" else a for a in spec.args]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run([*spec.command, *args], check=True, env=env, capture_output=True)
+
+    def outputs(out: Path) -> tuple[str, str]:
+        return ((out / "output_metadata.json").read_text().replace(str(out), "OUT"),
+                (out / "model" / "location.json").read_text())
+
+    assert outputs(container) == outputs(lightweight)
+    assert json.loads(outputs(container)[1])["where"] == str(model)
+
+
+def test_a_step_the_image_does_not_know_is_refused_by_name(capsys):
+    assert cli.main(["pipeline", "step", "--executor_input", "{}", "--function_to_execute", "nope"]) == 2
+    assert "'nope' is no prmflow step" in capsys.readouterr().err

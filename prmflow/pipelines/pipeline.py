@@ -38,7 +38,7 @@ from .settings import (IMPORTER_SCHEMES, SERVER_DEFAULT_CLASS, ClusterConfig, Im
 STEP_COMMAND = ("prmflow", "pipeline", "step")
 
 
-def _component(fn: Callable, image: str, local: bool = False):
+def step_component(fn: Callable, image: str, local: bool = False):
     """A component on `image` running `fn`. On a cluster its command is STEP_COMMAND: the function comes from
     the image's installed prmflow, so its Python source does not ride in the spec, in every task's pod-spec
     patch and in the run's status nodes (size.py: about an eighth of what an iteration stores). Under
@@ -216,7 +216,7 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
         return cpu if stage in on_trainjob else gpu
 
     def step(fn, image):
-        return _component(fn, image, local)
+        return step_component(fn, image, local)
 
     sft_op, prm_op = step(_stage_fn("sft"), trainer_image("sft")), step(_stage_fn("prm"), trainer_image("prm"))
     rollout_op, ppo_op = step(_stage_fn("rollout"), gpu), step(_stage_fn("ppo"), trainer_image("ppo"))
@@ -395,7 +395,7 @@ def compile_to(spec: PipelineSpec, path: str, check_size: bool = True) -> str:
         cluster = spec.pipeline.cluster
         compat.check(docs, cluster.kfp_version, cluster.workspace_storage_class == SERVER_DEFAULT_CLASS,
                      where=f"pipeline '{spec.pipeline.name}'")
-        refusal = size.too_long(size.spec_capacity(spec), spec.pipeline.iterations) if check_size else None
+        refusal = size.too_long(run_capacity(spec), spec.pipeline.iterations) if check_size else None
         if refusal:  # a run the cluster would stop mid-way (size.py, contracts/argo.py): nothing is written
             raise ConfigError(f"pipeline '{spec.pipeline.name}': {refusal}")
         os.replace(tmp, path)
@@ -403,3 +403,30 @@ def compile_to(spec: PipelineSpec, path: str, check_size: bool = True) -> str:
         if os.path.exists(tmp):
             os.remove(tmp)
     return path
+
+
+def compiled_docs(spec: PipelineSpec, iterations: int) -> list[dict]:
+    """The compiled spec (pipeline spec and platform spec) of `spec` at `iterations` iterations."""
+    import dataclasses
+    import os
+    import tempfile
+
+    import yaml
+    from kfp import compiler
+
+
+    at = dataclasses.replace(spec, pipeline=dataclasses.replace(spec.pipeline, iterations=iterations))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "pipeline.yaml")
+        compiler.Compiler().compile(build(at), package_path=path)
+        with open(path) as f:
+            return [d for d in yaml.load_all(f, Loader=safe_loader()) if d]
+
+
+def run_capacity(spec, kfp_version: str | None = None):
+    """How many iterations one run of `spec` holds on `kfp_version` (default: its pipeline.cluster.kfp_version):
+    size.Capacity, from the spec compiled at size.LOW and size.HIGH iterations."""
+    from . import size
+
+    docs = {n: compiled_docs(spec, n) for n in (size.LOW, size.HIGH)}
+    return size.capacity(docs.__getitem__, kfp_version or spec.pipeline.cluster.kfp_version)

@@ -280,9 +280,10 @@ def run_size_lines(spec: PipelineSpec) -> list[str]:
     from . import size
     from .contracts import KFP_VERSIONS
     from .contracts import kfp as kfp_rules
+    from .pipeline import compiled_docs
 
     target = spec.pipeline.cluster.kfp_version
-    docs = {n: size.compiled_docs(spec, n) for n in (size.LOW, size.HIGH)}
+    docs = {n: compiled_docs(spec, n) for n in (size.LOW, size.HIGH)}
     lines = []
     for version in [target] + [v for v in KFP_VERSIONS if v != kfp_rules.family(target)]:
         cap = size.capacity(docs.__getitem__, version)

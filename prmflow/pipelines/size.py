@@ -429,32 +429,6 @@ def too_long(cap: Capacity, iterations: int, margin: float = MARGIN) -> str | No
             f"spend its GPUs and fail when the workflow outgrows the limit.")
 
 
-def compiled_docs(spec, iterations: int) -> list[dict]:
-    """The compiled spec (pipeline spec and platform spec) of `spec` at `iterations` iterations."""
-    import dataclasses
-    import os
-    import tempfile
-
-    import yaml
-    from kfp import compiler
-
-    from .pipeline import build
-    from .settings import safe_loader
-
-    at = dataclasses.replace(spec, pipeline=dataclasses.replace(spec.pipeline, iterations=iterations))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "pipeline.yaml")
-        compiler.Compiler().compile(build(at), package_path=path)
-        with open(path) as f:
-            return [d for d in yaml.load_all(f, Loader=safe_loader()) if d]
-
-
-def spec_capacity(spec, kfp_version: str | None = None) -> Capacity:
-    """Capacity of `spec` on `kfp_version` (default: its pipeline.cluster.kfp_version)."""
-    docs = {n: compiled_docs(spec, n) for n in (LOW, HIGH)}
-    return capacity(docs.__getitem__, kfp_version or spec.pipeline.cluster.kfp_version)
-
-
 def check_package(docs: list[dict], kfp_version: str, margin: float = MARGIN) -> str | None:
     """The refusal for a package compiled before (`submit --package`, or a server of another version), measured
     as it is; None when it fits every limit with `margin` kept free."""

@@ -68,8 +68,8 @@ def test_sizes_grow_linearly_so_two_compiles_predict_a_longer_run(tmp_path):
     """The capacity (measured at 2 and 4 iterations) predicts the modelled sizes at 12 within 3 %."""
     spec = _cluster_spec(tmp_path, 12)
     for kfp in ("2.15", "2.17"):
-        cap = size.spec_capacity(spec, kfp)
-        real = size.measure(size.compiled_docs(spec, 12), kfp)
+        cap = pipeline.run_capacity(spec, kfp)
+        real = size.measure(pipeline.compiled_docs(spec, 12), kfp)
         predicted = cap.at(12)
         for part, value in (("spec", real.spec), ("stored_compressed", real.spec + real.compressed),
                             ("component_arg", real.component_arg), ("nodes", real.nodes)):
@@ -79,7 +79,7 @@ def test_sizes_grow_linearly_so_two_compiles_predict_a_longer_run(tmp_path):
 def test_every_template_retries_on_kfp_2_17_so_its_nodes_store_their_inputs_twice(tmp_path):
     """KFP 2.17's controller config gives every template a retryStrategy (a Retry parent per node, with the
     inputs and outputs again); 2.15 and 2.16 only the tasks that set a retry policy."""
-    docs = size.compiled_docs(_cluster_spec(tmp_path, 2), 2)
+    docs = pipeline.compiled_docs(_cluster_spec(tmp_path, 2), 2)
     kinds = {v: [n["type"] for n in size.node_status(docs, v).values()] for v in ("2.15", "2.17")}
     assert kinds["2.17"].count("Retry") == len(kinds["2.17"]) // 2
     gpu_pods = kinds["2.15"].count("Retry")  # the GPU tasks' executors (cluster.retries: 3)
@@ -101,7 +101,7 @@ def test_the_largest_run_is_the_last_count_within_every_limit(tmp_path):
     """max_iterations is the largest n whose modelled parts all stay within (1 - margin) x their limits:
     n fits, n + 1 does not, by the same linear model; the refusal names pipeline.iterations and the count."""
     spec = _cluster_spec(tmp_path, 2)
-    cap = size.spec_capacity(spec, "2.15")
+    cap = pipeline.run_capacity(spec, "2.15")
     n, binding = cap.max_iterations()
     limit = size.limits("2.15")[binding][0] * (1 - size.MARGIN)
     part = {"stored": "stored_compressed"}.get(binding, binding)
@@ -115,7 +115,7 @@ def test_compile_refuses_a_run_the_cluster_would_stop_and_writes_nothing(tmp_pat
     """A run past the modelled limit: exit 2, an error naming pipeline.iterations and the limit, no file."""
     cfg = tmp_path / "pipeline.yaml"
     cfg.write_text(CLUSTER_YAML)
-    n, _ = size.spec_capacity(_cluster_spec(tmp_path, 2), "2.15").max_iterations()
+    n, _ = pipeline.run_capacity(_cluster_spec(tmp_path, 2), "2.15").max_iterations()
     out = tmp_path / "compiled.yaml"
     assert cli.main(["pipeline", "compile", "--config", str(cfg), "--set", f"pipeline.iterations={n + 1}",
                      "-o", str(out)]) == 2
@@ -154,7 +154,7 @@ def test_a_step_run_by_the_installed_prmflow_writes_what_the_lightweight_compone
     container, lightweight = tmp_path / "container", tmp_path / "lightweight"
     assert cli.main(["pipeline", "step", "--executor_input", json.dumps(executor_input(container)),
                      "--function_to_execute", "locate"]) == 0
-    spec = pipeline._component(components.locate, "unused-image", local=True).component_spec.implementation.container
+    spec = pipeline.step_component(components.locate, "unused-image", local=True).component_spec.implementation.container
     args = [json.dumps(executor_input(lightweight)) if a == "{{$}}" else a for a in spec.args]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     subprocess.run([*spec.command, *args], check=True, env=env, capture_output=True)

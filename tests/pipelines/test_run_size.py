@@ -23,6 +23,7 @@ from prmflow.pipelines.contracts import argo as rules
 from prmflow.pipelines.params import load_with_sets
 from prmflow.pipelines.settings import safe_loader
 
+from .fake_kfp import FakeKfp
 from .test_compile_submit import CLUSTER_YAML, IMAGES
 
 DATA = Path(__file__).parent / "data" / "kfp-2.17.0"
@@ -170,3 +171,22 @@ def test_a_step_run_by_the_installed_prmflow_writes_what_the_lightweight_compone
 def test_a_step_the_image_does_not_know_is_refused_by_name(capsys):
     assert cli.main(["pipeline", "step", "--executor_input", "{}", "--function_to_execute", "nope"]) == 2
     assert "'nope' is no prmflow step" in capsys.readouterr().err
+
+
+def test_submit_checks_a_package_against_the_servers_own_version(tmp_path, capsys):
+    """A package compiled for 2.15 with more iterations than one 2.17 run holds: a 2.15 server takes it, a 2.17
+    server's run is not created (Retry nodes on every template make 2.17's status larger)."""
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_text(CLUSTER_YAML)
+    spec = _cluster_spec(tmp_path, 2)
+    fits = {v: pipeline.run_capacity(spec, v).max_iterations()[0] for v in ("2.15", "2.17")}
+    n = fits["2.17"] + 1
+    assert n <= fits["2.15"]
+    package = tmp_path / "compiled.yaml"
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "--set", f"pipeline.iterations={n}", "-o", str(package)]) == 0
+    for version, code in (("2.15.0", 0), ("2.17.0", 2)):
+        with FakeKfp(version=version) as server:
+            assert cli.main(["pipeline", "submit", "--host", server.url, "--package", str(package)]) == code
+        assert len(server.runs) == (1 if code == 0 else 0)
+    err = capsys.readouterr().err
+    assert "KFP at" in err and "is 2.17.0" in err and "pipeline.iterations" in err and "packer.go" in err

@@ -34,7 +34,7 @@ KFP_TAG = {"2.15": "2.15.0", "2.16": "2.16.1", "2.17": "2.17.0"}
 ARGO_OF_KFP = {"2.15": "v3.7.3", "2.16": "v3.7.3", "2.17": "v4.0.5"}
 ARGO_OF_KFP_SOURCE = {
     "2.15": Source(KFP, "2.15.0", "manifests/kustomize/third-party/argo/base/workflow-controller-deployment-patch.yaml", 13),
-    "2.16": Source(KFP, "2.16.0", "manifests/kustomize/third-party/argo/base/workflow-controller-deployment-patch.yaml", 14),
+    "2.16": Source(KFP, "2.16.1", "manifests/kustomize/third-party/argo/base/workflow-controller-deployment-patch.yaml", 14),
     "2.17": Source(KFP, "2.17.0", "manifests/kustomize/third-party/argo/base/workflow-controller-deployment-patch.yaml", 14),
 }
 
@@ -74,14 +74,14 @@ RETRY_EVERY_TEMPLATE_SOURCE = Source(KFP, "2.17.0", "manifests/kustomize/third-p
 #: A task's own retry policy (task.set_retry) becomes the executor template's retryStrategy.
 TASK_RETRY_SOURCE = {
     "2.15": Source(KFP, "2.15.0", "backend/src/v2/compiler/argocompiler/container.go", 558),
-    "2.16": Source(KFP, "2.16.1", "backend/src/v2/compiler/argocompiler/container.go", 558),
+    "2.16": Source(KFP, "2.16.1", "backend/src/v2/compiler/argocompiler/container.go", 570),
     "2.17": Source(KFP, "2.17.0", "backend/src/v2/compiler/argocompiler/container.go", 577),
 }
 #: Component specs and implementations stored once per sha256 of the container (hashComponentContainer).
 DEDUP_SOURCE = {
-    "2.15": Source(KFP, "2.15.0", "backend/src/v2/compiler/argocompiler/argo.go", "251-361"),
-    "2.16": Source(KFP, "2.16.1", "backend/src/v2/compiler/argocompiler/argo.go", "hashComponentContainer"),
-    "2.17": Source(KFP, "2.17.0", "backend/src/v2/compiler/argocompiler/argo.go", "359-469"),
+    "2.15": Source(KFP, "2.15.0", "backend/src/v2/compiler/argocompiler/argo.go", "251-373"),
+    "2.16": Source(KFP, "2.16.1", "backend/src/v2/compiler/argocompiler/argo.go", "277-399"),
+    "2.17": Source(KFP, "2.17.0", "backend/src/v2/compiler/argocompiler/argo.go", "359-481"),
 }
 #: initPodSpecPatch: the launcher's --executor_input and --component_spec, then the user command and args.
 POD_SPEC_PATCH_SOURCE = {

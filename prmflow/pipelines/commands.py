@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import stages
 from ..errors import ConfigError, PrmflowError
-from . import advice, client, plan
+from . import advice, client, plan, step
 from .params import effective_configs, merge_section, parse_params, run_arguments, split_sets
 from .settings import PipelineSpec, load_spec, safe_loader
 
@@ -83,6 +83,11 @@ def add_parsers(sub) -> None:
     u.add_argument("--description", default="", help="shown in the KFP UI")
     client.add_arguments(u)
     u.set_defaults(handler=_upload)
+
+    st = psub.add_parser("step", help="run one step of a KFP run in its pod (the compiled spec's command; not for hand use)")
+    st.add_argument("--executor_input", required=True, help="KFP's executor input (JSON), as the launcher passes it")
+    st.add_argument("--function_to_execute", required=True, help="the step's function: a stage, locate, or a tracking step")
+    st.set_defaults(handler=step.run)
 
     r = psub.add_parser("run-local", help="run the whole DAG on this machine through kfp.local (no docker)")
     r.add_argument("--config", default=None, help="pipeline YAML (without it: the pipeline: and stage defaults, not "
@@ -189,7 +194,7 @@ def check_server(conn: client.Connection, package: str, spec: PipelineSpec | Non
     mount (compat.py). A config compiled now (`spec`) was not checked yet: it is checked against the
     server's version, else (a server that does not say, or one newer than we know) against its
     pipeline.cluster.kfp_version; a --package was checked against its kfp_version when it was compiled."""
-    from . import compat
+    from . import compat, size
     from .settings import SERVER_DEFAULT_CLASS
 
     server_default = bool(spec) and spec.pipeline.cluster.workspace_storage_class == SERVER_DEFAULT_CLASS
@@ -200,6 +205,9 @@ def check_server(conn: client.Connection, package: str, spec: PipelineSpec | Non
         if spec:
             compat.check(_package_doc(package), spec.pipeline.cluster.kfp_version, server_default,
                          where=f"pipeline '{spec.pipeline.name}'")
+            refusal = size.check_package(_package_doc(package), spec.pipeline.cluster.kfp_version)
+            if refusal:
+                raise ConfigError(f"pipeline '{spec.pipeline.name}': {refusal}")
         return
     if spec and family != spec.pipeline.cluster.kfp_version:
         print(f"note: checked for the server's Kubeflow Pipelines {version} (pipeline.cluster.kfp_version is "
@@ -207,6 +215,9 @@ def check_server(conn: client.Connection, package: str, spec: PipelineSpec | Non
     compat.check(_package_doc(package), version, server_default,
                  where=f"the pipeline (compiled for pipeline.cluster.kfp_version "
                        f"{spec.pipeline.cluster.kfp_version if spec else 'as compiled'}; KFP at {conn.where()} is {version})")
+    refusal = size.check_package(_package_doc(package), version)  # the run's size on the server's own version
+    if refusal:
+        raise ConfigError(f"KFP at {conn.where()} is {version}: {refusal}")
 
 
 def _compile(args) -> int:

@@ -34,11 +34,20 @@ from .settings import (IMPORTER_SCHEMES, SERVER_DEFAULT_CLASS, ClusterConfig, Im
                        resolved, safe_loader)
 
 
-def _component(fn: Callable, image: str):
-    """A lightweight component on `image`. The images install prmflow and with it the pinned kfp, so the
-    step does not pip-install kfp at start (KFP's default: ~1 s per step, and a network fetch where the
-    image's kfp differed)."""
-    return dsl.component(base_image=image, install_kfp_package=False)(fn)
+#: What a step's pod runs on a cluster: the image's installed prmflow, then KFP's executor (step.run).
+STEP_COMMAND = ("prmflow", "pipeline", "step")
+
+
+def step_component(fn: Callable, image: str, local: bool = False):
+    """A component on `image` running `fn`. On a cluster its command is STEP_COMMAND: the function comes from
+    the image's installed prmflow, so its Python source does not ride in the spec, in every task's pod-spec
+    patch and in the run's status nodes (size.py: about an eighth of what an iteration stores). Under
+    run-local (kfp.local) it stays a lightweight component, whose source KFP ships and runs. The images
+    install prmflow and with it the pinned kfp, so no step pip-installs kfp at start."""
+    component = dsl.component(base_image=image, install_kfp_package=False)(fn)
+    if not local:  # the args stay KFP's: --executor_input {{$}} --function_to_execute NAME
+        component.component_spec.implementation.container.command = list(STEP_COMMAND)
+    return component
 
 
 def _stage_fn(stage: str) -> Callable | None:
@@ -212,13 +221,16 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
         """A TrainJob step's image and node shape as a parameter: in the cache key, which env is not."""
         return {"placement": tj_spec.placement()} if stage in on_trainjob else {}
 
-    sft_op, prm_op = _component(_stage_fn("sft"), trainer_image("sft")), _component(_stage_fn("prm"), trainer_image("prm"))
-    rollout_op, ppo_op = _component(_stage_fn("rollout"), gpu), _component(_stage_fn("ppo"), trainer_image("ppo"))
-    advantage_op = _component(_stage_fn("advantage"), cpu)
+    def step(fn, image):
+        return step_component(fn, image, local)
+
+    sft_op, prm_op = step(_stage_fn("sft"), trainer_image("sft")), step(_stage_fn("prm"), trainer_image("prm"))
+    rollout_op, ppo_op = step(_stage_fn("rollout"), gpu), step(_stage_fn("ppo"), trainer_image("ppo"))
+    advantage_op = step(_stage_fn("advantage"), cpu)
     evaluate_fn = _stage_fn("evaluate")
-    evaluate_op = _component(evaluate_fn, gpu) if evaluate_fn else None
-    locate_op = _component(components.locate, cpu)
-    init_op, finish_op = _component(init_tracking, cpu), _component(finish_tracking, cpu)
+    evaluate_op = step(evaluate_fn, gpu) if evaluate_fn else None
+    locate_op = step(components.locate, cpu)
+    init_op, finish_op = step(init_tracking, cpu), step(finish_tracking, cpu)
     # what each task reads, decided here once: an input nothing reads is not wired
     ppo_cfg, adv_cfg, roll_cfg = resolved(spec, "ppo"), resolved(spec, "advantage"), resolved(spec, "rollout")
     critic = ppo_cfg.train_critic
@@ -227,7 +239,7 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
     oracle_prm = roll_cfg.prm == "oracle"
     if pipe.prm_update:
         check_prm_update(roll_cfg, adv_cfg)
-    update_op = _component(components.prm_update, gpu) if pipe.prm_update else None
+    update_op = step(components.prm_update, gpu) if pipe.prm_update else None
     prm_needs_base = not any((spec.stages.get("prm") or {}).get(k) for k in ("backbone", "model_path"))
     shards = list(range(pipe.rollout_shards))
     det, sampled = cluster.cache, cluster.cache and cluster.cache_sampling
@@ -355,16 +367,18 @@ def is_compiled_spec(path: str) -> bool:
     return isinstance(first, dict) and "pipelineInfo" in first and "root" in first
 
 
-def compile_to(spec: PipelineSpec, path: str, check_backend: bool = True) -> str:
+def compile_to(spec: PipelineSpec, path: str, check_backend: bool = True, check_size: bool = True) -> str:
     """Compile `spec` to `path`, checked against the rules of the KFP backend it targets
-    (pipeline.cluster.kfp_version, compat.py): a spec that version would refuse is not written.
-    check_backend=False: not checked here (submit checks it against the server's own version)."""
+    (pipeline.cluster.kfp_version, compat.py) and against the size one run may grow to (size.py): a spec
+    that version would refuse, or a run it would stop when it outgrows its limits, is not written.
+    check_backend=False: neither is checked here (submit checks both against the server's own version);
+    check_size=False: `plan`, which prints the limits instead."""
     import os
 
     import yaml
     from kfp import compiler
 
-    from . import compat
+    from . import compat, size
 
     if not path.endswith((".yaml", ".yml")):
         # KFP writes by suffix, and a spec with platform features (node pools, volumes, secrets: every prmflow
@@ -389,8 +403,38 @@ def compile_to(spec: PipelineSpec, path: str, check_backend: bool = True) -> str
         if check_backend:
             compat.check(docs, cluster.kfp_version, cluster.workspace_storage_class == SERVER_DEFAULT_CLASS,
                          where=f"pipeline '{spec.pipeline.name}'")
+        refusal = size.too_long(run_capacity(spec), spec.pipeline.iterations) if check_backend and check_size else None
+        if refusal:  # a run the cluster would stop mid-way (size.py, contracts/argo.py): nothing is written
+            raise ConfigError(f"pipeline '{spec.pipeline.name}': {refusal}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
     return path
+
+
+def compiled_docs(spec: PipelineSpec, iterations: int) -> list[dict]:
+    """The compiled spec (pipeline spec and platform spec) of `spec` at `iterations` iterations."""
+    import dataclasses
+    import os
+    import tempfile
+
+    import yaml
+    from kfp import compiler
+
+
+    at = dataclasses.replace(spec, pipeline=dataclasses.replace(spec.pipeline, iterations=iterations))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "pipeline.yaml")
+        compiler.Compiler().compile(build(at), package_path=path)
+        with open(path) as f:
+            return [d for d in yaml.load_all(f, Loader=safe_loader()) if d]
+
+
+def run_capacity(spec, kfp_version: str | None = None):
+    """How many iterations one run of `spec` holds on `kfp_version` (default: its pipeline.cluster.kfp_version):
+    size.Capacity, from the spec compiled at size.LOW and size.HIGH iterations."""
+    from . import size
+
+    docs = {n: compiled_docs(spec, n) for n in (size.LOW, size.HIGH)}
+    return size.capacity(docs.__getitem__, kfp_version or spec.pipeline.cluster.kfp_version)

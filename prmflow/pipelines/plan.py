@@ -186,7 +186,7 @@ def compiled(spec: PipelineSpec) -> dict:
     from .pipeline import compile_to
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = compile_to(spec, str(Path(tmp) / "pipeline.yaml"))
+        path = compile_to(spec, str(Path(tmp) / "pipeline.yaml"), check_size=False)  # printed by render
         return next(yaml.load_all(Path(path).read_text(), Loader=safe_loader()))
 
 
@@ -268,9 +268,31 @@ def render(spec: PipelineSpec, params: float, volume_bytes: float = 0.0) -> str:
     lines.append(f"backend: checked against Kubeflow Pipelines {spec.pipeline.cluster.kfp_version} (pipeline.cluster.kfp_version); "
                  f"floors: Kubeflow Pipelines >= {'.'.join(map(str, MIN_KFP_BACKEND))}"
                  + (f", Kubeflow Trainer >= {'.'.join(map(str, MIN_TRAINER))}" if spec.pipeline.cluster.trainer.stages() else ""))
+    lines.extend(run_size_lines(spec))
     for w in warnings_of(spec, s, rows, volume_bytes):
         lines.append(f"warning: {w}")
     return "\n".join(lines)
+
+
+def run_size_lines(spec: PipelineSpec) -> list[str]:
+    """How many iterations one run holds on each KFP version (size.py), the target's first; an error line
+    when this config's pipeline.iterations would outgrow the target's limits (compile and submit refuse it)."""
+    from . import size
+    from .contracts import KFP_VERSIONS
+    from .contracts import kfp as kfp_rules
+    from .pipeline import compiled_docs
+
+    target = spec.pipeline.cluster.kfp_version
+    docs = {n: compiled_docs(spec, n) for n in (size.LOW, size.HIGH)}
+    lines = []
+    for version in [target] + [v for v in KFP_VERSIONS if v != kfp_rules.family(target)]:
+        cap = size.capacity(docs.__getitem__, version)
+        lines.append(("run size: " if version == target else "  also:   ") + size.describe(cap, spec.pipeline.iterations))
+        if version == target:
+            refusal = size.too_long(cap, spec.pipeline.iterations)
+            if refusal:
+                lines.append(f"error: {refusal} (compile and submit refuse it)")
+    return lines
 
 
 def model_params_of(spec: PipelineSpec, given: float = 0.0) -> float:

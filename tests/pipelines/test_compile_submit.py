@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from prmflow import cli
-from prmflow.pipelines import commands
+from prmflow.pipelines import commands, step
 from prmflow.pipelines.settings import load_spec, safe_loader
 
 from .fake_kfp import FakeKfp
@@ -132,15 +132,17 @@ def test_gpu_stages_get_accelerators_node_pool_and_tolerations_advantage_does_no
 
 
 def test_steps_start_the_stage_without_installing_kfp(tmp_path):
-    """The images carry prmflow's pinned kfp: a step runs KFP's executor straight away (no pip install of
-    kfp at every pod start, which needs an index the cluster may not reach)."""
+    """The images carry prmflow and its pinned kfp: a step runs the installed `prmflow pipeline step` (KFP's
+    executor on the installed function) straight away: no pip install at every pod start, which needs an index
+    the cluster may not reach, and no Python source in the spec. Every step it names is one it knows."""
     spec, _, _ = compile_spec(tmp_path)
     executors = {name: ex["container"] for name, ex in spec["deploymentSpec"]["executors"].items() if "container" in ex}
     assert executors
     for name, container in executors.items():
-        *launcher, source = container["command"]  # the shell lines that start the step, then the function's source
-        assert "kfp.dsl.executor_main" in " ".join(launcher), name
-        assert not re.search(r"\bpip\b", " ".join(launcher)), (name, launcher)
+        assert container["command"] == ["prmflow", "pipeline", "step"], name
+        assert container["args"][:2] == ["--executor_input", "{{$}}"], name
+        assert container["args"][3] in step.step_functions(), name
+        assert not re.search(r"\bpip\b|\bdef\b", json.dumps(container)), name
 
 
 def test_run_local_splits_the_cores_between_rollout_shards_that_run_at_once(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """The rules of the systems prmflow runs on, each written once with the source it comes from.
 
-KFP's driver and compiler, Kubeflow Trainer's webhook and CRD, the `kubeflow` SDK and kfp's Client each
+KFP's driver and compiler, the Argo controller it deploys (how big a run may grow), Kubeflow Trainer's
+webhook and CRD, the `kubeflow` SDK and kfp's Client each
 enforce rules that cannot run here. One module per system holds the rules we depend on, each beside a
 `Source` (repository, tag, path, line) read from that system's code; the compile-time checks
 (`pipeline compile/plan/submit`), the TrainJob step and the fakes in tests/pipelines all read them

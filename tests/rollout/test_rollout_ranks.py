@@ -84,7 +84,7 @@ def test_vllm_engine_gets_tensor_parallel_size_and_samples_only_its_ranks_prompt
         def __init__(self, **kwargs):
             self.__dict__.update(kwargs)
 
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams, __version__="0.33.0"))
     from prmflow.components.common.engines import SamplingParams as Params
     from prmflow.components.common.vllm_engine import VLLMEngine
 

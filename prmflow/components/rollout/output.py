@@ -17,7 +17,7 @@ from ... import tasks
 from ...errors import OutputExistsError
 from . import rewards as rewards_lib
 from .config import Config
-from ..common.engines import Completion
+from ..common.engines import Completion, logprob_temperature
 
 
 def output_dir(cfg: Config) -> Path:
@@ -90,6 +90,7 @@ def rollouts_table(cfg: Config, records: list[tasks.PromptRecord], prompt_texts:
         "outcome_reward": pa.array(scored.outcome, pa.float32()),
         "reward_components": pa.array([list(c.items()) for c in scored.components], pa.map_(pa.string(), pa.float32())),
         "answer": pa.array([records[i].answer for i, _, _ in rows], pa.string()),
+        "logprob_temperature": pa.array([logprob_temperature(cfg.sampling.temperature)] * n, pa.float64()),
     })
 
 

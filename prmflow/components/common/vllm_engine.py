@@ -79,12 +79,19 @@ TEMPERED_LOGPROBS, RELOAD_WEIGHTS_PATH = "0.10.2", "0.16.0"
 
 
 def vllm_version():
-    """The installed vLLM's version (packaging.version.Version), read from `vllm.__version__`."""
+    """The vLLM's version (packaging.version.Version): `vllm.__version__` once it is imported, else the installed
+    distribution's metadata, read without importing vLLM (whose import must not come before `pin_rank_gpus`)."""
+    import sys
+    from importlib.metadata import PackageNotFoundError, version
+
     from packaging.version import Version
 
-    import vllm
-
-    return Version(vllm.__version__)
+    module = sys.modules.get("vllm")
+    try:
+        return Version(module.__version__ if module is not None else version("vllm"))
+    except PackageNotFoundError:
+        raise ConfigError("sampler=vllm, but vLLM is not installed: pip install 'prmflow[gpu]' (a GPU machine), "
+                          "or use sampler=hf.") from None
 
 
 def check_logprobs_mode(temperature: float, where: str = "sampling") -> None:

@@ -15,9 +15,15 @@ and samples with the tiny HF model on CPU, so the rollout tests run over sampler
 - `generate`: a prompt as long as max_model_len or longer is refused; sample j of a request with seed s
   draws from seed s + j (v1/engine/parallel_sampling.py), seeds held as int64; a sample stops at the
   tokenizer's eos (unless ignore_eos), at `stop_token_ids`, at a stop string (detokenized text), or
-  at max_tokens / max_model_len ("length"); the stop token is kept in `token_ids`; `logprobs` is a
-  list of {token: Logprob} of the raw distribution (logprobs_mode raw_logprobs); tokens are drawn
+  at max_tokens / max_model_len ("length"); the stop token is kept in `token_ids`; tokens are drawn
   as vLLM's sampler does (temperature, top-k, top-p, then probs / Exp(1) noise, argmax).
+- `logprobs` is a list of {token: Logprob}: with logprobs_mode raw_logprobs (the default) of the raw
+  distribution; with processed_logprobs, from 0.10.2, of the distribution sampled (logits / temperature,
+  top-k, top-p: v0.10.2 vllm/v1/sample/sampler.py:168-184, ops/topk_topp_sampler.py forward_native;
+  v0.33.0 sampler.py:340-358), a greedy request's of the raw logits (v0.33.0 sampler.py:326-335); in
+  0.10.0 and 0.10.1 processed meant after the penalties, before the temperature (v0.10.0
+  vllm/v1/sample/sampler.py:58-64; temperature at :127): the raw distribution here (no penalties).
+- the version is `__version__` (a test sets it to play another release of the range 0.10 ... 0.33).
 - float32 attention: vLLM's TRITON_ATTN kernel takes `tl.dot(Q, K)` and `tl.dot(P, V)` with no input
   precision (v0.24.0 vllm/v1/attention/ops/triton_unified_attention.py:520, 562), so on a GPU with tensor
   cores Triton rounds float32 operands to TF32 (10-bit mantissa) unless $TRITON_F32_DEFAULT=ieee when the
@@ -28,11 +34,17 @@ and samples with the tiny HF model on CPU, so the rollout tests run over sampler
   (vllm/config/compilation.py:428, 588, 629, 845-850); with $VLLM_USE_FLASHINFER_SAMPLER unset the
   sampler imports flashinfer (vllm/v1/sample/ops/topk_topp_sampler.py:38-44), absent here as in an image
   without it, so the start fails with ModuleNotFoundError.
-- the engine core runs in a process of its own unless $VLLM_ENABLE_V1_MULTIPROCESSING is 0 when the engine is made
-  (vllm/envs.py; v1/engine/llm_engine.py from_engine_args): recorded as `core_in_process`.
+- the engine core runs in a process of its own unless $VLLM_ENABLE_V1_MULTIPROCESSING is 0 when the engine is made,
+  read through `vllm.envs` (envs.py; v1/engine/llm_engine.py from_engine_args): recorded as `core_in_process`.
+  From 0.13 a core that starts in this process freezes `vllm.envs` for the process (v0.13.0
+  vllm/v1/engine/core.py:216 `enable_envs_cache()`, envs.py:1591-1611; v0.33.0 core.py:248, envs.py:2310-2329)
+  until `envs.disable_envs_cache()` (v0.13.0 envs.py:1613; absent before 0.13).
 - `collective_rpc("reload_weights", kwargs={"weights_path": ...})` reads new weights into the running model
-  (v1/worker/gpu_model_runner.py:5388-5430) and leaves the prefix cache as it was until
-  `reset_prefix_cache()` (recorded as `prefix_cache_fresh`; the stand-in keeps no cache to go stale).
+  (v0.33.0 v1/worker/gpu_worker.py:636-638 -> gpu_model_runner.py:5226-5231; from 0.16.0: v0.16.0
+  gpu_worker.py:297-298, gpu_model_runner.py:4315-4320) and leaves the prefix cache as it was until
+  `reset_prefix_cache()` (recorded as `prefix_cache_fresh`; the stand-in keeps no cache to go stale). Before
+  0.16.0 the worker's `reload_weights(self)` takes no argument (v0.10.0 vllm/v1/worker/gpu_worker.py:206,
+  v0.15.1 gpu_worker.py:280): a keyword is a TypeError.
 
 Everything an engine was given is recorded on the instance (`kwargs`, `env`, `sample_seeds`, ...).
 """
@@ -47,10 +59,47 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from packaging.version import Version
 from transformers import AttentionInterface
+
+__version__ = "0.33.0"
 
 _SAMPLING_EPS = 1e-5
 _MAX_TEMP = 1e-2
+
+
+def version() -> Version:
+    return Version(__version__)
+
+
+class _Envs:
+    """`vllm.envs`: environment variables read when asked, or from the cache an engine core froze (module docstring)."""
+
+    NAMES = ("VLLM_ENABLE_V1_MULTIPROCESSING",)
+
+    def __init__(self):
+        self.cache: dict | None = None
+
+    @staticmethod
+    def _read(name: str):
+        return bool(int(os.getenv(name, "1") or "1"))  # envs.py: lambda: bool(int(os.getenv(..., "1")))
+
+    def __getattr__(self, name: str):
+        if name in self.NAMES:
+            return self.cache[name] if self.cache is not None else self._read(name)
+        if name in ("enable_envs_cache", "disable_envs_cache") and version() >= Version("0.13"):
+            return getattr(self, "_" + name)
+        raise AttributeError(f"module 'vllm.envs' has no attribute {name!r}")
+
+    def _enable_envs_cache(self) -> None:
+        if self.cache is None:
+            self.cache = {n: self._read(n) for n in self.NAMES}
+
+    def _disable_envs_cache(self) -> None:
+        self.cache = None
+
+
+envs = _Envs()
 
 #: EngineArgs keywords the adapter may pass (a subset of vLLM's; anything else is a TypeError there too)
 ENGINE_ARGS = {"model", "dtype", "seed", "gpu_memory_utilization", "tensor_parallel_size", "enforce_eager",
@@ -231,9 +280,11 @@ class LLM:
         self.env = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "VLLM_WORKER_MULTIPROC_METHOD",
                                                    "TRITON_F32_DEFAULT", "VLLM_USE_FLASHINFER_SAMPLER",
                                                    "VLLM_ENABLE_V1_MULTIPROCESSING")}
-        # where the engine core runs: $VLLM_ENABLE_V1_MULTIPROCESSING read as the engine is made (vllm/envs.py,
-        # default "1": a process of its own)
-        self.core_in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+        # where the engine core runs: $VLLM_ENABLE_V1_MULTIPROCESSING read through vllm.envs as the engine is made
+        # (default "1": a process of its own)
+        self.core_in_process = not envs.VLLM_ENABLE_V1_MULTIPROCESSING
+        self.version = version()
+        self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
         self.seed = kwargs.get("seed", 0)
         set_random_seed(self.seed)
         hf_config = AutoConfig.from_pretrained(model)
@@ -274,16 +325,24 @@ class LLM:
         self.sample_seeds: list[int | None] = []
         self.reloads: list[str] = []
         self.prefix_cache_fresh = True  # false after a weight reload until reset_prefix_cache
+        if self.core_in_process and self.version >= Version("0.13"):  # EngineCore.__init__ (module docstring)
+            envs._enable_envs_cache()
         ENGINES.append(self)
 
     def collective_rpc(self, method: str, timeout=None, args=(), kwargs=None):
-        """Only the worker method the adapter calls: reload_weights(weights_path=...) reads the new weights into
-        the running model (v1/worker/gpu_model_runner.py:5388-5430); the prefix cache is left as it was."""
+        """Only the worker method the adapter calls, with the worker's signature of this version: reload_weights
+        (weights_path=...) from 0.16.0, reload_weights() before (module docstring); the prefix cache is left as it was."""
         if method != "reload_weights":
             raise AttributeError(f"'Worker' object has no attribute {method!r}")
+        kwargs = dict(kwargs or {})
+        allowed = {"weights_iterator", "weights_path", "is_checkpoint_format"} if self.version >= Version("0.16") else set()
+        if args or set(kwargs) - allowed:
+            bad = sorted(set(kwargs) - allowed)
+            raise TypeError(f"Worker.reload_weights() got an unexpected keyword argument {bad[0]!r}" if bad else
+                            f"Worker.reload_weights() takes 1 positional argument but {1 + len(args)} were given")
         from transformers import AutoModelForCausalLM
 
-        path = (kwargs or {}).get("weights_path") or self.kwargs["model"]
+        path = kwargs.get("weights_path") or self.kwargs["model"]
         fresh = AutoModelForCausalLM.from_pretrained(path, dtype=self.model.dtype)
         self.model.load_state_dict(fresh.state_dict())
         self.reloads.append(path)
@@ -353,9 +412,13 @@ class LLM:
                 probs = x.softmax(-1)
                 q = torch.empty_like(probs).exponential_(generator=generator)  # vLLM's random_sample
                 tok = int((probs / q).argmax())
+            given = raw  # what logprobs_mode returns (module docstring)
+            if (self.logprobs_mode == "processed_logprobs" and self.version >= Version("0.10.2")
+                    and sp.temperature >= _SAMPLING_EPS):
+                given = torch.log_softmax(x, -1)
             ids.append(tok)
-            rank = int((raw > raw[tok]).sum()) + 1
-            logprobs.append({tok: Logprob(float(raw[tok]), rank)})
+            rank = int((given > given[tok]).sum()) + 1
+            logprobs.append({tok: Logprob(float(given[tok]), rank)})
             # the scheduler's check_stop, then the detokenizer's stop strings
             if tok == sp._eos_token_id:
                 finish = "stop"

@@ -69,6 +69,7 @@ def test_writer_rotates_shards(tmp_path):
     ({"old_logprobs": [[-0.1, -0.2, -0.3]] * 2 + [[-0.1, float("inf"), 0.0]] + [[-0.1, -0.2, -0.3]]}, "column 'old_logprobs' holds NaN or inf in row 2"),
     ({"reward_components": [[("v", 1.0)]] * 3 + [[("v", float("nan"))]]}, "column 'reward_components' holds NaN or inf in row 3"),
     ({"prompt_id": ["a", None, "b", "c"]}, "column 'prompt_id' is null in row 1"),
+    ({"logprob_temperature": [0.7, 0.7, 0.0, None]}, "column 'logprob_temperature' is 0.0 in row 2 (prompt_id='p1'"),
 ])
 def test_bad_rows_are_named_and_nothing_is_written(tmp_path, override, needle):
     with pytest.raises(DataError) as e:

@@ -71,6 +71,50 @@ def test_old_logprobs_are_recomputed_by_default_where_the_rollouts_numbers_diffe
         assert m["train/old_logprob_gap_max"] >= 0.25
 
 
+@torch.no_grad()
+def tempered_logprobs(policy_dir, rows, temperature):
+    """log p of each response token under softmax(logits / temperature), each row alone in one plain forward."""
+    model, _ = modeling.load_causal_lm(policy_dir)
+    model.eval()
+    out = []
+    for r in rows:
+        ids, p = torch.tensor([r["prompt_ids"] + r["response_ids"]]), len(r["prompt_ids"])
+        logp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)
+        out.append(logp[p - 1:-1].gather(-1, ids[0, p:, None])[:, 0].tolist())
+    return out
+
+
+@pytest.mark.parametrize("head_chunk_rows", [0, 512])
+def test_the_trainers_logprobs_are_of_the_rollouts_temperature(sft_policy, rows16, tmp_path, head_chunk_rows):
+    """Rows sampled at temperature 0.7 carry log-probs of softmax(logits / 0.7) and say so (logprob_temperature): the
+    stage's log-probs are that distribution's too, in the update (the first minibatch's ratio against the hand-off's
+    old_logprobs, a plain forward's at 0.7, is 1) and in the prepass (recomputed old_logprobs within 1e-5 of
+    them), on the whole logits and chunk by chunk. Before, the stage took logits / 1: ratios of exp(+-0.1) and more."""
+    old = tempered_logprobs(sft_policy, rows16, 0.7)
+    rows = [dict(r, old_logprobs=lp, ref_logprobs=list(lp), logprob_temperature=0.7) for r, lp in zip(rows16, old)]
+    adv = write_advantages(tmp_path / "adv", rows, lambda i, t: (-1) ** i)
+    out = tmp_path / "out"
+    stage.run(make_cfg(sft_policy, adv, out, epochs=1, minibatch_size=8, micro_batch_size=4, kl_loss_coef=0.1,
+                       head_chunk_rows=head_chunk_rows, recompute_old_logprobs=False))
+    first = history(out)[0]
+    assert abs(first["ratio_max"] - 1) <= 1e-5 and abs(first["ratio_min"] - 1) <= 1e-5
+    assert first["kl_loss"] <= 1e-9  # the ref's log-probs (here the policy's at 0.7) are taken at 0.7 too
+    m = stage.run(make_cfg(sft_policy, adv, tmp_path / "recomputed", epochs=1, minibatch_size=8, micro_batch_size=4,
+                           head_chunk_rows=head_chunk_rows, recompute_old_logprobs=True))
+    assert m["train/old_logprob_gap_max"] <= 1e-5
+
+
+def test_rows_of_two_temperatures_are_refused_naming_both(sft_policy, rows16, tmp_path):
+    """One update takes its log-probs at one temperature: a hand-off mixing 0.7 and 1.0 is refused with both values
+    and rows; a hand-off without the column (written before it) is read at 1."""
+    rows = [dict(r, logprob_temperature=0.7 if i < 8 else 1.0) for i, r in enumerate(rows16)]
+    adv = write_advantages(tmp_path / "adv", rows, 1.0)
+    with pytest.raises(DataError, match=r"'logprob_temperature' is 0.7 in row 0 and 1 in row 8"):
+        batch.load_batch(make_cfg(sft_policy, adv, tmp_path / "out"))
+    plain = write_advantages(tmp_path / "plain", rows16, 1.0)
+    assert {batch.temperature_of(s) for s in batch.load_batch(make_cfg(sft_policy, plain, tmp_path / "out"))} == {1.0}
+
+
 # --- direction of an update --------------------------------------------------------------------
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])

@@ -79,6 +79,27 @@ def test_behavior_logprobs_match_a_forward_pass(engine, policy, prompts):
             assert torch.allclose(torch.tensor(c.logprobs), ref, atol=tol), (c.logprobs, ref)
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_behavior_logprobs_are_of_the_distribution_sampled(engine, policy, prompts, top_p):
+    """At temperature 0.7 (and a top-p) each recorded log-prob is of softmax(filter(logits)), the distribution the
+    token was drawn from: a plain forward's logits / 0.7, then top-p (`filter_logits`, transformers' warpers),
+    log_softmax; vLLM in its processed_logprobs mode. Before, both engines recorded log_softmax(logits / 1)."""
+    model, _ = policy
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=0.7, top_p=top_p, max_new_tokens=32, seed=5))
+    tol = 2e-5 if isinstance(engine, HFEngine) else 1e-4  # as test_behavior_logprobs_match_a_forward_pass
+    moved = 0.0
+    for p, group in zip(prompts, out):
+        for c in group:
+            ids = torch.tensor([list(p) + list(c.token_ids)])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(p) - 1:-1].float()                  # (R, V)
+            tok = ids[0, len(p):, None]
+            ref = torch.log_softmax(engines.filter_logits(logits, 0.7, 0, top_p), -1).gather(-1, tok)[:, 0]
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=tol), (c.logprobs, ref)
+            moved = max(moved, float((torch.log_softmax(logits, -1).gather(-1, tok)[:, 0] - ref).abs().max()))
+    assert moved > 1e-2  # the raw distribution's log-probs are far from these: the check can tell them apart
+
+
 def test_same_seed_same_samples_other_seed_differs(engine, prompts):
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=24, seed=11)
     a = engine.generate(prompts, params)
@@ -170,9 +191,8 @@ def test_hf_engine_samples_the_filtered_distribution(policy, prompts):
     assert (freq[expected == 0] == 0).all()
     assert (expected > 0).sum() >= 2
     assert torch.allclose(freq, expected, atol=0.03), (freq[expected > 0], expected[expected > 0])
-    # and each sample's recorded logprob is of the raw distribution, not the filtered one
-    raw = torch.log_softmax(logits, -1)
-    assert torch.allclose(torch.tensor([c.logprobs[0] for c in out[0]]), raw[first], atol=1e-5)
+    # and each sample's recorded logprob is of the filtered distribution it was drawn from, not the raw one
+    assert torch.allclose(torch.tensor([c.logprobs[0] for c in out[0]]), expected.log()[first], atol=1e-5)
 
 
 def test_hf_engine_batches_agree_with_one_prompt_at_a_time(policy, prompts):

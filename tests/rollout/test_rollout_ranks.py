@@ -85,7 +85,7 @@ def test_vllm_engine_gets_tensor_parallel_size_and_samples_only_its_ranks_prompt
         def __init__(self, **kwargs):
             self.__dict__.update(kwargs)
 
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams, __version__="0.33.0"))
     from prmflow.components.sampling.engines import SamplingParams as Params
     from prmflow.components.sampling.vllm_engine import VLLMEngine
 

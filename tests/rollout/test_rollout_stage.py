@@ -78,19 +78,47 @@ def test_old_logprobs_equal_a_fresh_forward_pass(scored_run, sft_policy):
         assert torch.allclose(torch.tensor(r["ref_logprobs"]), ref, atol=LOGPROB_ATOL)
 
 
-def fresh_logprobs(model, r) -> torch.Tensor:
-    """log p of each response token under `model`'s raw distribution, the row alone in one full forward."""
+def fresh_logprobs(model, r, temperature: float = 1.0) -> torch.Tensor:
+    """log p of each response token under softmax(logits / temperature) of `model`, the row alone in one full forward."""
     ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
     p = len(r["prompt_ids"])
     with torch.no_grad():
-        return torch.log_softmax(model(ids).logits[0].float(), -1)[p - 1:-1].gather(-1, ids[0, p:, None])[:, 0]
+        logits = model(ids).logits[0].float() / temperature
+        return torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, ids[0, p:, None])[:, 0]
+
+
+@pytest.mark.parametrize("sampler", ["hf", "vllm"])
+def test_every_logprob_column_is_of_the_distribution_sampled(sampler, request, tmp_path, sft_policy):
+    """At sampling.temperature 0.7 the tokens are drawn from softmax(logits / 0.7): behavior_logprobs (the
+    sampler's), old_logprobs (a scoring forward) and ref_logprobs (the ref, here the policy itself, at the
+    same temperature as veRL and TRL take it) are that distribution's, checked against a plain forward divided by
+    0.7, and the rows say so (logprob_temperature), for the ppo stage to divide its logits alike. Before: all three
+    were of logits / 1, off by 1e-1 and more."""
+    over = {"dtype": "float32", "sampling.temperature": 0.7, "num_prompts": 4, "old_logprobs": "forward",
+            "ref": str(sft_policy)}
+    if sampler == "vllm":
+        request.getfixturevalue("vllm_module")
+        over.update({"sampler": "vllm", "vllm.gpu_memory_utilization": 0.4})
+    stage.run(make_cfg(sft_policy, tmp_path / "out", **over))
+    rows = schema.read_dataset(tmp_path / "out", "rollouts").to_pylist()
+    model, _ = modeling.load_causal_lm(sft_policy)
+    model.eval()
+    moved = 0.0
+    for r in rows:
+        assert r["logprob_temperature"] == pytest.approx(0.7)
+        ref = fresh_logprobs(model, r, 0.7)
+        assert torch.allclose(torch.tensor(r["behavior_logprobs"]), ref, atol=1e-4)
+        assert torch.allclose(torch.tensor(r["old_logprobs"]), ref, atol=LOGPROB_ATOL)
+        assert torch.allclose(torch.tensor(r["ref_logprobs"]), ref, atol=LOGPROB_ATOL)
+        moved = max(moved, float((fresh_logprobs(model, r) - ref).abs().max()))
+    assert moved > 1e-2  # the temperature moves these log-probs: the check above can tell the two apart
 
 
 def test_old_logprobs_from_the_hf_sampler_are_the_policys_own(tmp_path, sft_policy):
     """With the HF sampler in float32 (auto), old_logprobs are the sampler's own numbers and no scoring pass
-    runs; they are the policy's raw log-probs (not the temperature-0.7 ones it sampled from), and they agree with
+    runs; they are the log-probs of the temperature-0.7 distribution it sampled from, and they agree with
     what a scoring forward (old_logprobs=forward) writes for the same samples. 1e-4: the KV cache only reorders
-    float32 sums (~2e-5 here), while a tempered distribution or a shifted position is off by 1e-1 or more."""
+    float32 sums (~2e-5 here), while another temperature or a shifted position is off by 1e-1 or more."""
     over = {"dtype": "float32", "sampling.temperature": 0.7, "num_prompts": 4}
     auto = stage.run(make_cfg(sft_policy, tmp_path / "auto", **over))
     forward = stage.run(make_cfg(sft_policy, tmp_path / "forward", old_logprobs="forward", **over))
@@ -101,9 +129,17 @@ def test_old_logprobs_from_the_hf_sampler_are_the_policys_own(tmp_path, sft_poli
     model.eval()
     for ra, rf in zip(a, f):
         assert ra["old_logprobs"] == ra["behavior_logprobs"]
-        ref = fresh_logprobs(model, ra)
+        ref = fresh_logprobs(model, ra, 0.7)
         assert torch.allclose(torch.tensor(ra["old_logprobs"]), ref, atol=1e-4)
         assert torch.allclose(torch.tensor(rf["old_logprobs"]), ref, atol=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("key,value", [("top_p", 0.9), ("top_k", 20)])
+def test_a_truncated_sampling_distribution_is_refused_naming_the_key(key, value, tmp_path, sft_policy):
+    """The trainer cannot take its log-probs under the sampler's top-p / top-k truncation: refused at config time,
+    naming the key, before anything loads (evaluate keeps them)."""
+    with pytest.raises(ConfigError, match=rf"sampling\.{key}={value}: .*Set sampling\.{key}="):
+        make_cfg(sft_policy, tmp_path / "out", **{f"sampling.{key}": value})
 
 
 def test_values_are_the_critic_at_the_position_before_each_token(scored_run, random_critic):

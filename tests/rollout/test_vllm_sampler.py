@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 
 import pytest
 import torch
+from packaging.version import Version
 
 from prmflow.components import config
 from prmflow.components.models import modeling
@@ -286,9 +288,14 @@ def test_in_process_is_refused_where_the_rank_gpu_is_not_this_process_cuda_0(vll
     assert vllm_module.ENGINES[-1].core_in_process and vllm_engine.rank_gpu_index() == 0
 
 
-def test_load_weights_samples_the_new_policy_as_a_fresh_engine_would(vllm_module, sft_policy, tmp_path):
-    """A running engine given the next policy's directory samples (tokens and logprobs) exactly as an engine
-    started on it, and its prefix cache (KV of the old weights) is dropped."""
+@pytest.mark.parametrize("version", ["0.10.0", "0.15.1", "0.16.0", "0.33.0"])
+def test_load_weights_samples_the_new_policy_as_a_fresh_engine_would(vllm_module, sft_policy, tmp_path, monkeypatch,
+                                                                      version):
+    """On every vLLM of the range, a running engine given the next policy's directory samples (tokens and logprobs)
+    exactly as an engine started on it: from 0.16 by reload_weights(weights_path=...) with its prefix cache (KV of the
+    old weights) dropped; before, whose reload_weights takes no path (the stand-in's TypeError, as the worker's
+    signature there), by a new engine on the directory."""
+    monkeypatch.setattr(vllm_module, "__version__", version)
     model, tok = modeling.load_causal_lm(sft_policy)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -301,9 +308,13 @@ def test_load_weights_samples_the_new_policy_as_a_fresh_engine_would(vllm_module
     settings = VLLMSettings(gpu_memory_utilization=0.3)
     eng = VLLMEngine(str(sft_policy), "float32", settings=settings, stop_ids=[tok.eos_token_id])
     before = eng.generate(prompts, greedy)
+    first = eng.llm
     eng.load_weights(str(other))
     after = eng.generate(prompts, greedy)
-    assert eng.llm.reloads == [str(other)] and eng.llm.prefix_cache_fresh
+    if Version(version) >= Version("0.16"):
+        assert eng.llm is first and eng.llm.reloads == [str(other)] and eng.llm.prefix_cache_fresh
+    else:
+        assert not first.alive and eng.llm.kwargs["model"] == str(other) and eng.llm.reloads == []
     eng.close()
     fresh = VLLMEngine(str(other), "float32", settings=settings, stop_ids=[tok.eos_token_id])
     ref = fresh.generate(prompts, greedy)
@@ -324,3 +335,49 @@ def test_cuda_graphs_are_captured_only_for_decode_batches_that_can_occur(setting
     for nothing; the first size that holds max_num_seqs stays, so the largest batch still replays a graph."""
     assert settings.engine_kwargs()["compilation_config"]["cudagraph_capture_sizes"] == sizes
     assert "compilation_config" not in VLLMSettings(enforce_eager=True, max_num_seqs=48).engine_kwargs()
+
+
+@pytest.mark.parametrize("version", ["0.11.0", "0.33.0"])
+def test_an_in_process_engine_leaves_later_engines_their_own_process(vllm_module, sft_policy, monkeypatch, version):
+    """`in_process` sets $VLLM_ENABLE_V1_MULTIPROCESSING=0 for its engine only: after close the variable is as it was,
+    and vLLM's environment cache, which an in-process core freezes from 0.13 on, is dropped, so a later engine of the
+    process (in_process off) starts its core in its own process again. Before, the variable stayed 0 for good."""
+    monkeypatch.setattr(vllm_module, "__version__", version)
+    eng = VLLMEngine(str(sft_policy), "float32", settings=VLLMSettings(gpu_memory_utilization=0.3, in_process=True))
+    assert eng.llm.core_in_process
+    eng.close()
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    later = VLLMEngine(str(sft_policy), "float32", settings=VLLMSettings(gpu_memory_utilization=0.3))
+    assert not later.llm.core_in_process
+    later.close()
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # a value the pod set is put back, not removed
+    VLLMEngine(str(sft_policy), "float32", settings=VLLMSettings(gpu_memory_utilization=0.3, in_process=True)).close()
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+@pytest.mark.parametrize("version,temperature,refused", [("0.10.1", 0.7, True), ("0.10.1", 1.0, False),
+                                                         ("0.10.2", 0.7, False)])
+def test_a_tempered_rollout_needs_a_vllm_whose_processed_logprobs_include_the_temperature(
+        vllm_module, tmp_path, sft_policy, monkeypatch, version, temperature, refused):
+    """vLLM 0.10.0/0.10.1 take processed_logprobs before the temperature: a rollout at 0.7 would record the
+    untempered distribution's log-probs, so it is refused before the engine starts, naming the key and the version
+    to install; at temperature 1 (raw = processed) and from 0.10.2 the engine runs in processed_logprobs mode."""
+    monkeypatch.setattr(vllm_module, "__version__", version)
+    cfg = make_cfg(sft_policy, tmp_path / "out", **{"sampling.temperature": temperature, "num_prompts": 2})
+    made = len(vllm_module.ENGINES)
+    if refused:
+        with pytest.raises(ConfigError, match=r"sampling.temperature=0.7 with sampler=vllm: vLLM 0.10.1 .*vllm>=0.10.2"):
+            stage.run(cfg)
+        assert len(vllm_module.ENGINES) == made
+        return
+    stage.run(cfg)
+    assert vllm_module.ENGINES[-1].kwargs["logprobs_mode"] == "processed_logprobs"
+
+
+def test_the_engine_keeps_processed_logprobs_and_a_temperature_vllm_would_change_is_refused(vllm_module, sft_policy):
+    """behavior_logprobs must be of the distribution sampled: `vllm.extra` cannot switch the log-prob mode, and a
+    temperature in (0, 0.01), which vLLM raises to 0.01 (so the rows would name another temperature), is refused."""
+    with pytest.raises(ConfigError, match=r"vllm.extra.logprobs_mode='raw_logprobs'"):
+        VLLMEngine(str(sft_policy), "float32", settings=VLLMSettings(extra={"logprobs_mode": "raw_logprobs"}))
+    with pytest.raises(ConfigError, match=r"sampling.temperature=0.005: vLLM raises"):
+        vllm_engine.check_vllm_sampling(1, 0.005)

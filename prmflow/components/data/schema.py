@@ -59,6 +59,7 @@ ROLLOUT_FIELDS = [
     pa.field("outcome_reward", pa.float32()),
     pa.field("reward_components", pa.map_(pa.string(), pa.float32())),
     pa.field("answer", pa.string()),
+    pa.field("logprob_temperature", pa.float64()),
 ]
 ADVANTAGE_FIELDS = ROLLOUT_FIELDS + [
     pa.field("token_rewards", _f32_list),
@@ -403,7 +404,7 @@ def validate(table: pa.Table, kind: str, where: str = "table") -> None:
     - required columns have no nulls;
     - every per-token column that is present has len == len(response_ids);
     - step_rewards has the length of step_ends and 0 <= step_end < len(response_ids);
-    - no NaN or inf in any float column.
+    - no NaN or inf in any float column; logprob_temperature > 0 where set.
     """
     for name in REQUIRED:
         col = table.column(name)
@@ -445,6 +446,12 @@ def validate(table: pa.Table, kind: str, where: str = "table") -> None:
                 raise DataError(
                     f"{where}: column 'step_ends' points outside the response (0..len(response_ids)-1) in {first_bad(table, mask)}."
                 )
+    if "logprob_temperature" in table.column_names:
+        temp = table.column("logprob_temperature").to_numpy(zero_copy_only=False)
+        bad = ~np.isnan(temp) & (temp <= 0)  # null reads as NaN here: 1 to the trainer
+        if bad.any():
+            raise DataError(f"{where}: column 'logprob_temperature' is {float(temp[bad][0])} in {first_bad(table, bad)}; "
+                            f"it is the softmax temperature of the log-prob columns and must be > 0 (1 for greedy rows).")
     for f in table.schema:
         bad = null_entry_rows(table.column(f.name))
         if bad is not None and bad.any():

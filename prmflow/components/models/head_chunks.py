@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from . import modeling
-from .tensor_ops import chunked_entropy, chunked_logprobs_entropy, chunked_token_logprobs
+from .tensor_ops import chunked_entropy, chunked_logprobs_entropy, chunked_token_logprobs, tempered
 
 
 def accepts_logits_to_keep(model) -> bool:
@@ -34,17 +34,18 @@ class ChunkedScores(NamedTuple):
 
 def chunked_head_scores(call, model: torch.nn.Module, input_ids: torch.Tensor, rows: torch.Tensor,
                         positions: torch.Tensor, chunk_rows: int, *, entropy: bool = False,
-                        sample: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        sample: tuple[torch.Tensor, torch.Tensor] | None = None, temperature: float = 1.0,
                         **forward_kwargs) -> tuple[ChunkedScores | None, str]:
     """log p(input_ids[r, t] | input_ids[r, :t]) for each (r, t) of (rows, positions), (N,) each, from
     one forward pass of `call` (`model` itself, or a training engine running it) in which the LM head
     reads the hidden states at positions - 1 only, `chunk_rows` at a time; with `entropy` also the
     entropy of each of those distributions (with gradient under autograd); with `sample`, (rows,
-    positions) of tokens whose distributions' entropy is wanted as a metric only (no graph).
+    positions) of tokens whose distributions' entropy is wanted as a metric only (no graph). Every
+    distribution is softmax(logits / `temperature`) (`tensor_ops.tempered`).
     `forward_kwargs`: the rest of the call (attention_mask, position_ids, pixel inputs, ...).
 
-    Slow equivalent: log_softmax(model(input_ids).logits[:, :-1]) gathered at input_ids[:, 1:], entry
-    (r, t - 1). Returns (scores, "") or (None, why) when `model`'s head cannot be read so.
+    Slow equivalent: log_softmax(model(input_ids).logits[:, :-1] / temperature) gathered at input_ids[:, 1:],
+    entry (r, t - 1). Returns (scores, "") or (None, why) when `model`'s head cannot be read so.
 
     `model` may be a peft wrapper (the HF model inside is read). The head runs in a forward hook on the
     backbone, inside `call`'s own pass, so it runs under the pass's autocast and, with ZeRO-3,
@@ -71,6 +72,7 @@ def chunked_head_scores(call, model: torch.nn.Module, input_ids: torch.Tensor, r
     # keeps a strided slice, and matmul of a strided (B, 1, H) by the (H, V) head copies the head B times.)
     last = torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)
     seen: dict[str, torch.Tensor] = {}
+    scores = tempered(head, temperature)  # what the scores read; the check below reads the head itself
 
     def read(module, args, output):
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state  # (B, T, H)
@@ -78,12 +80,12 @@ def chunked_head_scores(call, model: torch.nn.Module, input_ids: torch.Tensor, r
             seen["last"] = head(hidden[:, last])  # what the model's own head computes there: the check
         h = hidden[rows, positions - 1]                                           # (N, H): position t - 1 predicts token t
         if entropy:
-            seen["logp"], seen["entropy"] = chunked_logprobs_entropy(head, h, tokens, chunk_rows)
+            seen["logp"], seen["entropy"] = chunked_logprobs_entropy(scores, h, tokens, chunk_rows)
         else:
-            seen["logp"] = chunked_token_logprobs(head, h, tokens, chunk_rows)
+            seen["logp"] = chunked_token_logprobs(scores, h, tokens, chunk_rows)
         if sample is not None:
             with torch.no_grad():
-                seen["sampled"] = chunked_entropy(head, hidden.detach()[sample[0], sample[1] - 1], chunk_rows)
+                seen["sampled"] = chunked_entropy(scores, hidden.detach()[sample[0], sample[1] - 1], chunk_rows)
 
     handle = backbone.register_forward_hook(read)
     try:

@@ -198,9 +198,10 @@ def logit_chunk_rows(lm: torch.nn.Module) -> int:
 
 
 def selected_logprobs(call, lm: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      rows: torch.Tensor, positions: torch.Tensor, chunk_rows: int, **pixels) -> torch.Tensor | None:
-    """log p(input_ids[r, t] | input_ids[r, :t]) for each (r, t) of (rows, positions): (N,) float32,
-    from one forward pass of `call` (`lm` itself, or a training engine running it) in which the LM
+                      rows: torch.Tensor, positions: torch.Tensor, chunk_rows: int, temperature: float = 1.0,
+                      **pixels) -> torch.Tensor | None:
+    """log p(input_ids[r, t] | input_ids[r, :t]) for each (r, t) of (rows, positions): (N,) float32, of
+    softmax(logits / temperature), from one forward pass of `call` (`lm` itself, or a training engine running it) in which the LM
     head reads only those N positions, `chunk_rows` at a time (`head_chunks.chunked_head_scores`): the
     (B, T, V) logits are never made.
 
@@ -210,7 +211,7 @@ def selected_logprobs(call, lm: torch.nn.Module, input_ids: torch.Tensor, attent
     computes the logits the plain way.
     """
     out, why = chunked_head_scores(call, lm, input_ids, rows, positions, chunk_rows, attention_mask=attention_mask,
-                                   **pixels)
+                                   temperature=temperature, **pixels)
     if out is None:
         log.warning("the LM head cannot be read in chunks (%s); computing the logits whole, (B, T, vocabulary) per "
                     "pass", why)

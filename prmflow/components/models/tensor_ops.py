@@ -26,6 +26,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return -nll.view(B, T)
 
 
+def tempered(head, temperature: float):
+    """`head` whose logits come divided by `temperature`, in float32 (the division vLLM's sampler makes:
+    logits.to(float32), then div_: v0.33.0 vllm/v1/sample/sampler.py:157-158, 291-301); `head` itself at 1.
+
+    For the chunked helpers below: the division happens inside each chunk, so no (N, V) copy exists."""
+    if temperature == 1:
+        return head
+    return lambda hidden: head(hidden).float() / temperature
+
+
 def chunked_token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
                            chunk_rows: int) -> torch.Tensor:
     """log p(tokens) under logits = head(hidden), `chunk_rows` rows at a time.
@@ -128,8 +138,8 @@ def mask_positions(model: torch.nn.Module, attention_mask: torch.Tensor, **model
 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      **model_kwargs) -> torch.Tensor:
-    """log p(input_ids[:, t] | input_ids[:, :t]) for t >= 1, under `model`.
+                      temperature: float = 1.0, **model_kwargs) -> torch.Tensor:
+    """log p(input_ids[:, t] | input_ids[:, :t]) for t >= 1, under `model` with its logits divided by `temperature`.
 
     input_ids, attention_mask: (B, T) -> (B, T-1), entry t-1 scoring token t. Position ids follow
     the attention mask, so left- and right-padded batches score the same tokens identically.
@@ -137,4 +147,5 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
     (Qwen2-VL) places its tokens itself and must get a right-padded batch.
     """
     out = model(input_ids=input_ids, attention_mask=attention_mask, **mask_positions(model, attention_mask, **model_kwargs))
-    return token_logprobs(out.logits[:, :-1], input_ids[:, 1:])
+    logits = out.logits[:, :-1]
+    return token_logprobs(logits if temperature == 1 else logits.float() / temperature, input_ids[:, 1:])

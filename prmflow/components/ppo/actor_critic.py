@@ -58,7 +58,12 @@ def entropy_sample(mask: torch.Tensor, max_tokens: int) -> tuple[torch.Tensor, i
 
 
 class PolicyScorer:
-    """Scores a micro-batch's response tokens under the policy: log-probs, optionally entropies.
+    """Scores a micro-batch's response tokens under the policy: log-probs, optionally entropies, of
+    softmax(logits / mb.temperature), the distribution the rollout sampled and took its log-probs of
+    (TRL and veRL divide the trainer's logits by the rollout temperature alike, the reference model's too:
+    trl 1.16.0 trl/trainer/grpo_trainer.py:1068-1077 `add_fused_lm_head(..., temperature=self.temperature)`,
+    trl/trainer/utils.py:576-577; verl 0.5.0 verl/workers/actor/dp_actor.py:182 `logits_rmpad.div_(temperature)`,
+    :261, with the rollout's temperature for old and ref log-probs: verl/workers/fsdp_workers.py:777, 820).
 
     With `chunk_rows` > 0 the LM head reads the response positions only, `chunk_rows` at a time, from
     the final hidden states, in a forward hook inside the engine's own forward pass
@@ -91,6 +96,8 @@ def whole_scores(engine, mb: MicroBatch, keep: bool, entropy: bool = False,
                  sample: torch.Tensor | None = None) -> ResponseScores:
     """`ResponseScores` from the whole (B, R, V) logits (`response_logits`): the reference computation."""
     logits = response_logits(engine, mb, keep)                                    # (B, R, V)
+    if mb.temperature != 1:  # float32 first, then the division, as vLLM's sampler does (tensor_ops.tempered)
+        logits = logits.float() / mb.temperature
     zero = torch.zeros((), device=logits.device)
     logp = torch.where(mb.mask, token_logprobs(logits, mb.response_ids), zero)   # (B, R)
     ent = torch.where(mb.mask, entropy_from_logits(logits), zero) if entropy else None
@@ -111,7 +118,7 @@ def chunked_scores(engine, mb: MicroBatch, chunk_rows: int, entropy: bool = Fals
     rows, cols = mb.mask.nonzero(as_tuple=True)                                   # (N,) each: the real response tokens
     picked = None if sample is None else (sample // R, P + sample % R)            # response token t sits at column P + t
     out, why = chunked_head_scores(engine, engine.module, mb.input_ids, rows, P + cols, chunk_rows, entropy=entropy,
-                                   sample=picked, attention_mask=mb.attention_mask, use_cache=False,
+                                   sample=picked, temperature=mb.temperature, attention_mask=mb.attention_mask, use_cache=False,
                                    **mb.model_kwargs(engine))
     if out is None:
         return None, why

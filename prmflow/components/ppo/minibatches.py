@@ -40,6 +40,7 @@ class Sample:
     images: list[bytes] | None = None         # encoded images of a vision-language prompt
     pg_mask: list[float] | None = None        # 1 for the top-entropy tokens the policy loss keeps
     behavior_logprobs: list[float] | None = None  # the sampler's log-probs (rollout_correction)
+    logprob_temperature: float | None = None  # T of the hand-off's log-probs: the policy's are of logits / T (None: 1)
     is_weight: list[float] | None = None      # rollout_correction's weight of each token's policy loss
     pixels: dict | None = None                # the images as the policy's processor gives them
     image_mismatch: str | None = None         # why the image tokens do not match the images, if they do not
@@ -75,13 +76,19 @@ def load_batch(cfg: Config) -> list[Sample]:
                    "behavior_logprobs": " (rollout_correction needs the sampler's log-probs; set rollout_correction=none)"}.get(name, "")
             raise DataError(f"'{cfg.input}': column '{name}' is null in row {first} (prompt_id="
                             f"{table.column('prompt_id')[first].as_py()!r}){why}.")
-    read = ("prompt_ids", "response_ids", *TOKEN_FIELDS, "kl", "images")
+    read = ("prompt_ids", "response_ids", *TOKEN_FIELDS, "kl", "images", "logprob_temperature")
     read += ("behavior_logprobs",) if cfg.rollout_correction != "none" else ()  # read only when used
     cols = {name: table.column(name).to_pylist() for name in read}
     rows = [Sample(**{name: cols[name][i] for name in cols}) for i in range(table.num_rows)]
     for i, r in enumerate(rows):
         if not r.prompt_ids:
             raise DataError(f"'{cfg.input}': row {i} has empty prompt_ids; the first response token needs a prompt.")
+    temps = [temperature_of(r) for r in rows]
+    if len(set(temps)) > 1:
+        other = next(i for i, t in enumerate(temps) if t != temps[0])
+        raise DataError(f"'{cfg.input}': column 'logprob_temperature' is {temps[0]:g} in row 0 and {temps[other]:g} in row "
+                        f"{other}; one update takes its log-probs at one temperature. Train on rollouts sampled at one "
+                        f"sampling.temperature.")
     return rows
 
 
@@ -103,6 +110,12 @@ def dr_grpo_length(cfg: Config) -> int:
                       f"(written from plain Parquet, or by an older advantage stage); set drgrpo_max_len to it.")
 
 
+def temperature_of(sample: Sample) -> float:
+    """The temperature the policy's log-probs of `sample` are taken at (the hand-off's log-probs are of logits / T):
+    its logprob_temperature, 1 where the hand-off has none (written before the column)."""
+    return 1.0 if sample.logprob_temperature is None else float(sample.logprob_temperature)
+
+
 @dataclass
 class MicroBatch:
     """Prompts left-padded, responses right-padded: response token t of every row sits at column P + t."""
@@ -115,6 +128,7 @@ class MicroBatch:
     fields: dict[str, torch.Tensor]  # (B, R) float per-token columns, 0 where masked
     rows: list[int]
     pixels: dict[str, torch.Tensor] = field(default_factory=dict)  # the prompts' images (vision-language)
+    temperature: float = 1.0     # the policy's log-probs are of softmax(logits / temperature), as the sampler's
 
     @property
     def tokens(self) -> int:
@@ -124,7 +138,7 @@ class MicroBatch:
         move = lambda t: t.to(device)  # noqa: E731
         return MicroBatch(move(self.input_ids), move(self.attention_mask), move(self.position_ids),
                           move(self.response_ids), move(self.mask), {k: move(v) for k, v in self.fields.items()}, self.rows,
-                          {k: move(v) for k, v in self.pixels.items()})
+                          {k: move(v) for k, v in self.pixels.items()}, self.temperature)
 
     def model_kwargs(self, model) -> dict:
         """What the forward pass takes besides ids and mask: 1-D positions (unless the model places
@@ -134,7 +148,8 @@ class MicroBatch:
 
 
 def collate(samples: list[Sample], rows: list[int], pad_id: int, fields=TOKEN_FIELDS + ("pg_mask", "is_weight")) -> MicroBatch:
-    """The `rows` of `samples` as one micro-batch; a per-token field is included when every row has it."""
+    """The `rows` of `samples` as one micro-batch; a per-token field is included when every row has it. Its
+    temperature is the rows' (`temperature_of`; `load_batch` lets a batch hold one)."""
     P = max(len(samples[i].prompt_ids) for i in rows)
     R = max(max(len(samples[i].response_ids) for i in rows), 1)
     B = len(rows)
@@ -154,7 +169,11 @@ def collate(samples: list[Sample], rows: list[int], pad_id: int, fields=TOKEN_FI
             out[k][b, :r] = torch.as_tensor(getattr(s, k), dtype=torch.float32)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     pixels = vision.batch_pixels([samples[i].pixels or {} for i in rows])
-    return MicroBatch(ids, attn, position_ids, ids[:, P:], mask, out, list(rows), pixels)
+    temps = {temperature_of(samples[i]) for i in rows}
+    if len(temps) != 1:
+        raise DataError(f"a micro-batch mixes rows sampled at temperatures {sorted(temps)}; one update takes its "
+                        f"log-probs at one temperature.")
+    return MicroBatch(ids, attn, position_ids, ids[:, P:], mask, out, list(rows), pixels, temps.pop())
 
 
 def minibatch_plan(n: int, cfg: Config) -> list[list[int]]:

@@ -36,7 +36,7 @@ class Config:
     n_samples: int = 4
     """Responses sampled per prompt (a group, for GRPO/RLOO baselines)."""
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64))
-    """How a response is drawn: temperature (0 = greedy: then n_samples > 1 repeats the same response), top_p, top_k, max_new_tokens (EOS included; longer responses end with finish_reason 'length')."""
+    """How a response is drawn: temperature (0 = greedy: then n_samples > 1 repeats the same response; every log-prob column is taken at it, as the ppo stage's), max_new_tokens (EOS included; longer responses end with finish_reason 'length'). top_p < 1 and top_k > 0 are refused: the trainer cannot take its log-probs under the sampler's truncation."""
     stop: list[str] = field(default_factory=list)
     """Stop strings: a response ends once its text contains one (kept in the response)."""
     seed: int = 0
@@ -106,6 +106,15 @@ class Config:
                               f"Write it with `prmflow make-tiny-model DIR` or use sampler=hf.")
         if not self.policy:
             raise ConfigError("policy is empty; point it at the policy's model directory.")
+        # the PPO ratio and rollout_correction compare the trainer's log-probs with the sampler's: both are taken at the
+        # temperature (logits / T, as TRL and veRL do), but a truncated distribution the trainer cannot reproduce (the
+        # nucleus of a bf16 sampler is not the trainer's; a token outside the trainer's has log-prob -inf)
+        for key, value, off in (("top_p", self.sampling.top_p, 1.0), ("top_k", self.sampling.top_k, 0)):
+            if value != off:
+                raise ConfigError(f"sampling.{key}={value}: rollouts train the policy, and the trainer takes its "
+                                  f"log-probs of the whole distribution at sampling.temperature, not of a top-p/top-k "
+                                  f"truncated one, so the PPO ratio would compare two distributions. Set sampling.{key}="
+                                  f"{off} (lower sampling.temperature to sharpen); evaluate may still use {key}.")
         if self.sampler == "vllm":  # what vLLM's SamplingParams would refuse after the engine had loaded
             check_vllm_sampling(self.n_samples, self.sampling.temperature)
             if self.vllm.max_model_len < 0 or self.vllm.tensor_parallel_size < 1:

@@ -21,8 +21,8 @@ from ... import tasks
 from ...errors import ConfigError
 from . import oracle, response_scores as scoring
 from .config import Config
-from ..sampling.engines import Completion, HFEngine, SamplingParams
-from ..sampling.vllm_engine import VLLMEngine, rank_gpu_index, stop_ids
+from ..sampling.engines import Completion, HFEngine, SamplingParams, logprob_temperature
+from ..sampling.vllm_engine import VLLMEngine, check_logprobs_mode, rank_gpu_index, stop_ids
 
 
 def device(cfg: Config) -> torch.device:
@@ -94,6 +94,7 @@ def generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: Sampli
         policy, _ = modeling.load_causal_lm(cfg.policy, dtype, seed=cfg.seed, tokenizer=tokenizer)
         engine = HFEngine(policy, tokenizer, cfg.batch_sequences, device(cfg))
     else:  # the engine's GPUs are chosen before anything here asks CUDA a question
+        check_logprobs_mode(cfg.sampling.temperature, "sampling")
         engine = VLLMEngine(cfg.policy, dtype, seed=sampling_seed(cfg), settings=cfg.vllm,
                             stop_ids=stop_ids(cfg.policy, tokenizer), local_rank=local_rank(cfg))
     load_s = time.perf_counter() - t0
@@ -117,7 +118,10 @@ def score(cfg: Config, policy, tokenizer, records: list[tasks.PromptRecord], row
     rows: (prompt index into records, sample index, completion) per response; p_ids/r_ids/responses
     are aligned with rows. Returns per-response arrays: old_logprobs, ref_logprobs and values (T_r,)
     over the response tokens, step_rewards (S_r,) per step; None where ref/critic/prm is not set.
+    old and ref log-probs are taken at the sampling temperature (`engines.logprob_temperature`), as
+    behavior_logprobs are.
     """
+    temperature = logprob_temperature(cfg.sampling.temperature)
     bs, total = cfg.score_batch_sequences, len(rows)
     pixels = images = None
     if any(r.images for r in records):  # each prompt's pixel inputs once, shared by its samples
@@ -129,13 +133,15 @@ def score(cfg: Config, policy, tokenizer, records: list[tasks.PromptRecord], row
         old = [np.asarray(c.logprobs, np.float32) for _, _, c in rows]
     else:
         bar = progress(total, "rollout: old logprobs", "resp")
-        old = scoring.forward_logprobs(policy, p_ids, r_ids, bs, pad, progress=bar.update, pixels=pixels)
+        old = scoring.forward_logprobs(policy, p_ids, r_ids, bs, pad, progress=bar.update, pixels=pixels,
+                                       temperature=temperature)
         bar.close()
     ref = values = step_rewards = None
     if cfg.ref:
         ref_model = load_scorer_model(cfg.ref, cfg, scalar=False)
         bar = progress(total, "rollout: ref logprobs", "resp")
-        ref = scoring.forward_logprobs(ref_model, p_ids, r_ids, bs, pad, progress=bar.update, pixels=pixels)
+        ref = scoring.forward_logprobs(ref_model, p_ids, r_ids, bs, pad, progress=bar.update, pixels=pixels,
+                                       temperature=temperature)
         bar.close()
         del ref_model
     if cfg.critic:

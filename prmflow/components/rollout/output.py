@@ -19,7 +19,7 @@ from ... import tasks
 from ...errors import OutputExistsError
 from . import outcome_rewards as rewards_lib
 from .config import Config
-from ..sampling.engines import Completion
+from ..sampling.engines import Completion, logprob_temperature
 
 
 def output_dir(cfg: Config) -> Path:
@@ -92,6 +92,7 @@ def rollouts_table(cfg: Config, records: list[tasks.PromptRecord], prompt_texts:
         "outcome_reward": pa.array(scored.outcome, pa.float32()),
         "reward_components": pa.array([list(c.items()) for c in scored.components], pa.map_(pa.string(), pa.float32())),
         "answer": pa.array([records[i].answer for i, _, _ in rows], pa.string()),
+        "logprob_temperature": pa.array([logprob_temperature(cfg.sampling.temperature)] * n, pa.float64()),
     })
 
 

@@ -114,10 +114,12 @@ def _batches(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]
 @torch.no_grad()
 def forward_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], batch_size: int = 32,
                      pad_id: int = 0, progress: Callable[[int], None] | None = None,
-                     pixels: Sequence[dict] | None = None, chunked: bool = True) -> list[np.ndarray]:
-    """log p(response token t | prompt + response[:t]) under `model`: one (R_i,) float32 array per row.
+                     pixels: Sequence[dict] | None = None, chunked: bool = True,
+                     temperature: float = 1.0) -> list[np.ndarray]:
+    """log p(response token t | prompt + response[:t]) under `model` with its logits divided by `temperature`
+    (the sampling temperature): one (R_i,) float32 array per row.
 
-    The slow equivalent: for each row alone, log_softmax(model(prompt + response).logits[0, :-1])
+    The slow equivalent: for each row alone, log_softmax(model(prompt + response).logits[0, :-1] / temperature)
     gathered at the next tokens, then entries prompt_len - 1 ... prompt_len + R - 2. `pixels`: per
     row the pixel inputs of its prompt's images (vision-language), fed with its batch.
 
@@ -137,13 +139,13 @@ def forward_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequenc
         if chunked:  # every row's response tokens, row by row: the rows start their responses at p_lens
             rows, positions = response_positions(ids, mask, torch.tensor(p_lens, device=device))
             flat = selected_logprobs(model, model, ids, mask, rows, positions, logit_chunk_rows(model),
-                                     **mask_positions(model, mask, **extra))
+                                     temperature=temperature, **mask_positions(model, mask, **extra))
             chunked = flat is not None  # a model whose logits are not its head's output: the whole path from now on
         if flat is not None:
             for i, part in zip(idx, np.split(flat.float().cpu().numpy(), np.cumsum(r_lens)[:-1])):
                 out[i] = part
         else:
-            lp = sequence_logprobs(model, ids, mask, **extra).float().cpu().numpy()  # (B, T-1): entry j scores token j+1
+            lp = sequence_logprobs(model, ids, mask, temperature, **extra).float().cpu().numpy()  # (B, T-1): entry j scores token j+1
             for r, i in enumerate(idx):
                 out[i] = lp[r, p_lens[r] - 1:p_lens[r] - 1 + r_lens[r]].astype(np.float32)
         if progress is not None:

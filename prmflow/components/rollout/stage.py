@@ -22,8 +22,8 @@ Phases, in one process:
 With num_shards > 1 each pod writes its own output directory (ITER/shard-0, ITER/shard-1, ...);
 the parent reads as one dataset (`schema.open_dataset(ITER)`). Inside one shard, N processes
 (`torchrun --nproc-per-node N prmflow rollout ...`, or the keys rank / world_size) split the
-generation batches and each writes OUTPUT/rank-<r>; the samples are those of one process. Logprobs are of the model's raw
-distribution (temperature 1, no top-k/top-p), see engines.py.
+generation batches and each writes OUTPUT/rank-<r>; the samples are those of one process. Logprobs are of the
+distribution sampled (logits / sampling.temperature), and so are old and ref logprobs; see engines.py.
 """
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ was sampled from), and return per sample the generated ids, the log-probability 
 token and the finish reason: "stop" (an end-of-sequence token, kept as the last id, or a stop
 string, kept in the text) or "length" (max_new_tokens reached).
 
-`logprobs` are of the model's own distribution: log_softmax of the raw logits, before temperature,
-top-k or top-p. That is the distribution the PPO ratio and the KL term are taken under, and what
-vLLM returns in its default `raw_logprobs` mode, so the two engines record the same quantity.
+`logprobs` are of the distribution each token was drawn from: log_softmax of the logits divided by
+the temperature, after top-k and top-p (`filter_logits`); greedy decoding (temperature 0) records
+the raw log_softmax. vLLM returns the same quantity in its `processed_logprobs` mode (vllm_engine.py).
+The trainer takes its log-probs at the same temperature (`logprob_temperature`), as TRL and veRL do;
+top-k and top-p are refused for training rollouts (rollout/config.py), so the two sides agree.
 
 Vision-language prompts: `images` gives per prompt its encoded images (their placeholders are
 already expanded in the prompt's ids, see models/vision.py); the HF engine feeds their pixel inputs
@@ -70,7 +72,7 @@ class Completion:
     """One sampled response."""
 
     token_ids: list[int]
-    logprobs: list[float]  # one per token in token_ids, raw model distribution
+    logprobs: list[float]  # one per token in token_ids, of the distribution it was drawn from (module docstring)
     finish_reason: str  # "stop" | "length"
 
 
@@ -103,6 +105,13 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
         remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
     return logits
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The temperature the log-probs of a sample drawn at `temperature` are taken at: itself, and 1 for
+    greedy decoding (0), whose tokens are the raw distribution's argmax (vLLM's sampler likewise leaves
+    greedy rows' logits undivided: v0.33.0 vllm/v1/sample/sampler.py:326-335)."""
+    return float(temperature) if temperature > 0 else 1.0
 
 
 def batch_seed(seed: int, batch: int) -> int:
@@ -243,7 +252,9 @@ class HFEngine:
         finish = [LENGTH] * B
         rows = torch.arange(B, device=self.device)  # output row of each live batch row
         for t in range(T):
-            logp = torch.log_softmax(logits, dim=-1)  # (b, V) raw distribution, recorded
+            # (b, V) the distribution the token is drawn from (temperature, top-k, top-p), recorded
+            logp = torch.log_softmax(logits if params.temperature == 0 else
+                                     filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
             if self.vision is not None:  # an image placeholder in a response would have no image behind it
                 logits = logits.index_fill(-1, self._no_sample, float("-inf"))
             tok = sample_tokens(logits, params, generator)  # (b,)

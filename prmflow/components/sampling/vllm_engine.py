@@ -57,9 +57,54 @@ from .engines import LENGTH, STOP, Completion, SamplingParams, eos_token_ids
 # - `vllm.LLM` runs its engine core in a process of its own unless $VLLM_ENABLE_V1_MULTIPROCESSING is 0 (vllm/envs.py,
 #   default "1"; v1/engine/llm_engine.py `from_engine_args` -> EngineCoreClient.make_client: SyncMPClient, or the
 #   in-process InprocClient); it is read when the engine is made. The spawned core imports torch and vLLM again
-#   before anything else: 21 s of a 40 s start on an H200 (docs/testing.md).
+#   before anything else: 21 s of a 40 s start on an H200 (docs/testing.md). From 0.13 an engine core freezes vLLM's
+#   environment reads in its process once it has started (v0.13.0 vllm/v1/engine/core.py:216 `enable_envs_cache()`,
+#   envs.py:1591-1611; v0.33.0 core.py:248, envs.py:2310-2329), so an in-process core would pin the variable for every
+#   later engine of this process: `close` puts the variable back and drops that cache (`disable_envs_cache`,
+#   v0.13.0 envs.py:1613, v0.33.0 envs.py:2331);
+# - the log-probs returned are, with logprobs_mode="processed_logprobs", of the distribution sampled: the logits
+#   divided by the temperature, then top-k / top-p, log_softmax (v0.10.2 vllm/v1/sample/sampler.py:168-184 and
+#   ops/topk_topp_sampler.py forward_native; v0.33.0 sampler.py:326-358); a greedy request's are the raw logits'
+#   (sampler.py:326-335 in 0.33.0). In 0.10.0 and 0.10.1 "processed" meant after the penalties, before the
+#   temperature (v0.10.0 vllm/v1/sample/sampler.py:58-64, temperature at :127): `check_logprobs_mode` refuses a
+#   rollout at a temperature other than 1 there;
+# - `reload_weights` takes `weights_path` from 0.16.0 (v0.16.0 vllm/v1/worker/gpu_worker.py:297-298 ->
+#   gpu_model_runner.py:4315-4320); before, it takes no argument and re-reads the directory the engine started from
+#   (v0.10.0 gpu_worker.py:206-208, gpu_model_runner.py:1910-1915; v0.15.1 gpu_worker.py:280-281): `load_weights`
+#   starts a new engine on the new directory there.
 
 NUMPY_SEED_LIMIT = 2**32  # np.random.seed accepts [0, 2^32)
+#: the first vLLM whose processed_logprobs include the temperature and top-k/top-p, and whose reload_weights takes a path
+TEMPERED_LOGPROBS, RELOAD_WEIGHTS_PATH = "0.10.2", "0.16.0"
+
+
+def vllm_version():
+    """The vLLM's version (packaging.version.Version): `vllm.__version__` once it is imported, else the installed
+    distribution's metadata, read without importing vLLM (whose import must not come before `pin_rank_gpus`)."""
+    import sys
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    module = sys.modules.get("vllm")
+    try:
+        return Version(module.__version__ if module is not None else version("vllm"))
+    except PackageNotFoundError:
+        raise ConfigError("sampler=vllm, but vLLM is not installed: pip install 'prmflow[gpu]' (a GPU machine), "
+                          "or use sampler=hf.") from None
+
+
+def check_logprobs_mode(temperature: float, where: str = "sampling") -> None:
+    """Refuse a temperature other than 0 or 1 where this vLLM's log-probs would not be of the tempered distribution
+    (before 0.10.2, see the rules above): the PPO ratio would compare two different distributions."""
+    from packaging.version import Version
+
+    if temperature not in (0, 1) and vllm_version() < Version(TEMPERED_LOGPROBS):
+        raise ConfigError(f"{where}.temperature={temperature} with sampler=vllm: vLLM {vllm_version()} returns the "
+                          f"log-probs of the untempered distribution (its processed_logprobs come before the "
+                          f"temperature before {TEMPERED_LOGPROBS}), so behavior_logprobs would not be of what was "
+                          f"sampled. Install vllm>={TEMPERED_LOGPROBS}, set {where}.temperature=1, or use sampler=hf.")
+
 INT64_LIMIT = 2**63  # vLLM keeps request seeds as int64
 
 
@@ -97,6 +142,9 @@ def check_vllm_sampling(n: int, temperature: float, where: str = "sampling") -> 
     if temperature > 2.0:
         raise ConfigError(f"{where}.temperature={temperature}: vLLM accepts temperatures in [0, 2]; lower it, "
                           f"or use sampler=hf.")
+    if 0 < temperature < 1e-2:  # the samples and their log-probs would be of 0.01, the rows would say `temperature`
+        raise ConfigError(f"{where}.temperature={temperature}: vLLM raises a temperature in (0, 0.01) to 0.01 "
+                          f"(vllm/sampling_params.py, v0.10.0:321-326, v0.33.0:560-568); use 0 (greedy) or 0.01 and more.")
     if temperature < 1e-5 and n > 1:  # vLLM treats temperatures below 1e-5 as greedy
         raise ConfigError(f"{where}.temperature={temperature} (greedy) with n_samples={n}: vLLM refuses greedy "
                           f"decoding with n > 1, and n copies of one response are not a group to compare; set "
@@ -223,7 +271,8 @@ class VLLMEngine:
 
     Needs the `gpu` extra (pip install 'prmflow[gpu]') and a CUDA GPU. Stop strings are kept in
     the output (include_stop_str_in_output) so the text is exactly the decoded token ids; logprobs
-    of the sampled tokens only (logprobs=0), in vLLM's raw_logprobs mode. `stop_ids`: the ids the HF
+    of the sampled tokens only (logprobs=0), in vLLM's processed_logprobs mode: of the distribution each
+    token was drawn from, as the HF engine records them (rules above). `stop_ids`: the ids the HF
     engine stops at (`eos_token_ids`), chat template's end of turn included. `local_rank`: under
     torchrun, this rank's index on its node; its engine then takes its own GPUs (`pin_rank_gpus`).
     vLLM's worker processes are spawned, not forked (a fork would copy MLflow's threads and any
@@ -239,33 +288,62 @@ class VLLMEngine:
             pin_rank_gpus(local_rank, s.tensor_parallel_size)
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         self.gpu = rank_gpu_index()
-        if s.in_process:  # else vLLM's default (its own process) or whatever the pod's environment says
-            if self.gpu != 0:
-                # an in-process core is a single-process executor on this process's cuda:0 (vllm-project/vllm,
-                # commit 01e4fce, vllm/v1/executor/uniproc_executor.py `UniProcExecutor._distributed_args`: local
-                # rank = the device's index, else 0), which is this rank's GPU only if CUDA_VISIBLE_DEVICES was
-                # pinned before CUDA started here
-                raise ConfigError(f"rollout.vllm.in_process=true: this rank's GPU is cuda:{self.gpu} in this "
-                                  f"process (CUDA started here before the rank's GPU was chosen), and vLLM's in-process "
-                                  f"engine runs on cuda:0, rank 0's GPU. Set rollout.vllm.in_process=false (the engine "
-                                  f"core then starts in its own process on this rank's GPU).")
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if s.in_process and self.gpu != 0:
+            # an in-process core is a single-process executor on this process's cuda:0 (vllm-project/vllm,
+            # commit 01e4fce, vllm/v1/executor/uniproc_executor.py `UniProcExecutor._distributed_args`: local
+            # rank = the device's index, else 0), which is this rank's GPU only if CUDA_VISIBLE_DEVICES was
+            # pinned before CUDA started here
+            raise ConfigError(f"rollout.vllm.in_process=true: this rank's GPU is cuda:{self.gpu} in this "
+                              f"process (CUDA started here before the rank's GPU was chosen), and vLLM's in-process "
+                              f"engine runs on cuda:0, rank 0's GPU. Set rollout.vllm.in_process=false (the engine "
+                              f"core then starts in its own process on this rank's GPU).")
         if dtype == "float32":  # exact float32 attention dots, not TF32 (the rules above); read when the engine spawns
             os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
         if importlib.util.find_spec("flashinfer") is None:  # else vLLM's sampler imports it and the start fails
             os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         self.free_before = torch.cuda.mem_get_info(self.gpu)[0] if torch.cuda.is_available() else None
+        from packaging.version import Version
+
+        if vllm_version() < Version("0.10"):
+            raise ConfigError(f"vLLM {vllm_version()} is installed; prmflow's adapter was read against vllm>=0.10,<0.34 "
+                              f"(the gpu extra): install a release in that range.")
+        self.kwargs = {"dtype": dtype, "seed": engine_seed(seed), "logprobs_mode": "processed_logprobs", **s.engine_kwargs()}
+        if self.kwargs["logprobs_mode"] != "processed_logprobs":
+            raise ConfigError(f"vllm.extra.logprobs_mode={self.kwargs['logprobs_mode']!r}: behavior_logprobs must be of "
+                              f"the distribution sampled (processed_logprobs); drop the key from vllm.extra.")
+        self.llm = self._start(model_path)
+
+    def _start(self, model_path: str):
+        """A vllm.LLM on `model_path` with this engine's options; with in_process, $VLLM_ENABLE_V1_MULTIPROCESSING
+        is 0 from here until `close` (or a failed start) puts back what it was."""
         from vllm import LLM  # the gpu extra
 
-        kwargs = dict(model=str(model_path), dtype=dtype, seed=engine_seed(seed), **s.engine_kwargs())
-        kwargs.setdefault("logprobs_mode", "raw_logprobs")
+        self._env_before = None
+        if self.settings.in_process:  # else vLLM's default (its own process) or whatever the pod's environment says
+            self._env_before = (os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
-            self.llm = LLM(**kwargs)
-        except TypeError as e:  # an older vLLM without logprobs_mode: raw logprobs were its only mode
-            if "logprobs_mode" not in str(e):
-                raise
-            kwargs.pop("logprobs_mode")
-            self.llm = LLM(**kwargs)
+            return LLM(model=str(model_path), **self.kwargs)
+        except BaseException:
+            self._restore_env()
+            raise
+
+    def _restore_env(self) -> None:
+        """Put $VLLM_ENABLE_V1_MULTIPROCESSING back as it was before an in-process engine, and drop the cache in which
+        vLLM's engine core froze it (rules above), so a later engine of this process reads it afresh."""
+        if self._env_before is None:
+            return
+        (before,), self._env_before = self._env_before, None
+        if before is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+        try:
+            from vllm import envs
+        except ImportError:
+            return
+        if hasattr(envs, "disable_envs_cache"):  # 0.13 and later
+            envs.disable_envs_cache()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  progress: Callable[[int], None] | None = None,
@@ -312,9 +390,16 @@ class VLLMEngine:
     def load_weights(self, model_path: str) -> None:
         """Read the weights of `model_path` (the same architecture, e.g. the next iteration's policy) into the
         running engine instead of starting a new one, then drop the prefix cache, whose KV the old weights made.
+        A vLLM before 0.16, whose reload_weights takes no path (rules above), gets a new engine on `model_path`.
         For a process that samples several policies in turn; a rollout pod samples one (docs/real-models.md)."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_path)})
-        self.llm.reset_prefix_cache()
+        from packaging.version import Version
+
+        if vllm_version() >= Version(RELOAD_WEIGHTS_PATH):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_path)})
+            self.llm.reset_prefix_cache()
+            return
+        self.close()
+        self.llm = self._start(model_path)
 
     def close(self) -> None:
         """Shut the engine down and wait until its GPU memory is free again (the scoring models need it next).
@@ -339,6 +424,7 @@ class VLLMEngine:
                 pass
             else:
                 cleanup_dist_env_and_memory()
+        self._restore_env()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             if self.free_before is not None:

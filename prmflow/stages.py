@@ -3,7 +3,7 @@
 The one list of stages: the `prmflow` command makes one subcommand per available stage, the docs
 generator one README table per stage, the pipeline checks each stage section of its YAML against the
 stage's Config and finds each task's KFP component by the stage's name. Adding a stage takes its line
-in `STAGES` and these parts (tests/test_stages.py fails, naming the part, when one is missing):
+in `STAGES` and these parts (tests/test_stage_registry.py fails, naming the part, when one is missing):
 
 1. The module named there: a `Config` dataclass with a one-line docstring under every field (they
    are `prmflow NAME --help` and the README table), `run(config)`, and a module docstring whose first

@@ -51,7 +51,8 @@ def main() -> int:
                         # Ubuntu 24.04's glibc is 2.39: every manylinux tag up to it (pip does not infer them)
                         *[a for g in range(39, 16, -1) for a in ("--platform", f"manylinux_2_{g}_x86_64")],
                         "--platform", "manylinux2014_x86_64", "--platform", "linux_x86_64",
-                        "--only-binary=:all:", "--target", str(Path(tmp) / "t"), "--index-url", "https://pypi.org/simple", "--find-links", str(wheels), *reqs],
+                        "--only-binary=:all:", "--target", str(Path(tmp) / "t"), "--index-url", "https://pypi.org/simple",
+                        "--find-links", str(wheels), *reqs],
                        check=True, env=env)
         installed = json.loads(report.read_text())["install"]
     meta = {i["metadata"]["name"].lower(): i["metadata"] for i in installed}

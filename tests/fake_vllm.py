@@ -309,7 +309,8 @@ class LLM:
             GPU_USE[gpu] = GPU_USE.get(gpu, 0.0) + want
         self._want, self.alive = want, True
         dtype = kwargs.get("dtype", "auto")
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype) if dtype != "auto" else "auto").eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model, dtype=getattr(torch, dtype) if dtype != "auto" else "auto").eval()
         self.tf32_attention = self.model.dtype == torch.float32 and (self.env["TRITON_F32_DEFAULT"] or "tf32") != "ieee"
         if self.tf32_attention:  # Triton's default for float32 dots (module docstring)
             self.model.set_attn_implementation(TF32_ATTENTION)

@@ -141,8 +141,9 @@ def test_imports_run_one_way():
             (tlvl, troom) = layer(t)
             if tlvl > lvl or (lvl == tlvl == 2 and troom != room):
                 wrong.append(f"{name} imports {t}")
-    assert wrong == [], ("imports must run foundation (errors, tasks, tracking, components.config and the subsystems components.runtime, "
-                        "data, models, sampling, training, scoring) <- stages <- cli/pipelines:\n") + "\n".join(wrong)
+    assert wrong == [], ("imports must run foundation (errors, tasks, tracking, components.config and the subsystems "
+                         "components.runtime, data, models, sampling, training, scoring) <- stages <- cli/pipelines:\n"
+                         ) + "\n".join(wrong)
 
 
 def subsystem_edges(edges: dict[str, set[str]]) -> dict[str, set[str]]:

@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("policies", nargs="+", help="HF policy directories")
     p.add_argument("--prompts", type=int, default=1000, help="test prompts (default 1000, the quickstart's evaluation)")
     p.add_argument("--config", default=str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"),
-                   help="pipeline YAML whose evaluate section (arithmetic keys, seed) sets the prompts (default: the quickstart's)")
+                   help="pipeline YAML whose evaluate section (arithmetic keys, seed) sets the prompts "
+                        "(default: the quickstart's)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--batch", type=int, default=200, help="prompts per generation batch")
     args = p.parse_args(argv)

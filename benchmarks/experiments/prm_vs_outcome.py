@@ -15,14 +15,15 @@ step labels, `trained` OUTPUT/prm, `adversarial` 1 for every shortcut line and 0
 `long-lines` the answer line judged right and every other step scored by its length (longer lines higher:
 merged shortcut lines are longer), `checker-likes-shortcuts` the exact checker on single steps and the answer line but
 every shortcut line scored 1 (right on the whole, wrong in one consistent place), `noisy-checker` the exact checker with
-each step's label flipped with probability 0.25 (a mediocre PRM, unbiased), `constant` 0.5 for every step (the credit's mechanics without a PRM), `implicit` PRIME's implicit PRM started from the SFT policy (every step 0.5 at first;
+each step's label flipped with probability 0.25 (a mediocre PRM, unbiased), `constant` 0.5 for every step (the
+credit's mechanics without a PRM), `implicit` PRIME's implicit PRM started from the SFT policy (every step 0.5 at first;
 it needs an `update` section with implicit_beta), `trained-implicit` an implicit PRM trained like the PRM first
 (OUTPUT/prm-implicit, `implicit_prm`), `trained-likes-shortcuts` the same implicit PRM trained on the same data with
 every shortcut line labelled 1 (OUTPUT/prm-implicit-likes-shortcuts: a trained PRM with checker-likes-shortcuts' bias);
 a variant with an `update` section keeps its trained PRM on-policy: after
 every rollout `prmflow prm-update` trains it further on those rollouts' own outcomes (replaying the
-older iterations' rollouts) and the next rollout is scored by the updated PRM). After every PPO update the policy answers the same held-out
-test-split prompts greedily (pass@1, graded by the task's verifier). Per point it records the train
+older iterations' rollouts) and the next rollout is scored by the updated PRM). After every PPO update the policy
+answers the same held-out test-split prompts greedily (pass@1, graded by the task's verifier). Per point it records the train
 reward and the reward-hacking watch (steps per response, response length, share without the step
 separator, format errors, share of shortcut steps) of the training batch and of the greedy answers,
 and for every variant with step rewards the PRM's step AUC on the policy's own samples (checker labels),
@@ -97,19 +98,22 @@ class BenchConfig:
     output: str = "outputs/prm-vs-outcome"
     """Directory for the shared SFT policy and PRM, every run, the table, the PNG and the MLflow store."""
     arithmetic: dict = field(default_factory=dict)
-    """The task's difficulty (ArithmeticConfig keys: min_ops, max_ops, shortcut_frac, ...), laid under every stage and the held-out prompts; a stage section's own `arithmetic` wins."""
+    """The task's difficulty (ArithmeticConfig keys: min_ops, max_ops, shortcut_frac, ...), laid under every stage and
+    the held-out prompts; a stage section's own `arithmetic` wins."""
     sft: dict = field(default_factory=dict)
     """sft stage keys (`prmflow sft --help`) for the one shared SFT policy (output is OUTPUT/sft)."""
     prm: dict = field(default_factory=dict)
     """prm stage keys for the one shared PRM on the SFT backbone (output is OUTPUT/prm)."""
     implicit_prm: dict = field(default_factory=lambda: {"head": {"kind": "implicit", "beta": 0.1}})
-    """prm stage keys laid over `prm` for the implicit PRM that `prm: trained-implicit` variants start from: the same data and schedule, PRIME's implicit head (output is OUTPUT/prm-implicit)."""
+    """prm stage keys laid over `prm` for the implicit PRM that `prm: trained-implicit` variants start from: the same
+    data and schedule, PRIME's implicit head (output is OUTPUT/prm-implicit)."""
     rollout: dict = field(default_factory=dict)
     """rollout stage keys shared by every variant (num_prompts, n_samples, sampling); seed, iteration and prm are set per run."""
     ppo: dict = field(default_factory=dict)
     """ppo stage keys shared by every variant (epochs, batch sizes, optim); seed and rl_iterations are set per run."""
     variants: dict = field(default_factory=lambda: {"outcome-only": {"prm": "", "advantage": {"estimator": "grpo"}}})
-    """name -> {prm: '' | oracle | trained | adversarial | random, advantage: {advantage stage keys}, update: {prm-update keys}}: what differs between variants (update: keep the trained PRM on-policy)."""
+    """name -> {prm: '' | oracle | trained | adversarial | random, advantage: {advantage stage keys}, update:
+    {prm-update keys}}: what differs between variants (update: keep the trained PRM on-policy)."""
     reference: str = "outcome-only"
     """The variant every other one is tested against (paired over prompts and over seeds)."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
@@ -123,9 +127,11 @@ class BenchConfig:
     eval_max_new_tokens: int = 96
     """Token budget of a greedy held-out answer."""
     only: list[str] = field(default_factory=list)
-    """Run and tabulate only these variants (and `reference`), e.g. --set only=[outcome-only,random-units]; empty: all. Only their PRMs are trained."""
+    """Run and tabulate only these variants (and `reference`), e.g. --set only=[outcome-only,random-units]; empty: all.
+    Only their PRMs are trained."""
     run_missing: bool = True
-    """Run every variant x seed not finished yet; false: only write the table, figure and MLflow runs of the finished ones (e.g. while other processes still run the rest)."""
+    """Run every variant x seed not finished yet; false: only write the table, figure and MLflow runs of the finished
+    ones (e.g. while other processes still run the rest)."""
     experiment: str = "prm-vs-outcome"
     """MLflow experiment of the parent (variant) and child (seed) runs in OUTPUT/mlflow.db."""
 
@@ -220,8 +226,8 @@ def start_fingerprint(out: Path) -> dict:
     """What tells one start from another across machines: the sha256 of the SFT policy's weights and of each
     trained PRM's (its manifest's digest of model.safetensors, what `sha256sum` prints; an implicit PRM's reference
     is the SFT policy's copy), first 16 hex digits, and the float kernels that made them. The same config makes
-    other weights on a CPU with other kernels (docs/experiments/5e-rebuilt-from-a-clean-checkout.md), so two outputs with equal seeds but
-    different digests are different starts."""
+    other weights on a CPU with other kernels (docs/experiments/5e-rebuilt-from-a-clean-checkout.md), so two
+    outputs with equal seeds but different digests are different starts."""
     import platform
 
     import torch
@@ -439,7 +445,8 @@ def _run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict,
             rescore(rcfg, it / "rollouts", scored, kind, seed, k)
         points[-1].update({"train_reward": m["rollout/reward_mean"], **train_batch_stats(rcfg, scored, bool(kind))})
         adv = advantage.run(config_lib.build(advantage.Config, {**variant.get("advantage", {}), "input": str(scored),
-                                                                "output": str(it / "advantages"), "iteration": k, "tracking": OFF}))
+                                                                "output": str(it / "advantages"), "iteration": k,
+                                                                "tracking": OFF}))
         points[-1].update({key: adv[key] for key in ("advantage/prm_step_auc", "advantage/process_weight",
                                                      "advantage/prm_calibrated_spread") if key in adv})
         if "update" in variant:  # the PRM follows the policy: trained on these rollouts for the next iteration
@@ -591,7 +598,8 @@ def run(cfg: BenchConfig, console=None) -> dict:
             pts = r["points"]
             say(f"[{count}/{len(jobs)}] {name} seed {seed}: held-out pass@1 {pts[0]['pass1']:.3f} -> {pts[-1]['pass1']:.3f}, "
                 f"train reward {pts[0]['train_reward']:.3f} -> {pts[-2]['train_reward']:.3f}, "
-                f"shortcut steps {pts[0]['eval/shortcut_share']:.3f} -> {pts[-1]['eval/shortcut_share']:.3f} ({r['seconds']:.0f} s)")
+                f"shortcut steps {pts[0]['eval/shortcut_share']:.3f} -> {pts[-1]['eval/shortcut_share']:.3f} "
+                f"({r['seconds']:.0f} s)")
         results = {name: dict(sorted(runs.items())) for name, runs in results.items() if runs}
         if cfg.reference not in results:  # only with run_missing false: the table is left as it was
             raise ConfigError(f"run_missing=false and no run of the reference variant '{cfg.reference}' is finished "

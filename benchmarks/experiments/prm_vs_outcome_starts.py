@@ -34,7 +34,8 @@ def load(outputs: list[Path]) -> dict:
     for out in outputs:
         for name in ("results.json", "config.json"):
             if not (out / name).is_file():
-                raise FileNotFoundError(f"{out / name}: missing; run benchmarks/experiments/prm_vs_outcome.py with this output first")
+                raise FileNotFoundError(f"{out / name}: missing; run benchmarks/experiments/prm_vs_outcome.py with this "
+                                        "output first")
         config = json.loads((out / "config.json").read_text())
         seeds = (config["sft"].get("seed", 0), config["prm"].get("seed", 0))
         label = f"{out} (sft.seed {seeds[0]}, prm.seed {seeds[1]})"

@@ -98,9 +98,9 @@ def rollouts_to_reach(xs: list[int], ys: list[float], target: float) -> int | No
 
 def summarize(results: dict, reference: str) -> list[dict]:
     """One row per variant: final pass@1 over seeds, the seed mean at half the rollouts (the point at or
-    before the middle; half_seed_p: its paired t-test over seeds against `reference`), rollouts to reach `reference`'s final mean pass@1,
-    the paired tests against `reference` (McNemar per shared seed, t-test over seeds) and the last
-    policy's reward-hacking stats (mean over seeds)."""
+    before the middle; half_seed_p: its paired t-test over seeds against `reference`), rollouts to reach
+    `reference`'s final mean pass@1, the paired tests against `reference` (McNemar per shared seed, t-test over
+    seeds) and the last policy's reward-hacking stats (mean over seeds)."""
     ref_runs = results[reference]
     ref_final = {s: r["points"][-1]["pass1"] for s, r in ref_runs.items()}
     target = curve(ref_runs, "pass1")[1][-1]
@@ -143,8 +143,9 @@ def format_table(rows: list[dict], reference: str) -> str:
     for r in rows:
         reach = "-" if r["rollouts_to_reference"] is None else f"{r['rollouts_to_reference']} of {r['rollouts']}"
         tests = "; ".join(f"s{s}: {a}/{b}, p={format_p(p)}" for s, a, b, p in r["mcnemar"]) or "(reference)"
+        half_p = "; p=" + format_p(r["half_seed_p"]) if r["mcnemar"] else ""
         lines.append(f"| {r['variant']} | {r['pass1_mean']:.3f} ({r['pass1_min']:.3f}-{r['pass1_max']:.3f}) "
-                     f"| {r['half_pass1_mean']:.3f} ({r['half_rollouts']}{'; p=' + format_p(r['half_seed_p']) if r['mcnemar'] else ''}) | {reach} "
+                     f"| {r['half_pass1_mean']:.3f} ({r['half_rollouts']}{half_p}) | {reach} "
                      f"| {tests} | {format_p(r['seed_p']) if r['mcnemar'] else '-'} | {r['steps_per_response']:.2f} "
                      f"| {r['shortcut_share']:.3f} | {r['no_separator']:.3f} | {r['format_errors']:.3f} |")
     return "\n".join(lines)
@@ -295,7 +296,7 @@ def last_train_reward(runs: dict, ref: dict, seeds: list) -> tuple[float, float,
     return sum(x) / len(x), sum(y) / len(y), paired_seed_test(x, y)
 
 
-# --- over drawn starts: one start is one draw (docs/experiments/5e-rebuilt-from-a-clean-checkout.md, 5f-the-start-drawn.md) -------------------------------------
+# --- over drawn starts: one start is one draw (docs/experiments/5e-rebuilt-from-a-clean-checkout.md, 5f-the-start-drawn.md) ---
 
 def over_starts(starts: dict, variant: str, reference: str) -> dict:
     """`variant` against `reference` over several starts of one regime: `starts[label]` is that start's `results`

@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import functools
 import json
-import math
 import os
 import shutil
 import statistics

@@ -102,7 +102,8 @@ def one(args) -> dict:
     peak = memory_peak(device)
     return {"path": args.paths, "batch": args.batch, "tokens": args.tokens,
             "response_tokens": args.batch * (args.tokens - args.prompt_tokens), "dtype": args.dtype,
-            "pass": "logprobs" if args.what == "logprobs" else "train" if args.train else "score", "device": device, "layers": args.layers,
+            "pass": "logprobs" if args.what == "logprobs" else "train" if args.train else "score",
+            "device": device, "layers": args.layers,
             "peak_bytes": peak - before, "btv_float32_bytes": args.batch * args.tokens * VOCAB * 4,
             "weights_bytes": weights, "wall_s": round(wall, 2), "z_finite": bool(torch.isfinite(z).all())}
 

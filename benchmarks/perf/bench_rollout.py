@@ -86,7 +86,8 @@ def run_generate(model, tok, prompts, args) -> int:
             logp = torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0]  # (B, T)
             if args.natural_eos:  # count up to and including the first EOS
                 is_eos = new == tok.eos_token_id
-                first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, torch.full_like(is_eos[:, 0], new.shape[1], dtype=torch.long))
+                first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1,
+                                    torch.full_like(is_eos[:, 0], new.shape[1], dtype=torch.long))
                 tokens += int(first.sum())
             else:
                 tokens += new.numel()

@@ -11,11 +11,11 @@ function (prmflow's one grader, `tasks.verify`, GSM8K's convention: the number a
 `answer:` line, else the last number; outcome only); normalize within the group ((R - mean) / (std + eps));
 and take `epochs` passes over the completions in minibatches of `minibatch`, one AdamW step each (lr
 constant, no warm-up, grad-norm clip 1.0, clipped ratio 0.2, no KL term, loss = token mean over the
-minibatch: TRL's "dapo"; AdamW betas 0.9/0.95, prmflow's). prmflow runs its stages in one process (rollout -> advantage grpo -> ppo, the
-optimizer moments carried from one iteration to the next as the pipeline does); TRL runs `GRPOTrainer.train`.
-The differences that remain are written out in benchmarks/README.md (eps 1e-6 vs 1e-4 in the normalization;
-prmflow's old log-probs are its HF sampler's own (rollout key old_logprobs, auto), TRL re-scores them with a forward
-in its generation step whenever a generation batch spans more than one optimizer step).
+minibatch: TRL's "dapo"; AdamW betas 0.9/0.95, prmflow's). prmflow runs its stages in one process (rollout ->
+advantage grpo -> ppo, the optimizer moments carried from one iteration to the next as the pipeline does); TRL runs
+`GRPOTrainer.train`. The differences that remain are written out in benchmarks/README.md (eps 1e-6 vs 1e-4 in the
+normalization; prmflow's old log-probs are its HF sampler's own (rollout key old_logprobs, auto), TRL re-scores them
+with a forward in its generation step whenever a generation batch spans more than one optimizer step).
 
 What is timed, per iteration: rollout (sampling alone, and sampling + scoring), training (advantage + policy
 updates), and, once per arm, process start-up (interpreter, imports, first model load). The held-out pass@1
@@ -149,7 +149,7 @@ def run_prmflow(spec: dict, work: Path, with_prm: bool) -> dict:
     load_s = time.perf_counter() - t0
     evals = [held_out_pass1(model, tok, spec)]
     del model
-    policy, previous, iters = spec["model"], None, []
+    policy, iters = spec["model"], []
     prm = ""
     if with_prm:
         from prmflow.components.prm import stage as prm_stage

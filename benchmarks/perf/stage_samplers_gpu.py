@@ -216,7 +216,8 @@ def overrides(name: str, policy: str, args, out: Path) -> dict:
     """The stage config of arm `name`: its sizes, its own keys, written to `out`."""
     arm = ARMS[name]
     common = {"policy": policy, "output": str(out), "overwrite": True, "tracking.enabled": False, "chat_template": False}
-    prompts, samples = (args.prompts or DEFAULT_SIZES.get(arm.stage, (0, 0))[0]), (args.samples or DEFAULT_SIZES.get(arm.stage, (0, 0))[1])
+    default_prompts, default_samples = DEFAULT_SIZES.get(arm.stage, (0, 0))
+    prompts, samples = args.prompts or default_prompts, args.samples or default_samples
     if arm.stage == "rollout":
         sizes = {"num_prompts": prompts, "n_samples": samples, "sampling.max_new_tokens": args.max_new_tokens}
     elif arm.stage == "prm-label":
@@ -275,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                                                "but the evaluate/prm-label -vllm ones, which need vLLM)")
     ap.add_argument("--skip-hf", action="store_true", help="leave out the rollout's hf arm (the slowest)")
     ap.add_argument("--policy", default="", help="policy directory (default: the random 358M Qwen2-shaped model)")
-    ap.add_argument("--prompts", type=int, default=0, help="prompts of rollout and evaluate's 358M arms (0: 64 rollout, 16 evaluate)")
+    ap.add_argument("--prompts", type=int, default=0,
+                    help="prompts of rollout and evaluate's 358M arms (0: 64 rollout, 16 evaluate)")
     ap.add_argument("--samples", type=int, default=0, help="samples per prompt of the same (0: 8 rollout, 4 evaluate)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="every response's budget but evaluate-1.5b's (1024)")
     ap.add_argument("--label-prompts", type=int, default=8)
@@ -310,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         if not mine:
             continue
         print(f"\n{stage}, policy {models.get('358m', '-')}"
-              + (f": {args.prompts or 64} prompts x {args.samples or 8} samples x {args.max_new_tokens} tokens" if stage == "rollout" else ""))
+              + (f": {args.prompts or 64} prompts x {args.samples or 8} samples x {args.max_new_tokens} tokens"
+                 if stage == "rollout" else ""))
         table(stage, mine)
     if "hf" in by:
         for arm in ("vllm-stock", "vllm", "vllm-inproc"):

@@ -100,7 +100,8 @@ def add_arguments(parser) -> None:
                    help="send a projected service-account token file (default file: $KF_PIPELINES_SA_TOKEN_PATH or "
                         "/var/run/secrets/kubeflow/pipelines/token)")
     g.add_argument("--namespace", default="", help="your profile namespace on a multi-user Kubeflow")
-    g.add_argument("--kfp-namespace", default="kubeflow", help="namespace of the KFP deployment (in-cluster service name; default: kubeflow)")
+    g.add_argument("--kfp-namespace", default="kubeflow",
+                   help="namespace of the KFP deployment (in-cluster service name; default: kubeflow)")
     g.add_argument("--ui-host", default="", help="base URL of the KFP UI for the run link (default: the host)")
 
 

@@ -33,7 +33,8 @@ def _number(kind, unit: str, zero: bool):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is not {'a whole number' if kind is int else 'a number'} of {unit}") from None
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"'{text}' is not {what} of {unit}") from None
         if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
             raise argparse.ArgumentTypeError(f"'{text}': give {'0 or more' if zero else 'more than 0'} {unit}")
         return value
@@ -79,7 +80,8 @@ def add_parsers(sub) -> None:
     u = psub.add_parser("upload", help="upload the pipeline to KFP as a named pipeline (a new version if it exists)")
     _source_arguments(u)
     u.add_argument("--name", default="", help="pipeline name in KFP (default: pipeline.name)")
-    u.add_argument("--version", default="", help="version name (default: sha256- and the first 12 hex digits of the compiled spec's sha256, e.g. sha256-3f9a0c1d2e4b)")
+    u.add_argument("--version", default="", help="version name (default: sha256- and the first 12 hex digits of the "
+                                                  "compiled spec's sha256, e.g. sha256-3f9a0c1d2e4b)")
     u.add_argument("--description", default="", help="shown in the KFP UI")
     client.add_arguments(u)
     u.set_defaults(handler=_upload)
@@ -94,18 +96,22 @@ def add_parsers(sub) -> None:
                    "configs/pipeline-local.yaml's smaller budget)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a pipeline: key (iterations=1) or a stage key (ppo.optim.lr=1e-4)")
-    r.add_argument("--root", default="outputs/kfp-local", help="pipeline root: where artifacts are written (default: outputs/kfp-local)")
+    r.add_argument("--root", default="outputs/kfp-local",
+                   help="pipeline root: where artifacts are written (default: outputs/kfp-local)")
     r.add_argument("--param", action="append", default=[], metavar="NAME=JSON", help="pipeline parameter")
     r.add_argument("--verbose", action="store_true",
                    help="stream every task's output here (default: one line per task, the full log in ROOT/run-local.log)")
     r.set_defaults(handler=_run_local)
 
     cm = psub.add_parser("compare", help="run the pipeline locally once per RL variant (shared SFT and PRM); print a table")
-    cm.add_argument("--config", default="configs/compare.yaml", help="pipeline YAML with a variants: section (default: configs/compare.yaml)")
-    cm.add_argument("--root", default="outputs/compare", help="where each variant's artifacts are written (default: outputs/compare)")
+    cm.add_argument("--config", default="configs/compare.yaml",
+                    help="pipeline YAML with a variants: section (default: configs/compare.yaml)")
+    cm.add_argument("--root", default="outputs/compare",
+                    help="where each variant's artifacts are written (default: outputs/compare)")
     cm.add_argument("--param", action="append", default=[], metavar="NAME=JSON", help="pipeline parameter (all variants)")
     cm.add_argument("--verbose", action="store_true",
-                    help="stream every task's output here (default: one line per task, the full logs in ROOT/VARIANT/run-local.log)")
+                    help="stream every task's output here (default: one line per task, the full logs in "
+                         "ROOT/VARIANT/run-local.log)")
     cm.set_defaults(handler=_compare)
 
     sc = sub.add_parser(
@@ -164,7 +170,8 @@ def compile_for_cluster(spec: PipelineSpec, path: str, check_backend: bool = Tru
         builds = "; ".join(f"images/build.sh {k} REGISTRY/prmflow-{k}:TAG --push" for k in unset)
         sets = " ".join(f"--set images.{k}=REGISTRY/prmflow-{k}@sha256:..." for k in unset)
         raise ConfigError(f"{keys} {'is' if one else 'are'} still the placeholder ({values}): build and push "
-                          f"{'the image' if one else 'each image'} ({builds} {'prints its digest' if one else 'print their digests'}), "
+                          f"{'the image' if one else 'each image'} "
+                          f"({builds} {'prints its digest' if one else 'print their digests'}), "
                           f"then set {'it' if one else 'them'} in the config's pipeline.images section or with {sets}")
     return compile_to(spec, path, check_backend)
 

@@ -8,10 +8,10 @@ Each pipeline stage of prmflow/stages.py has its function here, named `stages.co
 Data flow (pipelines/kfp_shim.py): a stage that writes weights (sft, prm, prm-update, ppo) writes them once to
 the workspace and its Model artifact is their *location* (a few KB: where, sha256s, sizes); a reader
 opens them in place (`located`). Every reader of a location takes the `workspace` parameter, even one
-that only opens it: KFP mounts its per-run workspace only into tasks whose parameters name it. Rollouts, advantages, evaluation results and the KL controller's
-state are small and travel as ordinary artifacts. An input a configuration does not read is not
-wired at all (an optional input left None): no critic without a critic, no reference model without a
-KL term, no PRM with the oracle. The MLflow parent run is found through $PRMFLOW_KFP_RUN_ID.
+that only opens it: KFP mounts its per-run workspace only into tasks whose parameters name it. Rollouts, advantages,
+evaluation results and the KL controller's state are small and travel as ordinary artifacts. An input a configuration
+does not read is not wired at all (an optional input left None): no critic without a critic, no reference model
+without a KL term, no PRM with the oracle. The MLflow parent run is found through $PRMFLOW_KFP_RUN_ID.
 """
 
 from typing import List

@@ -1,4 +1,5 @@
-"""The prmflow DAG: wiring only (no `from __future__ import annotations`: KFP reads the real types). Each box is a stage's component; all logic lives in the stages.
+"""The prmflow DAG: wiring only (no `from __future__ import annotations`: KFP reads the real types). Each box is a
+stage's component; all logic lives in the stages.
 
     init_tracking
       └─ sft ─────────────── policy_0 ──> prm (backbone: the SFT policy, unless prm.backbone is set)
@@ -15,8 +16,9 @@ Data flow (docs/cluster-data-flow.md): weights, optimizer moments and resume che
 once to the workspace (a ReadWriteMany volume; a directory under run-local) at paths named by what
 each step computes, never by the run id; artifacts carry only their location (kfp_shim). A task
 takes only the inputs it reads. Every task that opens a location takes the `workspace` parameter:
-KFP's driver mounts its per-run workspace only into tasks whose parameters name it (contracts/kfp.py). The MLflow parent run is found by the KFP run id, which reaches a
-stage as $PRMFLOW_KFP_RUN_ID (the pod's pipeline/runid label), so no cache key holds it.
+KFP's driver mounts its per-run workspace only into tasks whose parameters name it (contracts/kfp.py). The MLflow
+parent run is found by the KFP run id, which reaches a stage as $PRMFLOW_KFP_RUN_ID (the pod's pipeline/runid label),
+so no cache key holds it.
 """
 
 
@@ -265,8 +267,10 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
                 f"{name} (imported)").output
         return on_cpu(locate_op(path=uri)).set_display_name(f"{name} (on the workspace)").outputs["model"]
 
-    config = dsl.PipelineConfig(workspace=dsl.WorkspaceConfig(size=cluster.workspace_size, kubernetes=dsl.KubernetesWorkspaceConfig(
-        pvcSpecPatch=workspace_pvc_patch(cluster)))) if not local and not cluster.workspace_pvc else None
+    config = dsl.PipelineConfig(workspace=dsl.WorkspaceConfig(
+        size=cluster.workspace_size,
+        kubernetes=dsl.KubernetesWorkspaceConfig(pvcSpecPatch=workspace_pvc_patch(cluster)),
+    )) if not local and not cluster.workspace_pvc else None
 
     def prmflow_pipeline(
         sft_config: dict = spec.stages["sft"], prm_config: dict = spec.stages["prm"],
@@ -290,8 +294,8 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
                 prm_model = model_input(pipe.prm_model, "prm_model", "prm")
             else:
                 prm_base = {"base": sft_policy} if prm_needs_base else {}
-                prm_model = train("prm", prm_op(config=prm_config, **common, workspace=ws, **prm_base, **placed("prm")).after(init),
-                                  "prm").outputs["prm_model"]
+                prm_task = prm_op(config=prm_config, **common, workspace=ws, **prm_base, **placed("prm")).after(init)
+                prm_model = train("prm", prm_task, "prm").outputs["prm_model"]
             policy, upd, prm_upd = sft_policy, None, None
             for k in range(pipe.iterations):
                 # the reference (SFT) policy: ref_logprobs for the KL terms and the KL-to-SFT of every iteration

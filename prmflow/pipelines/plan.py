@@ -265,7 +265,8 @@ def render(spec: PipelineSpec, params: float, volume_bytes: float = 0.0) -> str:
                  f"{sum(r.pods * r.workspace_read for r in it) / GB:.1f} GB read and "
                  f"{sum(r.pods * r.workspace_written for r in it) / GB:.1f} GB written on the workspace")
     lines.append(f"workspace needed for the run: {storage(spec, s) / GB:.0f} GB")
-    lines.append(f"backend: checked against Kubeflow Pipelines {spec.pipeline.cluster.kfp_version} (pipeline.cluster.kfp_version); "
+    lines.append(f"backend: checked against Kubeflow Pipelines {spec.pipeline.cluster.kfp_version} "
+                 "(pipeline.cluster.kfp_version); "
                  f"floors: Kubeflow Pipelines >= {'.'.join(map(str, MIN_KFP_BACKEND))}"
                  + (f", Kubeflow Trainer >= {'.'.join(map(str, MIN_TRAINER))}" if spec.pipeline.cluster.trainer.stages() else ""))
     lines.extend(run_size_lines(spec))
@@ -342,10 +343,12 @@ def add_parser(psub) -> None:
     p = psub.add_parser("plan", help="pods, GPUs and bytes moved per task, and the storage a run needs, from the compiled spec")
     p.add_argument("--config", required=True, help="pipeline YAML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a pipeline: key (rollout_shards=8, cluster.kfp_version=2.17) or a stage key (rollout.n_samples=16), as compile and submit take it")
+                   help="override a pipeline: key (rollout_shards=8, cluster.kfp_version=2.17) or a stage key "
+                        "(rollout.n_samples=16), as compile and submit take it")
     p.add_argument("--model-params", type=_model_params_arg, default=0.0,
                    help="parameters of the policy, e.g. 7.62e9 (default: cluster.model_params or its config.json)")
-    p.add_argument("--volume", type=_volume_arg, default=None, help="size of workspace_pvc, e.g. 2Ti (warns when the run needs more)")
+    p.add_argument("--volume", type=_volume_arg, default=None,
+                   help="size of workspace_pvc, e.g. 2Ti (warns when the run needs more)")
     p.set_defaults(handler=run)
 
 

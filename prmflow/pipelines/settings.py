@@ -78,15 +78,18 @@ class TrainerConfig:
     num_nodes: int = 2
     """Pods (nodes) of a TrainJob; each gets the GPU pool's accelerators, node selector and tolerations."""
     runtime: str = "torch-distributed"
-    """Kubeflow Trainer runtime of torch framework: torch-distributed (torchrun on every node, DeepSpeed inside each rank). MPI runtimes are refused."""
+    """Kubeflow Trainer runtime of torch framework: torch-distributed (torchrun on every node, DeepSpeed inside each
+    rank). MPI runtimes are refused."""
     namespace: str = ""
     """Namespace of the TrainJobs. Empty: the pipeline step's own namespace."""
     timeout_s: int = 259200
-    """Longest wait for a TrainJob to finish (default 3 days), also its activeDeadlineSeconds; after it the step deletes the job and fails."""
+    """Longest wait for a TrainJob to finish (default 3 days), also its activeDeadlineSeconds; after it the step deletes
+    the job and fails."""
     poll_s: int = 30
     """Seconds between two status reads of a running TrainJob."""
     disable_istio_sidecar: bool = True
-    """Label the TrainJob's pods sidecar.istio.io/inject=false: an Istio sidecar (Kubeflow profile namespaces) breaks the torch rendezvous (kubeflow/trainer#2794)."""
+    """Label the TrainJob's pods sidecar.istio.io/inject=false: an Istio sidecar (Kubeflow profile namespaces) breaks
+    the torch rendezvous (kubeflow/trainer#2794)."""
     system_namespace: str = "kubeflow-system"
     """Namespace of the Trainer control plane, whose ConfigMap kubeflow-trainer-public states its version (checked: >= 2.2.0)."""
 
@@ -148,7 +151,8 @@ class ImagesConfig:
     """The images every step (and TrainJob node) runs; compiled into the pipeline spec."""
 
     cpu: str = DEFAULT_CPU_IMAGE
-    """Image of CPU steps (advantage, tracking, TrainJob submitters): REGISTRY/prmflow-cpu@sha256:... as images/build.sh cpu ... --push prints it."""
+    """Image of CPU steps (advantage, tracking, TrainJob submitters): REGISTRY/prmflow-cpu@sha256:... as images/build.sh
+    cpu ... --push prints it."""
     gpu: str = DEFAULT_GPU_IMAGE
     """Image of GPU steps and TrainJob nodes (sft, prm, prm-update, rollout, ppo, evaluate): REGISTRY/prmflow-gpu@sha256:..."""
     pull_secrets: list[str] = field(default_factory=list)
@@ -177,7 +181,8 @@ class ClusterConfig:
     cpu_pool: NodePool = field(default_factory=_cpu_pool)
     """Where advantage runs (no model in memory)."""
     retries: int = 2
-    """Retries of a failed GPU stage (preemption); stages resume from their checkpoint. On a cluster only: run-local does not retry."""
+    """Retries of a failed GPU stage (preemption); stages resume from their checkpoint. On a cluster only: run-local
+    does not retry."""
     backoff: str = "120s"
     """Wait before the first retry; doubles each time."""
     cache: bool = True
@@ -185,31 +190,44 @@ class ClusterConfig:
     cache_sampling: bool = False
     """Also cache rollout/evaluate, whose sampling is only repeatable with a fixed seed."""
     workspace_pvc: str = ""
-    """ReadWriteMany PVC mounted at workspace_path on every step: weights, optimizer moments and resume checkpoints live there (under prmflow/PIPELINE NAME/), written once; it outlives a run, so a re-submitted run resumes from it. Empty: KFP's per-run pipeline workspace of workspace_size."""
+    """ReadWriteMany PVC mounted at workspace_path on every step: weights, optimizer moments and resume checkpoints live
+    there (under prmflow/PIPELINE NAME/), written once; it outlives a run, so a re-submitted run resumes from it. Empty:
+    KFP's per-run pipeline workspace of workspace_size."""
     workspace_path: str = "/workspace"
     """Mount path of workspace_pvc."""
     workspace_size: str = "200Gi"
-    """Size of KFP's per-run pipeline workspace (KFP >= 2.15), used when workspace_pvc is empty. It is deleted with the run, and its per-run name is in the cache key of each step that mounts it (those opening weights), so only workspace_pvc lets a failed run resume."""
+    """Size of KFP's per-run pipeline workspace (KFP >= 2.15), used when workspace_pvc is empty. It is deleted with the
+    run, and its per-run name is in the cache key of each step that mounts it (those opening weights), so only
+    workspace_pvc lets a failed run resume."""
     workspace_storage_class: str = ""
-    """Storage class of the per-run workspace (ReadWriteMany; `kubectl get storageclass`). Empty: the cluster's default, which only KFP >= 2.17 accepts (see kfp_version); server-default: the claim template's class in the KFP API server's config (workspace.volumeclaimtemplatespec)."""
+    """Storage class of the per-run workspace (ReadWriteMany; `kubectl get storageclass`). Empty: the cluster's default,
+    which only KFP >= 2.17 accepts (see kfp_version); server-default: the claim template's class in the KFP API server's
+    config (workspace.volumeclaimtemplatespec)."""
     kfp_version: str = "2.15"
-    """Kubeflow Pipelines version of the target backend (2.15, 2.16 or 2.17): compile, plan and submit --dry-run refuse what its driver and compiler would refuse (submit and upload check against the version the server states). Default: the oldest supported, so the spec runs on all of them."""
+    """Kubeflow Pipelines version of the target backend (2.15, 2.16 or 2.17): compile, plan and submit --dry-run refuse
+    what its driver and compiler would refuse (submit and upload check against the version the server states). Default:
+    the oldest supported, so the spec runs on all of them."""
     gpus: GpuShapes = field(default_factory=GpuShapes)
     """GPUs per task (rollout = tensor parallel size x engines per pod); the GPU pool gives node selector and tolerations."""
     shm_size: str = "16Gi"
-    """Memory-backed /dev/shm on every GPU pod (NCCL and vLLM tensor parallel workers need more than the container default 64 MiB); counts against the pod's memory."""
+    """Memory-backed /dev/shm on every GPU pod (NCCL and vLLM tensor parallel workers need more than the container
+    default 64 MiB); counts against the pod's memory."""
     scratch_size: str = ""
-    """Size limit of the local /scratch emptyDir (TMPDIR, caches) of GPU pods; empty: one model's bf16 weights + 20Gi (model_params)."""
+    """Size limit of the local /scratch emptyDir (TMPDIR, caches) of GPU pods; empty: one model's bf16 weights + 20Gi
+    (model_params)."""
     model_params: float = 0.0
-    """Parameters of the policy (e.g. 7.62e9), for scratch sizing and `pipeline plan`; 0 = read from the policy's config.json when it is readable here."""
+    """Parameters of the policy (e.g. 7.62e9), for scratch sizing and `pipeline plan`; 0 = read from the policy's
+    config.json when it is readable here."""
     mlflow_secret: str = ""
-    """Kubernetes secret with MLFLOW_TRACKING_URI / MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD keys. KFP 2.17's MLflow integration may set the same variables: then name the server in tracking_uri (docs/mlflow.md)."""
+    """Kubernetes secret with MLFLOW_TRACKING_URI / MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD keys. KFP 2.17's
+    MLflow integration may set the same variables: then name the server in tracking_uri (docs/mlflow.md)."""
     object_store_secret: str = ""
     """Kubernetes secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / MLFLOW_S3_ENDPOINT_URL keys."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Multi-node training: which of sft/prm/ppo run as Kubeflow Trainer TrainJobs, on how many nodes."""
     service_account: str = ""
-    """Kubernetes service account of the run's pods (submit --service-account overrides) and of TrainJob nodes (compiled in). Empty: KFP's default (pipeline-runner; default-editor in a profile namespace)."""
+    """Kubernetes service account of the run's pods (submit --service-account overrides) and of TrainJob nodes (compiled
+    in). Empty: KFP's default (pipeline-runner; default-editor in a profile namespace)."""
 
     def secret_env(self) -> dict[str, list[str]]:
         """{secret name: env var keys} of the configured secrets."""
@@ -276,11 +294,14 @@ class PipelineConfig:
     run_name: str = ""
     """MLflow name of the pipeline's parent run (default: pipeline-<KFP run id>)."""
     sft_model: str = ""
-    """Start from this SFT policy instead of running the sft stage: an HF model directory or object-store URI (imported with dsl.importer). Reuses one warm-up across runs that compare RL settings."""
+    """Start from this SFT policy instead of running the sft stage: an HF model directory or object-store URI (imported
+    with dsl.importer). Reuses one warm-up across runs that compare RL settings."""
     prm_model: str = ""
     """Use this trained PRM instead of running the prm stage (directory or URI, imported like sft_model)."""
     prm_update: bool = False
-    """Keep the PRM on-policy: after rollout k a prm-update-k task (GPU pool) trains it on those rollouts' outcomes (section prm-update:); rollout k+1 and evaluate read it. Needs a trained PRM and an advantage that reads step rewards. docs/process-rewards.md#4-the-prm-follows-the-policy-prmflow-prm-update"""
+    """Keep the PRM on-policy: after rollout k a prm-update-k task (GPU pool) trains it on those rollouts' outcomes
+    (section prm-update:); rollout k+1 and evaluate read it. Needs a trained PRM and an advantage that reads step
+    rewards. docs/process-rewards.md#4-the-prm-follows-the-policy-prmflow-prm-update"""
     images: ImagesConfig = field(default_factory=ImagesConfig)
     """The CPU and GPU images and their pull secrets (placeholders until set: compile refuses them)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

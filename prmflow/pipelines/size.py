@@ -26,7 +26,6 @@ import gzip
 import hashlib
 import json
 import math
-import re
 from dataclasses import dataclass
 
 from .contracts import argo as rules
@@ -127,14 +126,17 @@ def argo_spec(docs: list[dict]) -> dict:
             dag(ref, comps[ref], in_loop or loop)
             if loop:  # an iterator template (count) and an iteration template (one item), each with a DAG driver
                 iteration = _dag_template(f"{ref}-iteration", [
-                    _dag_driver("iteration-item-driver", ref, task, [_param("iteration-index", "{{inputs.parameters.iteration-index}}")]),
-                    {"arguments": {"parameters": [_param("parent-dag-id", "{{tasks.iteration-item-driver.outputs.parameters.execution-id}}"),
-                                                  _param("condition", "{{tasks.iteration-item-driver.outputs.parameters.condition}}")]},
+                    _dag_driver("iteration-item-driver", ref, task,
+                                [_param("iteration-index", "{{inputs.parameters.iteration-index}}")]),
+                    {"arguments": {"parameters": [
+                        _param("parent-dag-id", "{{tasks.iteration-item-driver.outputs.parameters.execution-id}}"),
+                        _param("condition", "{{tasks.iteration-item-driver.outputs.parameters.condition}}")]},
                      "depends": "iteration-item-driver.Succeeded", "name": "iteration-item", "template": ref}], loop=True)
                 iterator = _dag_template(f"{ref}-{name}-iterator", [
                     _dag_driver("iteration-driver", ref, task),
-                    {"arguments": {"parameters": [_param("parent-dag-id", "{{tasks.iteration-driver.outputs.parameters.execution-id}}"),
-                                                  _param("iteration-index", "{{item}}")]},
+                    {"arguments": {"parameters": [
+                        _param("parent-dag-id", "{{tasks.iteration-driver.outputs.parameters.execution-id}}"),
+                        _param("iteration-index", "{{item}}")]},
                      "depends": "iteration-driver.Succeeded", "name": "iteration-iterations", "template": f"{ref}-iteration",
                      "withSequence": {"count": "{{tasks.iteration-driver.outputs.parameters.iteration-count}}"}}])
                 templates.extend([iteration, iterator])
@@ -229,7 +231,8 @@ def _node(name: str, kind: str, template: str, inputs: dict, outputs: dict, pod:
     out = {"parameters": [{"name": k, "value": v} for k, v in outputs.items()]} if outputs else {}
     if pod:
         node.update(hostNodeName="ip-10-0-12-34.ec2.internal", taskResultSynced=True)
-        out.update(exitCode="0", artifacts=[{"name": "main-logs", "s3": {"key": f"private-artifacts/kubeflow/{RUN_NAME}/2026/11/29/{node['id']}/main.log"}}])
+        log_key = f"private-artifacts/kubeflow/{RUN_NAME}/2026/11/29/{node['id']}/main.log"
+        out.update(exitCode="0", artifacts=[{"name": "main-logs", "s3": {"key": log_key}}])
     if out:
         node["outputs"] = out
     return node

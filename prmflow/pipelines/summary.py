@@ -133,8 +133,8 @@ def register_models(uri: str, experiment: str, parent_run_id: str) -> dict[str, 
     with the evaluation metrics (final/* for the policy, prm/eval_* for the PRM) as tags and in the
     description, and the weights' URI (`prmflow.uri`). The policy's LoggedModel also gets the
     final/* metrics, and both models are listed as the parent run's outputs (run.outputs; the UI's
-    Models column lists a run's own LoggedModels, so the parent's stays empty). Registering the same parent run again adds no version. Never raises: a model
-    that cannot be registered is a warning."""
+    Models column lists a run's own LoggedModels, so the parent's stays empty). Registering the same parent run again
+    adds no version. Never raises: a model that cannot be registered is a warning."""
     from mlflow.entities import LoggedModelOutput
     from mlflow.tracking import MlflowClient
 

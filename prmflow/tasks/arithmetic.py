@@ -51,9 +51,13 @@ class ArithmeticConfig:
     (picked by a hash of the problem, so the same problems in every run). Warm-up data from a mixed
     source: SFT learns to skip the steps that often, and RL can learn that working them out pays."""
     prompt_prefix: str = PROMPT_PREFIX
-    """Text before the expression in every prompt (`Compute left to right: 7+5*3-4`); an instruct model reads it, a tiny character-level preset only pays its 23 tokens (the quickstart sets ''). Every stage of a pipeline must use the same prefix."""
+    """Text before the expression in every prompt (`Compute left to right: 7+5*3-4`); an instruct model reads it, a tiny
+    character-level preset only pays its 23 tokens (the quickstart sets ''). Every stage of a pipeline must use the same
+    prefix."""
     shortcut_frac: float = 0.0
-    """Chance that a step of a reference solution merges the next two operations into one line (`7+5*3=36`; picked by a hash of the problem and the step); the checker accepts a right one as one step. A risky habit for RL to unlearn: docs/results.md#long-chains-with-a-risky-shortcut."""
+    """Chance that a step of a reference solution merges the next two operations into one line (`7+5*3=36`; picked by a
+    hash of the problem and the step); the checker accepts a right one as one step. A risky habit for RL to unlearn:
+    docs/results.md#long-chains-with-a-risky-shortcut."""
 
     def __post_init__(self):
         if not 0.0 <= self.direct_answer_frac <= 1.0:
@@ -64,7 +68,8 @@ class ArithmeticConfig:
             from ..errors import ConfigError
 
             raise ConfigError(f"arithmetic.shortcut_frac={self.shortcut_frac} must be in [0, 1].")
-        if self.prompt_prefix and (self.prompt_prefix[-1].isdigit() or self.prompt_prefix[-1] in "+-*" or "\n" in self.prompt_prefix):
+        last = self.prompt_prefix[-1:]
+        if last and (last.isdigit() or last in "+-*" or "\n" in self.prompt_prefix):
             from ..errors import ConfigError
 
             raise ConfigError(f"arithmetic.prompt_prefix={self.prompt_prefix!r} must not end with a digit or an "

@@ -18,7 +18,7 @@ steps, labels, answer, id, source).
 Text inside one step that contains the stage's step separator (a newline in a LaTeX display, say)
 is joined with a space: the public datasets were not cut at our separator, and a step must read
 as one step. Grading follows each source's convention (grader.py: `gsm8k`, `math`).
-"""
+"""  # noqa: E501  (a markdown table's rows are one line each)
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ for S3, `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` and `AWS_ENDPOINT_URL` (Mi
 any fsspec storage option from `FSSPEC_<PROTOCOL>_<OPTION>` variables, e.g.
 `FSSPEC_S3_ENDPOINT_URL` (fsspec's own configuration). Every row comes with where it is (`FILE,
 line N` / `FILE, row N`), so a bad row is reported by file and row.
-"""
+"""  # noqa: E501  (a markdown table's rows are one line each)
 
 from __future__ import annotations
 

@@ -29,13 +29,18 @@ class TrackingConfig:
     tags: dict = field(default_factory=dict)
     """Extra tags set on the run (e.g. the KFP run id)."""
     fallback_path: str = ""
-    """Append-only JSONL keeping every tracking call the server missed until it is delivered (`prmflow tracking-sync FILE` uploads it later). Empty: `.<output>.tracking.jsonl` beside the stage's output (survives a pod restart), else a file in the temp directory."""
+    """Append-only JSONL keeping every tracking call the server missed until it is delivered (`prmflow tracking-sync
+    FILE` uploads it later). Empty: `.<output>.tracking.jsonl` beside the stage's output (survives a pod restart), else
+    a file in the temp directory."""
     finish_wait_s: float = 30.0
     """At the end of a run, seconds to keep retrying calls the server missed; what is left stays in fallback_path."""
     http_timeout_s: int = 10
-    """Seconds one request to a tracking server may take (sets MLFLOW_HTTP_REQUEST_TIMEOUT unless it is set); a longer one counts as an outage."""
+    """Seconds one request to a tracking server may take (sets MLFLOW_HTTP_REQUEST_TIMEOUT unless it is set); a longer
+    one counts as an outage."""
     log_model_weights: bool = False
-    """Copy the weights of every model a stage writes into MLflow's artifact store (its LoggedModel). Off: the LoggedModel only records where the pipeline wrote them (tag prmflow.uri); copies cost as much storage as the checkpoints."""
+    """Copy the weights of every model a stage writes into MLflow's artifact store (its LoggedModel). Off: the
+    LoggedModel only records where the pipeline wrote them (tag prmflow.uri); copies cost as much storage as the
+    checkpoints."""
     system_metrics: bool = True
     """Log CPU, memory, disk, network and (with nvidia-ml-py installed) GPU utilisation of a stage as system/* metrics."""
     system_metrics_interval_s: float = 10.0

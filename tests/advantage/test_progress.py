@@ -509,12 +509,14 @@ def test_calibration_is_recorded_only_when_on(tmp_path):
 
 @pytest.mark.parametrize("options, match", [
     ({"estimator": "grpo_progress"}, r"set step_rewards=true and step_reward_mode=progress"),
-    ({"estimator": "reinforce", "step_reward_mode": "progress"}, r"step_reward_mode=progress is read by estimator=grpo_progress only"),
+    ({"estimator": "reinforce", "step_reward_mode": "progress"},
+     r"step_reward_mode=progress is read by estimator=grpo_progress only"),
     ({**PROGRESS, "process_auc_min": 0.9, "process_auc_full": 0.8}, r"0 <= process_auc_min <= process_auc_full <= 1"),
     ({**PROGRESS, "process_weight": -1.0}, r"process_weight=-1.0 must be >= 0"),
     ({**PROGRESS, "process_credit": "return"}, r"process_credit='return' is not one of \['baseline', 'step'\]"),
     ({**PROGRESS, "process_calibration": "platt"}, r"process_calibration='platt' is not one of \['isotonic', 'none'\]"),
-    ({"estimator": "grpo", "process_calibration": "isotonic"}, r"process_calibration=isotonic maps the PRM's scores for estimator=grpo_progress only"),
+    ({"estimator": "grpo", "process_calibration": "isotonic"},
+     r"process_calibration=isotonic maps the PRM's scores for estimator=grpo_progress only"),
 ])
 def test_config_errors_name_the_key(tmp_path, options, match):
     with pytest.raises(ConfigError, match=match):

@@ -60,7 +60,7 @@ def test_summary_table_against_a_hand_computed_example():
     assert (new["half_pass1_mean"], rows["ref"]["half_pass1_mean"]) == (pytest.approx(0.575), pytest.approx(0.5))
     # at half the rollouts: differences 0.05 and 0.1, t = 0.075 / (0.0354 / sqrt 2) = 3 on 1 df
     assert new["half_seed_p"] == pytest.approx(1 - 2 * math.atan(3) / math.pi)
-    assert "| new | 0.650 (0.600-0.700) | 0.575 (100; p=0.205) | 100 of 200 | s0: 2/0, p=0.500; s1: 1/0, p=1.000 | 0.126 |" in table
+    assert "| new | 0.650 (0.600-0.700) | 0.575 (100; p=0.205) | 100 of 200 | s0: 2/0, p=0.500; s1: 1/0, p=1.000 | 0.126 |" in table  # noqa: E501  (one table row)
     assert "| ref | 0.525 (0.500-0.550) | 0.500 (100) | 200 of 200 | (reference) | - |" in table
     # the bars: new is 7.5 points ahead at half (p = 0.205, not significant) and 12.5 ahead at the end
     assert bs.bars(list(rows.values()), "ref").splitlines()[2] == \
@@ -307,7 +307,8 @@ def test_an_update_needs_a_trained_prm():
         bench.BenchConfig(variants={"x": {"prm": "oracle", "update": {}}}, reference="x")
     with pytest.raises(bench.ConfigError, match=r"variants.x.prm='mine': use '' \(no step rewards\), oracle, trained"):
         bench.BenchConfig(variants={"x": {"prm": "mine"}}, reference="x")
-    with pytest.raises(bench.ConfigError, match=r"variants.x: prm: implicit starts PRIME.s implicit PRM .* update: {implicit_beta"):
+    with pytest.raises(bench.ConfigError,
+                       match=r"variants.x: prm: implicit starts PRIME.s implicit PRM .* update: {implicit_beta"):
         bench.BenchConfig(variants={"x": {"prm": "implicit", "update": {"max_steps": 2}}}, reference="x")
 
 
@@ -329,7 +330,8 @@ def test_an_implicit_prm_starts_as_the_sft_policy_and_follows_it(tmp_path):
     first = [x for row in schema.read_dataset(run / "iter0" / "rollouts", "rollouts").column("step_rewards").to_pylist()
              for x in row or []]
     assert first and all(x == pytest.approx(0.5, abs=1e-6) for x in first)
-    assert saved_head(run / "iter0" / "prm").kind == "implicit" and (run / "iter0" / "prm" / "reference" / "config.json").is_file()
+    assert saved_head(run / "iter0" / "prm").kind == "implicit"
+    assert (run / "iter0" / "prm" / "reference" / "config.json").is_file()
     second = [x for row in schema.read_dataset(run / "iter1" / "rollouts", "rollouts").column("step_rewards").to_pylist()
               for x in row or []]
     assert second and any(abs(x - 0.5) > 1e-4 for x in second)  # scored by the updated PRM

@@ -63,10 +63,12 @@ def test_writer_rotates_shards(tmp_path):
 
 @pytest.mark.parametrize("override,needle", [
     ({"old_logprobs": [[-0.1, -0.2]] * 4}, "column 'old_logprobs' has 2 entries but response_ids has 3 in row 0 (prompt_id='p0'"),
-    ({"step_ends": [[1, 2]] * 3 + [[1, 3]]}, "'step_ends' points outside the response (0..len(response_ids)-1) in row 3 (prompt_id='p1'"),
+    ({"step_ends": [[1, 2]] * 3 + [[1, 3]]},
+     "'step_ends' points outside the response (0..len(response_ids)-1) in row 3 (prompt_id='p1'"),
     ({"step_rewards": [[0.9]] * 4}, "'step_rewards' and 'step_ends' differ in length"),
     ({"outcome_reward": [1.0, float("nan"), 1.0, 1.0]}, "column 'outcome_reward' holds NaN or inf in row 1"),
-    ({"old_logprobs": [[-0.1, -0.2, -0.3]] * 2 + [[-0.1, float("inf"), 0.0]] + [[-0.1, -0.2, -0.3]]}, "column 'old_logprobs' holds NaN or inf in row 2"),
+    ({"old_logprobs": [[-0.1, -0.2, -0.3]] * 2 + [[-0.1, float("inf"), 0.0]] + [[-0.1, -0.2, -0.3]]},
+     "column 'old_logprobs' holds NaN or inf in row 2"),
     ({"reward_components": [[("v", 1.0)]] * 3 + [[("v", float("nan"))]]}, "column 'reward_components' holds NaN or inf in row 3"),
     ({"prompt_id": ["a", None, "b", "c"]}, "column 'prompt_id' is null in row 1"),
     ({"logprob_temperature": [0.7, 0.7, 0.0, None]}, "column 'logprob_temperature' is 0.0 in row 2 (prompt_id='p1'"),
@@ -89,7 +91,8 @@ def test_wrong_columns(tmp_path):
 
 def test_reader_checks_manifest_version_and_kind(tmp_path):
     out = schema.write_dataset(tmp_path / "r", rollouts(), "rollouts")
-    with pytest.raises(DataError, match="holds a 'rollouts' hand-off, but a 'advantages' one is needed here: point the input at the output of advantage"):
+    with pytest.raises(DataError, match="holds a 'rollouts' hand-off, but a 'advantages' one is needed here: "
+                                        "point the input at the output of advantage"):
         schema.open_dataset(out, "advantages")
     m = json.loads((out / "manifest.json").read_text())
     m["schema_version"] = 99

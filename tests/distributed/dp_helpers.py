@@ -47,7 +47,8 @@ def flags(values: dict) -> list[str]:
 def env() -> dict:
     """This environment without what an in-process DeepSpeed run left in it (RANK, MASTER_PORT...)."""
     dropped = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-    return {**{k: v for k, v in os.environ.items() if k not in dropped}, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    return {**{k: v for k, v in os.environ.items() if k not in dropped},
+            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
             "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 

@@ -1,4 +1,5 @@
-"""sft, prm (both heads: token classification and PRIME's implicit) and ppo as 2 gloo ranks (DeepSpeed ZeRO-2 and ZeRO-3) give the 1-process result.
+"""sft, prm (both heads: token classification and PRIME's implicit) and ppo as 2 gloo ranks (DeepSpeed ZeRO-2 and
+ZeRO-3) give the 1-process result.
 
 `prmflow <stage> --engine.nproc_per_node 2` is what a user types: the stage re-executes itself
 through torch.distributed.run. The reference is the same config in one process (the same global

@@ -78,7 +78,9 @@ def push(tmp_path: Path, tool: str, tag: str) -> tuple[subprocess.CompletedProce
     fake = bin_dir / tool
     fake.write_text(f"""#!/usr/bin/env bash
 printf "%s\\0" "$@" >> {log}; printf "\\n" >> {log}
-if [ "$1" = image ] && [ "$2" = inspect ]; then printf "other.example/x@sha256:{'0' * 64}\\n{tag.rsplit(':', 1)[0]}@{DIGEST}\\n"; fi
+if [ "$1" = image ] && [ "$2" = inspect ]; then
+  printf "other.example/x@sha256:{'0' * 64}\\n{tag.rsplit(':', 1)[0]}@{DIGEST}\\n"
+fi
 if [ "$1" = push ]; then
   while [ $# -gt 0 ]; do [ "$1" = --digestfile ] && printf "{DIGEST}" > "$2"; shift; done
 fi

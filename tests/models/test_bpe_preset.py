@@ -82,7 +82,8 @@ def test_sft_target_is_the_templated_turn_and_pad_is_never_trained_on():
     batch = supervised_data.collate(examples, tok.pad_token_id)
     assert (batch["input_ids"] == pad).any()  # the short example is padded ...
     assert not (batch["labels"] == pad).any()  # ... and padding is never a target
-    assert ((batch["labels"] != supervised_data.IGNORE).sum(1) == torch.tensor([len(tok(r.response, add_special_tokens=False)["input_ids"]) + 1 for r in recs])).all()
+    targets = torch.tensor([len(tok(r.response, add_special_tokens=False)["input_ids"]) + 1 for r in recs])
+    assert ((batch["labels"] != supervised_data.IGNORE).sum(1) == targets).all()
     plain, _ = supervised_data.tokenize(recs[:1], modeling.load_tokenizer("tiny-llama"), 256)  # no template: eos
     assert plain[0].labels[-1] == modeling.load_tokenizer("tiny-llama").eos_token_id
 

@@ -205,7 +205,8 @@ class FakeK8s:
             phase = self.phase[name]
         conditions = []
         if phase == "Complete":
-            conditions = [{"type": trainer_rules.COMPLETE, "status": "True", "reason": "JobsCompleted", "message": "jobset completed",
+            conditions = [{"type": trainer_rules.COMPLETE, "status": "True", "reason": "JobsCompleted",
+                           "message": "jobset completed",
                            "lastTransitionTime": CREATED_AT}]
         elif phase == "Failed":
             reason, message = self.failure[name]

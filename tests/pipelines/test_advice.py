@@ -1,6 +1,6 @@
 """The note a pipeline config gets where grpo_progress's step credit follows a PRM nobody keeps on-policy
-(docs/experiments/5d-a-prm-wrong-in-one-place.md: such a PRM, right on the whole but dropping one step late, took the step credit 18
-points below outcome-only; kept on-policy, a PRM trained with that bias shed it)."""
+(docs/experiments/5d-a-prm-wrong-in-one-place.md: such a PRM, right on the whole but dropping one step late, took the
+step credit 18 points below outcome-only; kept on-policy, a PRM trained with that bias shed it)."""
 
 from pathlib import Path
 

@@ -187,7 +187,8 @@ def test_every_trainjob_passes_each_trainer_versions_webhook_and_crd_schema(tmp_
     data = yaml.safe_load(CLUSTER_YAML.format(workspace="/workspace"))  # secrets, pull secrets, a service account
     data["pipeline"]["cluster"]["trainer"].update(sft="trainjob", prm="trainjob")
     compile_to(load_spec(None, data=data), str(tmp_path / "p.yaml"))
-    bodies = rendered_trainjobs(list(yaml.load_all((tmp_path / "p.yaml").read_text(), Loader=safe_loader())), tmp_path, monkeypatch)
+    docs = list(yaml.load_all((tmp_path / "p.yaml").read_text(), Loader=safe_loader()))
+    bodies = rendered_trainjobs(docs, tmp_path, monkeypatch)
     assert len(bodies) == 4  # sft, prm, ppo-0, ppo-1
     for body in bodies:
         assert any("secretKeyRef" in e.get("valueFrom", {}) for e in body["spec"]["trainer"]["env"])

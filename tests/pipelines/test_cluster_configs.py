@@ -117,7 +117,8 @@ def test_readme_keys_take_the_quickstart_to_qwen_on_gsm8k(tmp_path):
             if isinstance(value, dict):  # flatten also keeps the nested section itself
                 continue
             assert key in after, f"docs/cluster.md names {stage}.{key}, which is not a key"
-            assert before[key] != after[key], f"docs/cluster.md says {stage}.{key} changes, but the quickstart already has {value!r}"
+            assert before[key] != after[key], \
+                f"docs/cluster.md says {stage}.{key} changes, but the quickstart already has {value!r}"
     assert block["sft"]["task"].endswith(".parquet") and block["prm"]["task"].endswith("math-shepherd.parquet")
     path = tmp_path / "qwen-gsm8k.yaml"
     path.write_text(yaml.safe_dump(merged(quick, block)))

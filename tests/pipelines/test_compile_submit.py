@@ -83,7 +83,8 @@ def test_every_stage_is_in_the_dag_unrolled_per_iteration(tmp_path):
     loops = [t for t in all_tasks(spec).values() if "parameterIterator" in t]
     assert len(loops) == 3
     assert all(json.loads(t["parameterIterator"]["items"]["raw"]) == [0, 1, 2, 3] for t in loops)
-    exit_tasks = [t for t in all_tasks(spec).values() if t.get("triggerPolicy", {}).get("strategy") == "ALL_UPSTREAM_TASKS_COMPLETED"]
+    exit_tasks = [t for t in all_tasks(spec).values()
+                  if t.get("triggerPolicy", {}).get("strategy") == "ALL_UPSTREAM_TASKS_COMPLETED"]
     assert [t["taskInfo"]["name"] for t in exit_tasks] == ["finish-tracking"]
 
 
@@ -215,7 +216,8 @@ def test_typo_in_a_stage_section_fails_at_compile_time(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("text,says", [
-    ("sft:\n  max_steps: 3\n   lr: 2\n", "is not valid YAML: mapping values are not allowed here\n  in \"{cfg}\", line 3, column 6"),
+    ("sft:\n  max_steps: 3\n   lr: 2\n",
+     "is not valid YAML: mapping values are not allowed here\n  in \"{cfg}\", line 3, column 6"),
     ("sft:\n  max_steps: [1\n", "is not valid YAML"),
     ("sft: 3\n", "section 'sft' must be a mapping of its keys"),
     ("pipeline: [iterations, 2]\n", "section 'pipeline' must be a mapping of its keys"),
@@ -247,7 +249,8 @@ def test_a_stage_set_value_that_is_not_yaml_is_named_by_its_key(tmp_path, capsys
     such a value as text and names the key it does not fit, and so does the pipeline's."""
     cfg = tmp_path / "p.yaml"
     cfg.write_text("sft:\n  max_steps: 3\n  optim: {warmup_steps: 0}\n")
-    assert cli.main(["pipeline", "compile", "--config", str(cfg), "--set", "sft.max_steps=[1", "-o", str(tmp_path / "x.yaml")]) == 2
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "--set", "sft.max_steps=[1",
+                     "-o", str(tmp_path / "x.yaml")]) == 2
     assert "--set [sft]: key 'max_steps' must be int, got '[1'." in capsys.readouterr().err
     assert not (tmp_path / "x.yaml").exists()
 
@@ -311,10 +314,10 @@ def test_base_images_are_pinned_by_digest_in_one_place():
     assert set(bases) == {"CPU_BASE_IMAGE", "GPU_BASE_IMAGE"}
     assert all(re.search(r"@sha256:[0-9a-f]{64}$", v) for v in bases.values())
     for name in ("Dockerfile.cpu", "Dockerfile.gpu"):
-        froms = [l for l in (ROOT / "images" / name).read_text().splitlines() if l.startswith("FROM")]
+        froms = [ln for ln in (ROOT / "images" / name).read_text().splitlines() if ln.startswith("FROM")]
         # the one image pulled is the pinned base; `scratch` (an empty stage holding the optional local
         # wheels) pulls nothing
-        assert [l for l in froms if not l.startswith("FROM scratch ")] == ["FROM ${BASE_IMAGE}"], froms
+        assert [ln for ln in froms if not ln.startswith("FROM scratch ")] == ["FROM ${BASE_IMAGE}"], froms
 
 
 def test_image_entrypoint_runs_a_stage(tmp_path):
@@ -402,7 +405,8 @@ def test_compile_to_a_name_kfp_cannot_write_is_refused_and_the_file_there_is_kep
     assert "name the output .yaml or .yml" in err and "Traceback" not in err
     assert notes.read_text() == '{"mine": 1}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["notes.json", "pipeline.yaml"]
     (tmp_path / "made.yaml").mkdir()  # a directory by that name, and a folder that is not there: one line each
-    for out, says in ((tmp_path / "made.yaml", "made.yaml is a directory"), (tmp_path / "nowhere" / "p.yaml", "which is not a directory")):
+    for out, says in ((tmp_path / "made.yaml", "made.yaml is a directory"),
+                      (tmp_path / "nowhere" / "p.yaml", "which is not a directory")):
         assert cli.main(["pipeline", "compile", "--config", str(cfg), "-o", str(out)]) == 2
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err
@@ -436,6 +440,7 @@ def test_a_misspelt_stage_in_set_suggests_the_stage(tmp_path, capsys):
     """`--set sfft.max_steps=3` was read as a pipeline: key: "'sfft.max_steps' is not a config key", no hint."""
     cfg = tmp_path / "p.yaml"
     cfg.write_text(CLUSTER_YAML)
-    assert cli.main(["pipeline", "compile", "--config", str(cfg), "--set", "sfft.max_steps=3", "-o", str(tmp_path / "x.yaml")]) == 2
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "--set", "sfft.max_steps=3",
+                     "-o", str(tmp_path / "x.yaml")]) == 2
     assert "--set 'sfft.max_steps=3': 'sfft' is not a stage. Did you mean 'sft.max_steps'?" in capsys.readouterr().err
     assert not (tmp_path / "x.yaml").exists()

@@ -4,8 +4,6 @@ import io
 import logging
 import re
 
-from tqdm import tqdm
-
 from prmflow.pipelines import console
 
 
@@ -50,8 +48,9 @@ def test_a_failed_task_shows_the_error_it_raised_not_the_exit_handlers_output(tm
     try:
         with console.task_log(tmp_path / "run-local.log", console=screen):
             with logging_utils.local_logger_context():
-                for name, lines, result in (("sft", ["Traceback (most recent call last):", f"    {error}"], status.Status.FAILURE),
-                                            ("finish-tracking", ['    {"outputs": {"artifacts": {}}}'] * 40, status.Status.SUCCESS)):
+                tasks = (("sft", ["Traceback (most recent call last):", f"    {error}"], status.Status.FAILURE),
+                         ("finish-tracking", ['    {"outputs": {"artifacts": {}}}'] * 40, status.Status.SUCCESS))
+                for name, lines, result in tasks:
                     logging.info(f"Executing task {logging_utils.format_task_name(name)}")
                     for line in lines:
                         print(line)

@@ -259,7 +259,8 @@ def test_two_updates_with_the_real_stage_train_on_the_copied_shards_and_replay_t
 
     def shard(path, k, seed):
         rows = [{"prompt_id": p.prompt_id, "sample_idx": i, "iteration": k, "prompt": p.prompt,
-                 "response": "\n".join(arithmetic.split_steps(p.solution)), "response_ids": [1, 2], "outcome_reward": float(i % 2)}
+                 "response": "\n".join(arithmetic.split_steps(p.solution)), "response_ids": [1, 2],
+                 "outcome_reward": float(i % 2)}
                 for p in arithmetic.generate(4, seed=seed, split="train") for i in range(2)]
         with schema.DatasetWriter(path, "rollouts") as w:
             w.write(pa.Table.from_pylist(rows))

@@ -90,7 +90,8 @@ def test_run_local_runs_the_whole_dag_and_records_one_parent_run(tmp_path, monke
     workspace = str(tmp_path / "root" / "workspace")
     assert by_name["prm"].data.params["backbone"].startswith(f"{workspace}/sft-")
     for shard in ("0/2", "1/2"):
-        assert re.fullmatch(rf"{workspace}/ppo-0-[0-9a-f]{{16}}/policy", by_name[f"rollout-iter1 shard {shard}"].data.params["policy"])
+        assert re.fullmatch(rf"{workspace}/ppo-0-[0-9a-f]{{16}}/policy",
+                            by_name[f"rollout-iter1 shard {shard}"].data.params["policy"])
     artifacts = [p for p in (tmp_path / "root").glob("prmflow-*/ppo*/updated") if p.is_dir()]
     assert len(artifacts) == 2 and all(sorted(f.name for f in a.iterdir()) == ["location.json"] for a in artifacts)
     assert all(f.stat().st_size < 4096 for a in artifacts for f in a.iterdir())

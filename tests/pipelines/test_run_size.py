@@ -17,7 +17,6 @@ import pytest
 import yaml
 
 from prmflow import cli
-from prmflow.errors import ConfigError
 from prmflow.pipelines import kfp_components as components, pipeline, size
 from prmflow.pipelines.contracts import argo as rules
 from prmflow.pipelines.params import load_with_sets
@@ -56,7 +55,8 @@ def test_component_specs_and_implementations_are_stored_once_per_container():
     assert kinds(modelled) == kinds(real)
     assert kinds(real).count("implementations-HASH") == 3  # five container tasks, three distinct containers
     system = {"system-container-driver", "system-container-executor", "system-container-impl", "system-dag-driver"}
-    assert sorted(t["name"] for t in modelled["templates"]) == sorted(t["name"] for t in real["templates"] if t["name"] not in system)
+    real_names = sorted(t["name"] for t in real["templates"] if t["name"] not in system)
+    assert sorted(t["name"] for t in modelled["templates"]) == real_names
 
 
 def _cluster_spec(tmp_path, iterations: int, kfp: str = "2.15"):

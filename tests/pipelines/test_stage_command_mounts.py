@@ -38,8 +38,8 @@ class ContainerView:
 
     def __init__(self, argv: list[str]):
         # the engine resolves a mount's source on the host; inside it, links are the container's business
-        self.mounts = sorted(((c, Path(h).resolve()) for h, c, *_ in (argv[i + 1].split(":") for i, a in enumerate(argv) if a == "-v")),
-                             key=lambda m: -len(m[0]))
+        volumes = (argv[i + 1].split(":") for i, a in enumerate(argv) if a == "-v")
+        self.mounts = sorted(((c, Path(h).resolve()) for h, c, *_ in volumes), key=lambda m: -len(m[0]))
 
     def host(self, path: str) -> Path | None:
         """The host file behind container path `path` (links followed inside the container), None if none."""

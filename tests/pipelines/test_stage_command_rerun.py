@@ -127,7 +127,7 @@ def test_stage_command_fetches_verifies_and_reruns_to_the_same_output(tmp_path, 
     assert mounts == [f"{cache}/s3/{BUCKET}/{RUN_ROOT}rollout-0/rollouts:/inputs/input/shard-00000:ro",
                       f"{cache}/s3/{BUCKET}/{RUN_ROOT}rollout-1/rollouts:/inputs/input/shard-00001:ro",
                       f"{rerun}:/outputs"]
-    assert "input=/inputs/input" in argv and "output=/outputs/advantages" in argv and "estimator=gae" in argv and "kl_coef=0.05" in argv
+    assert all(a in argv for a in ("input=/inputs/input", "output=/outputs/advantages", "estimator=gae", "kl_coef=0.05"))
 
 
 def _line(argv: list[str]) -> str:

@@ -228,7 +228,8 @@ def ppo_7b(tmp_path_factory) -> Path:
 
 def test_param_merges_into_the_compiled_stage_config(ppo_7b, capsys):
     """The README's example on ppo-7b-2x8: lr changes, the recipe's ZeRO-2, the critic and the rest of ppo stay."""
-    compiled = next(yaml.load_all(ppo_7b.read_text(), Loader=safe_loader()))["root"]["inputDefinitions"]["parameters"]["ppo_config"]["defaultValue"]
+    root = next(yaml.load_all(ppo_7b.read_text(), Loader=safe_loader()))["root"]
+    compiled = root["inputDefinitions"]["parameters"]["ppo_config"]["defaultValue"]
     with FakeKfp() as fake:
         assert submit("--package", str(ppo_7b), "--host", fake.url, "--param", 'ppo_config={"optim": {"lr": 1e-6}}',
                       "--set", "sft.max_steps=50") == 0

@@ -186,10 +186,12 @@ def test_ppo_step_submits_the_configured_trainjob_waits_and_hands_on_its_output(
     (job,) = fake.posted()
     name = job["metadata"]["name"]
     assert job["kind"] == "TrainJob" and job["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
-    assert [r["path"] for r in fake.requests if r["method"] == "POST"] == ["/apis/trainer.kubeflow.org/v1alpha1/namespaces/ml-team/trainjobs"]
+    posts = [r["path"] for r in fake.requests if r["method"] == "POST"]
+    assert posts == ["/apis/trainer.kubeflow.org/v1alpha1/namespaces/ml-team/trainjobs"]
     assert any(r["path"].endswith("/clustertrainingruntimes/torch-distributed") for r in fake.requests)
     spec = job["spec"]
-    assert spec["runtimeRef"] == {"name": "torch-distributed", "kind": "ClusterTrainingRuntime", "apiGroup": "trainer.kubeflow.org"} \
+    assert spec["runtimeRef"] == {"name": "torch-distributed", "kind": "ClusterTrainingRuntime",
+                                  "apiGroup": "trainer.kubeflow.org"} \
         or spec["runtimeRef"]["name"] == "torch-distributed"
     trainer = spec["trainer"]
     assert trainer["image"] == "registry.example.com/ml/prmflow-gpu:1.0" and trainer["numNodes"] == 2

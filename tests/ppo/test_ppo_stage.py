@@ -149,9 +149,9 @@ def test_loss_aggregation_matches_hand_value_and_is_micro_batch_invariant(sft_po
     lens = [len(r["response_ids"]) for r in rows]
     assert max(lens) < 40
     aggregate = {  # per-row token losses (lists of tensors) -> one number, written out by hand
-        "token-mean": lambda ls: sum(l.sum() for l in ls) / sum(lens),
-        "seq-mean-token-mean": lambda ls: sum(l.mean() for l in ls) / 8,
-        "seq-mean-token-sum-norm": lambda ls: sum(l.sum() for l in ls) / (8 * 40),
+        "token-mean": lambda ls: sum(loss.sum() for loss in ls) / sum(lens),
+        "seq-mean-token-mean": lambda ls: sum(loss.mean() for loss in ls) / 8,
+        "seq-mean-token-sum-norm": lambda ls: sum(loss.sum() for loss in ls) / (8 * 40),
     }[mode]
     # reference: the whole minibatch in one right-padded forward, loss -A * exp(logp - old)
     model, _ = modeling.load_causal_lm(sft_policy)
@@ -194,7 +194,8 @@ def test_loss_aggregation_matches_hand_value_and_is_micro_batch_invariant(sft_po
         assert not torch.equal(outs[0][k], before[k]), f"{k} did not move"
         differs = ~torch.isclose(outs[0][k], outs[1][k], rtol=0, atol=1e-5)
         noisy = g.abs() <= 1e-4 * g.abs().max()
-        assert not (differs & ~noisy).any(), f"{k}: {int((differs & ~noisy).sum())} elements with a clear gradient moved differently"
+        assert not (differs & ~noisy).any(), \
+            f"{k}: {int((differs & ~noisy).sum())} elements with a clear gradient moved differently"
 
 
 # --- rollout correction ------------------------------------------------------------------------
@@ -203,7 +204,9 @@ def test_rollout_correction_weights_each_tokens_loss_and_logs_its_statistics(sft
     """behavior_logprobs = old_logprobs - d with d chosen per token: the first update (ratio 1, A = 1) has
     policy loss -(token-mean of min(e^d, 2)), and the logged statistics are those of the weights."""
     rows = rows16[:8]
-    d = lambda i, t: (0.9 if t == 0 else -0.3) if i % 2 else 0.1 * ((t % 3) - 1)  # noqa: E731; e^0.9 > 2: capped
+    def d(i, t):  # e^0.9 > 2: capped
+        return (0.9 if t == 0 else -0.3) if i % 2 else 0.1 * ((t % 3) - 1)
+
     behavior = [[lp - d(i, t) for t, lp in enumerate(r["old_logprobs"])] for i, r in enumerate(rows)]
     adv = write_advantages(tmp_path / "adv", rows, 1.0, behavior_logprobs=behavior)
     w = [min(math.exp(d(i, t)), 2.0) for i, r in enumerate(rows) for t in range(len(r["response_ids"]))]
@@ -324,7 +327,7 @@ def test_nan_update_is_skipped_and_counted(sft_policy, rows16, tmp_path):
     cfg = make_cfg(sft_policy, tmp_path / "adv", tmp_path / "out", epochs=1, minibatch_size=4, micro_batch_size=2,
                    recompute_old_logprobs=False)  # the hand-off's numbers, also on a GPU
     first = batch.minibatch_plan(8, cfg)[0]
-    adv = write_advantages(tmp_path / "adv", _bad(rows, {first[3]}), -1.0)  # in the 2nd micro-batch of update 1
+    write_advantages(tmp_path / "adv", _bad(rows, {first[3]}), -1.0)  # in the 2nd micro-batch of update 1
     m = stage.run(cfg)
     h = history(tmp_path / "out")
     assert h[0]["skipped"] and not h[1].get("skipped")

@@ -89,7 +89,8 @@ def test_stage_learns_and_adds_best_of_n_to_a_finished_prm(tmp_path, sft_policy,
     from prmflow.components.prm import stage
 
     base = {"output": str(tmp_path / "prm"), "backbone": "tiny-llama", "extra_layers": 0, "train_layers": 0,
-            "num_prompts": 400, "eval_size": 60, "max_steps": 40, "micro_batch_size": 16, "optim.warmup_steps": 5, "optim.lr": 3e-3,
+            "num_prompts": 400, "eval_size": 60, "max_steps": 40, "micro_batch_size": 16, "optim.warmup_steps": 5,
+            "optim.lr": 3e-3,
             "eval_every": 0, "save_every": 0, "engine.backend": "torch", "tracking.enabled": False}
     trained = stage.run(config.load(stage.Config, overrides=base))
     assert trained["eval/step_auc"] >= 0.6 and trained["train/loss"] < math.log(2)  # untrained: 0.5 and log 2
@@ -100,7 +101,8 @@ def test_stage_learns_and_adds_best_of_n_to_a_finished_prm(tmp_path, sft_policy,
     assert "best-of-4" in capsys.readouterr().out
     assert (tmp_path / "prm" / "model.safetensors").stat().st_mtime_ns == weights_before  # not retrained
     manifest = json.loads((tmp_path / "prm" / "manifest.json").read_text())
-    assert manifest["metrics"]["eval/bon_min"] == m["eval/bon_min"] and manifest["metrics"]["eval/step_auc"] == trained["eval/step_auc"]
+    assert manifest["metrics"]["eval/bon_min"] == m["eval/bon_min"]
+    assert manifest["metrics"]["eval/step_auc"] == trained["eval/step_auc"]
     for how in ("min", "product", "last", "mean"):
         assert 0.0 <= m[f"eval/bon_{how}"] <= m["eval/pass_at_n"]
     assert m["eval/random"] <= m["eval/pass_at_n"] and 0 < m["perf/prm_tokens_per_s"]

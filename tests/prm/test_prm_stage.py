@@ -151,7 +151,7 @@ def test_cli_runs_the_stage_and_refuses_bad_config(tmp_path, capsys):
 
 def test_extra_layers_start_as_the_identity_and_only_the_top_trains(tmp_path):
     from prmflow.components.models import modeling
-    from prmflow.components.models.prm_model import append_identity_layers, freeze_below
+    from prmflow.components.models.prm_model import append_identity_layers
 
     lm, tok = modeling.build_tiny_model("tiny-llama", seed=0)
     lm.eval()

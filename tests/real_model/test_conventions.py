@@ -30,7 +30,10 @@ IM_END = "<|im_end|>"
 def template_file_render(model_dir, messages, add_generation_prompt):
     """The chat template as the model directory stores it, rendered by jinja2 itself (not by transformers)."""
     path = model_dir / "chat_template.jinja"
-    source = path.read_text() if path.is_file() else json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
+    if path.is_file():
+        source = path.read_text()
+    else:
+        source = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
     return jinja2.Environment().from_string(source).render(messages=messages, add_generation_prompt=add_generation_prompt)
 
 

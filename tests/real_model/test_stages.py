@@ -43,7 +43,8 @@ def chain(smollm2, tmp_path_factory):
     out["lora"] = root / "sft-lora"
     prm.run(config.load(prm.Config, overrides={
         "backbone": str(out["sft"]), "output": str(root / "prm"), "num_prompts": 16, "eval_size": 4, "max_steps": 3,
-        "micro_batch_size": 4, "eval_every": 3, "save_every": 0, "max_seq_len": 160, "optim.warmup_steps": 1, "engine.backend": "torch", **OFF}))
+        "micro_batch_size": 4, "eval_every": 3, "save_every": 0, "max_seq_len": 160, "optim.warmup_steps": 1,
+        "engine.backend": "torch", **OFF}))
     out["prm"] = root / "prm"
     rollout.run(config.load(rollout.Config, overrides={
         "policy": str(out["sft"]), "prm": str(out["prm"]), "ref": str(smollm2), "output": str(root / "rollouts"),

@@ -90,7 +90,10 @@ def same_files(ref: Path, out: Path, timing_in_json: bool = False) -> None:
     elif any(k.endswith(".parquet") for k in differ):
         kind = io.read_manifest(ref)["kind"]
         ta, tb = schema.read_dataset(ref, kind), schema.read_dataset(out, kind)
-        cols = [c for c in ta.column_names if not ta.column(c).equals(tb.column(c))] if ta.num_rows == tb.num_rows else ["(row count)"]
+        if ta.num_rows == tb.num_rows:
+            cols = [c for c in ta.column_names if not ta.column(c).equals(tb.column(c))]
+        else:
+            cols = ["(row count)"]
         detail = f"; columns that differ: {cols}"
     raise AssertionError(f"{out} differs from the uninterrupted run {ref} in {differ}{detail}")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from prmflow.components.advantage import stage as advantage
 from prmflow.components import config
@@ -88,7 +87,8 @@ def _corrupt(draw, t: pa.Table, present, per_token, float_columns, numeric_lists
         col = draw(st.sampled_from(present))
         return t.drop_columns([col]), col, col in required
     if kind == "extra":
-        col = draw(st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=12).filter(lambda c: c not in schema.ADVANTAGES.names))
+        col = draw(st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=12)
+                   .filter(lambda c: c not in schema.ADVANTAGES.names))
         return t.append_column(col, pa.array(range(rows))), col, True
     if kind == "retype":
         col = draw(st.sampled_from(present))
@@ -213,7 +213,7 @@ def test_ppo_refuses_corrupted_advantages_clearly(reliability, data):
         draw, valid_advantages(), ADV_PRESENT, ADV_PER_TOKEN, ADV_FLOATS, ADV_LISTS, PPO_NEEDS))())
     with tempfile.TemporaryDirectory() as tmp:
         d, out = Path(tmp) / "advantages", Path(tmp) / "ppo"
-        shard = write_handoff(d, table, {"kind": "advantages"})
+        write_handoff(d, table, {"kind": "advantages"})
         cfg = ppo.Config(policy="tiny-llama", input=str(d), output=str(out), minibatch_size=2,
                          micro_batch_size=2, engine=EngineConfig(backend="torch"), tracking=TrackingConfig(enabled=False))
         try:
@@ -410,7 +410,8 @@ good_rows = st.fixed_dictionaries(
     {"prompt": st.text(min_size=1, max_size=12).filter(str.strip)},
     optional={"response": st.text(max_size=12), "answer": st.integers() | st.text(max_size=5), "id": st.text(max_size=6)})
 chat_rows = st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "assistant", "system"]), "content": st.text(min_size=1, max_size=8)}), min_size=1, max_size=3)})
+    {"role": st.sampled_from(["user", "assistant", "system"]), "content": st.text(min_size=1, max_size=8)}),
+    min_size=1, max_size=3)})
 lines = st.one_of(good_rows.map(lambda r: json.dumps(r).encode()), chat_rows.map(lambda r: json.dumps(r).encode()),
                   rows.map(lambda r: json.dumps(r).encode()), st.binary(max_size=30),
                   st.text(max_size=30).map(str.encode), json_values.map(lambda v: json.dumps(v).encode()))

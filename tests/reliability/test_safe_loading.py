@@ -5,7 +5,6 @@ Also: a crash between the two renames of an atomic replace loses nothing."""
 from __future__ import annotations
 
 import ast
-import dataclasses
 import json
 import os
 import shutil

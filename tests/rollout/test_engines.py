@@ -154,7 +154,8 @@ def test_stop_strings_end_the_sample_where_they_appear(engine, policy, prompts):
     hits = 0
     for group in out:
         for c in group:
-            text, before = tok.decode(c.token_ids, skip_special_tokens=True), tok.decode(c.token_ids[:-1], skip_special_tokens=True)
+            text = tok.decode(c.token_ids, skip_special_tokens=True)
+            before = tok.decode(c.token_ids[:-1], skip_special_tokens=True)
             assert not any(s in before for s in ("=", "er:"))
             if c.finish_reason == "stop" and c.token_ids[-1] != tok.eos_token_id:
                 assert text.endswith("=") or text.endswith("er:")

@@ -241,7 +241,8 @@ def test_mixed_sources_pick_their_recipe(tmp_path, sft_policy, monkeypatch):
     table = [{"source": "arithmetic", "component": "arithmetic"},
              {"source": "word", "component": "math", "weight": 0.5},
              {"source": "word", "component": "function", "function": "style_reward:short", "name": "short", "weight": 2.0}]
-    cfg = make_cfg(sft_policy, tmp_path / "out", task=str(data), num_prompts=0, n_samples=1, **{"sampling.max_new_tokens": 40}, rewards=table)
+    cfg = make_cfg(sft_policy, tmp_path / "out", task=str(data), num_prompts=0, n_samples=1,
+                   **{"sampling.max_new_tokens": 40}, rewards=table)
     metrics = stage.run(cfg)
     rows = schema.read_dataset(cfg.output, "rollouts").to_pylist()
     by_id = {p.prompt_id: k for k, p in enumerate(problems)}
@@ -285,7 +286,10 @@ def test_long_prompts_fail_or_are_truncated_with_a_count(tmp_path, sft_policy):
 
 def test_a_raising_reward_names_the_row_and_writes_nothing(tmp_path, sft_policy, monkeypatch):
     (tmp_path / "flaky_reward.py").write_text(
-        "def f(prompt_id, response):\n    if 'answer' in response:\n        raise RuntimeError('cannot parse ' + prompt_id)\n    return 0.0\n")
+        "def f(prompt_id, response):\n"
+        "    if 'answer' in response:\n"
+        "        raise RuntimeError('cannot parse ' + prompt_id)\n"
+        "    return 0.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = make_cfg(sft_policy, tmp_path / "out", num_prompts=2, n_samples=1,
                    rewards=[{"source": "arithmetic", "component": "function", "function": "flaky_reward:f"}])

@@ -28,7 +28,8 @@ def byte_level_bpe():
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     rng = random.Random(0)
-    corpus = [f"{rng.randint(1, 99)}+{rng.randint(1, 9)}={rng.randint(1, 99)}\nanswer: {rng.randint(1, 99)}\n" for _ in range(300)]
+    corpus = [f"{rng.randint(1, 99)}+{rng.randint(1, 9)}={rng.randint(1, 99)}\nanswer: {rng.randint(1, 99)}\n"
+              for _ in range(300)]
     core.train_from_iterator(corpus + TEXTS * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<eos>")
 

@@ -131,7 +131,8 @@ def test_resume_continues_steps_schedule_and_data_order(tmp_path, monkeypatch):
 
     monkeypatch.setattr(stage.checkpoint, "save", real_save)
     lrs = []
-    monkeypatch.setattr(stage.TrainEngine, "step", lambda self, _orig=stage.TrainEngine.step: (lrs.append(self.lr), _orig(self))[1])
+    monkeypatch.setattr(stage.TrainEngine, "step",
+                        lambda self, _orig=stage.TrainEngine.step: (lrs.append(self.lr), _orig(self))[1])
     stage.run(cut)
     assert len(lrs) == 7  # steps 6..12 only
     a, b = weights(tmp_path / "full"), weights(tmp_path / "cut")
@@ -176,8 +177,10 @@ def run_cli(args, capsys):
     (lambda d: ["--optim.lr", "fast"], "key 'optim.lr' must be float"),
     (lambda d: ["--task", str(d / "missing.jsonl")], "missing.jsonl' does not exist"),
     (lambda d: ["--task", str(_write(d / "empty.jsonl", ""))], "empty.jsonl' is empty"),
-    (lambda d: ["--task", str(_write(d / "bad.jsonl", '{"prompt": "a", "response": "b"}\n{oops\n'))], "bad.jsonl, line 2: not valid JSON"),
-    (lambda d: ["--task", str(_write(d / "nocol.jsonl", '{"question": "a", "response": "b"}\n'))], "nocol.jsonl, line 1: cannot tell the dataset's format from its columns ['question', 'response']"),
+    (lambda d: ["--task", str(_write(d / "bad.jsonl", '{"prompt": "a", "response": "b"}\n{oops\n'))],
+     "bad.jsonl, line 2: not valid JSON"),
+    (lambda d: ["--task", str(_write(d / "nocol.jsonl", '{"question": "a", "response": "b"}\n'))],
+     "nocol.jsonl, line 1: cannot tell the dataset's format from its columns ['question', 'response']"),
     (lambda d: ["--policy", str(_mkdir(d / "notamodel"))], "is not a model directory: it has no config.json"),
     (lambda d: ["--optim.warmup_steps", "50", "--max_steps", "10"], "warmup_steps (50) must be smaller than max_steps (10)"),
 ])

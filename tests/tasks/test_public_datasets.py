@@ -155,7 +155,8 @@ def test_math_shepherd_tag_inside_the_question_is_dropped_with_its_label(tmp_pat
 
 
 @pytest.mark.parametrize("edit,needle", [
-    (lambda r: r.update(label=r["label"].replace("+", "?", 1)), "line 1: column 'label' does not match column 'input' at step tag 1"),
+    (lambda r: r.update(label=r["label"].replace("+", "?", 1)),
+     "line 1: column 'label' does not match column 'input' at step tag 1"),
     (lambda r: r.update(label=r["label"].replace("He eats 2", "He eats 3")), "at step tag 2"),
     (lambda r: r.update(input=r["input"].replace("ки", "")), "line 1: column 'input' has no step tag"),
 ])
@@ -249,7 +250,8 @@ def test_prm800k_neutral_label_is_configurable(tmp_path, neutral, want):
 
 
 @pytest.mark.parametrize("edit,needle", [
-    (lambda r: r["label"]["steps"][1]["completions"][0].update(rating=2), r"line 1: label.steps\[1\].completions\[0\].rating is 2"),
+    (lambda r: r["label"]["steps"][1]["completions"][0].update(rating=2),
+     r"line 1: label.steps\[1\].completions\[0\].rating is 2"),
     (lambda r: r["label"]["steps"][0].update(chosen_completion=5), r"label.steps\[0\].chosen_completion is 5"),
     (lambda r: r["question"].pop("problem"), "column 'question' has no 'problem'"),
 ])

@@ -114,7 +114,8 @@ def test_corrupt_of_zero_times_zero_cannot_misread():
     ("vis-2m9-0123456789ab", "read: 2 9\n2-9=7\nanswer: 7", "-7", [1, 0, 0], 0.0),  # lost the sign
     ("vis-2m9-0123456789ab", "read: 2 9\n2-9=-7\nanswer: 7", "-7", [1, 1, 0], 0.0),
     ("vis-6t8-0123456789ab", "read: 6 8\n6*8=48\nanswer: 48", "48", [1, 1, 1], 1.0),
-    ("vis-6t8-0123456789ab", "read: 8 6\n8*6=48\nanswer: 48", "48", [0, 0, 0], 1.0),  # digits swapped: a right answer, wrong steps
+    # digits swapped: a right answer, wrong steps
+    ("vis-6t8-0123456789ab", "read: 8 6\n8*6=48\nanswer: 48", "48", [0, 0, 0], 1.0),
     ("vis-6t8-0123456789ab", "read: 6 8\n6+8=14\nanswer: 14", "48", [1, 0, 0], 0.0),  # wrong operation
     ("vis-6t8-0123456789ab", " read : 6  8 \n 6 * 8 = 48 \n\n answer : 48 ", "48", [1, 1, 1], 1.0),  # spacing, blank line
 ])
@@ -170,12 +171,14 @@ def test_direct_answer_frac():
         assert h.solution in (p.solution, f"answer: {p.answer}")
         assert vis.verify(h.solution, h.answer) == 1.0
     assert all(len(p.steps) == 3 for p in vis.generate(200, seed=3, cfg=vis.VisualConfig(direct_answer_frac=0.0)))
-    assert all(p.steps == [f"answer: {p.answer}"] for p in vis.generate(200, seed=3, cfg=vis.VisualConfig(direct_answer_frac=1.0)))
+    direct = vis.generate(200, seed=3, cfg=vis.VisualConfig(direct_answer_frac=1.0))
+    assert all(p.steps == [f"answer: {p.answer}"] for p in direct)
 
 
 @pytest.mark.parametrize("kwargs, key", [
     ({"ops": ""}, "visual.ops"), ({"ops": "+/"}, "visual.ops"), ({"ops": "x"}, "visual.ops"),
-    ({"image_size": 0}, "visual.image_size"), ({"image_size": 14}, "visual.image_size"), ({"image_size": 60}, "visual.image_size"),
+    ({"image_size": 0}, "visual.image_size"), ({"image_size": 14}, "visual.image_size"),
+    ({"image_size": 60}, "visual.image_size"),
     ({"jitter": -1}, "visual.jitter"),
     ({"direct_answer_frac": -0.1}, "visual.direct_answer_frac"), ({"direct_answer_frac": 1.5}, "visual.direct_answer_frac"),
 ])

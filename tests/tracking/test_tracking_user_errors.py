@@ -145,7 +145,8 @@ def test_an_empty_fallback_file_left_by_a_kill_is_nothing_to_upload(tmp_path, ca
     store = tmp_path / "mlflow.db"
     assert cli.main(["tracking-sync", str(fallback), "--uri", f"sqlite:///{store}"]) == 0
     out, err = capsys.readouterr()
-    assert out == f"tracking-sync {fallback}: the file is empty (its stage stopped before MLflow missed a call); nothing to upload\n"
+    assert out == (f"tracking-sync {fallback}: the file is empty (its stage stopped before MLflow missed a call); "
+                   "nothing to upload\n")
     assert err == "" and not store.exists() and fallback.read_bytes() == b""
 
 

@@ -44,7 +44,9 @@ class Config:
     step_rewards: bool | None = None
     """Add each PRM step reward at its step's last token. Empty: on, except for grpo, dr_grpo, rloo."""
     step_reward_mode: str = "raw"
-    """How a step reward enters: raw (PRM probability), centered (minus 0.5), min (worst step only), progress (Phi after the step minus before, the last Phi the outcome: sums to R - mean_group however steps are cut; grpo_progress only; docs/process-rewards.md#1-progress-credit-step_reward_mode-progress)."""
+    """How a step reward enters: raw (PRM probability), centered (minus 0.5), min (worst step only), progress (Phi after
+    the step minus before, the last Phi the outcome: sums to R - mean_group however steps are cut; grpo_progress only;
+    docs/process-rewards.md#1-progress-credit-step_reward_mode-progress)."""
     reward_clip: float = 0.0
     """Clip outcome_reward and each step's contribution to [-reward_clip, reward_clip]; 0 = off."""
     whiten: bool | None = None
@@ -54,13 +56,20 @@ class Config:
     norm_eps: float = 1e-6
     """Added to every std divided by (group normalization, whitening), so equal rewards give 0."""
     process_weight: float = 0.5
-    """grpo_progress: weight w of the process advantage (unit RMS over the input's steps) added to the outcome advantage before the evidence gate scales it."""
+    """grpo_progress: weight w of the process advantage (unit RMS over the input's steps) added to the outcome advantage
+    before the evidence gate scales it."""
     process_credit: Literal["step", "baseline"] = "step"
-    """grpo_progress. step: each step's progress, balanced per token, sign-guarded, bounded. baseline: the PRM only as each step's baseline, so the expected gradient is GRPO's whatever it says (for a PRM not fitted to this policy). docs/process-rewards.md#2b-baseline-credit-process_credit-baseline"""
+    """grpo_progress. step: each step's progress, balanced per token, sign-guarded, bounded. baseline: the PRM only as
+    each step's baseline, so the expected gradient is GRPO's whatever it says (for a PRM not fitted to this policy).
+    docs/process-rewards.md#2b-baseline-credit-process_credit-baseline"""
     process_calibration: Literal["none", "isotonic"] = "none"
-    """grpo_progress: what Phi is. none: the PRM's score. isotonic: the score mapped to the batch's mean outcome by a cross-fitted isotonic fit, read only where it beats a flat map on held-out prompts (else outcome-only GRPO). docs/process-rewards.md#2c-calibrated-potential-process_calibration-isotonic"""
+    """grpo_progress: what Phi is. none: the PRM's score. isotonic: the score mapped to the batch's mean outcome by a
+    cross-fitted isotonic fit, read only where it beats a flat map on held-out prompts (else outcome-only GRPO).
+    docs/process-rewards.md#2c-calibrated-potential-process_calibration-isotonic"""
     process_auc_min: float = 0.6
-    """grpo_progress gate: w is 0 when the PRM's step AUC on this batch (its scores of every step but the last, against the response's outcome) is below this; a PRM that cannot tell the current policy's winning prefixes from losing ones then falls back to outcome-only GRPO."""
+    """grpo_progress gate: w is 0 when the PRM's step AUC on this batch (its scores of every step but the last, against
+    the response's outcome) is below this; a PRM that cannot tell the current policy's winning prefixes from losing ones
+    then falls back to outcome-only GRPO."""
     process_auc_full: float = 0.8
     """grpo_progress gate: w reaches process_weight at this AUC, growing linearly from process_auc_min (equal values: a step)."""
     zero_variance: Literal["keep", "drop", "downweight"] = "keep"
@@ -70,7 +79,8 @@ class Config:
     batch_rows: int = 512
     """Rows per batch and per output row group; peak memory grows with batch_rows x response length."""
     overwrite: bool = False
-    """Replace an existing output made from another config or input; off: that is an error. One made from this config and input is kept (nothing to do)."""
+    """Replace an existing output made from another config or input; off: that is an error. One made from this config
+    and input is kept (nothing to do)."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """MLflow run settings (prmflow/tracking/)."""
 

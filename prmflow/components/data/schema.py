@@ -444,7 +444,8 @@ def validate(table: pa.Table, kind: str, where: str = "table") -> None:
                 mask = np.zeros(len(n_ends), bool)
                 mask[row_of[bad_flat]] = True
                 raise DataError(
-                    f"{where}: column 'step_ends' points outside the response (0..len(response_ids)-1) in {first_bad(table, mask)}."
+                    f"{where}: column 'step_ends' points outside the response (0..len(response_ids)-1) in "
+                    f"{first_bad(table, mask)}."
                 )
     if "logprob_temperature" in table.column_names:
         temp = table.column("logprob_temperature").to_numpy(zero_copy_only=False)

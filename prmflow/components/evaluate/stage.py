@@ -49,15 +49,19 @@ class Config:
     output: str = "outputs/eval"
     """Directory for metrics.json, samples.jsonl and per_step.html (written atomically)."""
     task: str = "arithmetic"
-    """Held-out prompts with answers: 'arithmetic' or 'visual' (their test split; visual needs a vision-language policy) or a dataset: its first num_prompts rows, the test split of a datasets directory or hub id without ?split=."""
+    """Held-out prompts with answers: 'arithmetic' or 'visual' (their test split; visual needs a vision-language policy)
+    or a dataset: its first num_prompts rows, the test split of a datasets directory or hub id without ?split=."""
     train_tasks: list[str] = field(default_factory=list)
-    """Datasets the policy trained on (a pipeline fills in sft.task and rollout.task): a prompt of task found in one is an error naming both."""
+    """Datasets the policy trained on (a pipeline fills in sft.task and rollout.task): a prompt of task found in one is
+    an error naming both."""
     num_prompts: int = 200
     """Held-out prompts to evaluate on."""
     n_samples: int = 8
     """k: samples per prompt for pass@k, majority vote and best-of-k."""
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64))
-    """How the k samples are drawn (temperature, top_p, top_k); max_new_tokens is the budget of every response, the greedy one included."""
+    sampling: SamplingConfig = field(
+        default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64))
+    """How the k samples are drawn (temperature, top_p, top_k); max_new_tokens is the budget of every response, the
+    greedy one included."""
     aggregations: list[str] = field(default_factory=lambda: ["min", "product", "last", "mean"])
     """PRM score reductions for best-of-k (each gives eval/bon_<name>)."""
     step_separator: str = "\n"
@@ -73,9 +77,12 @@ class Config:
     device: str = ""
     """Where the policy samples and the PRM scores (cuda, cuda:1, cpu); empty = cuda when available, else cpu."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype of the policy, the baseline and the PRM; auto = bfloat16 on a GPU (half the memory of float32) and for vLLM, float32 on CPU (exact)."""
+    """Dtype of the policy, the baseline and the PRM; auto = bfloat16 on a GPU (half the memory of float32) and for
+    vLLM, float32 on CPU (exact)."""
     sampler: Literal["hf", "vllm"] = "hf"
-    """Sampling engine for the policy and the baseline: hf (transformers, CPU or GPU) or vllm (a GPU with the gpu extra). With vllm each policy gets its own engine, shut down (and its GPU memory waited for) before the PRM or the next policy loads."""
+    """Sampling engine for the policy and the baseline: hf (transformers, CPU or GPU) or vllm (a GPU with the gpu
+    extra). With vllm each policy gets its own engine, shut down (and its GPU memory waited for) before the PRM or the
+    next policy loads."""
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
     """vLLM engine settings (sampler=vllm only)."""
     iteration: int = -1

@@ -55,15 +55,19 @@ LOGIT_CHUNK_BYTES = 256 * 2**20
 @dataclass
 class HeadConfig:
     kind: Literal["token_classification", "lm_tokens", "implicit"] = "token_classification"
-    """token_classification: a linear head on the backbone (AutoModelForTokenClassification); lm_tokens: P(good_token) vs P(bad_token) of a causal LM (Math-Shepherd); implicit: PRIME's implicit PRM, beta x the log-likelihood ratio of an LM to its frozen start."""
+    """token_classification: a linear head on the backbone (AutoModelForTokenClassification); lm_tokens: P(good_token)
+    vs P(bad_token) of a causal LM (Math-Shepherd); implicit: PRIME's implicit PRM, beta x the log-likelihood ratio of
+    an LM to its frozen start."""
     good_token: str = "+"
     """lm_tokens: the token whose probability means 'this step is correct' (Math-Shepherd: '+')."""
     bad_token: str = "-"
     """lm_tokens: the token whose probability means 'this step is wrong' (Math-Shepherd: '-')."""
     step_tag: str = ""
-    """Text appended to every step before tokenizing, read at its last token (Math-Shepherd: ' ки'). Empty: read at the step's own last token."""
+    """Text appended to every step before tokenizing, read at its last token (Math-Shepherd: ' ки'). Empty: read at the
+    step's own last token."""
     beta: float = 0.05
-    """implicit: the scale of the log-likelihood ratio (PRIME: 0.05); a larger beta lets a small change of the LM move the score more."""
+    """implicit: the scale of the log-likelihood ratio (PRIME: 0.05); a larger beta lets a small change of the LM move
+    the score more."""
 
     def __post_init__(self):
         if self.kind not in ("token_classification", "lm_tokens", "implicit"):

@@ -34,7 +34,9 @@ class Config:
     micro_batch_size: int = 8
     """Responses per forward/backward; must divide minibatch_size. Only memory changes with it."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, lr_schedule="constant", warmup_steps=0))
-    """Policy optimizer (the critic's too, but for critic_lr): lr (tiny CPU models; use ~1e-6 for billion-parameter models), LR schedule and warm-up in updates over the whole RL run (rl_iterations x updates per iteration), weight decay, gradient-norm clip of each model."""
+    """Policy optimizer (the critic's too, but for critic_lr): lr (tiny CPU models; use ~1e-6 for billion-parameter
+    models), LR schedule and warm-up in updates over the whole RL run (rl_iterations x updates per iteration), weight
+    decay, gradient-norm clip of each model."""
     rl_iterations: int = 1
     """RL iterations the LR schedule spans; this run starts at iteration x its number of updates."""
     clip_eps_low: float = 0.2
@@ -56,7 +58,9 @@ class Config:
     tokens of each micro-batch (a full-vocabulary softmax per token; at 151,936 tokens it cost as much as a third
     of the update); 0 = every token."""
     head_chunk_rows: int = 512
-    """Tokens per pass through the LM head when the policy scores responses (and the ptx loss its references): log-probs are computed chunk by chunk from the hidden states, so the (batch, tokens, vocabulary) logits never exist. 0 = the whole logits (the reference computation)."""
+    """Tokens per pass through the LM head when the policy scores responses (and the ptx loss its references): log-probs
+    are computed chunk by chunk from the hidden states, so the (batch, tokens, vocabulary) logits never exist. 0 = the
+    whole logits (the reference computation)."""
     kl_loss_coef: float = 0.0
     """KL loss to the reference model (GRPO style; needs ref_logprobs); 0 = KL only in the reward."""
     kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -64,11 +68,16 @@ class Config:
     top_entropy_frac: float = 1.0
     """Policy loss only on this fraction of the batch's highest-entropy tokens (Wang et al. 2025 use 0.2; 1 = all)."""
     recompute_old_logprobs: bool | None = None
-    """Recompute old_logprobs with this stage's engine (one extra forward) instead of reading the hand-off's. Empty: recompute on a GPU or with engine.dtype=bfloat16 (so the first ratio is exactly 1), read the hand-off on CPU in float32 (equal up to ~2e-5). docs/design.md#the-ppo-update"""
+    """Recompute old_logprobs with this stage's engine (one extra forward) instead of reading the hand-off's. Empty:
+    recompute on a GPU or with engine.dtype=bfloat16 (so the first ratio is exactly 1), read the hand-off on CPU in
+    float32 (equal up to ~2e-5). docs/design.md#the-ppo-update"""
     rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
-    """Importance-sampling correction for the sampler-trainer gap: weight each token's loss by pi_old / pi_sampler, per token or per response, truncated at rollout_correction_cap (TIS) or masked above it (MIS). Use token_truncate with sampler=vllm; docs/design.md#the-ppo-update."""
+    """Importance-sampling correction for the sampler-trainer gap: weight each token's loss by pi_old / pi_sampler, per
+    token or per response, truncated at rollout_correction_cap (TIS) or masked above it (MIS). Use token_truncate with
+    sampler=vllm; docs/design.md#the-ppo-update."""
     rollout_correction_cap: float = 2.0
-    """The cap C of rollout_correction (veRL's and the TIS paper's 2.0): a weight above it is cut to C (truncate) or its token/response leaves the loss (mask). Must be at least 1, so tokens the two engines agree on keep their weight."""
+    """The cap C of rollout_correction (veRL's and the TIS paper's 2.0): a weight above it is cut to C (truncate) or its
+    token/response leaves the loss (mask). Must be at least 1, so tokens the two engines agree on keep their weight."""
     ptx_coef: float = 0.0
     """Coefficient of an SFT (ptx) loss on reference solutions, added to every policy update (0 = off)."""
     ptx_task: str = "arithmetic"
@@ -98,15 +107,19 @@ class Config:
     kl_control: Literal["fixed", "adaptive"] = "fixed"
     """KL coefficient of the reward: fixed, or adapted toward kl_target (Ziegler et al. 2019)."""
     kl_coef: float = 0.0
-    """KL coefficient beta of this batch's rewards when the advantages manifest does not record it (kl_coef_used; advantages from another tool)."""
+    """KL coefficient beta of this batch's rewards when the advantages manifest does not record it (kl_coef_used;
+    advantages from another tool)."""
     kl_target: float = 6.0
     """Adaptive control: target KL per response (nats, summed over its tokens)."""
     kl_horizon: int = 10000
     """Adaptive control: responses over which beta may change by at most 20% per unit of error."""
     optimizer_state: str = ""
-    """Optimizer moments to continue from: the previous iteration's OUTPUT/optimizer, so the RL iterations train as one long run. Empty = a fresh optimizer, whose first bias-corrected updates are sign-like steps of size lr on every parameter (noisy when an iteration has few updates)."""
+    """Optimizer moments to continue from: the previous iteration's OUTPUT/optimizer, so the RL iterations train as one
+    long run. Empty = a fresh optimizer, whose first bias-corrected updates are sign-like steps of size lr on every
+    parameter (noisy when an iteration has few updates)."""
     save_optimizer: bool = True
-    """Write the optimizer moments to OUTPUT/optimizer for the next iteration (costs 2x the trainable parameters in fp32 on disk; turn off for very large models)."""
+    """Write the optimizer moments to OUTPUT/optimizer for the next iteration (costs 2x the trainable parameters in fp32
+    on disk; turn off for very large models)."""
     ema_decay: float = 0.0
     """Keep an exponential moving average of the policy weights (e.g. 0.99) and write it to OUTPUT/policy_ema (0 = off)."""
     save_every: int = 0

@@ -73,7 +73,8 @@ def load_batch(cfg: Config) -> list[Sample]:
             first = next(i for i, v in enumerate(col.is_null().to_pylist()) if v)
             why = {"returns": " (train_critic=true needs GAE returns)", "ref_logprobs": " (kl_loss_coef > 0 needs them)",
                    "old_logprobs": " (or set recompute_old_logprobs=true)",
-                   "behavior_logprobs": " (rollout_correction needs the sampler's log-probs; set rollout_correction=none)"}.get(name, "")
+                   "behavior_logprobs": " (rollout_correction needs the sampler's log-probs; set rollout_correction=none)",
+                   }.get(name, "")
             raise DataError(f"'{cfg.input}': column '{name}' is null in row {first} (prompt_id="
                             f"{table.column('prompt_id')[first].as_py()!r}){why}.")
     read = ("prompt_ids", "response_ids", *TOKEN_FIELDS, "kl", "images", "logprob_temperature")

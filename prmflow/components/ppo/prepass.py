@@ -47,7 +47,9 @@ def attach_rollout_correction(cfg: Config, samples: list[Sample]) -> dict[str, f
     mask = torch.zeros((len(rows), R), dtype=torch.bool)
     for b, i in enumerate(rows):
         r = len(samples[i].response_ids)
-        old[b, :r], behavior[b, :r], mask[b, :r] = torch.tensor(samples[i].old_logprobs), torch.tensor(samples[i].behavior_logprobs), True
+        old[b, :r] = torch.tensor(samples[i].old_logprobs)
+        behavior[b, :r] = torch.tensor(samples[i].behavior_logprobs)
+        mask[b, :r] = True
     corr = losses.rollout_correction(old, behavior, mask, cfg.rollout_correction, cfg.rollout_correction_cap)
     for b, i in enumerate(rows):
         samples[i].is_weight = corr.weights[b, :len(samples[i].response_ids)].tolist()

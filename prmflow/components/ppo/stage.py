@@ -16,8 +16,8 @@ responses (one optimizer update each), each minibatch cut into micro-batches who
 their exact shares of the minibatch loss (gradient accumulation changes nothing but memory).
 Log-probabilities of the response tokens are recomputed under the current policy in every
 micro-batch; the ratio's denominator is the hand-off's old_logprobs, or their recompute by this
-stage's engine (recompute_old_logprobs; by default on a GPU or in bf16). Clipped surrogate with separate low/high clip and optional dual clip;
-aggregation token-mean (default), seq-mean-token-mean or Dr. GRPO; entropy bonus; KL loss to the
+stage's engine (recompute_old_logprobs; by default on a GPU or in bf16). Clipped surrogate with separate low/high
+clip and optional dual clip; aggregation token-mean (default), seq-mean-token-mean or Dr. GRPO; entropy bonus; KL loss to the
 reference (k1/k2/k3); SFT (ptx) loss; advantage clamp; top-entropy token mask. Critic: a scalar-head
 model with a clipped value loss, its own optimizer, and a warm-up where only it trains. A NaN/inf
 loss (or gradient) skips the whole update and is counted; if every update is skipped the stage fails.

@@ -21,33 +21,49 @@ from ..models.prm_model import HeadConfig
 @dataclass
 class Config:
     backbone: str = "outputs/sft"
-    """Model the PRM is built on: a causal-LM HF directory (default: the sft stage's output), an existing PRM directory, or a tiny preset (random init: then train_layers=0, extra_layers=0). The verifier's starting weights, which need not be the policy's."""
+    """Model the PRM is built on: a causal-LM HF directory (default: the sft stage's output), an existing PRM directory,
+    or a tiny preset (random init: then train_layers=0, extra_layers=0). The verifier's starting weights, which need not
+    be the policy's."""
     extra_layers: int = 2
-    """Decoder layers appended to a causal-LM backbone, starting as the identity: room to compare the backbone's next-token predictions with the tokens actually written (what a verifier does). Costs (layers+extra)/layers compute."""
+    """Decoder layers appended to a causal-LM backbone, starting as the identity: room to compare the backbone's
+    next-token predictions with the tokens actually written (what a verifier does). Costs (layers+extra)/layers compute."""
     train_layers: int = 2
-    """Train only the last train_layers decoder layers (plus the final norm and the head); the rest of the backbone stays frozen. 0 = train everything. With extra_layers = train_layers the verifier reads a frozen policy's own predictions, and a step costs about a third."""
+    """Train only the last train_layers decoder layers (plus the final norm and the head); the rest of the backbone
+    stays frozen. 0 = train everything. With extra_layers = train_layers the verifier reads a frozen policy's own
+    predictions, and a step costs about a third."""
     output: str = "outputs/prm"
     """Directory the trained PRM is written to (HF format + prmflow.json with its head), atomically at the end."""
     task: str = "arithmetic"
-    """Training data: 'arithmetic' or 'visual' (built-in tasks, exact step labels, incl. deliberately wrong steps; visual needs a vision-language backbone and head.kind=lm_tokens) or a stepwise .jsonl/.parquet file (prompt, steps, labels, optional images)."""
+    """Training data: 'arithmetic' or 'visual' (built-in tasks, exact step labels, incl. deliberately wrong steps;
+    visual needs a vision-language backbone and head.kind=lm_tokens) or a stepwise .jsonl/.parquet file (prompt, steps,
+    labels, optional images)."""
     eval_task: str = ""
-    """Held-out step data: a stepwise file, or 'arithmetic' (its 'eval' split, exact labels). Empty: the arithmetic 'eval' split for task=arithmetic, else the task file's last prompts (at least eval_size rows). Training never sees a held-out prompt."""
+    """Held-out step data: a stepwise file, or 'arithmetic' (its 'eval' split, exact labels). Empty: the arithmetic
+    'eval' split for task=arithmetic, else the task file's last prompts (at least eval_size rows). Training never sees a
+    held-out prompt."""
     num_prompts: int = 6000
-    """Arithmetic: problems (each gives its reference solution and negatives_per_problem wrong ones); a file: at most this many rows."""
+    """Arithmetic: problems (each gives its reference solution and negatives_per_problem wrong ones); a file: at most
+    this many rows."""
     eval_size: int = 300
-    """Held-out arithmetic problems (for a file: at least this many rows, whole prompts) for step AUC / accuracy / first-error recall."""
+    """Held-out arithmetic problems (for a file: at least this many rows, whole prompts) for step AUC / accuracy /
+    first-error recall."""
     negatives_per_problem: int = 2
     """Arithmetic: wrong solutions per problem (mostly arithmetic.corrupt); more negatives, more error patterns seen."""
     policy: str = ""
-    """Arithmetic: a policy (HF directory) whose own sampled solutions, labelled by the exact checker, join the training data (matches the errors the PRM will judge). Empty = reference + corrupted solutions only."""
+    """Arithmetic: a policy (HF directory) whose own sampled solutions, labelled by the exact checker, join the training
+    data (matches the errors the PRM will judge). Empty = reference + corrupted solutions only."""
     policy_from_backbone: bool = False
-    """Arithmetic: sample those solutions from the backbone itself (the SFT policy), as if policy named it: the pipeline's switch, as the SFT policy's path is known only at run time. Why it matters: the prm stage's README, 'On the quickstart's mixed SFT policy'."""
+    """Arithmetic: sample those solutions from the backbone itself (the SFT policy), as if policy named it: the
+    pipeline's switch, as the SFT policy's path is known only at run time. Why it matters: the prm stage's README, 'On
+    the quickstart's mixed SFT policy'."""
     n_samples: int = 2
     """Arithmetic with policy (or policy_from_backbone): solutions sampled per training problem."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """How those solutions are sampled (temperature > 0, top_p, top_k; max_new_tokens caps each one)."""
     batch_sequences: int = 256
-    """Sequences (a prompt and one sampled solution) per generation batch when sampling the policy. Larger batches are faster on CPU (1,024: ~1.35x the sequences per second of 256 on the quickstart's tiny model, 2 cores) and cost KV-cache memory on a GPU."""
+    """Sequences (a prompt and one sampled solution) per generation batch when sampling the policy. Larger batches are
+    faster on CPU (1,024: ~1.35x the sequences per second of 256 on the quickstart's tiny model, 2 cores) and cost
+    KV-cache memory on a GPU."""
     step_separator: str = "\n"
     """Text between steps; the readout is each step's last token (steps.step_spans)."""
     head: HeadConfig = field(default_factory=HeadConfig)
@@ -61,13 +77,16 @@ class Config:
     micro_batch_size: int = 32
     """Solutions per forward/backward pass, shared by the ranks (each of N ranks takes micro_batch_size/N of them)."""
     group_by_prompt: bool = True
-    """Keep the solutions of one prompt in the same batch (shuffling prompts, not solutions): right and wrong solutions of a problem side by side."""
+    """Keep the solutions of one prompt in the same batch (shuffling prompts, not solutions): right and wrong solutions
+    of a problem side by side."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (batch = micro_batch_size * grad_accum examples, the same on any number of ranks)."""
     max_steps: int = 6000
-    """Optimizer steps to train for. Measured on the SFT test policy's backbone (tiny model, CPU): held-out step AUC 0.883 after 3000 steps, 0.931 after 6000 (0.912 already at step 3500 of the 6000-step schedule)."""
+    """Optimizer steps to train for. Measured on the SFT test policy's backbone (tiny model, CPU): held-out step AUC
+    0.883 after 3000 steps, 0.931 after 6000 (0.912 already at step 3500 of the 6000-step schedule)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=50))
-    """Optimizer: peak lr, schedule, warm-up, weight decay, gradient clipping (tiny models like a high lr; use ~1e-5 for billion-parameter models)."""
+    """Optimizer: peak lr, schedule, warm-up, weight decay, gradient clipping (tiny models like a high lr; use ~1e-5 for
+    billion-parameter models)."""
     log_every: int = 10
     """Log train/* and perf/* metrics every this many steps."""
     eval_every: int = 500
@@ -97,12 +116,14 @@ class Config:
         if self.negatives_per_problem < 0:
             raise ConfigError(f"negatives_per_problem is {self.negatives_per_problem}; use 0 or more.")
         if self.optim.warmup_steps >= self.max_steps:
-            raise ConfigError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be smaller than max_steps ({self.max_steps}).")
+            raise ConfigError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be smaller than "
+                              f"max_steps ({self.max_steps}).")
         if self.policy_from_backbone and self.policy:
             raise ConfigError("policy_from_backbone=true and policy both name the policy to sample; "
                               "set one of them.")
         if self.samples_policy and self.task not in tasks.TASKS:
-            raise ConfigError("policy / policy_from_backbone need a built-in task (arithmetic or visual: its checker labels the samples); "
+            raise ConfigError("policy / policy_from_backbone need a built-in task (arithmetic or visual: its checker labels "
+                              "the samples); "
                               "for other data, label samples with `prmflow prm-label` and pass them as task.")
         if self.samples_policy and self.sampling.temperature == 0:
             raise ConfigError("sampling.temperature is 0: every one of the n_samples solutions of a problem would be the "

@@ -59,14 +59,16 @@ class Config:
     """Continuations drawn from every step prefix (Math-Shepherd's N); more = less noisy labels, linear cost."""
     label: Literal["hard", "soft"] = "hard"
     """Which estimate goes into the `labels` column that the prm stage trains on (both are written)."""
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64))
+    sampling: SamplingConfig = field(
+        default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64))
     """How solutions and continuations are drawn; max_new_tokens is the budget of a solution and of a continuation."""
     step_separator: str = "\n"
     """Text between steps (the same segmentation as the prm stage and rollout)."""
     batch_sequences: int = 256
     """Sequences per generation batch."""
     sampler: Literal["hf", "vllm"] = "hf"
-    """Sampling engine: hf (transformers; a GPU in bfloat16 when there is one, else the CPU in float32) or vllm (a GPU with the gpu extra, bfloat16), which batches the many continuations itself."""
+    """Sampling engine: hf (transformers; a GPU in bfloat16 when there is one, else the CPU in float32) or vllm (a GPU
+    with the gpu extra, bfloat16), which batches the many continuations itself."""
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
     """vLLM engine settings (sampler=vllm only)."""
     chat_template: bool = True

@@ -39,8 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from ..training import checkpoint
 from .. import config as config_lib
 from ..data import io, schema, steps as steps_lib
@@ -70,13 +68,18 @@ class Config:
     replay_share: float = 0.25
     """Share of the training examples drawn from `replay` (at most what it holds), in [0, 1)."""
     held_out: float = 0.2
-    """Share of this iteration's prompts (all their responses, and their older responses in replay) kept out of training to measure the step AUC, in (0, 1)."""
+    """Share of this iteration's prompts (all their responses, and their older responses in replay) kept out of training
+    to measure the step AUC, in (0, 1)."""
     label_threshold: float = 0.5
     """A response is a success (every step prefix labelled 1) when its outcome_reward is at least this."""
     implicit_beta: float = 0.0
-    """> 0: `prm` may be a policy (a causal-LM directory, no prmflow.json): the update starts PRIME's implicit PRM from it, step logit beta x the log-likelihood ratio to a frozen copy (docs/process-rewards.md#4b-primes-implicit-prm-headkind-implicit). A PRM keeps its own head."""
+    """> 0: `prm` may be a policy (a causal-LM directory, no prmflow.json): the update starts PRIME's implicit PRM from
+    it, step logit beta x the log-likelihood ratio to a frozen copy
+    (docs/process-rewards.md#4b-primes-implicit-prm-headkind-implicit). A PRM keeps its own head."""
     labels: Literal["outcome", "shared_prefix"] = "outcome"
-    """How a step prefix is labelled. outcome: its response's checked outcome. shared_prefix: 1 if a response to the same prompt that starts with the same steps succeeded, else 0 (Math-Shepherd's hard estimate, no extra rollout; docs/process-rewards.md#4-the-prm-follows-the-policy-prmflow-prm-update)."""
+    """How a step prefix is labelled. outcome: its response's checked outcome. shared_prefix: 1 if a response to the
+    same prompt that starts with the same steps succeeded, else 0 (Math-Shepherd's hard estimate, no extra rollout;
+    docs/process-rewards.md#4-the-prm-follows-the-policy-prmflow-prm-update)."""
     iteration: int = 0
     """RL iteration k whose rollouts train the PRM: tags the tracking run and seeds the split and the replay draw."""
     max_steps: int = 40
@@ -125,7 +128,8 @@ class Config:
         if self.train_layers < 0 or self.eval_every < 0 or self.save_every < 0:
             raise ConfigError("train_layers, eval_every and save_every must be 0 or more.")
         if self.optim.warmup_steps >= self.max_steps:
-            raise ConfigError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be smaller than max_steps ({self.max_steps}).")
+            raise ConfigError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be smaller than "
+                              f"max_steps ({self.max_steps}).")
         if self.replay_share > 0 and not self.replay:
             log.info("replay_share=%s but no replay directories: training on this iteration's rollouts only",
                      self.replay_share)
@@ -181,7 +185,8 @@ def split_by_prompt(examples: list[data.StepExample], share: float, seed: int) -
     return [e for e in examples if prompt_of(e) not in held], [e for e in examples if prompt_of(e) in held]
 
 
-def draw_replay(cfg: Config, separator: str, n_current: int, held_prompts: frozenset[str] = frozenset()) -> list[data.StepExample]:
+def draw_replay(cfg: Config, separator: str, n_current: int,
+                held_prompts: frozenset[str] = frozenset()) -> list[data.StepExample]:
     """replay_share of the training set from the older rollouts (all of them when they hold fewer),
     never a response to one of `held_prompts` (older samples of a held-out prompt would teach the PRM
     the very problems its held-out AUC is measured on)."""

@@ -22,21 +22,28 @@ class Config:
     output: str = "outputs/rollouts"
     """Rollouts directory to create; with num_shards > 1 this shard's own directory (e.g. ITER/shard-3)."""
     prm: str = ""
-    """PRM directory for step_rewards (its own tokenizer re-reads the text), or `oracle`: the arithmetic task's exact checker labels each step 1 up to the first wrong step, 0 from it (the ceiling of what step rewards can give). Empty: no step_rewards."""
+    """PRM directory for step_rewards (its own tokenizer re-reads the text), or `oracle`: the arithmetic task's exact
+    checker labels each step 1 up to the first wrong step, 0 from it (the ceiling of what step rewards can give). Empty:
+    no step_rewards."""
     ref: str = ""
     """Reference model for ref_logprobs (the KL term), sharing the policy's tokenizer. Empty: no ref_logprobs."""
     critic: str = ""
     """Critic (scalar-head model) for per-token values, needed by GAE. Empty: no values."""
     task: str = "arithmetic"
-    """Prompts: 'arithmetic' or 'visual' (built-in tasks; visual needs a vision-language policy) or a .jsonl/.parquet dataset (prompt/messages, answer, source, images)."""
+    """Prompts: 'arithmetic' or 'visual' (built-in tasks; visual needs a vision-language policy) or a .jsonl/.parquet
+    dataset (prompt/messages, answer, source, images)."""
     split: str = "train"
     """Split of the arithmetic task (a dataset file is one split)."""
     num_prompts: int = 64
     """Prompts per iteration over all shards; 0 = every row of a dataset file."""
     n_samples: int = 4
     """Responses sampled per prompt (a group, for GRPO/RLOO baselines)."""
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64))
-    """How a response is drawn: temperature (0 = greedy: then n_samples > 1 repeats the same response; every log-prob column is taken at it, as the ppo stage's), max_new_tokens (EOS included; longer responses end with finish_reason 'length'). top_p < 1 and top_k > 0 are refused: the trainer cannot take its log-probs under the sampler's truncation."""
+    sampling: SamplingConfig = field(
+        default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64))
+    """How a response is drawn: temperature (0 = greedy: then n_samples > 1 repeats the same response; every log-prob
+    column is taken at it, as the ppo stage's), max_new_tokens (EOS included; longer responses end with finish_reason
+    'length'). top_p < 1 and top_k > 0 are refused: the trainer cannot take its log-probs under the sampler's
+    truncation."""
     stop: list[str] = field(default_factory=list)
     """Stop strings: a response ends once its text contains one (kept in the response)."""
     seed: int = 0
@@ -48,13 +55,16 @@ class Config:
     score_batch_sequences: int = 32
     """Sequences per forward pass when scoring (old/ref logprobs, values, PRM)."""
     old_logprobs: Literal["auto", "forward", "sampler"] = "auto"
-    """Where old_logprobs (the PPO ratio's denominator) come from. forward: a full forward of the policy over every response (one more pass). sampler: the sampler's own log-probs (behavior_logprobs; with vLLM fit only if ppo recomputes). auto: sampler for hf in float32, else forward."""
+    """Where old_logprobs (the PPO ratio's denominator) come from. forward: a full forward of the policy over every
+    response (one more pass). sampler: the sampler's own log-probs (behavior_logprobs; with vLLM fit only if ppo
+    recomputes). auto: sampler for hf in float32, else forward."""
     sampler: Literal["hf", "vllm"] = "hf"
     """Sampling engine: hf (CPU or GPU, transformers) or vllm (GPU node pools, the gpu extra)."""
     device: str = ""
     """Torch device for the HF sampler and the scoring models; empty = cuda when available, else cpu."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Model dtype for sampling and scoring; auto = bfloat16 with vLLM or on a GPU (half the memory of float32; a float32 vLLM engine is slow and large), float32 on CPU (exact)."""
+    """Model dtype for sampling and scoring; auto = bfloat16 with vLLM or on a GPU (half the memory of float32; a
+    float32 vLLM engine is slow and large), float32 on CPU (exact)."""
     chat_template: bool = True
     """Wrap prompts in the tokenizer's chat template when it has one (as SFT did)."""
     max_prompt_len: int = 0
@@ -64,15 +74,19 @@ class Config:
     step_separator: str = "\n"
     """Text between reasoning steps (step_ends and the PRM's steps); the shared default is a newline."""
     rewards: list = field(default_factory=lambda: [dict(e) for e in rewards_lib.DEFAULT_RECIPES])
-    """Outcome reward table: entries {source, component, weight, name, ...params}; a row's recipe is its source's entries (else source 'default'). YAML text on the command line."""
+    """Outcome reward table: entries {source, component, weight, name, ...params}; a row's recipe is its source's
+    entries (else source 'default'). YAML text on the command line."""
     shard: int = 0
     """This pod's shard: it samples the prompts with index % num_shards == shard."""
     num_shards: int = 1
     """Pods sampling this iteration in parallel, each into its own output; their parent reads as one dataset."""
     rank: int = -1
-    """This process's rank among world_size processes splitting the shard's prompts (one engine per GPU): it samples and scores generation batches rank, rank + world_size, ... and writes OUTPUT/rank-<rank>; the ranks' directories read as one dataset. -1: $RANK (torchrun sets it), else 0."""
+    """This process's rank among world_size processes splitting the shard's prompts (one engine per GPU): it samples and
+    scores generation batches rank, rank + world_size, ... and writes OUTPUT/rank-<rank>; the ranks' directories read as
+    one dataset. -1: $RANK (torchrun sets it), else 0."""
     world_size: int = 0
-    """Processes splitting this shard's prompts, e.g. `torchrun --nproc-per-node 8 prmflow rollout ...`; the samples are the same as on one process. 0: $WORLD_SIZE (torchrun sets it), else 1."""
+    """Processes splitting this shard's prompts, e.g. `torchrun --nproc-per-node 8 prmflow rollout ...`; the samples are
+    the same as on one process. 0: $WORLD_SIZE (torchrun sets it), else 1."""
     log_samples: int = 16
     """Responses (with per-step PRM scores) logged as an MLflow table artifact."""
     overwrite: bool = False

@@ -2,8 +2,8 @@
 
 Sampling (engines.py) gives token ids, behavior_logprobs and finish_reason per sample. Scoring
 (response_scores.py) recomputes old_logprobs with a fresh full forward of the policy, unless the sampler's
-own numbers are that policy's (`old_from_sampler`: the HF sampler in float32), ref_logprobs from `ref` (the KL term), values from `critic`, and step_rewards
-from the PRM on the re-tokenized text. One model is on the device at a time.
+own numbers are that policy's (`old_from_sampler`: the HF sampler in float32), ref_logprobs from `ref` (the KL term),
+values from `critic`, and step_rewards from the PRM on the re-tokenized text. One model is on the device at a time.
 """
 
 from __future__ import annotations

@@ -165,5 +165,6 @@ def describe_recipes(spec: Any) -> str:
     """One clause per source: 'arithmetic = 1.0*arithmetic; default = 1.0*math'."""
     terms: dict[str, list[str]] = {}
     for e in parse_table(spec):
-        terms.setdefault(str(e.get("source", "default")), []).append(f"{e.get('weight', 1.0)}*{e.get('name', e.get('component'))}")
+        term = f"{e.get('weight', 1.0)}*{e.get('name', e.get('component'))}"
+        terms.setdefault(str(e.get("source", "default")), []).append(term)
     return "; ".join(f"{source} = " + " + ".join(t) for source, t in terms.items())

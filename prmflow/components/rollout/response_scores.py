@@ -145,7 +145,8 @@ def forward_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequenc
             for i, part in zip(idx, np.split(flat.float().cpu().numpy(), np.cumsum(r_lens)[:-1])):
                 out[i] = part
         else:
-            lp = sequence_logprobs(model, ids, mask, temperature, **extra).float().cpu().numpy()  # (B, T-1): entry j scores token j+1
+            # (B, T-1): entry j scores token j+1
+            lp = sequence_logprobs(model, ids, mask, temperature, **extra).float().cpu().numpy()
             for r, i in enumerate(idx):
                 out[i] = lp[r, p_lens[r] - 1:p_lens[r] - 1 + r_lens[r]].astype(np.float32)
         if progress is not None:

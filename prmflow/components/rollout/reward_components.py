@@ -139,7 +139,8 @@ def import_function(spec: str) -> Callable:
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
-        raise ConfigError(f"function reward {spec!r}: cannot import module {module!r} ({e}). Is it installed or on PYTHONPATH?") from None
+        raise ConfigError(f"function reward {spec!r}: cannot import module {module!r} ({e}). "
+                          "Is it installed or on PYTHONPATH?") from None
     fn = getattr(mod, name, None)
     if not callable(fn):
         raise ConfigError(f"function reward {spec!r}: module {module!r} has no function {name!r}.")

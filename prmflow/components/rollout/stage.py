@@ -14,8 +14,9 @@ Phases, in one process:
 3. outcome reward (outcome_rewards.py): the recipe of each row's `source`, a weighted sum of components,
    computed before the model passes so a broken reward fails fast.
 4. score (model_passes.py, with response_scores.py): old_logprobs from a fresh full forward of the policy, or,
-   with the HF sampler in float32, its own log-probs of the tokens it drew (key old_logprobs), ref_logprobs from `ref` when set (KL term), values from `critic`
-   when set, step_ends from the policy's tokens, step_rewards from the PRM on the re-tokenized text.
+   with the HF sampler in float32, its own log-probs of the tokens it drew (key old_logprobs), ref_logprobs from
+   `ref` when set (KL term), values from `critic` when set, step_ends from the policy's tokens, step_rewards from the
+   PRM on the re-tokenized text.
 5. write (output.py): DatasetWriter into a temporary sibling, validated, renamed at the end; the
    manifest keeps the config and the metrics, so a re-run with the same config returns at once.
 
@@ -76,12 +77,13 @@ def run(cfg: Config) -> dict:
     window, window_name = modeling.context_window(cfg.policy, cfg.vllm.max_model_len if cfg.sampler == "vllm" else 0)
     prompt_texts, prompt_ids, truncated = prompts.tokenize_prompts(cfg, tokenizer, records, window, window_name)
     params = SamplingParams(n=cfg.n_samples, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-                            top_k=cfg.sampling.top_k, max_new_tokens=cfg.sampling.max_new_tokens, stop=list(cfg.stop), seed=passes.sampling_seed(cfg))
+                            top_k=cfg.sampling.top_k, max_new_tokens=cfg.sampling.max_new_tokens, stop=list(cfg.stop),
+                            seed=passes.sampling_seed(cfg))
     rank, world = cfg.ranks()
     rank_tag = {"prmflow.rank": f"{rank}/{world}"} if world > 1 else {}
     tracker = tracking.start_stage_run(cfg.tracking, "rollout", params=config_lib.flat_dict(cfg), iteration=cfg.iteration,
-                                       tags={"prmflow.output": str(out.resolve()), "prmflow.shard": f"{cfg.shard}/{cfg.num_shards}",
-                                             **rank_tag})
+                                       tags={"prmflow.output": str(out.resolve()),
+                                             "prmflow.shard": f"{cfg.shard}/{cfg.num_shards}", **rank_tag})
     with tracker:
         images = [r.images or [] for r in records] if has_images else None
         completions, policy, timing = passes.generate(cfg, tokenizer, prompt_ids, params, images)

@@ -229,17 +229,26 @@ class VLLMSettings:
     tensor_parallel_size: int = 1
     """GPUs one model is split across."""
     max_model_len: int = 0
-    """Context window vLLM reserves cache for; 0 = the model's own. rollout cuts (or refuses, on_long_prompt) its prompts to fit it with sampling.max_new_tokens; evaluate and prm-label refuse a prompt that fills it."""
+    """Context window vLLM reserves cache for; 0 = the model's own. rollout cuts (or refuses, on_long_prompt) its
+    prompts to fit it with sampling.max_new_tokens; evaluate and prm-label refuse a prompt that fills it."""
     enforce_eager: bool = False
-    """No torch.compile and no CUDA graphs (vLLM then sets both off): the quickest start and the slowest decoding; for debugging and tiny runs."""
+    """No torch.compile and no CUDA graphs (vLLM then sets both off): the quickest start and the slowest decoding; for
+    debugging and tiny runs."""
     compile: bool = False
-    """torch.compile the model (vLLM's compilation mode 3) with piecewise CUDA graphs for prefill. Off: no compile at start, decoding still replays full CUDA graphs. Off by default as a rollout pod pays a cold compile every iteration (docs/testing.md#on-a-gpu)."""
+    """torch.compile the model (vLLM's compilation mode 3) with piecewise CUDA graphs for prefill. Off: no compile at
+    start, decoding still replays full CUDA graphs. Off by default as a rollout pod pays a cold compile every iteration
+    (docs/testing.md#on-a-gpu)."""
     cudagraph_capture_sizes: list[int] = field(default_factory=lambda: list(CUDAGRAPH_SIZES))
-    """Decode batch sizes vLLM captures a CUDA graph for (a batch between two sizes runs padded to the next one); each size costs capture time at start. Default: powers of two to 512 (10 graphs, against vLLM's 51), captured in 1-2 s on an H200; [] = vLLM's own list."""
+    """Decode batch sizes vLLM captures a CUDA graph for (a batch between two sizes runs padded to the next one); each
+    size costs capture time at start. Default: powers of two to 512 (10 graphs, against vLLM's 51), captured in 1-2 s on
+    an H200; [] = vLLM's own list."""
     max_num_seqs: int = 0
-    """Sequences vLLM decodes at once; 0 = vLLM's (1024 on an H100/H200 for offline use, 256 on smaller GPUs). It also sizes the start's memory-profiling batch, and CUDA graphs are captured only up to the first size that holds it."""
+    """Sequences vLLM decodes at once; 0 = vLLM's (1024 on an H100/H200 for offline use, 256 on smaller GPUs). It also
+    sizes the start's memory-profiling batch, and CUDA graphs are captured only up to the first size that holds it."""
     in_process: bool = False
-    """Run vLLM's engine core in the stage's process ($VLLM_ENABLE_V1_MULTIPROCESSING=0), not a spawned one that imports torch and vLLM again: a faster start (docs/testing.md#on-a-gpu). The engine's memory is then freed at close; a rank whose GPU is not cuda:0 is refused."""
+    """Run vLLM's engine core in the stage's process ($VLLM_ENABLE_V1_MULTIPROCESSING=0), not a spawned one that imports
+    torch and vLLM again: a faster start (docs/testing.md#on-a-gpu). The engine's memory is then freed at close; a rank
+    whose GPU is not cuda:0 is refused."""
     shutdown_timeout_s: float = 120.0
     """Seconds to wait, after the engine shuts down, for its GPU memory to come back before the scoring models load."""
     extra: dict = field(default_factory=dict)

@@ -58,8 +58,10 @@ class BestOfNConfig:
     """Held-out prompts (arithmetic 'test' split, or the first rows of task)."""
     task: str = "arithmetic"
     """Prompts with reference answers: 'arithmetic' or 'visual' (their test split) or a .jsonl/.parquet dataset."""
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64))
-    """How the N solutions are drawn (temperature 1.0 = the policy's own distribution); max_new_tokens is the budget of every solution, the greedy one included."""
+    sampling: SamplingConfig = field(
+        default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64))
+    """How the N solutions are drawn (temperature 1.0 = the policy's own distribution); max_new_tokens is the budget of
+    every solution, the greedy one included."""
     aggregations: list[str] = field(default_factory=lambda: ["min", "product", "last", "mean"])
     """Reductions of step scores to one score per solution; each gives eval/bon_<name>."""
     batch_sequences: int = 256
@@ -69,9 +71,12 @@ class BestOfNConfig:
     device: str = ""
     """Where the policy samples and the PRM scores (cuda, cuda:1, cpu); empty = cuda when available, else cpu."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype of the policy and the PRM; auto = bfloat16 on a GPU (half the memory of float32) and for vLLM, float32 on CPU (exact)."""
+    """Dtype of the policy and the PRM; auto = bfloat16 on a GPU (half the memory of float32) and for vLLM, float32 on
+    CPU (exact)."""
     sampler: Sampler = "hf"
-    """Sampling engine: hf (transformers, CPU or GPU) or vllm (a GPU with the gpu extra; shut down before the PRM loads). In the prm stage training's states still hold the GPU: lower bon.vllm.gpu_memory_utilization, or rerun on the finished output."""
+    """Sampling engine: hf (transformers, CPU or GPU) or vllm (a GPU with the gpu extra; shut down before the PRM
+    loads). In the prm stage training's states still hold the GPU: lower bon.vllm.gpu_memory_utilization, or rerun on
+    the finished output."""
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
     """vLLM engine settings (sampler=vllm only)."""
 

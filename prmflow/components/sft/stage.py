@@ -45,11 +45,13 @@ log = logging.getLogger(__name__)
 @dataclass
 class Config:
     policy: str = "tiny-llama"
-    """Policy to start from: an HF model directory, or a tiny preset (tiny-llama, tiny-qwen2; tiny-llava for images) built from a config."""
+    """Policy to start from: an HF model directory, or a tiny preset (tiny-llama, tiny-qwen2; tiny-llava for images)
+    built from a config."""
     output: str = "outputs/sft"
     """Directory the trained policy is written to (HF format), atomically at the end."""
     task: str = "arithmetic"
-    """Training data: 'arithmetic' or 'visual' (built-in tasks; visual needs a vision-language model) or a .jsonl/.parquet file with prompt/messages + response/answer (+ images)."""
+    """Training data: 'arithmetic' or 'visual' (built-in tasks; visual needs a vision-language model) or a
+    .jsonl/.parquet file with prompt/messages + response/answer (+ images)."""
     eval_task: str = ""
     """Held-out data: empty = the built-in task's 'eval' split, or the last eval_size rows of a dataset file."""
     num_prompts: int = 6000
@@ -69,7 +71,8 @@ class Config:
     max_steps: int = 700
     """Optimizer steps to train for."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, lr_schedule="cosine", warmup_steps=30))
-    """Optimizer: peak lr, schedule, warm-up, weight decay, gradient clipping (tiny models like a high lr; use ~1e-5 for billion-parameter models)."""
+    """Optimizer: peak lr, schedule, warm-up, weight decay, gradient clipping (tiny models like a high lr; use ~1e-5 for
+    billion-parameter models)."""
     log_every: int = 10
     """Log train/* and perf/* metrics every this many steps."""
     eval_every: int = 250
@@ -79,7 +82,8 @@ class Config:
     eval_max_new_tokens: int = 64
     """Greedy decoding budget for held-out accuracy."""
     freeze: list[str] = field(default_factory=list)
-    """Parameter-name prefixes kept frozen, e.g. model.vision_tower: a vision-language model then trains its projector and language model only (LLaVA's recipe)."""
+    """Parameter-name prefixes kept frozen, e.g. model.vision_tower: a vision-language model then trains its projector
+    and language model only (LLaVA's recipe)."""
     lora_r: int = 0
     """LoRA rank; 0 trains all weights. LoRA is saved merged into the base weights."""
     lora_alpha: int = 16
@@ -104,7 +108,8 @@ class Config:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}; it must be at least 1.")
         if self.optim.warmup_steps >= self.max_steps:
-            raise ConfigError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be smaller than max_steps ({self.max_steps}).")
+            raise ConfigError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be smaller than "
+                              f"max_steps ({self.max_steps}).")
         if self.lora_r < 0:
             raise ConfigError(f"lora_r is {self.lora_r}; use 0 (off) or a positive rank.")
 

@@ -48,13 +48,18 @@ class EngineConfig:
     offload_optimizer: bool = False
     """DeepSpeed: keep optimizer state in CPU memory (ZeRO >= 1); saves GPU memory, costs speed."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype. bfloat16: forward and backward in bf16, the optimizer on fp32 master weights (torch: autocast over fp32 parameters; DeepSpeed: bf16 parameters, fp32 master copy and gradients), so small updates are not lost. float32 is exact and fine on CPU."""
+    """Compute dtype. bfloat16: forward and backward in bf16, the optimizer on fp32 master weights (torch: autocast over
+    fp32 parameters; DeepSpeed: bf16 parameters, fp32 master copy and gradients), so small updates are not lost. float32
+    is exact and fine on CPU."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about 30% more compute."""
     nproc_per_node: int = 0
-    """Data-parallel ranks on this machine: 0 = one per visible GPU (1 on CPU); N > 1 starts N ranks through torch.distributed.run (on CPU, N gloo processes). The result is one process's up to float rounding. Ignored under an outside torchrun."""
+    """Data-parallel ranks on this machine: 0 = one per visible GPU (1 on CPU); N > 1 starts N ranks through
+    torch.distributed.run (on CPU, N gloo processes). The result is one process's up to float rounding. Ignored under an
+    outside torchrun."""
     collective_timeout_s: float = 900.0
-    """Seconds a collective (gradient reduce, barrier, checkpoint) waits for the other ranks before the job fails: bounds the time a hung or dead rank can stall the others. Must cover the slowest checkpoint save."""
+    """Seconds a collective (gradient reduce, barrier, checkpoint) waits for the other ranks before the job fails:
+    bounds the time a hung or dead rank can stall the others. Must cover the slowest checkpoint save."""
 
     def __post_init__(self):
         if self.nproc_per_node < 0:
@@ -167,7 +172,8 @@ class TrainEngine:
         from transformers import get_scheduler
 
         self.cfg = cfg
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available()
+                       else torch.device("cpu"))
         if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
         model.to(self.device)

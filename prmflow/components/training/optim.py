@@ -26,7 +26,8 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
     eps: float = 1e-8
-    """AdamW's epsilon, added to sqrt(v): a larger one damps the steps of parameters whose gradients are near zero (rare tokens' embeddings), where Adam would otherwise take a full lr-sized step on float noise."""
+    """AdamW's epsilon, added to sqrt(v): a larger one damps the steps of parameters whose gradients are near zero (rare
+    tokens' embeddings), where Adam would otherwise take a full lr-sized step on float noise."""
 
     def __post_init__(self):
         if self.lr <= 0:

@@ -70,7 +70,8 @@ RETRY_NODE_SOURCE = {
 }
 #: workflowDefaults.spec.templateDefaults.retryStrategy {limit: 2, retryPolicy: OnError}: every template retries.
 RETRY_EVERY_TEMPLATE = {"2.15": False, "2.16": False, "2.17": True}
-RETRY_EVERY_TEMPLATE_SOURCE = Source(KFP, "2.17.0", "manifests/kustomize/third-party/argo/base/workflow-controller-configmap-patch.yaml", "50-59")
+RETRY_EVERY_TEMPLATE_SOURCE = Source(
+    KFP, "2.17.0", "manifests/kustomize/third-party/argo/base/workflow-controller-configmap-patch.yaml", "50-59")
 #: A task's own retry policy (task.set_retry) becomes the executor template's retryStrategy.
 TASK_RETRY_SOURCE = {
     "2.15": Source(KFP, "2.15.0", "backend/src/v2/compiler/argocompiler/container.go", 558),

@@ -33,8 +33,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prmflow.components.models.prm_model import PRM, HeadConfig  # noqa: E402
 from prmflow.components.prm.step_examples import step_bce  # noqa: E402
-from peak_memory import VOCAB, memory_now, memory_peak, qwen_1_5b_head  # noqa: E402
+from peak_memory import VOCAB, child_rows, memory_now, memory_peak, qwen_1_5b_head  # noqa: E402
 
 def build(layers: int, dtype: torch.dtype, device: str) -> PRM:
     model = qwen_1_5b_head(layers, dtype, device)
@@ -124,18 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(one(args)))
         return 0
-    rows = []
-    for path in args.paths.split(","):
-        cmd = [sys.executable, __file__, "--child", "--paths", path, "--batch", str(args.batch), "--tokens",
-               str(args.tokens), "--prompt_tokens", str(args.prompt_tokens), "--layers", str(args.layers),
-               "--dtype", args.dtype, "--what", args.what]
-        cmd += ["--train"] if args.train else []
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        if out.returncode:
-            print(out.stderr[-2000:], file=sys.stderr)
-            return out.returncode
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(json.dumps(rows[-1]), flush=True)
+    rows = child_rows([[sys.executable, __file__, "--child", "--paths", path, "--batch", str(args.batch), "--tokens",
+                        str(args.tokens), "--prompt_tokens", str(args.prompt_tokens), "--layers", str(args.layers),
+                        "--dtype", args.dtype, "--what", args.what] + (["--train"] if args.train else [])
+                       for path in args.paths.split(",")])
+    if isinstance(rows, int):
+        return rows
     gib = 2**30
     print("\n| path | pass | dtype | batch x tokens (response) | peak memory of the pass | (B, T, V) float32 | wall |")
     print("|---|---|---|---|---|---|---|")

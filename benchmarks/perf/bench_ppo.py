@@ -41,9 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -171,17 +169,14 @@ def loss_main(args) -> int:
     if args.child:
         print(json.dumps(one_loss(args)))
         return 0
-    rows = []
-    for path in args.paths.split(","):
-        cmd = [sys.executable, __file__, "--what", "loss", "--child", "--paths", path, "--batch", str(args.batch),
-               "--tokens", str(args.tokens), "--prompt_tokens", str(args.prompt_tokens), "--layers", str(args.layers),
-               "--dtype", args.dtype, "--entropy_coef", str(args.entropy_coef), "--ptx_rows", str(args.ptx_rows)]
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        if out.returncode:
-            print(out.stderr[-2000:], file=sys.stderr)
-            return out.returncode
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(json.dumps(rows[-1]), flush=True)
+    from peak_memory import child_rows
+
+    rows = child_rows([[sys.executable, __file__, "--what", "loss", "--child", "--paths", path, "--batch", str(args.batch),
+                        "--tokens", str(args.tokens), "--prompt_tokens", str(args.prompt_tokens), "--layers",
+                        str(args.layers), "--dtype", args.dtype, "--entropy_coef", str(args.entropy_coef),
+                        "--ptx_rows", str(args.ptx_rows)] for path in args.paths.split(",")])
+    if isinstance(rows, int):
+        return rows
     gib = 2**30
     print("\n| path | pass | dtype | batch x tokens (response) | peak memory of the pass | (B, R, V) float32 | wall |")
     print("|---|---|---|---|---|---|---|")

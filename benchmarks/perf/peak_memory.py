@@ -8,6 +8,10 @@ torch.cuda.max_memory_allocated minus what was allocated before.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -48,3 +52,17 @@ def qwen_1_5b_head(layers: int, dtype: torch.dtype, device: str):
     torch.manual_seed(0)
     with torch.device(device):  # a 28-layer body on a GPU in seconds, not a minute of CPU
         return Qwen2ForCausalLM(cfg).to(dtype=dtype)
+
+
+def child_rows(cmds: list[list[str]]) -> list[dict] | int:
+    """Run each measuring child (one process per path, so each peak is its own) and read the JSON row it prints
+    last; a failed child's exit code (its stderr's tail printed) instead of the rows."""
+    rows = []
+    for cmd in cmds:
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        if out.returncode:
+            print(out.stderr[-2000:], file=sys.stderr)
+            return out.returncode
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows

@@ -16,6 +16,7 @@ from test_advantage_stage import make_cfg, read_out, write_rows
 from prmflow.components.advantage import stage
 from prmflow.components.advantage.estimators import PROCESS_BOUND
 from prmflow.components.advantage.progress import prefix_keys, shared_prefix_labels
+from prmflow.errors import DataError
 
 SHARED = {"estimator": "grpo_progress", "process_calibration": "isotonic", "calibration_labels": "shared_prefix"}
 
@@ -129,3 +130,15 @@ def test_balanced_and_bounded_as_the_step_credit(tmp_path, prm):
         assert (np.sign(a) * np.sign(out) >= 0).all() if out != 0 else True
         cap = PROCESS_BOUND * (abs(out) if out != 0 else 0.5)
         assert np.abs(a - out).max() <= cap + 1e-5
+
+
+def test_a_row_whose_step_ends_and_scores_differ_is_named_before_any_label(tmp_path):
+    # the labels pair each step's prefix with its score: a row with fewer step_ends than step_rewards (planted past
+    # the writer's checks) is refused by name, not paired with the next row's steps
+    rows, _ = _rows("good", 0, n_prompts=3, n_samples=4)
+    rows[5] = {**rows[5], "step_ends": rows[5]["step_ends"][:-1]}
+    write_rows(tmp_path, rows, validated=True)
+    with pytest.raises(DataError, match=r"'step_rewards' and 'step_ends' differ in length in row 5 \(prompt_id='p1', "
+                                        r"sample_idx=1\)"):
+        stage.run(make_cfg(tmp_path, **SHARED))
+    assert not (tmp_path / "advantages").exists()

@@ -224,9 +224,12 @@ def progress_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Process:
     cfg = plan.cfg
     group_of, outcome_of, steps_of, values_of, keys_of = [], [], [], [], []
     shared = cfg.calibration_labels == "shared_prefix"  # the prefixes' token ids say which responses share them
-    columns = ["outcome_reward", "step_rewards", *(["response_ids", "step_ends"] if shared else [])]
+    columns = ["outcome_reward", "step_rewards",
+               *(["prompt_id", "sample_idx", "iteration", "response_ids", "step_ends"] if shared else [])]
     start = 0
-    for t in ds.iter_batches(max(cfg.batch_rows, 1 << 16), columns, validate_rows=False):
+    # with the prefixes read, their rows are checked here (step_ends as long as step_rewards, inside the response):
+    # the keys must line up with the scores before any label is made
+    for t in ds.iter_batches(max(cfg.batch_rows, 1 << 16), columns, validate_rows=shared):
         group_of.append(groups.codes[start:start + t.num_rows])
         start += t.num_rows
         if shared:

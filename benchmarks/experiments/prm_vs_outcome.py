@@ -63,6 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import prm_vs_outcome_stats as bench_stats  # noqa: E402
 
 from prmflow.components.advantage import stage as advantage  # noqa: E402
+from prmflow.components.advantage.config import RECIPE  # noqa: E402
+from prmflow.components.advantage.estimators import ESTIMATORS  # noqa: E402
 from prmflow.components.advantage.progress import CALIBRATION_REVISION  # noqa: E402
 from prmflow.components import config as config_lib
 from prmflow.components.models import modeling
@@ -365,6 +367,18 @@ def implicit_start(out: Path, beta: float) -> Path:
     return dst
 
 
+def advantage_identity(section: dict) -> dict:
+    """A variant's advantage section as its run digest reads it: for grpo_progress every key of the recommended
+    recipe (advantage.config.RECIPE) with the value the stage fills in where the section leaves it empty, so
+    `estimator: grpo_progress` alone and the six keys the regime configs spelled out before are one run (the
+    same digest as those finished runs); other keys as written."""
+    cfg = config_lib.build(advantage.Config, config_lib.flatten(section), where="advantage section")
+    if not ESTIMATORS[cfg.estimator].process:
+        return dict(section)
+    filled = cfg.filled()
+    return {**section, **{k: getattr(filled, k) for k in RECIPE}}
+
+
 def run_digest(cfg: BenchConfig, name: str | None) -> str:
     """Digest of everything that makes a run's result (or, name None, the shared start and its evaluation)."""
     c = config_lib.to_dict(cfg)
@@ -373,7 +387,9 @@ def run_digest(cfg: BenchConfig, name: str | None) -> str:
         keys += ["rollout", "ppo", "iterations"]
     picked = {k: c[k] for k in keys}
     if name is not None:
-        picked["variant"] = c["variants"][name]
+        variant = c["variants"][name]
+        picked["variant"] = {**variant, **({"advantage": advantage_identity(variant["advantage"])}
+                                           if "advantage" in variant else {})}
         if picked["variant"].get("prm") in ("trained-implicit", "trained-likes-shortcuts"):  # the implicit PRM's keys
             picked["implicit_prm"] = c["implicit_prm"]
         if picked["variant"].get("advantage", {}).get("process_calibration") == "isotonic":  # code, not config
@@ -448,7 +464,8 @@ def _run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict,
                                                                 "output": str(it / "advantages"), "iteration": k,
                                                                 "tracking": OFF}))
         points[-1].update({key: adv[key] for key in ("advantage/prm_step_auc", "advantage/process_weight",
-                                                     "advantage/prm_calibrated_spread") if key in adv})
+                                                     "advantage/prm_calibrated_spread", "advantage/prm_label_auc",
+                                                     "advantage/labelled_share") if key in adv})
         if "update" in variant:  # the PRM follows the policy: trained on these rollouts for the next iteration
             upd = prm_update.run(config_lib.build(prm_update.Config, {
                 **variant["update"], "prm": prm, "input": str(it / "rollouts"), "output": str(it / "prm"),
@@ -519,6 +536,8 @@ def log_mlflow(cfg: BenchConfig, out: Path, results: dict, table: str, png: Path
 PROCESS_COLUMNS = [("PRM step AUC on the policy's samples (checker labels)", "prm/step_auc_on_policy"),
                    ("gate AUC (vs outcome)", "advantage/prm_step_auc"), ("process weight", "advantage/process_weight"),
                    ("calibrated spread (process_calibration)", "advantage/prm_calibrated_spread"),
+                   ("label AUC / labelled share (calibration_labels)", ("advantage/prm_label_auc",
+                                                                        "advantage/labelled_share")),
                    ("update held-out AUC before -> after", ("prm/update_auc_before", "prm/update_auc_after")),
                    ("score shortcut wrong / right", ("prm/score_shortcut_wrong", "prm/score_shortcut_right")),
                    ("score single wrong / right", ("prm/score_single_wrong", "prm/score_single_right"))]

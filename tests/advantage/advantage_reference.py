@@ -269,16 +269,41 @@ def folds(rows: list[dict], k: int = 5) -> dict[str, int]:
     return {p: i % k for i, p in enumerate(sorted({r["prompt_id"] for r in rows}))}
 
 
-def chosen_map(rows: list[dict], fold: dict[str, int], f: int) -> Callable[[float], float]:
+def shared_prefix_labels(rows: list[dict]) -> dict[int, list[float | None]]:
+    """id(row) -> per step: 1.0 when a response of the same group with outcome >= 0.5 has a step k (the same k)
+    ending at the same token with the same token ids up to it, else 0.0; None for every step of a group with no
+    such response (no evidence). Written out with list comparisons."""
+    groups = defaultdict(list)
+    for row in rows:
+        groups[group_of(row)].append(row)
+    out = {}
+    for row in rows:
+        won = [o for o in groups[group_of(row)] if o["outcome_reward"] >= 0.5]
+        labels = []
+        for k, e in enumerate(row["step_ends"]):
+            same = [o for o in won if len(o["step_ends"]) > k and o["step_ends"][k] == e
+                    and list(o["response_ids"][:e + 1]) == list(row["response_ids"][:e + 1])]
+            labels.append((1.0 if same else 0.0) if won else None)
+        out[id(row)] = labels
+    return out
+
+
+def chosen_map(rows: list[dict], fold: dict[str, int], f: int,
+               labels: dict[int, list] | None = None) -> Callable[[float], float]:
     """The map fold f's scores are read through: the isotonic fit of the (score, outcome) pairs of every step
     but the last of the other folds' rows (0.5 everywhere when there are none), used only where it beats the
     flat map (their mean outcome) on those folds by more than one standard error: each of the other folds
     held out in turn, both maps fitted on the remaining ones, a held-out prompt's gain is the sum over its
     pairs of the flat map's squared error minus the fitted map's; the map wins when the mean gain over the
-    held-out prompts is above 1 x its standard error (sample stdev / sqrt(count), at least 2 prompts)."""
+    held-out prompts is above 1 x its standard error (sample stdev / sqrt(count), at least 2 prompts).
+    labels (`shared_prefix_labels`): each step's own label instead of its row's outcome, steps labelled None
+    left out."""
+    def label_list(o):
+        return labels[id(o)] if labels is not None else [o["outcome_reward"]] * len(o["step_rewards"])
+
     def pairs(keep):
-        return [(x, o["outcome_reward"], o["prompt_id"]) for o in rows if keep(fold[o["prompt_id"]])
-                for x in o["step_rewards"][:-1]]
+        return [(x, y, o["prompt_id"]) for o in rows if keep(fold[o["prompt_id"]])
+                for x, y in zip(o["step_rewards"][:-1], label_list(o)[:-1]) if y is not None]
     train = pairs(lambda k: k != f)
     if not train:
         return lambda v: 0.5
@@ -299,7 +324,7 @@ def chosen_map(rows: list[dict], fold: dict[str, int], f: int) -> Callable[[floa
 
 def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: float,
                   eps: float = 1e-6, credit: str = "step", calibration: str = "none",
-                  lag: int = 1) -> tuple[dict[tuple, dict], float, float]:
+                  lag: int = 1, calibration_labels: str = "outcome") -> tuple[dict[tuple, dict], float, float]:
     """({key: {token_rewards, advantages}}, step AUC, gated weight), straight from the definitions.
     calibration=isotonic: a row's scores read through `chosen_map` of its fold (`folds`); the process term ranks that
     calibrated Phi's own progress, from the mean over the group of its first-step Phi through the last
@@ -311,7 +336,8 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
     credit=baseline: token t gets (R - mean) / (std + eps) + w * (the mean Phi after the first step of the
     group's other responses - Phi after step j), j the last step whose recorded last token is before t - lag
     (lag: the separator's bytes);
-    tokens before any such step (or of a row whose group has no other response with a step) the first term alone."""
+    tokens before any such step (or of a row whose group has no other response with a step) the first term alone.
+    calibration_labels=shared_prefix: the maps are fitted against `shared_prefix_labels` instead of outcomes."""
     groups = defaultdict(list)
     for row in rows:
         groups[group_of(row)].append(row)
@@ -325,7 +351,8 @@ def grpo_progress(rows: list[dict], weight: float, auc_min: float, auc_full: flo
         if not calibrated:
             phi_of[id(row)] = lambda v: v
             continue
-        phi_of[id(row)] = chosen_map(rows, fold, fold[row["prompt_id"]])
+        phi_of[id(row)] = chosen_map(rows, fold, fold[row["prompt_id"]],
+                                     shared_prefix_labels(rows) if calibration_labels == "shared_prefix" else None)
     first = defaultdict(list)  # calibrated: the PRM's Phi after the first step of each response of a group
     for row in rows:
         if row["step_rewards"]:

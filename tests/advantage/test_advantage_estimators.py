@@ -50,7 +50,8 @@ def test_estimator_matches_reference(tmp_path, estimator, gamma, lam):
     seed = zlib.crc32(f"{estimator}-{gamma}-{lam}".encode())
     table = ref.random_rollouts(np.random.default_rng(seed), binary_outcome=seed % 2 == 0)
     kl = {"kl_coef": 0.05, "kl_estimator": "k3"} if ESTIMATORS[estimator].uses_token_rewards else {}
-    progress = {"step_reward_mode": "progress", "process_auc_min": 0.0, "process_auc_full": 0.0} \
+    progress = {"step_reward_mode": "progress", "process_calibration": "none", "process_auc_min": 0.0,
+                "process_auc_full": 0.0} \
         if ESTIMATORS[estimator].process else {}
     run_and_compare(tmp_path, table, estimator=estimator, gamma=gamma, lam=lam, **kl, **progress)
 

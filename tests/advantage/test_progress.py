@@ -508,7 +508,8 @@ def test_calibration_is_recorded_only_when_on(tmp_path):
 
 
 @pytest.mark.parametrize("options, match", [
-    ({"estimator": "grpo_progress"}, r"set step_rewards=true and step_reward_mode=progress"),
+    ({"estimator": "grpo_progress", "step_reward_mode": "raw"}, r"set step_rewards=true and step_reward_mode=progress"),
+    ({"estimator": "grpo_progress", "step_rewards": False}, r"set step_rewards=true and step_reward_mode=progress"),
     ({"estimator": "reinforce", "step_reward_mode": "progress"},
      r"step_reward_mode=progress is read by estimator=grpo_progress only"),
     ({**PROGRESS, "process_auc_min": 0.9, "process_auc_full": 0.8}, r"0 <= process_auc_min <= process_auc_full <= 1"),

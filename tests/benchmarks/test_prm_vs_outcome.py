@@ -255,9 +255,11 @@ def test_rescore_gives_the_adversarial_and_random_prms_scores(tmp_path):
 def test_process_table_against_a_hand_computed_example():
     def run(auc0, auc1, w0, w1, before=None, after=None):
         p0 = {"prm/step_auc_on_policy": auc0, "advantage/prm_step_auc": auc0 - 0.1, "advantage/process_weight": w0,
-              "advantage/prm_calibrated_spread": w0 / 2, "prm/score_shortcut_wrong": 0.6, "prm/score_shortcut_right": 0.7}
+              "advantage/prm_calibrated_spread": w0 / 2, "prm/score_shortcut_wrong": 0.6, "prm/score_shortcut_right": 0.7,
+              "advantage/prm_label_auc": auc0 + 0.05, "advantage/labelled_share": 0.5}
         p1 = {"prm/step_auc_on_policy": auc1, "advantage/prm_step_auc": auc1 - 0.1, "advantage/process_weight": w1,
-              "advantage/prm_calibrated_spread": w1 / 2, "prm/score_shortcut_wrong": 0.2, "prm/score_shortcut_right": 0.8}
+              "advantage/prm_calibrated_spread": w1 / 2, "prm/score_shortcut_wrong": 0.2, "prm/score_shortcut_right": 0.8,
+              "advantage/prm_label_auc": auc1 + 0.05, "advantage/labelled_share": 0.6}
         if before is not None:
             p0.update({"prm/update_auc_before": before, "prm/update_auc_after": after})
             p1.update({"prm/update_auc_before": before + 0.1, "prm/update_auc_after": after + 0.1})
@@ -269,7 +271,7 @@ def test_process_table_against_a_hand_computed_example():
     lines = table.splitlines()
     assert len(lines) == 4 and "outcome-only" not in table  # no step rewards: no row
     assert lines[2] == ("| prm | 0.750 -> 0.850 | 0.650 -> 0.750 | 0.100 -> 0.500 | 0.050 -> 0.250 "
-                        "| 0.650 / 0.850 -> 0.750 / 0.950 "
+                        "| 0.800 / 0.500 -> 0.900 / 0.600 | 0.650 / 0.850 -> 0.750 / 0.950 "
                         "| 0.600 / 0.700 -> 0.200 / 0.800 | - |")  # nothing measured: one dash
     assert lines[3] == "The trained PRM's held-out step AUC on its own eval split: 0.857."
 
@@ -520,3 +522,27 @@ def test_over_starts_pools_the_start_seed_pairs_against_a_hand_computed_example(
     (copy / "results.json").write_text((s1 / "results.json").read_text())
     assert starts_cli.main([str(s0), str(s1), str(copy), "--variant", "recipe"]) == 2
     assert "same weights (sha256 bbbb1111bbbb1111)" in capsys.readouterr().err
+
+
+def test_the_recipe_in_one_line_is_the_run_of_the_six_keys_it_replaced():
+    # finished runs of the regime configs (written with the six keys) stay finished once the configs say
+    # `estimator: grpo_progress`, and an explicit key still makes another run
+    import hashlib
+
+    six = {"estimator": "grpo_progress", "step_reward_mode": "progress", "process_calibration": "isotonic",
+           "process_auc_min": 0.0, "process_auc_full": 0.0, "process_weight": 0.5}
+    update = {"max_steps": 40, "replay_share": 0.25, "held_out": 0.2, "labels": "shared_prefix"}
+
+    def cfg(adv):
+        return bench.BenchConfig(variants={"outcome-only": {"prm": "", "advantage": {"estimator": "grpo"}},
+                                           "r": {"prm": "trained-implicit", "update": update, "advantage": adv}})
+    c = bench.config_lib.to_dict(cfg(six))  # the digest as the code before the one line made it (f64bf3b)
+    picked = {k: c[k] for k in ["arithmetic", "sft", "prm", "eval_prompts", "eval_seed", "eval_max_new_tokens",
+                                "rollout", "ppo", "iterations"]}
+    picked.update(variant=c["variants"]["r"], implicit_prm=c["implicit_prm"], calibration_revision=bench.CALIBRATION_REVISION)
+    before = hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+    assert bench.run_digest(cfg(six), "r") == before
+    assert bench.run_digest(cfg({"estimator": "grpo_progress"}), "r") == before
+    assert bench.run_digest(cfg({"estimator": "grpo_progress", "process_weight": 0.2}), "r") != before
+    assert bench.run_digest(cfg({"estimator": "grpo_progress", "calibration_labels": "shared_prefix"}), "r") != before
+    assert bench.run_digest(cfg({"estimator": "grpo"}), "outcome-only") == bench.run_digest(cfg(six), "outcome-only")

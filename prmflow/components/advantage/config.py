@@ -8,6 +8,7 @@ states, per column, what to do when it is missing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,6 +20,15 @@ from .estimators import ESTIMATORS, Estimator
 from .token_rewards import KL_ESTIMATORS, PROGRESS, STEP_REWARD_MODES
 
 
+RECIPE = {"estimator": "grpo_progress", "step_reward_mode": PROGRESS, "process_calibration": "isotonic",
+          "process_auc_min": 0.0, "process_auc_full": 0.0, "process_weight": 0.5}
+"""The recommended recipe's advantage keys (docs/process-rewards.md#what-to-use), the six that the regime configs
+spelled out: `estimator: grpo_progress` with the others left empty resolves to exactly these (Config.filled)."""
+
+UNCALIBRATED_GATE = (0.6, 0.8)
+"""(process_auc_min, process_auc_full) when left empty without calibration: the evidence gate is then the only guard."""
+
+
 @dataclass
 class Config:
     input: str = ""
@@ -28,7 +38,8 @@ class Config:
     iteration: int = 0
     """RL iteration k: tags the tracking run and is the step of its metrics."""
     estimator: str = "grpo_process"
-    """gae, reinforce, reinforce_baseline, grpo, dr_grpo, rloo, grpo_process or grpo_progress (table in README)."""
+    """gae, reinforce, reinforce_baseline, grpo, dr_grpo, rloo, grpo_process or grpo_progress (table in README).
+    grpo_progress with its keys left empty is the recommended recipe (docs/process-rewards.md#what-to-use)."""
     gamma: float = 1.0
     """Discount per token in [0, 1]; 1 is usual for responses whose reward comes at the end."""
     lam: float = 0.95
@@ -43,10 +54,10 @@ class Config:
     """Add outcome_reward at the last response token. Empty: on, except for grpo_process."""
     step_rewards: bool | None = None
     """Add each PRM step reward at its step's last token. Empty: on, except for grpo, dr_grpo, rloo."""
-    step_reward_mode: str = "raw"
+    step_reward_mode: str = ""
     """How a step reward enters: raw (PRM probability), centered (minus 0.5), min (worst step only), progress (Phi after
-    the step minus before, the last Phi the outcome: sums to R - mean_group however steps are cut; grpo_progress only;
-    docs/process-rewards.md#1-progress-credit-step_reward_mode-progress)."""
+    the step minus before, the last Phi the outcome; grpo_progress only;
+    docs/process-rewards.md#1-progress-credit-step_reward_mode-progress). Empty: progress for grpo_progress, else raw."""
     reward_clip: float = 0.0
     """Clip outcome_reward and each step's contribution to [-reward_clip, reward_clip]; 0 = off."""
     whiten: bool | None = None
@@ -62,16 +73,21 @@ class Config:
     """grpo_progress. step: each step's progress, balanced per token, sign-guarded, bounded. baseline: the PRM only as
     each step's baseline, so the expected gradient is GRPO's whatever it says (for a PRM not fitted to this policy).
     docs/process-rewards.md#2b-baseline-credit-process_credit-baseline"""
-    process_calibration: Literal["none", "isotonic"] = "none"
+    process_calibration: Literal["", "none", "isotonic"] = ""
     """grpo_progress: what Phi is. none: the PRM's score. isotonic: the score mapped to the batch's mean outcome by a
-    cross-fitted isotonic fit, read only where it beats a flat map on held-out prompts (else outcome-only GRPO).
+    cross-fitted isotonic fit, read where it beats a flat map on held-out prompts. Empty: isotonic (grpo_progress).
     docs/process-rewards.md#2c-calibrated-potential-process_calibration-isotonic"""
-    process_auc_min: float = 0.6
+    calibration_labels: Literal["outcome", "shared_prefix"] = "outcome"
+    """process_calibration=isotonic fits against: outcome (a prefix's response's outcome) or shared_prefix (1 when a
+    right response of its group starts with the same steps; no extra sampling).
+    docs/process-rewards.md#2d-calibration-labels-from-the-groups-own-samples-calibration_labels-shared_prefix"""
+    process_auc_min: float | None = None
     """grpo_progress gate: w is 0 when the PRM's step AUC on this batch (its scores of every step but the last, against
-    the response's outcome) is below this; a PRM that cannot tell the current policy's winning prefixes from losing ones
-    then falls back to outcome-only GRPO."""
-    process_auc_full: float = 0.8
-    """grpo_progress gate: w reaches process_weight at this AUC, growing linearly from process_auc_min (equal values: a step)."""
+    the response's outcome) is below this (then outcome-only GRPO). Empty: 0 (no gate) with process_calibration=isotonic,
+    which decides instead; else 0.6."""
+    process_auc_full: float | None = None
+    """grpo_progress gate: w reaches process_weight at this AUC, growing linearly from process_auc_min (equal values: a
+    step). Empty: 0 with process_calibration=isotonic, else 0.8."""
     zero_variance: Literal["keep", "drop", "downweight"] = "keep"
     """Groups (>= 2 samples) with all rewards equal: keep, drop their rows (less PPO work), or downweight."""
     zero_variance_weight: float = 0.1
@@ -87,16 +103,20 @@ class Config:
     def __post_init__(self) -> None:
         _check_choice("estimator", self.estimator, ESTIMATORS)
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _check_choice("step_reward_mode", self.step_reward_mode, [*STEP_REWARD_MODES, PROGRESS])
+        if self.step_reward_mode:
+            _check_choice("step_reward_mode", self.step_reward_mode, [*STEP_REWARD_MODES, PROGRESS])
         _check_choice("zero_variance", self.zero_variance, ("keep", "drop", "downweight"))
         _check_choice("process_credit", self.process_credit, ("step", "baseline"))
-        _check_choice("process_calibration", self.process_calibration, ("none", "isotonic"))
+        if self.process_calibration:
+            _check_choice("process_calibration", self.process_calibration, ("none", "isotonic"))
+        _check_choice("calibration_labels", self.calibration_labels, ("outcome", "shared_prefix"))
         for key, lo, hi in (("gamma", 0, 1), ("lam", 0, 1), ("zero_variance_weight", 0, 1)):
             if not lo <= getattr(self, key) <= hi:
                 raise ConfigError(f"{key}={getattr(self, key)} is outside [{lo}, {hi}]; set it in that range.")
-        if not 0 <= self.process_auc_min <= self.process_auc_full <= 1:
-            raise ConfigError(f"process_auc_min={self.process_auc_min} and process_auc_full={self.process_auc_full} must "
-                              f"satisfy 0 <= process_auc_min <= process_auc_full <= 1.")
+        filled = self.filled()
+        if not 0 <= filled.process_auc_min <= filled.process_auc_full <= 1:
+            raise ConfigError(f"process_auc_min={filled.process_auc_min} and process_auc_full={filled.process_auc_full} "
+                              f"must satisfy 0 <= process_auc_min <= process_auc_full <= 1.")
         for key in ("kl_coef", "reward_clip", "advantage_clip", "process_weight"):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 0 (0 turns it off).")
@@ -104,9 +124,25 @@ class Config:
             raise ConfigError(f"norm_eps={self.norm_eps} must be > 0, or equal-reward groups divide by zero.")
         if self.batch_rows < 1:
             raise ConfigError(f"batch_rows={self.batch_rows} must be >= 1.")
-        # Empty switches stay None here and are resolved in `switches`: storing the resolved value
+        # Empty keys stay empty here and are resolved in `switches` and `filled`: storing the resolved value
         # would pin it when config.load rebuilds the config with command-line overrides.
-        _check_reward_switches(self, ESTIMATORS[self.estimator])
+        _check_reward_switches(filled, ESTIMATORS[self.estimator])
+
+    def filled(self) -> "Config":
+        """This config with its empty step-credit keys filled in from the estimator: grpo_progress alone is RECIPE
+        (the recommended recipe), a key given explicitly wins; other estimators get raw step rewards, no
+        calibration and the gate's 0.6 / 0.8 (which they do not read)."""
+        progress = ESTIMATORS[self.estimator].process
+        mode = self.step_reward_mode or (PROGRESS if progress else "raw")
+        calibration = self.process_calibration or (RECIPE["process_calibration"] if progress else "none")
+        gate = (RECIPE["process_auc_min"], RECIPE["process_auc_full"]) if calibration == "isotonic" else UNCALIBRATED_GATE
+        auc_min = self.process_auc_min if self.process_auc_min is not None else gate[0]
+        auc_full = self.process_auc_full if self.process_auc_full is not None else gate[1]
+        if (mode, calibration, auc_min, auc_full) == (self.step_reward_mode, self.process_calibration,
+                                                      self.process_auc_min, self.process_auc_full):
+            return self
+        return dataclasses.replace(self, step_reward_mode=mode, process_calibration=calibration,
+                                   process_auc_min=auc_min, process_auc_full=auc_full)
 
     def switches(self) -> tuple[bool, bool, bool]:
         """(outcome_reward, step_rewards, whiten) with empty values filled in from the estimator."""
@@ -142,6 +178,10 @@ def _check_reward_switches(cfg: Config, est: Estimator) -> None:
     if cfg.process_calibration != "none" and not est.process:
         raise ConfigError(f"process_calibration={cfg.process_calibration} maps the PRM's scores for estimator=grpo_progress "
                           f"only; {name} would ignore it. Set process_calibration=none, or estimator=grpo_progress.")
+    if cfg.calibration_labels != "outcome" and cfg.process_calibration != "isotonic":
+        raise ConfigError(f"calibration_labels={cfg.calibration_labels} says what process_calibration=isotonic fits the "
+                          f"PRM's scores against, but process_calibration is {cfg.process_calibration} for {name}. Set "
+                          f"process_calibration=isotonic (estimator=grpo_progress), or calibration_labels=outcome.")
     if cfg.step_reward_mode == PROGRESS and not est.process:
         raise ConfigError(f"step_reward_mode=progress is read by estimator=grpo_progress only (its last step holds the "
                           f"outcome, so {name} would count the outcome twice or not at all); set estimator=grpo_progress "
@@ -160,11 +200,15 @@ def _check_reward_switches(cfg: Config, est: Estimator) -> None:
 
 
 def recorded(cfg: Config) -> dict:
-    """The config as the output's manifest records it (its identity): process_calibration only when it
-    is on, so outputs written before the key existed still match."""
+    """The config as the output's manifest records it (its identity): its empty step-credit keys filled in
+    (`Config.filled`: what the stage computes with), process_calibration only when it is on and calibration_labels
+    only when not outcome, so outputs written before those keys existed or could be empty still match."""
+    cfg = cfg.filled()
     d = config_lib.to_dict(cfg)
     if cfg.process_calibration == "none":
         d.pop("process_calibration")
+    if cfg.calibration_labels == "outcome":
+        d.pop("calibration_labels")
     return d
 
 
@@ -196,7 +240,9 @@ class Plan:
 
 
 def resolve(cfg: Config) -> Plan:
-    """The plan for `cfg`: its estimator, beta (kl_state read now) and why each column is needed."""
+    """The plan for `cfg` (its empty keys filled in: `Config.filled`): its estimator, beta (kl_state read now) and
+    why each column is needed."""
+    cfg = cfg.filled()
     beta = read_kl_coef(cfg.kl_state) if cfg.kl_state else cfg.kl_coef
     est = ESTIMATORS[cfg.estimator]
     name = f"estimator={est.name}"

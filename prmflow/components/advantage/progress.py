@@ -24,10 +24,16 @@ fit can only lean the PRM's way, so a map fitted to a PRM of pure noise still ha
 credit towards whatever the PRM likes. No threshold on the PRM's quality is set: the flat map wins
 whenever the PRM's ranking does not carry to prompts it was not fitted on. What this costs and gains is
 measured in docs/process-rewards.md#2c-calibrated-potential-process_calibration-isotonic.
+
+calibration_labels=shared_prefix fits the same maps against each prefix's shared-prefix label instead of its
+response's outcome (`shared_prefix_labels`: 1 when a right response of its group starts with the same steps), on
+the groups that hold a right response: where right answers are rare, a right prefix still fails most of the time,
+so its outcome says little of it, while its label says whether it is on a path that reached the answer.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +59,42 @@ SELECTION_SE = 1.0
 the flat map's squared error minus the map's) exceeds this many standard errors of that mean."""
 
 
+def prefix_keys(response_ids: list, step_ends: list, group: np.ndarray) -> np.ndarray:
+    """(S,) uint64 per step of every row: a hash of (the row's group, the step's index, the token ids up to and
+    including the step's last token), rows in order. Two steps share a key when they end the same prefix of two
+    responses of one group: the same first k+1 steps, token for token (a collision of the 64-bit hash is as
+    likely as 1 in 2^64 per pair). response_ids, step_ends: per row, as the rollouts hold them; group (R,).
+    Slow equivalent: tuple(response_ids[:step_ends[k] + 1]) with the group and k."""
+    keys = []
+    for ids, ends, g in zip(response_ids, step_ends, group.tolist()):
+        ids = np.asarray(ids if ids is not None else [], dtype=np.int64)
+        h = hashlib.blake2b(int(g).to_bytes(8, "little"), digest_size=8)
+        start = 0
+        for k, end in enumerate(ends or []):
+            h.update(ids[start:int(end) + 1].tobytes())
+            start = int(end) + 1
+            step = h.copy()
+            step.update(k.to_bytes(4, "little"))
+            keys.append(int.from_bytes(step.digest(), "little"))
+    return np.array(keys, dtype=np.uint64)
+
+
+def shared_prefix_labels(keys: np.ndarray, row: np.ndarray, outcome: np.ndarray,
+                         group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(labels (S,), informative (S,) bool): a step's label is 1 when some response of its group that succeeded
+    (outcome >= 0.5) starts with the same steps up to and including it (`prefix_keys`), else 0: Math-Shepherd's
+    hard label (arXiv 2312.08935) with the group's own responses as the prefix's completions, so no sampling
+    beyond the rollout's. informative: the step's group holds a success (elsewhere every label is 0 whatever
+    the steps are, which says nothing of the PRM's ranking). keys, row: (S,); outcome, group: (R,).
+    Slow equivalent: tests/advantage/advantage_reference.py `shared_prefix_labels`."""
+    success = np.asarray(outcome) >= 0.5
+    won = np.unique(keys[success[row]])
+    labels = np.isin(keys, won).astype(np.float64)
+    n_groups = int(group.max()) + 1 if len(group) else 0
+    has_success = np.bincount(group[success], minlength=n_groups) > 0
+    return labels, has_success[group[row]]
+
+
 @dataclass
 class ProcessCredit:
     """grpo_progress's per-step values for the whole input, rows in reading order."""
@@ -68,6 +110,12 @@ class ProcessCredit:
     """Steps that entered step_auc."""
     spread: float | None
     """Calibration on: the mean over folds of the range (max - min) of the map read (0 where flat); None: off."""
+    label_auc: float | None = None
+    """calibration_labels=shared_prefix: the PRM's raw scores of the intermediate prefixes of groups with a success
+    against their shared-prefix labels (what the map is fitted on); None: outcome labels."""
+    labelled: float | None = None
+    """calibration_labels=shared_prefix: the share of intermediate prefixes whose group holds a success (the data the
+    map is fitted on); None: outcome labels."""
 
 
 def prompt_ranks(prompt_ids: list[str]) -> np.ndarray:
@@ -82,11 +130,12 @@ def prompt_ranks(prompt_ids: list[str]) -> np.ndarray:
 def map_beats_flat(scores: np.ndarray, y: np.ndarray, fold: np.ndarray, prompt: np.ndarray,
                    train: np.ndarray) -> bool:
     """Whether the isotonic map fitted on `train` (a fold's fit data: the other folds' intermediate
-    prefixes) predicts outcomes better than the flat map, judged on `train` alone: each of its folds is held
-    out in turn, the map and the flat map (their mean outcome) fitted on the rest, and each held-out
+    prefixes) predicts the labels y better than the flat map, judged on `train` alone: each of its folds is held
+    out in turn, the map and the flat map (their mean label) fitted on the rest, and each held-out
     prompt's gain is the flat map's squared error minus the map's over its prefixes. True when the mean
     gain exceeds SELECTION_SE standard errors of it (over prompts); False with fewer than two prompts.
-    All arrays (S,) per step: its score, its row's outcome, fold and prompt; train a mask."""
+    All arrays (S,) per step: its score, its label (its row's outcome, or its shared-prefix label), fold and
+    prompt; train a mask."""
     gains = []
     for g in np.unique(fold[train]):
         inner, held = train & (fold != g), train & (fold == g)
@@ -103,14 +152,18 @@ def map_beats_flat(scores: np.ndarray, y: np.ndarray, fold: np.ndarray, prompt: 
 
 
 def cross_fitted_phi(scores: np.ndarray, row: np.ndarray, outcome: np.ndarray, intermediate: np.ndarray,
-                     prompt_of_row: np.ndarray) -> tuple[np.ndarray, float]:
+                     prompt_of_row: np.ndarray, labels: np.ndarray | None = None) -> tuple[np.ndarray, float]:
     """(S,) every score read through the isotonic fit (rewards.fit_calibration) of the intermediate
     prefixes of the other folds' rows where that map beats the flat one on them (`map_beats_flat`), else
-    the flat map (their mean outcome); and the mean over folds of the map's range (0 where flat).
-    row: (S,) each step's row; prompt_of_row (R,) `prompt_ranks` per row."""
+    the flat map (their mean label); and the mean over folds of the map's range (0 where flat).
+    row: (S,) each step's row; prompt_of_row (R,) `prompt_ranks` per row; labels: (S,) what each prefix is
+    fitted against, NaN where it is not fitted on (`shared_prefix_labels` outside groups with a success); None:
+    its row's outcome."""
     prompt = prompt_of_row[row]
     fold = prompt % CALIBRATION_FOLDS
-    y = outcome[row]
+    y = outcome[row] if labels is None else np.nan_to_num(labels)
+    if labels is not None:
+        intermediate = intermediate & ~np.isnan(labels)
     phi = np.empty(len(scores), dtype=np.float64)
     spreads = []
     for f in np.unique(fold):
@@ -170,12 +223,14 @@ def baseline_credit(phi: np.ndarray, row: np.ndarray, counts: np.ndarray, group:
 
 
 def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, group: np.ndarray,
-                   group_mean: np.ndarray, prompt_of_row: np.ndarray | None, kind: str, eps: float) -> ProcessCredit:
+                   group_mean: np.ndarray, prompt_of_row: np.ndarray | None, kind: str, eps: float,
+                   keys: np.ndarray | None = None) -> ProcessCredit:
     """The per-step progress and process term of grpo_progress (module docstring).
 
     scores (S,); counts, outcome, group (R,); group_mean (R,) the mean outcome of
     each row's group; prompt_of_row (R,) with calibration (`prompt_ranks`), None without; kind: 'step' or
-    'baseline'; eps: added to the scale.
+    'baseline'; eps: added to the scale; keys: (S,) `prefix_keys` with calibration_labels=shared_prefix (the
+    map is then fitted against `shared_prefix_labels` on the groups with a success), None: against outcomes.
     step: c_k = the process progress minus its row's mean (the raw PRM's progress d, or with calibration the
     calibrated PRM's own progress, from the group's mean first-step Phi through the last step's: no
     outcome in it); z_k = c_k / (`pooled_scale` of every step's c + eps) for raw scores, and with
@@ -194,11 +249,18 @@ def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, 
     intermediate = np.ones(len(scores), bool)
     intermediate[(np.cumsum(counts) - 1)[has]] = False
     auc = roc_auc(scores[intermediate], outcome[row[intermediate]] >= 0.5)
-    spread = None
+    spread = label_auc = labelled = None
+    labels = None
+    if keys is not None:
+        y, informative = shared_prefix_labels(keys, row, outcome, group)
+        labels = np.where(informative, y, np.nan)
+        fitted = intermediate & informative
+        label_auc = roc_auc(scores[fitted], y[fitted] >= 0.5)
+        labelled = float(fitted.sum() / max(int(intermediate.sum()), 1))
     if prompt_of_row is None:
         phi = scores
     else:
-        phi, spread = cross_fitted_phi(scores, row, outcome, intermediate, prompt_of_row)
+        phi, spread = cross_fitted_phi(scores, row, outcome, intermediate, prompt_of_row, labels)
     progress = progress_rewards(phi, counts, outcome, group_mean)
     if kind == "baseline":
         credit = baseline_credit(phi, row, counts, group)
@@ -222,4 +284,4 @@ def process_credit(scores: np.ndarray, counts: np.ndarray, outcome: np.ndarray, 
             credit = c / (pooled_scale(c) + eps)
         else:  # calibrated Phi is in outcome units: its progress is read in them, so a weak map moves little
             credit = c / (float(np.std(outcome)) + eps)
-    return ProcessCredit(progress, credit, auc, int(intermediate.sum()), spread)
+    return ProcessCredit(progress, credit, auc, int(intermediate.sum()), spread, label_auc, labelled)

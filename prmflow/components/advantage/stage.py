@@ -95,6 +95,9 @@ def run(cfg: Config) -> dict:
                             "train/prm_scored_steps": groups.process.steps})
             if groups.process.spread is not None:  # how far Phi can move once mapped to the outcomes
                 summary["advantage/prm_calibrated_spread"] = groups.process.spread
+            if groups.process.label_auc is not None:  # calibration_labels=shared_prefix: the evidence it fits on
+                summary["advantage/prm_label_auc"] = groups.process.label_auc
+                summary["advantage/labelled_share"] = groups.process.labelled
         if kl.n:  # no row had both old_logprobs and ref_logprobs: no KL to report
             summary["advantage/kl_mean"] = kl.mean
         tracker.log_metrics(summary, step=cfg.iteration)

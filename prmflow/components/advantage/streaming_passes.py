@@ -27,7 +27,7 @@ from ...errors import DataError
 from .batch import check_not_null, compute_batch, describe_row, finish_batch, flat_values
 from .config import Plan, recorded
 from .estimators import Moments, group_moments, merge_group_moments
-from .progress import process_credit, prompt_ranks
+from .progress import prefix_keys, process_credit, prompt_ranks
 from .token_rewards import STEPLESS_SCORE, clip_rewards, step_contributions
 
 
@@ -192,6 +192,10 @@ class Process:
     """process_calibration=isotonic: the mean range of the cross-fitted maps; None: off."""
     boundary_lag: int = 1
     """Tokens the step separator can span (`separator_bytes`): the baseline credit's step boundary lag."""
+    label_auc: float | None = None
+    """calibration_labels=shared_prefix: the PRM's step AUC against the shared-prefix labels (progress.ProcessCredit)."""
+    labelled: float | None = None
+    """calibration_labels=shared_prefix: the share of intermediate prefixes in groups with a success."""
 
 
 def gate(auc: float, weight: float, auc_min: float, auc_full: float) -> float:
@@ -218,11 +222,18 @@ def progress_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Process:
     cross-fitted map of its scores, every step's progress and process term); gate the weight by the AUC.
     Memory: 3 numbers per row and 4 per scored step, the whole input's at once (the fit needs every score)."""
     cfg = plan.cfg
-    group_of, outcome_of, steps_of, values_of = [], [], [], []
+    group_of, outcome_of, steps_of, values_of, keys_of = [], [], [], [], []
+    shared = cfg.calibration_labels == "shared_prefix"  # the prefixes' token ids say which responses share them
+    columns = ["outcome_reward", "step_rewards",
+               *(["prompt_id", "sample_idx", "iteration", "response_ids", "step_ends"] if shared else [])]
     start = 0
-    for t in ds.iter_batches(max(cfg.batch_rows, 1 << 16), ["outcome_reward", "step_rewards"], validate_rows=False):
+    # with the prefixes read, their rows are checked here (step_ends as long as step_rewards, inside the response):
+    # the keys must line up with the scores before any label is made
+    for t in ds.iter_batches(max(cfg.batch_rows, 1 << 16), columns, validate_rows=shared):
         group_of.append(groups.codes[start:start + t.num_rows])
         start += t.num_rows
+        if shared:
+            keys_of.append(prefix_keys(t["response_ids"].to_pylist(), t["step_ends"].to_pylist(), group_of[-1]))
         steps_of.append(pc.list_value_length(t["step_rewards"]).fill_null(0).to_numpy(zero_copy_only=False)
                         .astype(np.int64))
         values_of.append(flat_values(t, "step_rewards").astype(np.float64))
@@ -232,12 +243,12 @@ def progress_pass(ds: schema.Dataset, plan: Plan, groups: Groups) -> Process:
     if cfg.process_calibration == "isotonic":
         prompts = prompt_ranks([pid for _, pid in groups.keys])[g]
     pc_ = process_credit(np.concatenate(values_of), counts, outcome, g, groups.stats["mean"][g], prompts,
-                         cfg.process_credit, cfg.norm_eps)
+                         cfg.process_credit, cfg.norm_eps, np.concatenate(keys_of) if shared else None)
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     weight = gate(pc_.step_auc, cfg.process_weight, cfg.process_auc_min, cfg.process_auc_full)
     return Process(pc_.progress, pc_.credit, offsets, pc_.step_auc, weight, pc_.steps, pc_.spread,
-                   separator_bytes(ds))
+                   separator_bytes(ds), pc_.label_auc, pc_.labelled)
 
 
 # --- pass 2 (optional): whitening statistics ------------------------------------------------------------

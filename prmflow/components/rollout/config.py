@@ -13,6 +13,7 @@ from ..sampling.config import SamplingConfig
 from ...tasks.arithmetic import ArithmeticConfig
 from . import outcome_rewards as rewards_lib
 from ..sampling.vllm_engine import VLLMSettings, check_vllm_sampling
+from .environment import EnvironmentConfig
 
 
 @dataclass
@@ -95,6 +96,9 @@ class Config:
     """Difficulty of the built-in arithmetic task."""
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
     """vLLM engine settings (sampler=vllm only)."""
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """Multi-turn episodes: the environment answering the policy's turns (tool calls), its limits and reward weights
+    (docs/agents.md). Empty factory: one response per sample."""
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
     """MLflow tracking."""
 

@@ -167,6 +167,16 @@ def test_the_docs_example_runs_through_the_stage(request, monkeypatch, example, 
     assert engines == ([1] if sampler == "vllm" else [])
     # a second run with the same config finds its output (resume) and samples nothing
     assert stage.run(cfg) == metrics
+    if sampler == "hf":  # the same seed samples the same episodes; another seed others
+        again = [config.load(stage.Config, overrides={**ENV, "policy": str(long_policy), "task": str(example),
+                                                     "n_samples": 4, "stop": ["e"], "sampling.max_new_tokens": 24,
+                                                     "output": str(tmp_path / name), "seed": seed})
+                 for name, seed in (("same", 0), ("other", 1))]
+        ids = []
+        for c in again:
+            stage.run(c)
+            ids.append([r["response_ids"] for r in schema.read_dataset(c.output, "rollouts").to_pylist()])
+        assert ids[0] == [r["response_ids"] for r in rows] != ids[1]
 
 
 def test_config_refuses_what_episodes_cannot_do(example, tmp_path):

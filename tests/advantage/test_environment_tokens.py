@@ -84,3 +84,24 @@ def test_environment_tokens_get_nothing_and_change_nothing(tmp_path, config):
             assert [x for x, m in zip(g[col], mask) if not m] == [0.0] * mask.count(0), col
             assert [x for x, m in zip(g[col], mask) if m] == pytest.approx(w[col], abs=1e-6), col
     assert any(0 in r["policy_mask"] for r in rows)
+
+
+@pytest.mark.parametrize("options", [dict(estimator="grpo", zero_variance="drop"),
+                                     dict(estimator="reinforce_baseline", zero_variance="drop", kl_coef=0.1)])
+def test_dropped_groups_leave_the_other_episodes_aligned(tmp_path, options):
+    """A zero-variance group dropped: the kept rows' environment tokens still get 0 and their policy tokens the
+    stripped rollout's values (the put-back follows the rows kept)."""
+    rows = episodes(seed=3)
+    for r in rows:
+        if r["prompt_id"] == "p0":
+            r["outcome_reward"] = 1.0  # one group, all equal: dropped
+    rows[3]["outcome_reward"], rows[4]["outcome_reward"] = 0.0, 1.0
+    got = run(tmp_path, "episodes", rows, options)
+    want = run(tmp_path, "stripped", [strip(r) for r in rows], options)
+    kept = [r for r in rows if r["prompt_id"] == "p1"]
+    assert [g["sample_idx"] for g in got] == [r["sample_idx"] for r in kept] and len(want) == len(kept)
+    for g, w, r in zip(got, want, kept):
+        mask = r["policy_mask"]
+        for col in ("advantages", "returns", "kl", "token_rewards"):
+            assert [x for x, m in zip(g[col], mask) if not m] == [0.0] * mask.count(0), col
+            assert [x for x, m in zip(g[col], mask) if m] == pytest.approx(w[col], abs=1e-6), col

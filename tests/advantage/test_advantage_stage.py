@@ -396,6 +396,34 @@ def test_metrics_are_logged_under_their_names(tmp_path, monkeypatch):
                                                          abs=1e-6)
 
 
+def test_the_one_line_recipe_is_logged_as_it_ran(tmp_path, monkeypatch):
+    """`estimator: grpo_progress` alone: the stage run's MLflow params are the recipe's six keys as they ran, not
+    the empty values of the file, so runs compare by what they computed."""
+    from prmflow.components.advantage.config import RECIPE
+
+    logged = {}
+
+    class Recorder:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def log_metrics(self, metrics, step=None):
+            pass
+
+    def start(cfg, stage, params, iteration):
+        logged.update(params)
+        return Recorder()
+
+    monkeypatch.setattr(stage, "start_stage_run", start)
+    write_rows(tmp_path, ref.random_rollouts(np.random.default_rng(0)).to_pylist())
+    stage.run(stage.Config(input=str(tmp_path / "rollouts"), output=str(tmp_path / "advantages"), tracking=OFF,
+                           estimator="grpo_progress"))
+    assert {k: logged[k] for k in RECIPE} == RECIPE
+
+
 def test_a_stage_run_prints_mlflows_info_lines_only_when_verbose(tmp_path):
     """A tracked `prmflow <stage>` run: MLflow's INFO lines (store set-up, system metrics started and
     stopped) are noise on a user's console; `-v` brings them back. The run is tracked either way."""

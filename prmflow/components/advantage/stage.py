@@ -64,7 +64,7 @@ def run(cfg: Config) -> dict:
     if done is not None:
         return {"advantage/rows_out": done["rows"]}
     check_columns_exist(ds, plan)
-    with start_stage_run(cfg.tracking, stage="advantage", params=config_lib.flat_dict(cfg),
+    with start_stage_run(cfg.tracking, stage="advantage", params=config_lib.flat_dict(cfg.filled()),
                          iteration=cfg.iteration) as tracker:
         groups = group_pass(ds, plan)
         if plan.est.process:

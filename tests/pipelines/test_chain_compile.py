@@ -52,3 +52,26 @@ def test_300_iterations_compile_to_a_chain_whose_every_package_fits_every_kfp_ve
     wider = compiled_docs(spec, per_run + 1, chain.shape_at("next", per_run + 1))
     assert not all(fits(wider, v) for v in KFP_VERSIONS)
     assert f"a chain of {len(runs)} runs of at most {per_run}" in capsys.readouterr().out
+
+
+def test_chain_next_submits_only_after_the_whole_run_succeeded_and_never_from_the_cache(tmp_path):
+    """chain-next (the step that submits the next run) sits inside the exit handler after the run's last ppo, so a
+    failed or stopped run submits nothing; it is never a cache hit (a resubmitted run must submit again); its pod
+    carries the label of Kubeflow's PodDefault that projects the pipelines token; `chain` comes from the run."""
+    from .test_compile_submit import CLUSTER_YAML
+
+    cfg = yaml.safe_load(CLUSTER_YAML)
+    cfg["pipeline"].update(iterations=4, run_iterations=2, rollout_shards=1)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["pipeline", "compile", "--config", str(tmp_path / "c.yaml"), "-o", str(tmp_path / "p.yaml")]) == 0
+    spec, platform = [d for d in yaml.load_all((tmp_path / "p.yaml").read_text(), Loader=safe_loader()) if d]
+    handler = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
+    (name, task), = [(n, t) for n, t in handler.items() if t["componentRef"]["name"] == "comp-chain-next"]
+    last_ppo = max((n for n, t in handler.items() if t["componentRef"]["name"].startswith("comp-ppo")),
+                   key=lambda n: int(n.rsplit("-", 1)[1]) if n[-1].isdigit() else 1)
+    assert last_ppo in task["dependentTasks"] and task.get("triggerPolicy") is None  # only when all before succeeded
+    assert not task.get("cachingOptions", {}).get("enableCache")
+    assert task["inputs"]["parameters"]["chain"] == {"componentInputParameter": "pipelinechannel--chain"}
+    executor = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    labels = executor[spec["components"][task["componentRef"]["name"]]["executorLabel"]]["podMetadata"]["labels"]
+    assert labels == {chain.TOKEN_POD_LABEL: "true"}

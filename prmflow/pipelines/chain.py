@@ -174,7 +174,8 @@ def read_state(workspace: str, key: str, after: int, needs: list[str]) -> dict:
     path = record_path(workspace, key, after)
     if not os.path.isfile(path):
         there = sorted(os.listdir(os.path.dirname(path))) if os.path.isdir(os.path.dirname(path)) else []
-        raise DataError(f"chain: no state after iteration {after} at {path} ({'found ' + ', '.join(there) if there else 'none of this chain yet'}): "
+        found = f"found {', '.join(there)}" if there else "none of this chain yet"
+        raise DataError(f"chain: no state after iteration {after} at {path} ({found}): "
                         f"the run of iterations before {after} has not finished with these configs. Submit the chain "
                         f"from its start (pipeline submit / run-local with the same config): finished runs hit the cache.")
     with open(path) as f:

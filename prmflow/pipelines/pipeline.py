@@ -345,8 +345,8 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
                                           rollouts=dsl.Collected(roll.outputs["rollouts"]), **kl_in))
                 adv.set_display_name(f"advantage-{k}")
                 prev = {"previous": upd.outputs["state"]} if upd and carry_state else {}
-                upd = train("ppo", ppo_op(config=ppo_config, **common, workspace=ws, **placed("ppo"), iteration=k, **offset, policy=policy,
-                                          advantages=adv.outputs["advantages"], **prev), f"ppo-{k}")
+                upd = train("ppo", ppo_op(config=ppo_config, **common, workspace=ws, **placed("ppo"), iteration=k, **offset,
+                                          policy=policy, advantages=adv.outputs["advantages"], **prev), f"ppo-{k}")
                 policy = upd.outputs["updated"]
                 if update_op is not None:  # PRM_k+1 from PRM_k on rollouts k; advantage k and ppo k do not wait
                     replay = {"previous": prm_upd.outputs["state"]} if prm_upd else {}

@@ -67,6 +67,9 @@ def add_parsers(sub) -> None:
     s.add_argument("--caching", action=argparse.BooleanOptionalAction, default=None,
                    help="turn KFP's result cache on or off for every step of this run (default: as compiled)")
     s.add_argument("--dry-run", action="store_true", help="print every stage's effective config and the arguments; send nothing")
+    s.add_argument("--from-iteration", type=_number(int, "iterations", zero=True), default=0, metavar="N",
+                   help="a chain of runs: start at the run that begins at iteration N (its predecessors' state is on "
+                        "the workspace), not at run 1, whose sampled steps would run again (docs/cluster.md)")
     s.add_argument("--wait", action="store_true", help="wait for the run: status lines, then the failed task and its log tail")
     s.add_argument("--timeout", type=_number(float, "seconds", zero=False), default=7 * 24 * 3600,
                    help="with --wait: seconds to wait at most (default: 604800, a week)")
@@ -336,6 +339,20 @@ def _start_chain(kfp_client, conn, args, package: str, later: dict, name: str, a
         f"{args.run_name or name} [1/{len(manifest['runs'])}: iterations 0..{first['iterations'] - 1}]")
 
 
+def _run_from(args, package: str, later: dict, name: str) -> tuple[str, int, str]:
+    """(package, first iteration, run name) of the chain's run that begins at --from-iteration."""
+    manifest = chain.read_manifest(package)[0]
+    runs = manifest["runs"]
+    starts = [r["first_iteration"] for r in runs]
+    if args.from_iteration not in starts[1:]:
+        raise ConfigError(f"--from-iteration {args.from_iteration}: the chain's runs begin at iterations "
+                          f"{', '.join(map(str, starts))}; give one of them after 0.")
+    j = starts.index(args.from_iteration)
+    shape = "last" if j == len(runs) - 1 else "next"
+    first, n = runs[j]["first_iteration"], runs[j]["iterations"]
+    return later[shape], first, f"{args.run_name or name} [{j + 1}/{len(runs)}: iterations {first}..{first + n - 1}]"
+
+
 def _submit(args) -> int:
     import hashlib
     import tempfile
@@ -359,6 +376,7 @@ def _submit(args) -> int:
             print("dry run: nothing submitted")
             return 0
         later = chain.read_manifest(package)[1] if chain.CHAIN_PARAM in defaults else {}
+        compiled = package  # the chain's manifest lies beside it
         if args.caching is not None:
             package = with_caching(package, args.caching, os.path.join(tmp, "pipeline-caching.yaml"))
             later = {shape: with_caching(p, args.caching, os.path.join(tmp, f"pipeline-{shape}-caching.yaml"))
@@ -372,11 +390,15 @@ def _submit(args) -> int:
         # the chain's id (its MLflow parent run): the same package and arguments submitted again continue it
         name = spec.pipeline.name if spec else _package_doc(package)[0]["pipelineInfo"]["name"]
         arguments[chain.CHAIN_ID_PARAM] = arguments.get(chain.CHAIN_ID_PARAM) or chain.chain_id(
-            name, conn.namespace, arguments, hashlib.sha256(Path(package).read_bytes()).hexdigest())
+            name, conn.namespace, arguments, hashlib.sha256(Path(compiled).read_bytes()).hexdigest())
         run_name = args.run_name
         if later:  # the later runs' packages go up as pipeline versions; each run submits the next from the cluster
-            params, run_name = _start_chain(kfp_client, conn, args, package, later, name, arguments, service_account)
+            params, run_name = _start_chain(kfp_client, conn, args, compiled, later, name, arguments, service_account)
             arguments.update(params)
+            if args.from_iteration:  # a later run of the chain: its package, first_iteration and name
+                package, arguments[chain.FIRST_PARAM], run_name = _run_from(args, compiled, later, name)
+        elif args.from_iteration:
+            raise ConfigError("--from-iteration: this pipeline is one run, not a chain; leave it out.")
         with client.api_errors(conn, "creating the run"):
             result = kfp_client.create_run_from_pipeline_package(
                 package, arguments=arguments, run_name=run_name or None, experiment_name=args.experiment,

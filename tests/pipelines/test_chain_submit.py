@@ -114,3 +114,18 @@ def test_a_continuation_naming_a_version_the_server_lacks_fails_with_its_error(t
         with pytest.raises(PrmflowError, match="ver-gone"):
             chain.submit_next(cont.to_json(), 2, "chain-x")
         assert fake.runs == {}
+
+
+def test_a_chain_resubmitted_from_a_later_run_starts_there(tmp_path, capsys):
+    """--from-iteration N: the run that begins at N (chain-resume reads its predecessors' state from the
+    workspace), not run 1, whose sampled steps (uncached) would run again; N must begin a run."""
+    with FakeKfp() as fake:
+        cfg = str(chain_config(tmp_path))
+        assert submit("--config", cfg, "--host", fake.url, "--from-iteration", "3") == 2
+        assert "begin at iterations 0, 2, 4" in capsys.readouterr().err and fake.runs == {}
+        assert submit("--config", cfg, "--host", fake.url, "--from-iteration", "2", "--no-caching") == 0
+        (run,) = fake.runs.values()
+    assert run["runtime_config"]["parameters"]["first_iteration"] == 2
+    assert run["display_name"] == "prmflow [2/3: iterations 2..3]"
+    ran = components_run(run["pipeline_spec"]["pipeline_spec"])
+    assert "comp-chain-resume" in ran and "comp-sft" not in ran and "comp-evaluate" not in ran

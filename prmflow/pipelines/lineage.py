@@ -70,6 +70,9 @@ def finish_tracking(kfp_run_id: str, tracking_uri: str, experiment: str, status:
     metrics, series = parent_summary(client, parent) if parent else ({}, [])
     if iterations:  # a chain's earlier runs logged theirs
         series = [p for p in series if first_iteration <= p[2] < first_iteration + iterations]
+    if parent:  # a run started again (all cache hits) logs no point its parent already has: one curve
+        logged = {key: {m.step for m in client.get_metric_history(parent, key)} for key in {p[0] for p in series}}
+        series = [p for p in series if p[2] not in logged[p[0]]]
     tracking.finish_pipeline_run(cfg, state if ending else None, metrics if ending else {}, series)
     registered = register_models(uri, experiment, parent) if parent and state == "FINISHED" and last else {}
     print(f"pipeline run {kfp_run_id}: {state if ending else 'SUCCEEDED (the chain goes on)'}, MLflow parent run {parent}"

@@ -39,3 +39,26 @@ def test_the_runs_of_a_chain_share_one_parent_that_their_stages_find(tmp_path):
     assert [r.info.run_id for r in child_runs(client, first.run_id)] == [stage.run_id]
     finish_pipeline_run(cfg(store, "kfp-run-2"), "FINISHED")
     assert client.get_run(first.run_id).info.status == "FINISHED"
+
+
+def test_a_run_finished_again_logs_no_iteration_point_twice(tmp_path):
+    """The exit handler of a run started again (all its tasks cache hits) finds its points on the parent already:
+    the parent's curve keeps one point per iteration."""
+    from types import SimpleNamespace
+
+    from prmflow.pipelines.lineage import finish_tracking
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(store)
+    parent = start_pipeline_run(cfg(store, "kfp-run-1"), chain_id="chain-a")
+    for k in (0, 1):
+        stage = start_stage_run(cfg(store, "kfp-run-1"), "rollout", iteration=k, tags={"prmflow.shard": "0/1"})
+        stage.log_metrics({"rollout/reward_mean": 0.25 * k, "rollout/samples": 8}, step=k)
+        stage.finish()
+    ok = SimpleNamespace(state="SUCCEEDED")
+    for kfp_run in ("kfp-run-1", "kfp-run-2"):  # the same run of the chain, then started again
+        start_pipeline_run(cfg(store, kfp_run), chain_id="chain-a")
+        finish_tracking(kfp_run, store, "chain", ok, chain_id="chain-a", first_iteration=0, iterations=2, last=False)
+    points = sorted((m.step, m.value) for m in client.get_metric_history(parent.run_id, "pipeline/reward_mean"))
+    assert points == [(0, 0.0), (1, 0.25)]
+    assert client.get_run(parent.run_id).info.status == "RUNNING"

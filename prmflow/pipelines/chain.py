@@ -27,8 +27,6 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError, DataError
 
-#: The pieces of state a segment hands to the next (kfp_components.chain_resume's outputs).
-STATE = ("policy", "sft_policy", "prm_model", "critic", "state", "kl_state", "prm_state")
 #: The pipeline parameters a chained package has beside the stage configs.
 FIRST_PARAM, CHAIN_PARAM, CHAIN_ID_PARAM = "first_iteration", "chain", "chain_id"
 #: The pod label of Kubeflow's `access-ml-pipeline` PodDefault, which mounts the projected pipelines token

@@ -59,7 +59,7 @@ def parent_of(store: str):
     return client, parents
 
 
-@pytest.mark.slow  # ~8 min alone on 2 cores: three run-local commands
+@pytest.mark.slow  # ~9 min alone on 2 cores (14 beside other work): three run-local commands
 @pytest.mark.timeout(3600)
 def test_a_chain_of_two_runs_stopped_between_them_ends_bit_for_bit_as_one_run_with_one_parent(tmp_path):
     cfg = tmp_path / "pipeline.yaml"

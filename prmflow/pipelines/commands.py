@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import stages
 from ..errors import ConfigError, PrmflowError
-from . import advice, client, plan, step
+from . import advice, chain, client, plan, step
 from .params import effective_configs, merge_section, parse_params, run_arguments, split_sets
 from .settings import PipelineSpec, load_spec, safe_loader
 
@@ -67,6 +67,9 @@ def add_parsers(sub) -> None:
     s.add_argument("--caching", action=argparse.BooleanOptionalAction, default=None,
                    help="turn KFP's result cache on or off for every step of this run (default: as compiled)")
     s.add_argument("--dry-run", action="store_true", help="print every stage's effective config and the arguments; send nothing")
+    s.add_argument("--from-iteration", type=_number(int, "iterations", zero=True), default=0, metavar="N",
+                   help="a chain of runs: start at the run that begins at iteration N (its predecessors' state is on "
+                        "the workspace), not at run 1, whose sampled steps would run again (docs/cluster.md)")
     s.add_argument("--wait", action="store_true", help="wait for the run: status lines, then the failed task and its log tail")
     s.add_argument("--timeout", type=_number(float, "seconds", zero=False), default=7 * 24 * 3600,
                    help="with --wait: seconds to wait at most (default: 604800, a week)")
@@ -101,6 +104,9 @@ def add_parsers(sub) -> None:
     r.add_argument("--param", action="append", default=[], metavar="NAME=JSON", help="pipeline parameter")
     r.add_argument("--verbose", action="store_true",
                    help="stream every task's output here (default: one line per task, the full log in ROOT/run-local.log)")
+    r.add_argument("--runs", type=_number(int, "runs", zero=False), default=None, metavar="N",
+                   help="run only the first N runs of a chain (pipeline.iterations beyond one run's; docs/cluster.md), "
+                        "then stop; the same command without --runs continues from there")
     r.set_defaults(handler=_run_local)
 
     cm = psub.add_parser("compare", help="run the pipeline locally once per RL variant (shared SFT and PRM); print a table")
@@ -157,9 +163,11 @@ def _load(config: str | None, sets: list[str]) -> PipelineSpec:
     return spec
 
 
-def compile_for_cluster(spec: PipelineSpec, path: str, check_backend: bool = True) -> str:
+def compile_for_cluster(spec: PipelineSpec, path: str, check_backend: bool = True, chained: bool = False):
     """Compile `spec` for a cluster: refused while an image is still a placeholder (a pod that cannot pull
-    its image waits in ImagePullBackOff; better to fail here)."""
+    its image waits in ImagePullBackOff; better to fail here). chained: more iterations than one run holds
+    become a chain (chain.compile_chain; returns its runs and {shape: file}); else one package (its path)."""
+    from .chain import compile_chain
     from .pipeline import compile_to
 
     unset = spec.pipeline.images.placeholders()
@@ -173,7 +181,7 @@ def compile_for_cluster(spec: PipelineSpec, path: str, check_backend: bool = Tru
                           f"{'the image' if one else 'each image'} "
                           f"({builds} {'prints its digest' if one else 'print their digests'}), "
                           f"then set {'it' if one else 'them'} in the config's pipeline.images section or with {sets}")
-    return compile_to(spec, path, check_backend)
+    return compile_chain(spec, path, check_backend) if chained else compile_to(spec, path, check_backend)
 
 
 def server_family(kfp_client, conn: client.Connection) -> tuple[str, str]:
@@ -229,8 +237,16 @@ def check_server(conn: client.Connection, package: str, spec: PipelineSpec | Non
 
 def _compile(args) -> int:
     spec = _load(args.config, args.set)
-    compile_for_cluster(spec, args.output)
-    print(f"wrote {args.output}: {spec.pipeline.iterations} RL iterations, {spec.pipeline.rollout_shards} rollout shards")
+    runs, written = compile_for_cluster(spec, args.output, chained=True)
+    if len(runs) == 1:
+        print(f"wrote {args.output}: {spec.pipeline.iterations} RL iterations, {spec.pipeline.rollout_shards} rollout shards")
+        return 0
+    print(f"{spec.pipeline.iterations} RL iterations, more than one run holds: a chain of {len(runs)} runs of at most "
+          f"{runs[0].iterations} (pipeline.run_iterations; docs/cluster.md#long-runs-a-chain-of-runs)")
+    for shape, path in written.items():
+        what = {"first": "run 1 (sft, prm, the first iterations)", "next": "each middle run (first_iteration a run parameter)",
+                "last": "the last run (and evaluate)", "manifest": "the chain: its runs and each package's modelled size"}[shape]
+        print(f"wrote {path}: {what}")
     return 0
 
 
@@ -254,7 +270,8 @@ def _package(args, tmp: str, check_backend: bool = True) -> tuple[str, PipelineS
                               f"{args.package}; recompile with them (stage keys, STAGE.KEY=VALUE, still apply).")
         return args.package, None, list(args.set)  # all stage keys: they merge into the run's arguments
     spec = _load(args.config, args.set)
-    return compile_for_cluster(spec, os.path.join(tmp, "pipeline.yaml"), check_backend), spec, []
+    runs, written = compile_for_cluster(spec, os.path.join(tmp, "pipeline.yaml"), check_backend, chained=True)
+    return written.get("whole") or written["first"], spec, []  # a chain's later packages lie beside it
 
 
 def _package_doc(path: str) -> list[dict]:
@@ -300,7 +317,44 @@ def with_caching(path: str, enabled: bool, out: str) -> str:
     return out
 
 
+def _start_chain(kfp_client, conn, args, package: str, later: dict, name: str, arguments: dict,
+                 service_account: str) -> tuple[dict, str]:
+    """The run parameters that make the first run of a chain go on: its later packages uploaded as versions of
+    pipeline NAME-chain (chain.upload_packages), the experiment's id, and what each run passes to the next."""
+    manifest = chain.read_manifest(package)[0]
+    pipeline_id, versions = chain.upload_packages(kfp_client, conn, f"{name}-chain", later)
+    with client.api_errors(conn, f"looking up experiment {args.experiment}"):
+        exp = kfp_client.create_experiment(args.experiment, namespace=conn.namespace or None)
+    cont = chain.Continuation(pipeline_id=pipeline_id, versions=versions, experiment_id=exp.experiment_id,
+                              total=manifest["iterations"], per_run=manifest["run_iterations"],
+                              arguments={k: v for k, v in arguments.items() if k != chain.CHAIN_ID_PARAM},
+                              namespace=conn.namespace, kfp_namespace=conn.kfp_namespace,
+                              run_name=args.run_name or name, pipeline_root=args.pipeline_root,
+                              service_account=service_account)
+    print(f"a chain of {len(manifest['runs'])} runs of at most {manifest['run_iterations']} iterations: each run "
+          f"submits the next from the cluster when it succeeds (pipeline {name}-chain, versions "
+          f"{', '.join(f'{k} {v}' for k, v in versions.items())})")
+    first = manifest["runs"][0]
+    return {chain.CHAIN_PARAM: cont.to_json(), chain.FIRST_PARAM: 0}, (
+        f"{args.run_name or name} [1/{len(manifest['runs'])}: iterations 0..{first['iterations'] - 1}]")
+
+
+def _run_from(args, package: str, later: dict, name: str) -> tuple[str, int, str]:
+    """(package, first iteration, run name) of the chain's run that begins at --from-iteration."""
+    manifest = chain.read_manifest(package)[0]
+    runs = manifest["runs"]
+    starts = [r["first_iteration"] for r in runs]
+    if args.from_iteration not in starts[1:]:
+        raise ConfigError(f"--from-iteration {args.from_iteration}: the chain's runs begin at iterations "
+                          f"{', '.join(map(str, starts))}; give one of them after 0.")
+    j = starts.index(args.from_iteration)
+    shape = "last" if j == len(runs) - 1 else "next"
+    first, n = runs[j]["first_iteration"], runs[j]["iterations"]
+    return later[shape], first, f"{args.run_name or name} [{j + 1}/{len(runs)}: iterations {first}..{first + n - 1}]"
+
+
 def _submit(args) -> int:
+    import hashlib
     import tempfile
 
     import yaml
@@ -321,15 +375,33 @@ def _submit(args) -> int:
             print(yaml.safe_dump({**shown, "arguments sent": arguments}, sort_keys=False), end="")
             print("dry run: nothing submitted")
             return 0
+        later = chain.read_manifest(package)[1] if chain.CHAIN_PARAM in defaults else {}
+        compiled = package  # the chain's manifest lies beside it
         if args.caching is not None:
             package = with_caching(package, args.caching, os.path.join(tmp, "pipeline-caching.yaml"))
+            later = {shape: with_caching(p, args.caching, os.path.join(tmp, f"pipeline-{shape}-caching.yaml"))
+                     for shape, p in later.items()}
         service_account = args.service_account or (spec.pipeline.cluster.service_account if spec else "")
         conn = client.Connection.from_args(args)
         kfp_client = client.connect(conn)
-        check_server(conn, package, spec, *server_family(kfp_client, conn))
+        family = server_family(kfp_client, conn)
+        for each in [package, *later.values()]:
+            check_server(conn, each, spec, *family)
+        # the chain's id (its MLflow parent run): the same package and arguments submitted again continue it
+        name = spec.pipeline.name if spec else _package_doc(package)[0]["pipelineInfo"]["name"]
+        arguments[chain.CHAIN_ID_PARAM] = arguments.get(chain.CHAIN_ID_PARAM) or chain.chain_id(
+            name, conn.namespace, arguments, hashlib.sha256(Path(compiled).read_bytes()).hexdigest())
+        run_name = args.run_name
+        if later:  # the later runs' packages go up as pipeline versions; each run submits the next from the cluster
+            params, run_name = _start_chain(kfp_client, conn, args, compiled, later, name, arguments, service_account)
+            arguments.update(params)
+            if args.from_iteration:  # a later run of the chain: its package, first_iteration and name
+                package, arguments[chain.FIRST_PARAM], run_name = _run_from(args, compiled, later, name)
+        elif args.from_iteration:
+            raise ConfigError("--from-iteration: this pipeline is one run, not a chain; leave it out.")
         with client.api_errors(conn, "creating the run"):
             result = kfp_client.create_run_from_pipeline_package(
-                package, arguments=arguments, run_name=args.run_name or None, experiment_name=args.experiment,
+                package, arguments=arguments, run_name=run_name or None, experiment_name=args.experiment,
                 namespace=conn.namespace or None, pipeline_root=args.pipeline_root or None,
                 service_account=service_account or None)
         client.require_id(conn, result.run_id, "the new run")
@@ -351,6 +423,9 @@ def _upload(args) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         package, spec, stage_sets = _package(args, tmp, check_backend=False)  # checked for the server's version
+        if chain.CHAIN_PARAM in package_defaults(package):
+            raise ConfigError("upload: this is a chain of runs (pipeline.iterations beyond what one run holds); start "
+                              "it with `pipeline submit`, which uploads its later runs' packages itself.")
         if stage_sets:  # a compiled package's stage defaults are what the UI offers: recompile to change them
             raise ConfigError("--set STAGE.KEY with --package: upload compiles stage keys in; use --config.")
         name = args.name or (spec.pipeline.name if spec else _package_doc(package)[0]["pipelineInfo"]["name"])
@@ -383,16 +458,21 @@ def _run_local(args) -> int:
 
     spec = _load(args.config, args.set)
     params = parse_params(args.param)
-    uri, experiment, parent = run_local(spec, params, Path(args.root), verbose=args.verbose)
+    uri, experiment, parent = run_local(spec, params, Path(args.root), verbose=args.verbose, runs=args.runs)
     _print_summary(uri, experiment, parent)
     if parent is not None:  # the page opens on the runs table, not MLflow's GenAI view
         print(ui_hint(uri, experiment, parent_run_id=parent))
     return 0
 
 
-def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str, str, str | None]:
+def run_local(spec, params: dict, root: Path, verbose: bool = True, runs: int | None = None) -> tuple[str, str, str | None]:
     """Run the pipeline of `spec` through kfp.local; returns (tracking URI, experiment, parent run id).
-    verbose=False: the tasks' output goes to ROOT/run-local.log, the terminal gets one line per task."""
+    verbose=False: the tasks' output goes to ROOT/run-local.log, the terminal gets one line per task.
+
+    More iterations than one cluster run holds run as the same chain of runs a cluster runs (chain.py), one
+    after another here; `runs`: stop after the first `runs` of them. The chain's id names ROOT and the run's
+    arguments, so the same command run again (after a stop, a kill or --runs) continues the chain: finished
+    tasks hit ROOT/cache, the state is on ROOT/workspace, and its MLflow parent run is the same one."""
     import shutil
     import time
     import uuid
@@ -404,6 +484,7 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     from .. import tracking
     from ..tracking.delivery import find_pipeline_run
     from . import console
+    from . import chain
     from .kfp_shim import RUN_ID_ENV
     from .pipeline import build
 
@@ -424,24 +505,41 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True,
                enable_caching=spec.pipeline.cluster.cache, cache_root=str(root / "cache"),
                workspace_root=str(kfp_workspace))
-    run_id = uuid.uuid4().hex
-    before, os.environ[RUN_ID_ENV] = os.environ.get(RUN_ID_ENV), run_id  # the steps' parent run; not a cache-key input
+    segments = chain.segments(spec.pipeline.iterations, chain.per_run(spec))
+    before = os.environ.get(RUN_ID_ENV)
     t0 = time.monotonic()
     log_path = root / "run-local.log"
     shown = contextlib.nullcontext() if verbose else console.task_log(log_path)
-    with warnings.catch_warnings(), console.root_logger_restored(detach=not verbose), shown, console.parallel_task_records_kept():
+    with warnings.catch_warnings(), console.root_logger_restored(detach=not verbose), shown as task_log, \
+            console.parallel_task_records_kept():
         # kfp.local's notes that it ignores the cluster settings (images, GPUs, node pools) here, per task
         warnings.filterwarnings("ignore", message=".*(non-Python base image|have no effect in the current local runner).*")
         try:
-            pipeline_fn = build(spec, shard_threads=local_shard_threads(spec.pipeline.rollout_shards),
-                                workspace=str(root / "workspace"), run_id=run_id)
-            defaults = {name: inp.default for name, inp in pipeline_fn.component_spec.inputs.items()}
-            try:
-                pipeline_fn(**run_arguments(defaults, params))  # a stage's --param merges into its section, as on a cluster
-            except RuntimeError as e:  # kfp.local (raise_on_error): "Pipeline 'prmflow' finished with status FAILURE ..."
-                if "finished with status" not in str(e):
-                    raise
-                raise TaskFailed("run-local: a task failed; its error is above. Fix it and run the same command again.") from None
+            chain_id = ""
+            for seg in segments[:runs]:
+                run_id = uuid.uuid4().hex
+                os.environ[RUN_ID_ENV] = run_id  # the steps' parent run; not a cache-key input
+                pipeline_fn = build(spec, shard_threads=local_shard_threads(spec.pipeline.rollout_shards),
+                                    workspace=str(root / "workspace"), run_id=run_id,
+                                    segment=seg if len(segments) > 1 else None)
+                defaults = {name: inp.default for name, inp in pipeline_fn.component_spec.inputs.items()}
+                arguments = run_arguments(defaults, params)  # a stage's --param merges into its section, as on a cluster
+                arguments.pop(chain.FIRST_PARAM, None)  # the segment's own, compiled in as the default
+                if not chain_id:  # this ROOT, these arguments, this DAG: the same command continues the same chain
+                    chain_id = chain.chain_id(str(root), spec.stages, arguments, chain.shape_key(spec),
+                                              spec.pipeline.iterations)
+                if len(segments) > 1:
+                    line = f"run {seg.index + 1}/{seg.count} of the chain: iterations {seg.first}..{seg.end - 1} of {seg.total}"
+                    print(line, flush=True)  # the log's, and with one line per task, the terminal's too
+                    if task_log is not None:
+                        print(line, file=task_log.console, flush=True)
+                try:
+                    pipeline_fn(**{**arguments, chain.CHAIN_ID_PARAM: chain_id})
+                except RuntimeError as e:  # kfp.local (raise_on_error): "Pipeline 'prmflow' finished with status FAILURE ..."
+                    if "finished with status" not in str(e):
+                        raise
+                    raise TaskFailed("run-local: a task failed; its error is above. Fix it and run the same command "
+                                     "again (it continues where it stopped).") from None
         finally:
             shutil.rmtree(kfp_workspace, ignore_errors=True)
             if before is None:
@@ -453,6 +551,9 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True) -> tuple[str
     # this run's own parent, found by the id its tasks were given: not the experiment's newest pipeline run, which
     # may be another pipeline's logging to the same store
     parent = find_pipeline_run(MlflowClient(params["tracking_uri"]), experiment, run_id)
+    if runs is not None and runs < len(segments):
+        print(f"stopped after {runs} of the chain's {len(segments)} runs (--runs); the same command without --runs "
+              f"continues from iteration {segments[runs - 1].end}")
     return params["tracking_uri"], experiment, parent
 
 

@@ -53,11 +53,14 @@ def prm(config: dict, tracking_uri: str, experiment: str, workspace: str, prm_mo
 
 def rollout(config: dict, tracking_uri: str, experiment: str, iteration: int, shard: int, num_shards: int,
             policy: Input[Model], rollouts: Output[Dataset], prm_model: Input[Model] = None,
-            ref: Input[Model] = None, critic: Input[Model] = None, workspace: str = ""):
+            ref: Input[Model] = None, critic: Input[Model] = None, workspace: str = "", first_iteration: int = 0):
     """Sample and score shard `shard` of `num_shards` of this iteration's prompts. `workspace` is not read
-    here: naming it makes KFP's driver mount the per-run workspace where the models' locations point."""
+    here: naming it makes KFP's driver mount the per-run workspace where the models' locations point.
+    `first_iteration` (a run of a chain, pipelines/chain.py): the RL iteration is first_iteration + iteration."""
     from prmflow.pipelines.kfp_shim import dataset_metadata, located, run_stage
     from prmflow.components.rollout import stage
+
+    iteration += first_iteration
 
     paths = {"policy": located(policy.path), "shard": shard, "num_shards": num_shards, "output": rollouts.path}
     for key, artifact in (("prm", prm_model), ("ref", ref), ("critic", critic)):
@@ -69,12 +72,13 @@ def rollout(config: dict, tracking_uri: str, experiment: str, iteration: int, sh
 
 def prm_update(config: dict, tracking_uri: str, experiment: str, workspace: str, iteration: int,
                prm_model: Input[Model], rollouts: Input[List[Dataset]], updated_prm: Output[Model],
-               state: Output[Artifact], previous: Input[Artifact] = None):
+               state: Output[Artifact], previous: Input[Artifact] = None, first_iteration: int = 0):
     """Keep the PRM on-policy: warm start from `prm_model` (the PRM that scored these rollouts), train on
     the collected `rollouts` shards, replaying the older rollouts `previous` (the last update's `state`)
     names. A later task cannot read an earlier task's artifact by path, so the rollouts (small Parquet)
     are copied into this update's workspace directory, DIR/replay/rollouts, beside DIR/replay/replay.json
-    (the rollouts this update replayed); `state` locates DIR/replay, `updated_prm` the PRM in DIR/prm."""
+    (the rollouts this update replayed); `state` locates DIR/replay, `updated_prm` the PRM in DIR/prm.
+    `first_iteration`: as rollout's."""
     import json
     import os
     import shutil
@@ -84,6 +88,7 @@ def prm_update(config: dict, tracking_uri: str, experiment: str, workspace: str,
                                             run_stage, workspace_output, write_location)
     from prmflow.components.prm import online_update as stage
 
+    iteration += first_iteration
     shards = [r.path for r in rollouts]
     inputs = {"prm": location_fingerprint(prm_model.path), "rollouts": [location_fingerprint(p) for p in shards],
               "previous": location_fingerprint(previous.path) if previous is not None else "", "iteration": iteration}
@@ -107,12 +112,14 @@ def prm_update(config: dict, tracking_uri: str, experiment: str, workspace: str,
 
 
 def advantage(config: dict, tracking_uri: str, experiment: str, iteration: int, rollouts: Input[List[Dataset]],
-              advantages: Output[Dataset], kl_state: Input[Artifact] = None):
+              advantages: Output[Dataset], kl_state: Input[Artifact] = None, first_iteration: int = 0):
     """Turn the collected rollout shards into advantages; `kl_state` is the previous ppo step's KL
-    controller state (a few bytes), wired only when the reward has a KL term and k > 0."""
+    controller state (a few bytes), wired only when the reward has a KL term and k > 0. `first_iteration`:
+    as rollout's."""
     from prmflow.components.advantage import stage
     from prmflow.pipelines.kfp_shim import dataset_metadata, gather_shards, run_stage
 
+    iteration += first_iteration
     paths = {"input": gather_shards([r.path for r in rollouts], advantages.path + ".inputs"), "output": advantages.path}
     if kl_state is not None:
         paths["kl_state"] = kl_state.path
@@ -122,11 +129,12 @@ def advantage(config: dict, tracking_uri: str, experiment: str, iteration: int, 
 
 def ppo(config: dict, tracking_uri: str, experiment: str, workspace: str, iteration: int, policy: Input[Model],
         advantages: Input[Dataset], updated: Output[Model], critic: Output[Model], state: Output[Artifact],
-        kl_state: Output[Artifact], previous: Input[Artifact] = None, placement: str = ""):
+        kl_state: Output[Artifact], previous: Input[Artifact] = None, placement: str = "", first_iteration: int = 0):
     """Update the policy (and critic). `placement`: as sft's. `updated` locates the new policy, `critic` the new critic (an empty
     location without train_critic; nothing wires it then), `state` the whole output on the workspace
     (critic, optimizer moments, updates.jsonl), `kl_state` is the KL controller's state for the next
-    advantage step. `previous` (the last iteration's `state`) carries the critic and the optimizer over."""
+    advantage step. `previous` (the last iteration's `state`) carries the critic and the optimizer over.
+    `first_iteration`: as rollout's."""
     import os
     import shutil
 
@@ -134,6 +142,7 @@ def ppo(config: dict, tracking_uri: str, experiment: str, workspace: str, iterat
                                             workspace_output, write_location)
     from prmflow.components.ppo import stage
 
+    iteration += first_iteration
     inputs = {"policy": location_fingerprint(policy.path), "advantages": location_fingerprint(advantages.path),
               "previous": location_fingerprint(previous.path) if previous is not None else "", "iteration": iteration,
               **({"placement": placement} if placement else {})}
@@ -174,3 +183,42 @@ def locate(path: str, model: Output[Model]):
     from prmflow.pipelines.kfp_shim import write_location
 
     model.metadata.update(write_location(model.path, path))
+
+
+def chain_resume(workspace: str, shape: str, first_iteration: int, needs: List[str], sft_config: dict,
+                 prm_config: dict, rollout_config: dict, advantage_config: dict, ppo_config: dict,
+                 policy: Output[Model], sft_policy: Output[Model], prm_model: Output[Model], critic: Output[Model],
+                 state: Output[Artifact], kl_state: Output[Artifact], prm_state: Output[Artifact]):
+    """The start of a run of a chain (pipelines/chain.py): the state the run before it ended with, read from
+    the workspace record its chain_next wrote (named by `shape` and the stage configs), each piece as the
+    location it was; `needs` are the pieces this run reads (refused when the record lacks one)."""
+    from prmflow.pipelines import chain
+
+    key = chain.state_key(shape, {"sft": sft_config, "prm": prm_config, "rollout": rollout_config,
+                                  "advantage": advantage_config, "ppo": ppo_config})
+    record = chain.read_state(workspace, key, first_iteration, list(needs))
+    chain.restore(record, {"policy": policy.path, "sft_policy": sft_policy.path, "prm_model": prm_model.path,
+                           "critic": critic.path, "state": state.path, "prm_state": prm_state.path}, kl_state.path)
+    print(f"chain: resumed after iteration {first_iteration} from {chain.record_path(workspace, key, first_iteration)}")
+
+
+def chain_next(workspace: str, shape: str, first_iteration: int, iterations: int, sft_config: dict,
+               prm_config: dict, rollout_config: dict, advantage_config: dict, ppo_config: dict,
+               policy: Input[Model], sft_policy: Input[Model] = None, prm_model: Input[Model] = None,
+               critic: Input[Model] = None, state: Input[Artifact] = None, kl_state: Input[Artifact] = None,
+               prm_state: Input[Artifact] = None, chain: str = "", chain_id: str = ""):
+    """The end of a run of a chain that is not the last: record its final state on the workspace for the next
+    run's chain_resume, then (on a cluster, `chain` = the continuation, chain.Continuation) submit that run
+    from here with the pod's service account. Runs only when every task before it succeeded."""
+    from prmflow.pipelines import chain as chain_lib
+
+    key = chain_lib.state_key(shape, {"sft": sft_config, "prm": prm_config, "rollout": rollout_config,
+                                      "advantage": advantage_config, "ppo": ppo_config})
+    pieces = {name: artifact.path for name, artifact in (
+        ("policy", policy), ("sft_policy", sft_policy), ("prm_model", prm_model), ("critic", critic),
+        ("state", state), ("prm_state", prm_state)) if artifact is not None}
+    after = first_iteration + iterations
+    path = chain_lib.write_state(workspace, key, after, pieces, kl_state.path if kl_state is not None else "")
+    print(f"chain: state after iteration {after} recorded at {path}")
+    if chain:
+        chain_lib.submit_next(chain, after, chain_id)

@@ -24,13 +24,14 @@ so no cache key holds it.
 
 import math
 import re
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from kfp import dsl, kubernetes
 
 from .. import stages
 from ..errors import ConfigError
-from . import kfp_components as components, kfp_shim, trainjob
+from . import chain as chain_lib, kfp_components as components, kfp_shim, trainjob
 from .lineage import finish_tracking, init_tracking
 from .settings import (IMPORTER_SCHEMES, SERVER_DEFAULT_CLASS, ClusterConfig, ImagesConfig, NodePool, PipelineSpec,
                        resolved, safe_loader)
@@ -198,8 +199,12 @@ def importable(uri: str, cluster: ClusterConfig, key: str, local: bool) -> str:
 
 
 def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str | None = None,
-          run_id: str | None = None) -> Any:
+          run_id: str | None = None, segment: chain_lib.Segment | None = None) -> Any:
     """The pipeline function for `spec` (a KFP graph component, ready to compile or run locally).
+
+    segment: one run of a chain (pipelines/chain.py); None: one run of all pipeline.iterations. A
+    segment after the first starts from the state the one before it recorded (chain_resume), its
+    stages number iterations from the run parameter first_iteration, and only the last evaluates.
 
     workspace (run-local): a local directory standing in for the ReadWriteMany volume; None on a
     cluster (workspace_pvc, or KFP's per-run workspace). run_id (run-local): the id the tracking steps
@@ -207,6 +212,7 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
     kfp.local runs a ParallelFor's iterations side by side (two at a time in kfp 2.17), so shards that
     each took every core would oversubscribe them. None on a cluster: a shard has its pod's cores."""
     pipe, cluster = spec.pipeline, spec.pipeline.cluster
+    seg = segment or chain_lib.segments(pipe.iterations, pipe.iterations)[0]
     local = workspace is not None
     ws = workspace if local else cluster.workspace_root(pipe.name)
     gpu, cpu, pulls = pipe.images.gpu, pipe.images.cpu, pipe.images.pull_secrets
@@ -232,6 +238,8 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
     evaluate_fn = _stage_fn("evaluate")
     evaluate_op = step(evaluate_fn, gpu) if evaluate_fn else None
     locate_op = step(components.locate, cpu)
+    resume_op, next_op = step(components.chain_resume, cpu), step(components.chain_next, cpu)
+    shape = chain_lib.shape_key(spec)
     init_op, finish_op = step(init_tracking, cpu), step(finish_tracking, cpu)
     # what each task reads, decided here once: an input nothing reads is not wired
     ppo_cfg, adv_cfg, roll_cfg = resolved(spec, "ppo"), resolved(spec, "advantage"), resolved(spec, "rollout")
@@ -267,6 +275,11 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
                 f"{name} (imported)").output
         return on_cpu(locate_op(path=uri)).set_display_name(f"{name} (on the workspace)").outputs["model"]
 
+    # the state a later run of a chain reads from the record (an imported sft_model / prm_model is imported again)
+    prm_recorded = not pipe.prm_model or pipe.prm_update
+    needs = ["policy"] + ["sft_policy"] * (not pipe.sft_model) + ["prm_model"] * prm_recorded + ["critic"] * critic + [
+        "state"] * carry_state + ["kl_state"] * reward_kl + ["prm_state"] * pipe.prm_update
+
     config = dsl.PipelineConfig(workspace=dsl.WorkspaceConfig(
         size=cluster.workspace_size,
         kubernetes=dsl.KubernetesWorkspaceConfig(pvcSpecPatch=workspace_pvc_patch(cluster)),
@@ -277,56 +290,92 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
         rollout_config: dict = spec.stages["rollout"], advantage_config: dict = spec.stages["advantage"],
         ppo_config: dict = spec.stages["ppo"], evaluate_config: dict = spec.stages["evaluate"],
         tracking_uri: str = pipe.tracking_uri, experiment: str = pipe.experiment, run_name: str = pipe.run_name,
+        chain_id: str = "", first_iteration: int = seg.first, chain: str = "",
     ):
         run = run_id if local else dsl.PIPELINE_JOB_ID_PLACEHOLDER  # only the uncached tracking steps take it
         common = dict(tracking_uri=tracking_uri, experiment=experiment)
-        exit_task = on_cpu(finish_op(kfp_run_id=run, **common), cache=False)
+        chained = seg.shape != "whole"
+        first = first_iteration if chained else 0
+        configs = dict(sft_config=sft_config, prm_config=prm_config, rollout_config=rollout_config,
+                       advantage_config=advantage_config, ppo_config=ppo_config)
+        offset = {"first_iteration": first_iteration} if chained else {}  # stages number iterations globally
+        exit_task = on_cpu(finish_op(kfp_run_id=run, **common, chain_id=chain_id, first_iteration=first,
+                                     iterations=seg.iterations, last=seg.last), cache=False)
         with dsl.ExitHandler(exit_task, name="track-pipeline-run"):
-            init = on_cpu(init_op(kfp_run_id=run, **common, sft_config=sft_config, prm_config=prm_config,
-                                  rollout_config=rollout_config, advantage_config=advantage_config,
-                                  ppo_config=ppo_config, evaluate_config=evaluate_config, run_name=run_name), cache=False)
+            init = on_cpu(init_op(kfp_run_id=run, **common, **configs, evaluate_config=evaluate_config,
+                                  run_name=run_name, chain_id=chain_id, first_iteration=first), cache=False)
+            resumed = None
+            if seg.first:  # a later run of a chain: the state the run before it recorded on the workspace
+                resumed = on_cpu(resume_op(workspace=ws, shape=shape, first_iteration=first_iteration,
+                                           needs=needs, **configs).after(init)).set_display_name("chain-resume")
             if pipe.sft_model:  # an existing warm-up: imported, not retrained
                 sft_policy = model_input(pipe.sft_model, "sft_model", "sft")
+            elif resumed:
+                sft_policy = resumed.outputs["sft_policy"]
             else:
                 sft_policy = train("sft", sft_op(config=sft_config, **common, workspace=ws, **placed("sft")).after(init),
                                    "sft").outputs["policy"]
-            if pipe.prm_model:
+            if resumed and prm_recorded:
+                prm_model = resumed.outputs["prm_model"]
+            elif pipe.prm_model:
                 prm_model = model_input(pipe.prm_model, "prm_model", "prm")
             else:
                 prm_base = {"base": sft_policy} if prm_needs_base else {}
                 prm_task = prm_op(config=prm_config, **common, workspace=ws, **prm_base, **placed("prm")).after(init)
                 prm_model = train("prm", prm_task, "prm").outputs["prm_model"]
             policy, upd, prm_upd = sft_policy, None, None
-            for k in range(pipe.iterations):
+            if resumed:  # the last run's final ppo and prm-update outputs, as its own tasks named them
+                policy, upd = resumed.outputs["policy"], SimpleNamespace(outputs={
+                    key: resumed.outputs[key] for key in ("critic", "kl_state", "state")})
+                prm_upd = SimpleNamespace(outputs={"state": resumed.outputs["prm_state"]}) if update_op else None
+            for k in range(seg.iterations):
                 # the reference (SFT) policy: ref_logprobs for the KL terms and the KL-to-SFT of every iteration
                 reads = {"ref": sft_policy, **({"prm_model": prm_model} if not oracle_prm else {})}
                 if critic:  # values of this policy's critic: a new one (from the SFT policy) at k = 0
-                    reads["critic"] = upd.outputs["critic"] if k else sft_policy
+                    reads["critic"] = upd.outputs["critic"] if upd else sft_policy
                 with dsl.ParallelFor(shards, name=f"rollout-shards-{k}") as shard:
                     roll = on_gpu(rollout_op(config=rollout_config, **common, workspace=ws, iteration=k, shard=shard,
-                                             num_shards=len(shards), policy=policy, **reads).after(init),
+                                             num_shards=len(shards), policy=policy, **reads, **offset).after(init),
                                   "rollout", cache=sampled)
                     roll.set_display_name(f"rollout-{k}")
                     if shard_threads:
                         roll.set_env_variable("OMP_NUM_THREADS", str(shard_threads))
-                kl_in = {"kl_state": upd.outputs["kl_state"]} if k and reward_kl else {}
-                adv = on_cpu(advantage_op(config=advantage_config, **common, iteration=k,
+                kl_in = {"kl_state": upd.outputs["kl_state"]} if upd and reward_kl else {}
+                adv = on_cpu(advantage_op(config=advantage_config, **common, iteration=k, **offset,
                                           rollouts=dsl.Collected(roll.outputs["rollouts"]), **kl_in))
                 adv.set_display_name(f"advantage-{k}")
-                prev = {"previous": upd.outputs["state"]} if k and carry_state else {}
-                upd = train("ppo", ppo_op(config=ppo_config, **common, workspace=ws, **placed("ppo"), iteration=k, policy=policy,
-                                          advantages=adv.outputs["advantages"], **prev), f"ppo-{k}")
+                prev = {"previous": upd.outputs["state"]} if upd and carry_state else {}
+                upd = train("ppo", ppo_op(config=ppo_config, **common, workspace=ws, **placed("ppo"), iteration=k, **offset,
+                                          policy=policy, advantages=adv.outputs["advantages"], **prev), f"ppo-{k}")
                 policy = upd.outputs["updated"]
                 if update_op is not None:  # PRM_k+1 from PRM_k on rollouts k; advantage k and ppo k do not wait
-                    replay = {"previous": prm_upd.outputs["state"]} if k else {}
+                    replay = {"previous": prm_upd.outputs["state"]} if prm_upd else {}
                     prm_upd = train("prm-update", update_op(
-                        config=spec.stages["prm-update"], **common, workspace=ws, iteration=k, prm_model=prm_model,
+                        config=spec.stages["prm-update"], **common, workspace=ws, iteration=k, **offset, prm_model=prm_model,
                         rollouts=dsl.Collected(roll.outputs["rollouts"]), **replay), f"prm-update-{k}")
                     prm_model = prm_upd.outputs["updated_prm"]
-            if evaluate_op is not None:
+            if not seg.last:  # record the state for the next run; on a cluster, submit it from here
+                pieces = {"sft_policy": sft_policy} if not pipe.sft_model else {}
+                pieces.update({"prm_model": prm_model} if prm_recorded else {})
+                pieces.update({"critic": upd.outputs["critic"]} if critic else {})
+                pieces.update({"state": upd.outputs["state"]} if carry_state else {})
+                pieces.update({"kl_state": upd.outputs["kl_state"]} if reward_kl else {})
+                pieces.update({"prm_state": prm_upd.outputs["state"]} if update_op else {})
+                nxt = on_cpu(next_op(workspace=ws, shape=shape, first_iteration=first_iteration,
+                                     iterations=seg.iterations, **configs, policy=policy, **pieces, chain=chain,
+                                     chain_id=chain_id), cache=False).set_display_name("chain-next")
+                if not local:  # Kubeflow's PodDefault of that label projects the pipelines token it submits with
+                    kubernetes.add_pod_label(nxt, label_key=chain_lib.TOKEN_POD_LABEL, label_value="true")
+            elif evaluate_op is not None:
                 on_gpu(evaluate_op(config=evaluate_config, **common, workspace=ws, policy=policy, baseline=sft_policy,
                                    prm_model=prm_model), "evaluate", cache=sampled).set_display_name("evaluate")
 
+    if seg.shape == "whole":  # one run: no chain parameters in its spec
+        import inspect
+
+        sig = inspect.signature(prmflow_pipeline)
+        prmflow_pipeline.__signature__ = sig.replace(parameters=[
+            p for name, p in sig.parameters.items() if name not in (chain_lib.FIRST_PARAM, chain_lib.CHAIN_PARAM)])
     decorate = dsl.pipeline(name=pipe.name, description="RL fine-tuning with step-level process rewards (prmflow)",
                             pipeline_config=config)
     return on_a_fresh_stack(decorate, prmflow_pipeline)  # KFP wires the graph here, calling prmflow_pipeline once
@@ -371,12 +420,14 @@ def is_compiled_spec(path: str) -> bool:
     return isinstance(first, dict) and "pipelineInfo" in first and "root" in first
 
 
-def compile_to(spec: PipelineSpec, path: str, check_backend: bool = True, check_size: bool = True) -> str:
+def compile_to(spec: PipelineSpec, path: str, check_backend: bool = True, check_size: bool = True,
+               segment: chain_lib.Segment | None = None) -> str:
     """Compile `spec` to `path`, checked against the rules of the KFP backend it targets
     (pipeline.cluster.kfp_version, compat.py) and against the size one run may grow to (size.py): a spec
     that version would refuse, or a run it would stop when it outgrows its limits, is not written.
     check_backend=False: neither is checked here (submit checks both against the server's own version);
-    check_size=False: `plan`, which prints the limits instead."""
+    check_size=False: `plan`, which prints the limits instead. segment: one run of a chain (chain.py), whose
+    package is measured as it is against every KFP version from pipeline.cluster.kfp_version up."""
     import os
 
     import yaml
@@ -400,14 +451,18 @@ def compile_to(spec: PipelineSpec, path: str, check_backend: bool = True, check_
                           f"left as it is. Name another output with -o, e.g. -o compiled-pipeline.yaml.")
     tmp = os.path.join(folder, f".tmp-{os.getpid()}-{os.path.basename(path)}")
     try:
-        compiler.Compiler().compile(build(spec), package_path=tmp)
+        compiler.Compiler().compile(build(spec, segment=segment), package_path=tmp)
         with open(tmp) as f:
             docs = [d for d in yaml.load_all(f, Loader=safe_loader()) if d]
         cluster = spec.pipeline.cluster
         if check_backend:
             compat.check(docs, cluster.kfp_version, cluster.workspace_storage_class == SERVER_DEFAULT_CLASS,
                          where=f"pipeline '{spec.pipeline.name}'")
-        refusal = size.too_long(run_capacity(spec), spec.pipeline.iterations) if check_backend and check_size else None
+        if segment is not None:  # one run of a chain: measured as compiled, on every version it may run on
+            refusal = next((r for r in (size.check_package(docs, v) for v in chain_lib.versions_from(
+                cluster.kfp_version)) if r), None) if check_backend and check_size else None
+        else:
+            refusal = size.too_long(run_capacity(spec), spec.pipeline.iterations) if check_backend and check_size else None
         if refusal:  # a run the cluster would stop mid-way (size.py, contracts/argo.py): nothing is written
             raise ConfigError(f"pipeline '{spec.pipeline.name}': {refusal}")
         os.replace(tmp, path)
@@ -417,8 +472,9 @@ def compile_to(spec: PipelineSpec, path: str, check_backend: bool = True, check_
     return path
 
 
-def compiled_docs(spec: PipelineSpec, iterations: int) -> list[dict]:
-    """The compiled spec (pipeline spec and platform spec) of `spec` at `iterations` iterations."""
+def compiled_docs(spec: PipelineSpec, iterations: int, segment: chain_lib.Segment | None = None) -> list[dict]:
+    """The compiled spec (pipeline spec and platform spec) of `spec` at `iterations` iterations (of `segment`'s
+    shape: a run of a chain)."""
     import dataclasses
     import os
     import tempfile
@@ -430,7 +486,7 @@ def compiled_docs(spec: PipelineSpec, iterations: int) -> list[dict]:
     at = dataclasses.replace(spec, pipeline=dataclasses.replace(spec.pipeline, iterations=iterations))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "pipeline.yaml")
-        compiler.Compiler().compile(build(at), package_path=path)
+        compiler.Compiler().compile(build(at, segment=segment), package_path=path)
         with open(path) as f:
             return [d for d in yaml.load_all(f, Loader=safe_loader()) if d]
 

@@ -291,9 +291,22 @@ def run_size_lines(spec: PipelineSpec) -> list[str]:
         lines.append(("run size: " if version == target else "  also:   ") + size.describe(cap, spec.pipeline.iterations))
         if version == target:
             refusal = size.too_long(cap, spec.pipeline.iterations)
-            if refusal:
+            if refusal and spec.pipeline.run_iterations >= spec.pipeline.iterations:
                 lines.append(f"error: {refusal} (compile and submit refuse it)")
+    lines.append(chain_line(spec))
     return lines
+
+
+def chain_line(spec: PipelineSpec) -> str:
+    """How the iterations run: one run, or a chain of runs x K iterations (pipelines/chain.py)."""
+    from . import chain
+
+    segs = chain.segments(spec.pipeline.iterations, chain.per_run(spec))
+    if len(segs) == 1:
+        return f"runs: one run of {spec.pipeline.iterations} iterations"
+    return (f"runs: a chain of {len(segs)} runs x {segs[0].iterations} iterations (the last {segs[-1].iterations}), "
+            f"each run starting from the last one's state on the workspace and submitting the next from the cluster "
+            f"(pipeline.run_iterations; docs/cluster.md#long-runs-a-chain-of-runs)")
 
 
 def model_params_of(spec: PipelineSpec, given: float = 0.0) -> float:

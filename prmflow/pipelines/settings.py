@@ -284,7 +284,11 @@ class PipelineConfig:
     name: str = "prmflow"
     """Pipeline name in KFP."""
     iterations: int = 2
-    """RL iterations (rollout -> advantage -> ppo), unrolled at compile time."""
+    """RL iterations (rollout -> advantage -> ppo). More than one KFP run holds become a chain of runs
+    (run_iterations each), each starting from the last one's state on the workspace (docs/cluster.md)."""
+    run_iterations: int = 0
+    """Iterations of one run of the chain. 0: as many as one run holds on every KFP version from
+    cluster.kfp_version up (pipeline plan prints it); run-local chains the same way."""
     rollout_shards: int = 2
     """Rollout pods per iteration (ParallelFor); each samples the prompts with index % shards == its shard."""
     tracking_uri: str = ""
@@ -310,6 +314,9 @@ class PipelineConfig:
     def __post_init__(self):
         if self.iterations < 1:
             raise ConfigError(f"pipeline.iterations is {self.iterations}; it must be at least 1.")
+        if self.run_iterations < 0:
+            raise ConfigError(f"pipeline.run_iterations is {self.run_iterations}; give 0 (as many as one run "
+                              f"holds) or a positive number of iterations per run.")
         if self.rollout_shards < 1:
             raise ConfigError(f"pipeline.rollout_shards is {self.rollout_shards}; it must be at least 1.")
 

@@ -15,7 +15,7 @@ def step_functions() -> dict:
     from . import kfp_components as components, lineage
 
     fns = [getattr(components, stages.component(s)) for s in stages.PIPELINE_STAGES] + [
-        components.locate, lineage.init_tracking, lineage.finish_tracking]
+        components.locate, components.chain_resume, components.chain_next, lineage.init_tracking, lineage.finish_tracking]
     return {f.__name__: f for f in fns}
 
 

@@ -72,10 +72,17 @@ def pipeline_rows(client, parent_run_id: str) -> list[Row]:
 
 
 def child_runs(client, parent_run_id: str) -> list:
-    """The stage runs filed under a pipeline's parent run."""
+    """The stage runs filed under a pipeline's parent run, one per task: where a task ran more than once under
+    it (a run stopped and started again, whose chain reuses its parent: pipelines/chain.py), its last
+    finished attempt, else its last."""
     parent = client.get_run(parent_run_id)
-    return client.search_runs([parent.info.experiment_id], max_results=5000,
+    runs = client.search_runs([parent.info.experiment_id], max_results=5000,
                               filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
+    latest: dict[tuple, object] = {}
+    for run in sorted(runs, key=lambda r: (r.info.status == "FINISHED", r.info.start_time or 0)):
+        tags = run.data.tags
+        latest[(tags.get("prmflow.stage", run.info.run_name), tags.get("prmflow.iteration"), tags.get("prmflow.shard"))] = run
+    return sorted(latest.values(), key=lambda r: r.info.start_time or 0, reverse=True)
 
 
 def format_table(rows: list[Row]) -> str:

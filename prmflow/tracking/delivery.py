@@ -15,6 +15,14 @@ log = logging.getLogger(__name__)
 PIPELINE_TAG = "prmflow.pipeline_run_id"
 ROLE_TAG = "prmflow.role"
 RUN_KEY_TAG = "prmflow.run_key"
+#: A pipeline parent run's chain (pipelines/chain.py): the runs of one chain, and the same command run again, share it.
+CHAIN_TAG = "prmflow.chain_id"
+
+
+def chain_run_tag(pipeline_run_id: str) -> str:
+    """The tag on a chain's parent run that makes it the parent of KFP run `pipeline_run_id` too (value: the run's
+    first iteration)."""
+    return f"prmflow.chain_run.{pipeline_run_id}"
 #: MLflow error codes that a retry cannot fix: the call is dropped (kept in the fallback file, marked).
 PERMANENT_ERRORS = {"INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST", "INVALID_STATE",
                     "RESOURCE_DOES_NOT_EXIST", "MALFORMED_REQUEST"}
@@ -72,6 +80,9 @@ def find_pipeline_run(client, experiment: str, pipeline_run_id: str) -> str | No
         return None
     runs = client.search_runs([exp.experiment_id], max_results=1,
                               filter_string=f"tags.`{PIPELINE_TAG}` = '{pipeline_run_id}' and tags.`{ROLE_TAG}` = 'pipeline'")
+    if not runs:  # a later run of a chain, or a run started again: the chain's parent names it (runs.start_pipeline_run)
+        runs = client.search_runs([exp.experiment_id], max_results=1, filter_string=(
+            f"tags.`{chain_run_tag(pipeline_run_id)}` LIKE '%' and tags.`{ROLE_TAG}` = 'pipeline'"))
     return runs[0].info.run_id if runs else None
 
 

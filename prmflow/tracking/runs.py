@@ -12,7 +12,7 @@ from typing import Any
 from .config import TrackingConfig, check_store, configured_uri, limit_http_retries, resolve_uri
 from .handoffs import record_stage_handoffs
 from . import kfp_plugin
-from .delivery import PIPELINE_TAG, ROLE_TAG, create_run, find_pipeline_run
+from .delivery import CHAIN_TAG, PIPELINE_TAG, ROLE_TAG, chain_run_tag, create_run, find_pipeline_run
 from .logged_models import record_stage_models
 from .null import NullTracker
 from .outbox import default_fallback_path
@@ -136,9 +136,17 @@ def start_run(cfg: TrackingConfig, run_name: str, tags: dict[str, Any] | None = 
     return tracker
 
 
-def start_pipeline_run(cfg: TrackingConfig, params: dict[str, Any] | None = None) -> NullTracker:
-    """The parent run of one pipeline run, tagged so stages (and the exit handler) can find it."""
-    tags = {ROLE_TAG: "pipeline", **run_tags(
+def start_pipeline_run(cfg: TrackingConfig, params: dict[str, Any] | None = None, chain_id: str = "",
+                       first_iteration: int = 0) -> NullTracker:
+    """The parent run of one pipeline run, tagged so stages (and the exit handler) can find it. With a `chain_id`,
+    the parent run tagged with it is reused when there is one (the chain's later runs, or the same command run
+    again after a stop): it is tagged with this KFP run id as one of its runs (`chain_run_tag`) and set RUNNING."""
+    if chain_id and cfg.enabled:
+        reused = _chain_parent(cfg, chain_id, first_iteration)
+        if reused is not None:
+            return reused
+    tags = {ROLE_TAG: "pipeline", **({CHAIN_TAG: chain_id, chain_run_tag(cfg.pipeline_run_id): str(first_iteration)}
+                                     if chain_id and cfg.pipeline_run_id else {}), **run_tags(
         f"prmflow pipeline (KFP run {cfg.pipeline_run_id or 'local'})",
         "A prmflow pipeline run: SFT and PRM, then RL iterations of rollout -> advantage -> PPO, then evaluation. "
         "Child runs: one per stage. Charts: pipeline/reward_mean, pipeline/accuracy and pipeline/kl_to_sft per RL "
@@ -147,11 +155,30 @@ def start_pipeline_run(cfg: TrackingConfig, params: dict[str, Any] | None = None
     return start_run(cfg, cfg.run_name or f"pipeline-{cfg.pipeline_run_id or 'local'}", tags, params, strict=True)
 
 
-def finish_pipeline_run(cfg: TrackingConfig, status: str, metrics: dict[str, float] | None = None,
+def _chain_parent(cfg: TrackingConfig, chain_id: str, first_iteration: int) -> MlflowTracker | None:
+    """The parent run of chain `chain_id` in the experiment, made this KFP run's parent too; None if none yet."""
+    check_store(*configured_uri(cfg))
+    uri = resolve_uri(cfg)
+    client = mlflow_client(uri)
+    exp = client.get_experiment_by_name(cfg.experiment)
+    found = client.search_runs([exp.experiment_id], max_results=1, order_by=["attributes.start_time ASC"],
+                               filter_string=f"tags.`{CHAIN_TAG}` = '{chain_id}' and tags.`{ROLE_TAG}` = 'pipeline'"
+                               ) if exp is not None else []
+    if not found:
+        return None
+    run_id = found[0].info.run_id
+    if cfg.pipeline_run_id:
+        client.set_tag(run_id, chain_run_tag(cfg.pipeline_run_id), str(first_iteration))
+    client.update_run(run_id, status="RUNNING")
+    return MlflowTracker(client, run_id, uri, fallback_path=cfg.fallback_path or None, finish_wait_s=cfg.finish_wait_s)
+
+
+def finish_pipeline_run(cfg: TrackingConfig, status: str | None, metrics: dict[str, float] | None = None,
                         series: list[tuple[str, float, int]] | None = None) -> str | None:
     """Mark the pipeline's parent run FINISHED or FAILED (from the KFP exit handler). Returns its id.
 
-    `metrics` are logged at step 0, `series` as (key, value, step) points (per RL iteration)."""
+    `metrics` are logged at step 0, `series` as (key, value, step) points (per RL iteration). status None: the run
+    stays RUNNING (a chain's run that is not its last)."""
     if not cfg.enabled or not cfg.pipeline_run_id:
         return None
     uri = resolve_uri(cfg)
@@ -167,6 +194,8 @@ def finish_pipeline_run(cfg: TrackingConfig, status: str, metrics: dict[str, flo
         tracker.log_metrics(metrics)
     for key, value, step in series or []:
         tracker.log_metrics({key: value}, step=step)
+    if status is None:  # what the server did not take is in the fallback file (tracking-sync)
+        return run_id
     tracker.finish(status)
     return run_id
 

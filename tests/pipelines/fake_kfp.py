@@ -102,6 +102,10 @@ class FakeKfp:
                                             f"{namespace},Verb:list,Group:pipelines.kubeflow.org,Resource:experiments}})", 7)
                 return None
 
+            def _who(self):
+                auth = self.headers.get("Authorization", "")
+                return (fake.tokens or {}).get(auth.removeprefix("Bearer ")) if auth.startswith("Bearer ") else None
+
             def _login_html(self):
                 data = b"<!DOCTYPE html><html><head><title>Log in to Kubeflow</title></head><body>...</body></html>"
                 self.send_response(200)
@@ -126,6 +130,10 @@ class FakeKfp:
                     return self._reply(200, fake.experiments[0] if fake.experiments else {})
                 if path == f"{API}/pipelines":
                     return self._reply(200, fake.listed(fake.pipelines, query, key="pipelines"))
+                if path.startswith(f"{API}/pipelines/") and path.endswith("/versions"):
+                    pid = path.split("/")[-2]
+                    return self._reply(200, fake.listed([v for v in fake.versions if v["pipeline_id"] == pid], query,
+                                                        key="pipeline_versions"))
                 if path.startswith(f"{API}/runs/"):
                     run_id = path.rsplit("/", 1)[1]
                     if run_id not in fake.runs:
@@ -147,6 +155,9 @@ class FakeKfp:
                     fake.experiments.append(exp)
                     return self._reply(200, exp)
                 if path == f"{API}/runs":
+                    status, message = fake.run_refusal(body, self._who())
+                    if status:
+                        return self._error(status, message, {400: 3, 403: 7, 404: 5}[status])
                     refused = fake.compiler_errors(body)
                     if refused:
                         return self._error(400, "Failed to create a run: failed to compile the workflow: "
@@ -177,6 +188,30 @@ class FakeKfp:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def run_refusal(self, body: dict, who: str | None) -> tuple[int, str]:
+        """(status, message) of the API server's refusal of a run, or (0, ''): the run's namespace is its
+        experiment's (kubeflow/pipelines@2.15.0 backend/src/apiserver/server/run_server.go:142-150), the identity
+        must be allowed to create runs there (run_server.go:152-157, a SubjectAccessReview), and a
+        pipeline_version_reference must name a version of that pipeline (backend/src/apiserver/resource/
+        resource_manager.go:1056-1064)."""
+        exp = next((e for e in self.experiments if e["experiment_id"] == body.get("experiment_id")), None)
+        namespace = (exp or {}).get("namespace") or body.get("namespace")
+        allowed = self.namespaces.get(who) if who else None
+        if namespace and allowed is not None and namespace not in allowed:
+            return 403, (f"Failed to create a run due to authorization error. Check if you have write permissions to "
+                         f"namespace {namespace}")
+        ref = body.get("pipeline_version_reference") or {}
+        if ref.get("pipeline_version_id"):
+            version = next((v for v in self.versions if v["pipeline_version_id"] == ref["pipeline_version_id"]), None)
+            if version is None:
+                return 404, (f"Failed to fetch a pipeline version and its manifest from pipeline version "
+                             f"{ref['pipeline_version_id']}: Failed to get a pipeline version with id "
+                             f"{ref['pipeline_version_id']}")
+            if ref.get("pipeline_id") and version["pipeline_id"] != ref["pipeline_id"]:
+                return 400, (f"Pipeline version {ref['pipeline_version_id']} belongs to pipeline "
+                             f"{version['pipeline_id']} (not {ref['pipeline_id']})")
+        return 0, ""
 
     def compiler_errors(self, body: dict) -> list[str]:
         """What the emulated version's compiler refuses in a run's platform spec (the workspace claim)."""

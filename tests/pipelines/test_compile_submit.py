@@ -288,8 +288,9 @@ def test_submit_uploads_the_package_and_parameters(tmp_path):
     run = posts[1]["body"]
     assert run["display_name"] == "try-1" and run["experiment_id"] == "exp-1"
     # merged into the compiled ppo section (optim.lr 1e-6 stays; KFP alone would have replaced the whole dict)
-    assert run["runtime_config"]["parameters"] == {"ppo_config": {"optim": {"lr": 1e-6}, "epochs": 2},
-                                                   "tracking_uri": "http://mlflow:5000"}
+    sent = dict(run["runtime_config"]["parameters"])
+    assert sent.pop("chain_id").startswith("chain-")  # its MLflow parent run, reused when submitted again (chain.py)
+    assert sent == {"ppo_config": {"optim": {"lr": 1e-6}, "epochs": 2}, "tracking_uri": "http://mlflow:5000"}
     uploaded = run["pipeline_spec"]["pipeline_spec"]  # KFP sends {pipeline_spec, platform_spec}
     assert uploaded["pipelineInfo"]["name"] == "prmflow"
     platform = run["pipeline_spec"]["platform_spec"]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]

@@ -113,13 +113,14 @@ def test_the_largest_run_is_the_last_count_within_every_limit(tmp_path):
 
 
 def test_compile_refuses_a_run_the_cluster_would_stop_and_writes_nothing(tmp_path, capsys):
-    """A run past the modelled limit: exit 2, an error naming pipeline.iterations and the limit, no file."""
+    """One run (pipeline.run_iterations = iterations) past the modelled limit: exit 2, an error naming
+    pipeline.iterations and the limit, no file. (Left to itself, compile makes such a run a chain: test_chain_compile.)"""
     cfg = tmp_path / "pipeline.yaml"
     cfg.write_text(CLUSTER_YAML)
     n, _ = pipeline.run_capacity(_cluster_spec(tmp_path, 2), "2.15").max_iterations()
     out = tmp_path / "compiled.yaml"
     assert cli.main(["pipeline", "compile", "--config", str(cfg), "--set", f"pipeline.iterations={n + 1}",
-                     "-o", str(out)]) == 2
+                     "--set", f"pipeline.run_iterations={n + 1}", "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"pipeline.iterations is {n + 1}" in err and f"at most {n}" in err and "packer.go" in err
     assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
@@ -183,7 +184,8 @@ def test_submit_checks_a_package_against_the_servers_own_version(tmp_path, capsy
     n = fits["2.17"] + 1
     assert n <= fits["2.15"]
     package = tmp_path / "compiled.yaml"
-    assert cli.main(["pipeline", "compile", "--config", str(cfg), "--set", f"pipeline.iterations={n}", "-o", str(package)]) == 0
+    assert cli.main(["pipeline", "compile", "--config", str(cfg), "--set", f"pipeline.iterations={n}",
+                     "--set", f"pipeline.run_iterations={n}", "-o", str(package)]) == 0  # one run, as 2.15 holds it
     for version, code in (("2.15.0", 0), ("2.17.0", 2)):
         with FakeKfp(version=version) as server:
             assert cli.main(["pipeline", "submit", "--host", server.url, "--package", str(package)]) == code

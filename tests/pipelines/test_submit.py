@@ -239,7 +239,7 @@ def test_param_merges_into_the_compiled_stage_config(ppo_7b, capsys):
     assert ppo["engine"]["zero_stage"] == 2 and ppo["train_critic"] is True and ppo["critic_lr"] == 5e-6
     assert {k: v for k, v in ppo.items() if k != "optim"} == {k: v for k, v in compiled.items() if k != "optim"}
     assert sent["sft_config"]["max_steps"] == 50 and sent["sft_config"]["engine"]["zero_stage"] == 2
-    assert set(sent) == {"ppo_config", "sft_config"}  # the stages nobody changed keep their compiled default
+    assert set(sent) == {"ppo_config", "sft_config", "chain_id"}  # the stages nobody changed keep their compiled default
 
 
 def test_dry_run_prints_every_stage_effective_config_and_sends_nothing(ppo_7b, capsys):

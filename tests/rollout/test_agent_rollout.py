@@ -35,7 +35,8 @@ def example(tmp_path, monkeypatch):
     (tmp_path / "agent_docs_example.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     task = tmp_path / "task.jsonl"
-    task.write_text('{"prompt_id": "a", "prompt": "1+2", "answer": "3.0"}\n{"prompt_id": "b", "prompt": "2+2", "answer": "4.0"}\n')
+    task.write_text('{"prompt_id": "a", "prompt": "1+2", "answer": "3.0"}\n'
+                    '{"prompt_id": "b", "prompt": "2+2", "answer": "4.0"}\n')
     return task
 
 
@@ -103,8 +104,8 @@ def test_the_trained_ids_are_the_sampled_ids_where_re_encoding_would_change_them
 
     advantage.run(config.load(advantage.Config, overrides={"input": str(tmp_path / "rollouts"), "estimator": "reinforce",
                                                            "output": str(tmp_path / "adv"), "tracking.enabled": False}))
-    samples = minibatches.load_batch(config.load(ppo.Config, overrides={"input": str(tmp_path / "adv"), "policy": str(long_policy),
-                                                                         "tracking.enabled": False}))
+    samples = minibatches.load_batch(config.load(ppo.Config, overrides={
+        "input": str(tmp_path / "adv"), "policy": str(long_policy), "tracking.enabled": False}))
     trained = {tuple(s.prompt_ids + s.response_ids): s for s in samples}
     assert tuple(full) in trained
     assert trained[tuple(full)].trained().tolist() == [bool(m) for m in a["policy_mask"]]

@@ -37,16 +37,16 @@ def test_every_assistant_turn_is_trained_and_no_tool_turn(tmp_path):
     # the whole conversation as Qwen2.5's template renders it (it adds "\n" after the last turn's <|im_end|>)
     assert tok.decode(ex.input_ids) + "\n" == tok.apply_chat_template(MESSAGES, tokenize=False)
     eot = tok.convert_ids_to_tokens(chat.end_of_turn_id(tok))
-    trained = [i for i, l in zip(ex.input_ids, ex.labels) if l != data.IGNORE]
+    trained = [i for i, lab in zip(ex.input_ids, ex.labels) if lab != data.IGNORE]
     assert tok.decode(trained) == MESSAGES[2]["content"] + eot + MESSAGES[4]["content"] + eot
-    assert [l for l in ex.labels if l != data.IGNORE] == trained
+    assert [lab for lab in ex.labels if lab != data.IGNORE] == trained
 
     # the loss at a tool token's position does not exist: perturb those logits, the loss stays
     batch = data.collate([ex], tok.pad_token_id)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, len(ex.input_ids), len(tok), generator=g)
     loss, n = data.response_loss(logits, batch["labels"])
-    untrained = torch.tensor([l == data.IGNORE for l in ex.labels[1:]] + [True])  # position t predicts token t + 1
+    untrained = torch.tensor([lab == data.IGNORE for lab in ex.labels[1:]] + [True])  # position t predicts token t + 1
     moved = logits + 50.0 * torch.randn(logits.shape, generator=g) * untrained[None, :, None]
     assert data.response_loss(moved, batch["labels"]) == (loss, n) and n == len(trained)
 
@@ -55,7 +55,8 @@ def test_a_multi_turn_demonstration_trains_through_the_stage(tmp_path):
     rows = [{"id": f"e{i}", "messages": MESSAGES} for i in range(8)]
     f = _write(tmp_path / "d.jsonl", rows)
     cfg = config.load(stage.Config, overrides={"policy": "tiny-qwen2-bpe", "task": str(f), "eval_size": 2,
-                                                "max_steps": 2, "optim.warmup_steps": 0, "micro_batch_size": 4, "eval_every": 0, "save_every": 0,
+                                                "max_steps": 2, "optim.warmup_steps": 0, "micro_batch_size": 4,
+                                                "eval_every": 0, "save_every": 0,
                                                 "engine.backend": "torch", "tracking.enabled": False,
                                                 "output": str(tmp_path / "sft"), "max_seq_len": 256})
     metrics = stage.run(cfg)

@@ -317,7 +317,7 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
             policy, upd, prm_upd = sft_policy, None, None
             # what rollout k samples with: policy k (serial) or, off by one, policy k-1 (ppo k-2's), with its critic
             # and the PRM of update k-2, so rollout k+1 waits for neither ppo k nor prm-update k
-            sampled_with = {"policy": [sft_policy], "critic": [sft_policy], "prm_model": [prm_model]}
+            sampled_with = {"policy": [policy], "critic": [sft_policy], "prm_model": [prm_model]}
             for k in range(pipe.iterations):
                 behind = {key: seq[-1 - min(lag, len(seq) - 1)] for key, seq in sampled_with.items()}
                 # the reference (SFT) policy: ref_logprobs for the KL terms and the KL-to-SFT of every iteration

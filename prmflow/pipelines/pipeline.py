@@ -9,6 +9,7 @@ stage's component; all logic lives in the stages.
       rollout[shard] x N  (ParallelFor) ── Collected ──> advantage (CPU pool) ──> ppo ──> policy_k+1
                                         └─ Collected ──> prm-update (pipeline.prm_update) ──> PRM_k+1
       (rollout k scores with PRM_k; advantage k and ppo k do not wait for the update)
+      pipeline.schedule off_by_one: rollout k+1 samples with policy k (and its critic, PRM_k) while ppo k trains
     evaluate (if the stage exists; with the last PRM)
     exit handler: finish_tracking marks the MLflow parent run FINISHED/FAILED
 
@@ -116,6 +117,22 @@ def check_prm_update(roll_cfg, adv_cfg) -> None:
                           f"{adv_cfg.estimator}, step_rewards={adv_cfg.step_rewards}), so no PRM score reaches the "
                           f"policy. Use step rewards (e.g. advantage.estimator: grpo_progress) or set "
                           f"pipeline.prm_update: false.")
+
+
+def check_schedule(schedule: str, ppo_cfg) -> int:
+    """How many iterations behind rollout's policy is (pipeline.schedule: serial 0, off_by_one 1). Off by one, ppo k
+    trains policy k on samples of policy k-1: refused unless ppo recomputes the ratio's denominator under policy k and
+    weights each token by pi_k / pi_sampler (rollout_correction), which also makes the staleness visible (train/is_*)."""
+    if schedule == "serial":
+        return 0
+    missing = [f"ppo.{key}: {want}" for key, want, ok in (
+        ("rollout_correction", "token_truncate", ppo_cfg.rollout_correction != "none"),
+        ("recompute_old_logprobs", "true", ppo_cfg.recompute_old_logprobs is True)) if not ok]
+    if missing:
+        raise ConfigError(f"pipeline.schedule is {schedule}: ppo k trains policy k on rollouts sampled with policy "
+                          f"k-1, so its ratio needs old log-probs recomputed under policy k and an importance weight "
+                          f"pi_k / pi_sampler. Set {' and '.join(missing)}, or pipeline.schedule: serial.")
+    return 1
 
 
 def scratch_size(spec: PipelineSpec) -> str:
@@ -249,6 +266,7 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
     oracle_prm = roll_cfg.prm == "oracle"
     if pipe.prm_update:
         check_prm_update(roll_cfg, adv_cfg)
+    lag = check_schedule(pipe.schedule, ppo_cfg)
     update_op = step(components.prm_update, gpu) if pipe.prm_update else None
     prm_needs_base = not any((spec.stages.get("prm") or {}).get(k) for k in ("backbone", "model_path"))
     shards = list(range(pipe.rollout_shards))
@@ -328,14 +346,19 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
                 policy, upd = resumed.outputs["policy"], SimpleNamespace(outputs={
                     key: resumed.outputs[key] for key in ("critic", "kl_state", "state")})
                 prm_upd = SimpleNamespace(outputs={"state": resumed.outputs["prm_state"]}) if update_op else None
+            # what rollout k samples with: policy k (serial) or, off by one, policy k-1 (ppo k-2's), with its critic
+            # and the PRM of update k-2, so rollout k+1 waits for neither ppo k nor prm-update k
+            sampled_with = {"policy": [policy], "critic": [upd.outputs["critic"] if upd else sft_policy],
+                            "prm_model": [prm_model]}
             for k in range(seg.iterations):
+                behind = {key: seq[-1 - min(lag, len(seq) - 1)] for key, seq in sampled_with.items()}
                 # the reference (SFT) policy: ref_logprobs for the KL terms and the KL-to-SFT of every iteration
-                reads = {"ref": sft_policy, **({"prm_model": prm_model} if not oracle_prm else {})}
-                if critic:  # values of this policy's critic: a new one (from the SFT policy) at k = 0
-                    reads["critic"] = upd.outputs["critic"] if upd else sft_policy
+                reads = {"ref": sft_policy, **({"prm_model": behind["prm_model"]} if not oracle_prm else {})}
+                if critic:  # values of the sampling policy's critic: a new one (from the SFT policy) at first
+                    reads["critic"] = behind["critic"]
                 with dsl.ParallelFor(shards, name=f"rollout-shards-{k}") as shard:
                     roll = on_gpu(rollout_op(config=rollout_config, **common, workspace=ws, iteration=k, shard=shard,
-                                             num_shards=len(shards), policy=policy, **reads, **offset).after(init),
+                                             num_shards=len(shards), policy=behind["policy"], **reads, **offset).after(init),
                                   "rollout", cache=sampled)
                     roll.set_display_name(f"rollout-{k}")
                     if shard_threads:
@@ -348,12 +371,16 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
                 upd = train("ppo", ppo_op(config=ppo_config, **common, workspace=ws, **placed("ppo"), iteration=k, **offset,
                                           policy=policy, advantages=adv.outputs["advantages"], **prev), f"ppo-{k}")
                 policy = upd.outputs["updated"]
+                sampled_with["policy"].append(policy)
+                if critic:
+                    sampled_with["critic"].append(upd.outputs["critic"])
                 if update_op is not None:  # PRM_k+1 from PRM_k on rollouts k; advantage k and ppo k do not wait
                     replay = {"previous": prm_upd.outputs["state"]} if prm_upd else {}
                     prm_upd = train("prm-update", update_op(
                         config=spec.stages["prm-update"], **common, workspace=ws, iteration=k, **offset, prm_model=prm_model,
                         rollouts=dsl.Collected(roll.outputs["rollouts"]), **replay), f"prm-update-{k}")
                     prm_model = prm_upd.outputs["updated_prm"]
+                    sampled_with["prm_model"].append(prm_model)
             if not seg.last:  # record the state for the next run; on a cluster, submit it from here
                 pieces = {"sft_policy": sft_policy} if not pipe.sft_model else {}
                 pieces.update({"prm_model": prm_model} if prm_recorded else {})

@@ -1,6 +1,7 @@
 """`prmflow pipeline plan --config FILE`: what a cluster run will hold and move, before a GPU is spent.
 
     prmflow pipeline plan --config configs/cluster/qwen2.5-7b-gsm8k-math.yaml [--model-params 7.62e9] [--set KEY=VALUE]
+        [--durations-from RUN_ID [--tracking-uri URI]]
 
 The plan compiles the pipeline and walks the compiled spec with a model of the KFP launcher: every
 input artifact of a task is downloaded whole from the object store before the task starts
@@ -11,6 +12,10 @@ of a few KB, while an imported model is its whole size. What a task opens on the
 from the input names it was wired with. Sizes: weights = bytes per parameter (bf16: 2) x P; Adam
 state in fp32 (master copy + two moments, 12 bytes per parameter with DeepSpeed; 8 with torch);
 rollouts as an upper bound, every response at max_new_tokens.
+
+Time: the longest path through the compiled DAG (`critical_path`), each task as long as its stage's
+duration (pipeline.task_seconds, or the stage runs of a finished run in MLflow), in both schedules of
+pipeline.schedule, and the overlap's speedup.
 """
 
 from __future__ import annotations
@@ -244,7 +249,8 @@ def warnings_of(spec: PipelineSpec, s: Sizes, rows: list[TaskRow], volume_bytes:
     return out
 
 
-def render(spec: PipelineSpec, params: float, volume_bytes: float = 0.0) -> str:
+def render(spec: PipelineSpec, params: float, volume_bytes: float = 0.0, measured: dict[str, float] | None = None,
+           source: str = "") -> str:
     s = sizes_of(spec, params)
     rows = walk(compiled(spec), s)
     lines = [f"plan of '{spec.pipeline.name}': {spec.pipeline.iterations} RL iterations x {spec.pipeline.rollout_shards} "
@@ -270,6 +276,7 @@ def render(spec: PipelineSpec, params: float, volume_bytes: float = 0.0) -> str:
                  f"floors: Kubeflow Pipelines >= {'.'.join(map(str, MIN_KFP_BACKEND))}"
                  + (f", Kubeflow Trainer >= {'.'.join(map(str, MIN_TRAINER))}" if spec.pipeline.cluster.trainer.stages() else ""))
     lines.extend(run_size_lines(spec))
+    lines.extend(time_lines(spec, measured, source))
     for w in warnings_of(spec, s, rows, volume_bytes):
         lines.append(f"warning: {w}")
     return "\n".join(lines)
@@ -325,7 +332,10 @@ def run(args) -> int:
     from .params import load_with_sets
 
     spec = load_with_sets(args.config, args.set)
-    print(render(spec, model_params_of(spec, args.model_params), parse_quantity(args.volume or "")))
+    measured = measured_seconds(args.durations_from, args.tracking_uri or spec.pipeline.tracking_uri) \
+        if args.durations_from else None
+    print(render(spec, model_params_of(spec, args.model_params), parse_quantity(args.volume or ""), measured,
+                 f"MLflow run {args.durations_from}"))
     return 0
 
 
@@ -362,6 +372,197 @@ def add_parser(psub) -> None:
                    help="parameters of the policy, e.g. 7.62e9 (default: cluster.model_params or its config.json)")
     p.add_argument("--volume", type=_volume_arg, default=None,
                    help="size of workspace_pvc, e.g. 2Ti (warns when the run needs more)")
+    p.add_argument("--durations-from", default="", metavar="RUN_ID",
+                   help="MLflow parent run of a finished pipeline run: its stage runs' median times replace the "
+                        "recipe's pipeline.task_seconds in the critical path")
+    p.add_argument("--tracking-uri", default="", help="MLflow store of --durations-from (default: pipeline.tracking_uri, "
+                                                       "else MLFLOW_TRACKING_URI)")
     p.set_defaults(handler=run)
 
 
+
+
+# --- time: the critical path of the compiled DAG ----------------------------------------------------------------
+
+#: Seconds assumed for a task of a stage the recipe gives no estimate for: the tracking steps and a model's
+#: import or location (a CPU pod's start and one small write).
+BOOKKEEPING_SECONDS = 10.0
+
+
+def task_graph(ir: dict) -> tuple[dict[str, dict], str]:
+    """Every task of the compiled spec, through every sub-DAG: {id: {"stage", "name", "deps", "children"}}, and
+    the id of the root. `deps` are the ids it waits for (KFP's dependentTasks, data edges included: a task
+    reading a loop's Collected output waits for the loop), `children` the tasks of its sub-DAG (ParallelFor,
+    exit handler), which start when it starts; a sub-DAG ends when its last child does."""
+    comps = ir["components"]
+    graph: dict[str, dict] = {}
+
+    def add(dag: dict, prefix: str) -> list[str]:
+        ids = []
+        for key, t in dag["tasks"].items():
+            tid, ref = f"{prefix}/{key}", t["componentRef"]["name"]
+            node = {"stage": stage_of(ref), "name": t["taskInfo"]["name"], "children": [],
+                    "deps": [f"{prefix}/{d}" for d in t.get("dependentTasks", [])]}
+            graph[tid] = node
+            if "dag" in comps[ref]:
+                node["stage"] = ""
+                node["children"] = add(comps[ref]["dag"], tid)
+            ids.append(tid)
+        return ids
+
+    graph["root"] = {"stage": "", "name": "root", "deps": [], "children": add(ir["root"]["dag"], "root")}
+    return graph, "root"
+
+
+def finish_times(graph: dict[str, dict], seconds) -> dict[str, float]:
+    """{task id: when it ends} with every task started as soon as all it waits for has ended: a longest path.
+    seconds(stage) is one task's duration (a ParallelFor's iterations run side by side, each that long)."""
+    start: dict[str, float] = {}
+    end: dict[str, float] = {}
+
+    def finish(tid: str, at: float) -> float:
+        if tid in end:
+            return end[tid]
+        node = graph[tid]
+        start[tid] = max([at] + [finish(d, at) for d in node["deps"]])
+        if node["children"]:
+            end[tid] = max([start[tid]] + [finish(c, start[tid]) for c in node["children"]])
+        else:
+            end[tid] = start[tid] + seconds(node["stage"])
+        return end[tid]
+
+    finish("root", 0.0)
+    return end
+
+
+@dataclass
+class CriticalPath:
+    """The modelled time of one schedule: the whole run and its RL loop (first rollout to last ppo)."""
+
+    schedule: str
+    total: float
+    loop: float
+    iterations: int
+    period: float
+    """Seconds an iteration adds once the loop is full: the last ppo's end minus the one two iterations before, / 2."""
+
+
+def critical_path(ir: dict, seconds, schedule: str = "") -> CriticalPath:
+    """The critical path of the compiled spec `ir` from per-stage task durations `seconds(stage)`."""
+    graph, root = task_graph(ir)
+    end = finish_times(graph, seconds)
+    ppo = {int(m.group(1)): end[t] for t, n in graph.items() if (m := re.fullmatch(r"ppo-(\d+)( \(trainjob\))?", n["name"]))}
+    shards = [t for t, n in graph.items() if n["name"] == "rollout-shards-0"]
+    loop_start = min(end[t] - seconds("rollout") for t in graph if graph[t]["name"] == "rollout-0") if shards else 0.0
+    n = len(ppo)  # off by one, the loop's cycles may span two iterations: their ends alternate, so take two
+    period = (ppo[n - 1] - ppo[n - 3]) / 2 if n > 2 else ppo[n - 1] - ppo[n - 2] if n > 1 else (
+        ppo[0] - loop_start if n else 0.0)
+    return CriticalPath(schedule, end[root], (ppo[n - 1] - loop_start) if n else 0.0, n, period)
+
+
+#: The two schedules `pipeline.schedule` offers; the plan models both.
+SCHEDULES = ("serial", "off_by_one")
+#: Iterations compiled to find a schedule's steady state; longer runs add whole two-iteration periods (exact
+#: once those repeat, which is checked).
+STEADY = 7
+
+
+def with_schedule(spec: PipelineSpec, schedule: str, iterations: int) -> PipelineSpec:
+    """`spec` at `iterations` in `schedule`; off by one with the ppo keys it needs (pipeline.check_schedule) set."""
+    import dataclasses
+
+    stages = dict(spec.stages)
+    if schedule == "off_by_one":
+        ppo = dict(stages.get("ppo") or {})
+        if ppo.get("rollout_correction", "none") == "none":
+            ppo["rollout_correction"] = "token_truncate"
+        ppo["recompute_old_logprobs"] = True
+        stages["ppo"] = ppo
+    return dataclasses.replace(spec, stages=stages, pipeline=dataclasses.replace(
+        spec.pipeline, schedule=schedule, iterations=iterations))
+
+
+def modelled(spec: PipelineSpec, seconds, schedule: str) -> CriticalPath:
+    """The critical path of `spec` in `schedule` at its pipeline.iterations: compiled at up to STEADY iterations,
+    then whole two-iteration periods added once the last ones agree (else compiled at full length)."""
+    from .pipeline import compiled_docs
+
+    n = spec.pipeline.iterations
+
+    def at(k: int) -> CriticalPath:
+        return critical_path(compiled_docs(with_schedule(spec, schedule, k), k)[0], seconds, schedule)
+
+    if n <= STEADY:
+        return at(n)
+    cps = {k: at(k) for k in range(STEADY - 3, STEADY + 1)}
+    steps = {round(cps[k].total - cps[k - 2].total, 6) for k in (STEADY - 1, STEADY)}
+    if len(steps) > 1:
+        return at(n)
+    base = cps[STEADY - (n - STEADY) % 2]  # the same parity as n
+    blocks = (n - base.iterations) // 2
+    step = steps.pop()
+    return CriticalPath(schedule, base.total + blocks * step, base.loop + blocks * step, n, step / 2)
+
+
+def measured_seconds(run_id: str, tracking_uri: str = "") -> dict[str, float]:
+    """{stage: median seconds of its stage runs} of the finished pipeline run `run_id` (its MLflow parent run):
+    each child run's own span (end - start), so without a pod's scheduling, image pull and imports."""
+    import statistics
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from ..errors import ConfigError
+    from .settings import TIMED_STAGES
+
+    client = MlflowClient(tracking_uri or None)
+    try:
+        parent = client.get_run(run_id)
+    except MlflowException as e:
+        raise ConfigError(f"--durations-from {run_id}: no such MLflow run at {client.tracking_uri} ({e.message}); "
+                          f"give the pipeline's parent run id (the MLflow UI, or the line run-local prints) and "
+                          f"--tracking-uri of its store.") from None
+    runs = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'", max_results=5000)
+    spans: dict[str, list[float]] = {}
+    for r in runs:
+        stage = r.data.tags.get("prmflow.stage", "").replace("_", "-")
+        if stage in TIMED_STAGES and r.info.end_time and r.info.status == "FINISHED":
+            spans.setdefault(stage, []).append((r.info.end_time - r.info.start_time) / 1000)
+    if not spans:
+        raise ConfigError(f"--durations-from {run_id}: the run has no finished stage runs (tag prmflow.stage) to time; "
+                          f"give the parent run of a finished pipeline run.")
+    return {stage: statistics.median(v) for stage, v in spans.items()}
+
+
+def _minutes(s: float) -> str:
+    return f"{s / 60:.1f} min" if s < 3600 else f"{int(s // 3600)} h {round(s % 3600 / 60):02d} min"
+
+
+def time_lines(spec: PipelineSpec, measured: dict[str, float] | None = None, source: str = "") -> list[str]:
+    """The critical path per schedule and the overlap's speedup, from measured durations where given, else the
+    recipe's pipeline.task_seconds; nothing but a line saying so when neither times rollout, advantage and ppo."""
+    from .settings import TIMED_STAGES
+
+    given = {**spec.pipeline.task_seconds, **(measured or {})}
+    missing = [s for s in ("rollout", "advantage", "ppo") if s not in given]
+    if missing:
+        return [f"time: no estimate for {', '.join(missing)}: set pipeline.task_seconds, or --durations-from RUN_ID "
+                "of a finished run"]
+    origin = {s: ("measured" if s in (measured or {}) else "estimate") for s in given}
+
+    def seconds(stage: str) -> float:
+        return float(given.get(stage, BOOKKEEPING_SECONDS))
+
+    what = f"measured in {source}" if measured else "the recipe's estimates (pipeline.task_seconds)"
+    lines = [f"time (a model: the longest path through the compiled DAG, every pod started at once; {what}):",
+             "  per task: " + ", ".join(f"{s} {given[s]:.0f} s{'' if origin[s] == 'measured' or not measured else ' (est.)'}"
+                                       for s in TIMED_STAGES if s in given) + f", others {BOOKKEEPING_SECONDS:.0f} s"]
+    cps = {sch: modelled(spec, seconds, sch) for sch in SCHEDULES}
+    lines.append(f"  {'schedule':<12}{'per iteration':>15}{f'RL loop ({spec.pipeline.iterations} it.)':>22}{'whole run':>15}")
+    for sch, cp in cps.items():
+        mark = " <- pipeline.schedule" if sch == spec.pipeline.schedule else ""
+        lines.append(f"  {sch:<12}{_minutes(cp.period):>15}{_minutes(cp.loop):>22}{_minutes(cp.total):>15}{mark}")
+    s, o = cps["serial"], cps["off_by_one"]
+    lines.append(f"  overlap speedup: {s.period / o.period:.2f}x per iteration, {s.loop / o.loop:.2f}x the RL loop, "
+                 f"{s.total / o.total:.2f}x the whole run")
+    return lines

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from .. import stages, tasks
 from ..components import config as config_lib
@@ -279,6 +279,10 @@ class ClusterConfig:
                               "pipeline.cluster.workspace_pvc to a ReadWriteMany PVC.")
 
 
+#: The stages `pipeline.task_seconds` times (a rollout's is one shard's).
+TIMED_STAGES = ("sft", "prm", "rollout", "advantage", "ppo", "prm-update", "evaluate")
+
+
 @dataclass
 class PipelineConfig:
     name: str = "prmflow"
@@ -306,6 +310,12 @@ class PipelineConfig:
     """Keep the PRM on-policy: after rollout k a prm-update-k task (GPU pool) trains it on those rollouts' outcomes
     (section prm-update:); rollout k+1 and evaluate read it. Needs a trained PRM and an advantage that reads step
     rewards. docs/process-rewards.md#4-the-prm-follows-the-policy-prmflow-prm-update"""
+    schedule: Literal["serial", "off_by_one"] = "serial"
+    """serial: rollout k samples with policy k. off_by_one: rollout k+1 samples with policy k while ppo k trains (one
+    iteration stale, needs ppo.rollout_correction and ppo.recompute_old_logprobs: true). docs/cluster.md#overlapped-schedule"""
+    task_seconds: dict = field(default_factory=dict)
+    """Estimated seconds of one task per stage ({sft, prm, rollout (one shard), advantage, ppo, prm-update, evaluate}:
+    s), for `pipeline plan`'s critical path; `plan --durations-from RUN_ID` measures them instead."""
     images: ImagesConfig = field(default_factory=ImagesConfig)
     """The CPU and GPU images and their pull secrets (placeholders until set: compile refuses them)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -319,6 +329,10 @@ class PipelineConfig:
                               f"holds) or a positive number of iterations per run.")
         if self.rollout_shards < 1:
             raise ConfigError(f"pipeline.rollout_shards is {self.rollout_shards}; it must be at least 1.")
+        for stage, value in self.task_seconds.items():
+            if stage not in TIMED_STAGES or isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"pipeline.task_seconds: {stage}: {value!r}; give seconds (a number >= 0) for any of "
+                                  f"{', '.join(TIMED_STAGES)}.")
 
 
 @dataclass

@@ -41,7 +41,8 @@ def test_off_by_one_runs_locally_with_stale_samples_weighted(tmp_path, monkeypat
     by_name = {r.info.run_name: r for r in runs}
     ws = str(tmp_path / "root" / "workspace")
     for k, sampled_with in ((0, "sft"), (1, "sft"), (2, "ppo-0")):
-        assert re.fullmatch(rf"{ws}/{sampled_with}-[0-9a-f]{{16}}(/policy)?", by_name[f"rollout-iter{k}"].data.params["policy"]), k
+        sampled = by_name[f"rollout-iter{k}"].data.params["policy"]
+        assert re.fullmatch(rf"{ws}/{sampled_with}-[0-9a-f]{{16}}(/policy)?", sampled), k
         assert by_name[f"rollout-iter{k}"].data.params["iteration"] == str(k)
     for k, trains in ((1, "ppo-0"), (2, "ppo-1")):
         assert re.fullmatch(rf"{ws}/{trains}-[0-9a-f]{{16}}/policy", by_name[f"ppo-iter{k}"].data.params["policy"]), k

@@ -27,14 +27,15 @@ class PromptRecord:
     """Encoded images of a vision-language prompt (checked when read), None for text."""
 
 
-TASKS = ("arithmetic", "visual", "memory_agent")
+TASKS = ("arithmetic", "visual", "memory_agent", "memory_agent_qwen")
 """Built-in tasks; anything else names a dataset file."""
 
 
 def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, **task_kwargs) -> list[PromptRecord]:
     """Records of `task`: 'arithmetic', 'visual' (images of two digits to compute with, for
-    vision-language policies), 'memory_agent' (episodes for its environment, with the expert's multi-turn
-    demonstration as `messages`) or a dataset: a .jsonl / .parquet file, a directory, an object-store
+    vision-language policies), 'memory_agent' or 'memory_agent_qwen' (episodes for its environment, with the
+    expert's multi-turn demonstration as `messages`; tool calls as bare JSON or in Qwen2.5's <tool_call> tags) or a
+    dataset: a .jsonl / .parquet file, a directory, an object-store
     URL or hub:ID, in the project's format or a public one (GSM8K, MATH; see sources.py, public.py).
 
     For a dataset, `split` 'eval' or 'test' reads held-out rows: a datasets directory or hub id
@@ -47,10 +48,10 @@ def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, *
 
         problems = visual.generate(n if n is not None else 1000, seed=seed, split=split)
         return [PromptRecord(p.prompt_id, p.prompt, p.answer, p.solution, None, "visual", [p.image]) for p in problems]
-    if task == "memory_agent":  # episodes for an environment (memory_agent.py); task_kwargs are arithmetic's
+    if task in ("memory_agent", "memory_agent_qwen"):  # episodes for its environment; task_kwargs are arithmetic's
         from . import memory_agent
 
-        return memory_agent.records(n if n is not None else 1000, seed=seed, split=split)
+        return memory_agent.records(n if n is not None else 1000, seed=seed, split=split, task=task)
     if task == "arithmetic":
         from . import arithmetic
 

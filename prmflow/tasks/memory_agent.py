@@ -54,6 +54,31 @@ WORD_RE = re.compile(r"[a-z]+|\d+")
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 NO_CALL = "[]"
 """The expert's turn when it stores nothing."""
+VARIANTS = {"memory_agent": "json", "memory_agent_qwen": "qwen"}
+"""Task name (the rows' source) -> how its calls are written: json (the JSON object alone: compact, for the tiny
+character model; no system message) or qwen (Qwen2.5's `<tool_call>` blocks, after a system message listing the tools
+as Qwen2.5's chat template lists them)."""
+TOOL_SCHEMAS = [
+    {"type": "function", "function": {"name": "memory_insert", "description": "Store a new memory entry.",
+                                      "parameters": {"type": "object", "properties": {"content": {"type": "string"}},
+                                                     "required": ["content"]}}},
+    {"type": "function", "function": {"name": "memory_update", "description": "Replace the content of entry id.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "id": {"type": "integer"}, "content": {"type": "string"}},
+                                          "required": ["id", "content"]}}},
+    {"type": "function", "function": {"name": "memory_delete", "description": "Delete entry id.",
+                                      "parameters": {"type": "object", "properties": {"id": {"type": "integer"}},
+                                                     "required": ["id"]}}},
+]
+"""The tools as OpenAI-style function schemas (what Qwen2.5's template renders inside <tools>)."""
+QWEN_SYSTEM = (
+    "Store the facts of each message in memory with the tools; at the end, questions about every name are answered "
+    "from the memory alone.\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    + "\n".join(json.dumps(t) for t in TOOL_SCHEMAS) + "\n</tools>\n\nFor each function call, return a json object "
+    "with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
+"""The qwen variant's system message (Qwen2.5's own tool preamble, bpe_tokenizer.QWEN25_CHAT_TEMPLATE, after the task)."""
 
 
 @dataclass
@@ -67,9 +92,6 @@ class MemoryAgentConfig:
     memory_update on the entry that holds it)."""
     skip_frac: float = 0.5
     """Fraction of chunks the demonstrations leave unstored (`[]`; picked by a hash): imperfect SFT data."""
-    call_format: str = "json"
-    """How the expert writes a call: json (the JSON object alone, compact) or qwen (Qwen2.5's
-    `<tool_call>\\n{...}\\n</tool_call>`). The environment reads both."""
     max_action_chars: int = 1000
     """A longer turn is not parsed (error observation, no credit)."""
     max_calls: int = 4
@@ -94,8 +116,6 @@ class MemoryAgentConfig:
         if self.num_chunks * self.facts_per_chunk > len(NAMES):
             raise ConfigError(f"memory_agent: num_chunks x facts_per_chunk = {self.num_chunks * self.facts_per_chunk} "
                               f"names, but there are {len(NAMES)}; lower one of them.")
-        if self.call_format not in ("json", "qwen"):
-            raise ConfigError(f"memory_agent.call_format is {self.call_format!r}; use 'json' or 'qwen'.")
 
 
 # --- episodes -------------------------------------------------------------------------------------
@@ -270,11 +290,13 @@ class MemoryEnvironment:
 
     def reset(self, prompt: dict) -> list[dict]:
         self.episode = Episode.from_json(str(prompt.get("prompt_id")), prompt.get("answer") or "")
+        self.call_format = VARIANTS.get(prompt.get("source") or "", "json")  # how the expert writes (both are read)
         self.memory: dict[int, str] = {}
         self.order: list[int] = []  # entry ids, oldest write first
         self.next_id = 0
         self.turn = 0
-        return [{"role": "user", "content": chunk_text(self.episode.chunks[0])}]
+        system = [{"role": "system", "content": QWEN_SYSTEM}] if self.call_format == "qwen" else []
+        return system + [{"role": "user", "content": chunk_text(self.episode.chunks[0])}]
 
     def step(self, action: str) -> Observation:
         if self.episode is None:
@@ -364,7 +386,7 @@ def expert_action(env: MemoryEnvironment, skip: bool = False) -> str:
     revises, insert the chunk's new facts as one entry; `[]` when `skip`."""
     if skip:
         return NO_CALL
-    k, fmt = env.turn, env.cfg.call_format
+    k, fmt = env.turn, env.call_format
     chunk = env.episode.chunks[k]
     news = dict(chunk)
     fresh, holders = [], []
@@ -383,12 +405,13 @@ def expert_action(env: MemoryEnvironment, skip: bool = False) -> str:
     return texts[0] if len(texts) == 1 else "[" + ",".join(texts) + "]"
 
 
-def demonstration(episode: Episode, cfg: MemoryAgentConfig | None = None) -> list[dict]:
-    """The expert's episode as chat messages [user, assistant, tool, assistant, ...], run through the
-    environment (so every observation is the environment's own); `cfg.skip_frac` of the chunks unstored."""
+def demonstration(episode: Episode, cfg: MemoryAgentConfig | None = None, task: str = "memory_agent") -> list[dict]:
+    """The expert's episode of `task` (a VARIANTS name) as chat messages [(system,) user, assistant, tool, assistant,
+    ...], run through the environment (every observation is the environment's own); `cfg.skip_frac` of the chunks
+    unstored."""
     cfg = cfg or MemoryAgentConfig()
     env = MemoryEnvironment({k: getattr(cfg, k) for k in MemoryAgentConfig.__dataclass_fields__})
-    messages = env.reset({"prompt_id": episode.prompt_id, "answer": episode.to_json()})
+    messages = env.reset({"prompt_id": episode.prompt_id, "answer": episode.to_json(), "source": task})
     while True:
         skip = hash_unit(f"skip:{episode.prompt_id}:{env.turn}") < cfg.skip_frac
         action = expert_action(env, skip)
@@ -399,11 +422,13 @@ def demonstration(episode: Episode, cfg: MemoryAgentConfig | None = None) -> lis
         messages.append({"role": "tool", "content": obs.text})
 
 
-def records(n: int, seed: int = 0, split: str = "train", cfg: MemoryAgentConfig | None = None):
-    """PromptRecords of `n` episodes: prompt = the first chunk, answer = the episode (JSON, what the environment
-    reads), messages = the expert's demonstration (the SFT target: every assistant turn)."""
+def records(n: int, seed: int = 0, split: str = "train", cfg: MemoryAgentConfig | None = None,
+            task: str = "memory_agent"):
+    """PromptRecords of `n` episodes of `task` (a VARIANTS name, the rows' source): prompt = the first chunk, answer =
+    the episode (JSON, what the environment reads), messages = the expert's demonstration (the SFT target: every
+    assistant turn)."""
     from . import PromptRecord
 
     cfg = cfg or MemoryAgentConfig()
-    return [PromptRecord(e.prompt_id, chunk_text(e.chunks[0]), e.to_json(), None, demonstration(e, cfg), "memory_agent")
+    return [PromptRecord(e.prompt_id, chunk_text(e.chunks[0]), e.to_json(), None, demonstration(e, cfg, task), task)
             for e in generate(n, seed, split, cfg)]

@@ -229,19 +229,23 @@ def test_splits_never_share_an_episode_and_seeds_fix_the_episodes():
         assert len(names) == len(set(names)) == 4 and all(10 <= v <= 99 for c in e.chunks for _, v in c)
 
 
-@pytest.mark.parametrize("call_format", ["json", "qwen"])
-def test_demonstrations_replay_to_full_reward_through_a_fresh_environment(call_format):
-    cfg = ma.MemoryAgentConfig(skip_frac=0.0, revise_frac=0.5, num_chunks=3, call_format=call_format)
-    for e in ma.generate(40, seed=3, cfg=cfg):
-        messages = ma.demonstration(e, cfg)
-        assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
-        env, opening = start(e)
-        assert opening == messages[:1]
-        for k, turn in enumerate(messages[1::2]):
+@pytest.mark.parametrize("task", sorted(ma.VARIANTS))
+def test_demonstrations_replay_to_full_reward_through_a_fresh_environment(task):
+    cfg = ma.MemoryAgentConfig(skip_frac=0.0, revise_frac=0.5, num_chunks=3)
+    system = 1 if task == "memory_agent_qwen" else 0
+    for r in ma.records(40, seed=3, cfg=cfg, task=task):
+        e, messages = ma.Episode.from_json(r.prompt_id, r.answer), r.messages
+        assert [m["role"] for m in messages] == ["system"] * system + ["user", "assistant", "tool", "assistant", "tool",
+                                                                       "assistant"]
+        env = ma.MemoryEnvironment({})
+        assert env.reset(vars(r)) == messages[:1 + system]
+        for k, turn in enumerate(messages[1 + system::2]):
+            if task == "memory_agent_qwen":
+                assert turn["content"].startswith("<tool_call>\n{\"name\": \"memory_")
             obs = env.step(turn["content"])
             assert obs.rewards == {"tool_success": 1.0, "content_quality": 1.0}, (e, turn)
             assert obs.done == (k == 2)
-            assert obs.text == (messages[2 + 2 * k]["content"] if k < 2 else "")
+            assert obs.text == (messages[2 + system + 2 * k]["content"] if k < 2 else "")
         assert env.outcome()["qa_accuracy"] == 1.0
         stored = [p for content in env.memory.values() for p in ma.pairs(content)]
         assert sorted(stored) == sorted(e.answers.items())  # every final fact once, no stale number left
@@ -269,9 +273,25 @@ def test_the_tools_preset_writes_every_character_of_a_demonstration_and_ends_ass
     assert [tok.convert_tokens_to_ids(c) for c in modeling.ALPHABET] == [base.convert_tokens_to_ids(c)
                                                                          for c in modeling.ALPHABET]
     cfg = ma.MemoryAgentConfig(revise_frac=0.5, num_chunks=3)
-    for r in ma.records(20, seed=1, cfg=cfg):
+    for r in ma.records(20, seed=1, cfg=cfg):  # the json variant
         text = tok.apply_chat_template(r.messages, tokenize=False)
         assert text == "".join(m["content"] + ("</s>" if m["role"] == "assistant" else "\n") for m in r.messages)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert tok.unk_token_id not in ids and tok.decode(ids) == text
     assert chat.end_of_turn_id(tok) == tok.eos_token_id
+
+
+def test_the_qwen_variant_renders_through_qwen25s_template_as_qwen25_writes_tool_calls_and_results():
+    """Qwen2.5's template turns a tool message into <tool_response> inside a user turn; the expert's text is what
+    the template itself writes for an assistant message with tool_calls (so a Qwen2.5 model sees its own format)."""
+    from prmflow.components.models import modeling
+
+    tok = modeling.load_tokenizer("tiny-qwen2-bpe")  # Qwen2.5-Instruct's chat template, verbatim
+    r = ma.records(1, seed=2, cfg=ma.MemoryAgentConfig(skip_frac=0.0), task="memory_agent_qwen")[0]
+    text = tok.apply_chat_template(r.messages, tokenize=False)
+    assert text.startswith("<|im_start|>system\nStore the facts") and "<tools>\n{\"type\": \"function\"" in text
+    assert f"<|im_start|>user\n<tool_response>\n{r.messages[3]['content']}\n</tool_response><|im_end|>" in text
+    calls = [{"type": "function", "function": json.loads(m["content"].split("\n")[1])} for m in r.messages
+             if m["role"] == "assistant"]
+    structured = [dict(m, content="", tool_calls=[calls.pop(0)]) if m["role"] == "assistant" else m for m in r.messages]
+    assert tok.apply_chat_template(structured, tokenize=False) == text

@@ -40,7 +40,7 @@ def test_round_trip_fills_missing_nullable_columns(tmp_path):
     assert table.column("old_logprobs").to_pylist()[0] == pytest.approx([-0.1, -0.2, -0.3])
     assert table.column("values").null_count == 4
     m = json.loads((out / "manifest.json").read_text())
-    assert (m["rows"], m["schema_version"], m["parents"], m["config"]) == (4, 1, ["sft"], {"a": 1})
+    assert (m["rows"], m["schema_version"], m["parents"], m["config"]) == (4, 2, ["sft"], {"a": 1})
 
 
 def test_shards_written_separately_read_as_one(tmp_path):

@@ -44,6 +44,76 @@ def check_not_null(t: pa.Table, plan: Plan, columns) -> None:
         raise DataError(f"{plan.where} {what}, but {plan.needs[name]}.")
 
 
+# --- environment tokens: the estimators see the policy's tokens only ------------------------------
+
+@dataclass
+class PolicyTokens:
+    """Where a batch's policy tokens sit among all its response tokens (multi-turn episodes)."""
+
+    full: Ragged
+    """The rows' whole responses (policy and environment tokens)."""
+    policy: np.ndarray
+    """(N_full,) bool: response token is the policy's."""
+
+
+def policy_tokens(t: pa.Table) -> PolicyTokens | None:
+    """The batch's policy tokens when some response token is the environment's (policy_mask 0), else None:
+    single-turn rows and version-1 files (no policy_mask) are every token the policy's."""
+    if "policy_mask" not in t.column_names or t["policy_mask"].null_count == t.num_rows:
+        return None
+    full = Ragged.from_lengths(pc.list_value_length(t["response_ids"]).to_numpy(zero_copy_only=False))
+    has = ~pc.is_null(t["policy_mask"]).to_numpy(zero_copy_only=False)
+    policy = np.ones(full.n_tokens, bool)
+    policy[full.broadcast(has)] = flat_values(t, "policy_mask") != 0
+    return None if policy.all() else PolicyTokens(full, policy)
+
+
+def compact(t: pa.Table, where: PolicyTokens) -> pa.Table:
+    """`t` with every per-token column cut to the policy's tokens and step_ends re-indexed into them.
+
+    The estimators then run over the policy's tokens as if the environment's were never there: an
+    environment token gets no reward, no KL, and does not sit between two policy tokens in a discounted sum
+    (the observation is not an action; veRL's agent loop and TRL mask it the same way). `scatter` puts the
+    results back, 0 at environment tokens. step_ends lie on policy tokens (schema.validate)."""
+    full, policy = where.full, where.policy
+    row_of = np.repeat(np.arange(t.num_rows), full.lengths)
+    lengths = np.bincount(row_of[policy], minlength=t.num_rows)
+    for name in (*schema.PER_TOKEN_COLUMNS, "response_ids"):
+        if name not in t.column_names or t[name].null_count == t.num_rows:
+            continue
+        col = t[name].combine_chunks()
+        present = ~pc.is_null(col).to_numpy(zero_copy_only=False)
+        keep = policy[full.broadcast(present)]
+        offsets = np.zeros(t.num_rows + 1, np.int32)
+        np.cumsum(np.where(present, lengths, 0), out=offsets[1:])
+        values = pc.list_flatten(col).to_numpy(zero_copy_only=False)[keep]
+        arr = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=col.type.value_type),
+                                       mask=None if present.all() else pa.array(~present))
+        t = t.set_column(t.schema.get_field_index(name), name, arr)
+    if t["step_ends"].null_count < t.num_rows:
+        ends = t["step_ends"].combine_chunks()
+        n_ends = pc.list_value_length(ends).fill_null(0).to_numpy(zero_copy_only=False)
+        end_row = np.repeat(np.arange(t.num_rows), n_ends)
+        rank = np.cumsum(policy) - 1  # (N_full,) index of each token among the policy tokens of the batch
+        new_offsets = np.zeros(t.num_rows + 1, np.int64)
+        np.cumsum(lengths, out=new_offsets[1:])
+        flat = pc.list_flatten(ends).to_numpy(zero_copy_only=False).astype(np.int64)
+        remapped = rank[full.offsets[:-1][end_row] + flat] - new_offsets[:-1][end_row]
+        end_offsets = np.zeros(t.num_rows + 1, np.int32)
+        np.cumsum(n_ends, out=end_offsets[1:])
+        arr = pa.ListArray.from_arrays(pa.array(end_offsets), pa.array(remapped.astype(np.int32)),
+                                       mask=pc.is_null(ends) if ends.null_count else None)
+        t = t.set_column(t.schema.get_field_index("step_ends"), "step_ends", arr)
+    return t
+
+
+def scatter(values: np.ndarray, policy: np.ndarray) -> np.ndarray:
+    """(N_policy,) values -> (N_full,) with 0 at the environment's tokens."""
+    out = np.zeros(len(policy), values.dtype)
+    out[policy] = values
+    return out
+
+
 # --- token rewards and advantages ----------------------------------------------------------
 
 @dataclass
@@ -59,6 +129,8 @@ class BatchResult:
     """(N_kl,) over the tokens of the rows in kl_rows; None when no row has both logprob columns."""
     kl_rows: np.ndarray
     """(B,) bool rows that have a kl."""
+    policy: PolicyTokens | None = None
+    """Multi-turn rows: where the (compact, policy-only) columns above go among all response tokens."""
 
 
 def flat_values(t: pa.Table, name: str) -> np.ndarray:
@@ -78,9 +150,13 @@ def _kl(t: pa.Table, plan: Plan) -> tuple[np.ndarray | None, np.ndarray]:
 
 
 def compute_batch(t: pa.Table, group_rows: dict[str, np.ndarray], plan: Plan) -> BatchResult:
-    """Token rewards, advantages and returns for one validated rollouts table."""
+    """Token rewards, advantages and returns for one validated rollouts table, over the policy's tokens only
+    (`compact`: environment tokens carry nothing)."""
     cfg, est = plan.cfg, plan.est
     check_not_null(t, plan, plan.needs)
+    where = policy_tokens(t)
+    if where is not None:
+        t = compact(t, where)
     layout = Ragged.from_lengths(pc.list_value_length(t["response_ids"]).to_numpy(zero_copy_only=False))
     if plan.outcome and est.uses_token_rewards and not layout.nonempty.all():
         i = int(np.flatnonzero(~layout.nonempty)[0])
@@ -113,7 +189,7 @@ def compute_batch(t: pa.Table, group_rows: dict[str, np.ndarray], plan: Plan) ->
                          process_credit=cfg.process_credit, recorded_ends=recorded,
                          boundary_lag=group_rows["boundary_lag"])
     advantages, returns = est.compute(available)
-    return BatchResult(layout, rewards, advantages, returns, kl, kl_rows)
+    return BatchResult(layout, rewards, advantages, returns, kl, kl_rows, where)
 
 
 # --- the columns to write -------------------------------------------------------------------------
@@ -153,6 +229,16 @@ def finish_batch(t: pa.Table, res: BatchResult, rows: dict[str, np.ndarray], pla
         kl_rows = kl_rows[keep]
         t = t.filter(pa.array(keep))
         layout = Ragged.from_lengths(layout.lengths[keep])
+    written = {**columns, "kl": kl}  # the policy's tokens: what the metrics average
+    if res.policy is not None:  # back to every response token, 0 at the environment's
+        full, policy = res.policy.full, res.policy.policy
+        if not keep.all():
+            policy = policy[full.broadcast(keep)]
+            full = Ragged.from_lengths(full.lengths[keep])
+        columns = {k: scatter(v, policy) for k, v in columns.items()}
+        if kl is not None:
+            kl = scatter(kl, policy[full.broadcast(kl_rows)])
+        layout = full
     offsets = layout.offsets.astype(np.int32)
     for name, values in columns.items():
         t = t.append_column(name, _list_column(offsets, values, name, t))
@@ -162,4 +248,4 @@ def finish_batch(t: pa.Table, res: BatchResult, rows: dict[str, np.ndarray], pla
         kl_offsets = np.zeros(t.num_rows + 1, dtype=np.int32)
         np.cumsum(layout.lengths * kl_rows, out=kl_offsets[1:])
         t = t.append_column("kl", _list_column(kl_offsets, kl, "kl", t, mask=None if kl_rows.all() else ~kl_rows))
-    return t, {**columns, "kl": kl}
+    return t, written

@@ -192,7 +192,7 @@ class Plan:
 
     @property
     def compute_columns(self) -> list[str]:
-        return list(dict.fromkeys(["prompt_id", "sample_idx", "iteration", "response_ids", *self.needs]))
+        return list(dict.fromkeys(["prompt_id", "sample_idx", "iteration", "response_ids", "policy_mask", *self.needs]))
 
 
 def resolve(cfg: Config) -> Plan:

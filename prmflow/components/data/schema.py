@@ -29,11 +29,14 @@ from ...errors import DataError
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Versions this prmflow reads: 1 (before multi-turn episodes: no policy_mask, every response token is the policy's)
+#: and 2 (adds policy_mask). A reader refuses a version it does not list, naming it.
+READ_VERSIONS = (1, 2)
 
 #: Columns with one entry per response token; their lengths must equal len(response_ids).
 PER_TOKEN_COLUMNS = ("behavior_logprobs", "old_logprobs", "ref_logprobs", "values",
-                     "token_rewards", "advantages", "returns", "kl")
+                     "token_rewards", "advantages", "returns", "kl", "policy_mask")
 #: Columns that must be present (non-null) in every row of a rollouts hand-off.
 REQUIRED = ("prompt_id", "sample_idx", "iteration", "response_ids")
 
@@ -48,6 +51,9 @@ ROLLOUT_FIELDS = [
     pa.field("response", pa.string()),
     pa.field("prompt_ids", _i32_list),
     pa.field("response_ids", _i32_list),
+    # 1 where response_ids[t] was sampled by the policy, 0 where the environment appended it (a tool observation of a
+    # multi-turn episode); null = every token is the policy's (single-turn rows, version-1 files)
+    pa.field("policy_mask", pa.list_(pa.int8())),
     pa.field("images", pa.list_(pa.binary())),
     pa.field("finish_reason", pa.string()),
     pa.field("behavior_logprobs", _f32_list),
@@ -322,10 +328,11 @@ def open_dataset(dirs: str | Path | Sequence[str | Path], kind: str, verify_chec
             writer = {"rollouts": "rollout", "advantages": "advantage"}.get(kind, "the stage before this one")
             raise DataError(f"'{d}' holds a {m.get('kind')!r} hand-off, but a {kind!r} one is needed here: point the "
                             f"input at the output of {writer}.")
-        if type(m.get("schema_version")) is not int or m.get("schema_version") != SCHEMA_VERSION:
+        if type(m.get("schema_version")) is not int or m.get("schema_version") not in READ_VERSIONS:
             raise DataError(
-                f"'{d}' was written with schema version {m.get('schema_version')}, this prmflow reads version "
-                f"{SCHEMA_VERSION}. Re-run the stage that wrote it with this prmflow version."
+                f"'{d}' was written with schema version {m.get('schema_version')}, this prmflow reads version(s) "
+                f"{', '.join(map(str, READ_VERSIONS))}. Re-run the stage that wrote it with this prmflow version, or "
+                f"read it with the prmflow that wrote it."
             )
         if verify_checksums:
             io.verify_files(d, m)
@@ -447,6 +454,8 @@ def validate(table: pa.Table, kind: str, where: str = "table") -> None:
                     f"{where}: column 'step_ends' points outside the response (0..len(response_ids)-1) in "
                     f"{first_bad(table, mask)}."
                 )
+    if "policy_mask" in table.column_names and table.column("policy_mask").null_count < table.num_rows:
+        _check_policy_mask(table, where)
     if "logprob_temperature" in table.column_names:
         temp = table.column("logprob_temperature").to_numpy(zero_copy_only=False)
         bad = ~np.isnan(temp) & (temp <= 0)  # null reads as NaN here: 1 to the trainer
@@ -461,6 +470,36 @@ def validate(table: pa.Table, kind: str, where: str = "table") -> None:
         bad = nonfinite_rows(table.column(f.name))
         if bad is not None and bad.any():
             raise DataError(f"{where}: column '{f.name}' holds NaN or inf in {first_bad(table, bad)}.")
+
+
+def _check_policy_mask(table: pa.Table, where: str) -> None:
+    """policy_mask holds 0/1 only, and every step_end of a masked row is a policy token (a step is a policy turn)."""
+    mask_col = table.column("policy_mask")
+    flat = pc.list_flatten(mask_col).to_numpy(zero_copy_only=False)
+    lens = pc.list_value_length(mask_col).fill_null(0).to_numpy(zero_copy_only=False)
+    row_of = np.repeat(np.arange(table.num_rows), lens)
+    bad_flat = (flat != 0) & (flat != 1)
+    if bad_flat.any():
+        bad = np.zeros(table.num_rows, bool)
+        bad[row_of[bad_flat]] = True
+        raise DataError(f"{where}: column 'policy_mask' holds {int(flat[bad_flat][0])} in {first_bad(table, bad)}; "
+                        f"it is 1 for a policy token and 0 for an environment token.")
+    ends = table.column("step_ends")
+    if ends.null_count == len(ends):
+        return
+    n_ends = pc.list_value_length(ends).fill_null(0).to_numpy(zero_copy_only=False)
+    has_mask = ~pc.is_null(mask_col).to_numpy(zero_copy_only=False)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])  # offset of each row's mask in `flat`
+    end_flat = pc.list_flatten(ends).to_numpy(zero_copy_only=False)
+    end_row = np.repeat(np.arange(table.num_rows), n_ends)
+    on_mask = has_mask[end_row]
+    if on_mask.any():
+        at = flat[starts[end_row[on_mask]] + end_flat[on_mask]]
+        if (at != 1).any():
+            bad = np.zeros(table.num_rows, bool)
+            bad[end_row[on_mask][at != 1]] = True
+            raise DataError(f"{where}: column 'step_ends' points at an environment token (policy_mask 0) in "
+                            f"{first_bad(table, bad)}; a step ends on the last token of a policy turn.")
 
 
 def null_entry_rows(col: pa.ChunkedArray) -> np.ndarray | None:

@@ -50,3 +50,58 @@ def stop_token_ids(model, tokenizer, templated: bool = True) -> list[int]:
         if i is not None and int(i) not in out:
             out.append(int(i))
     return out
+
+
+# --- multi-turn episodes: the opening messages and the tool turns, as token ids ----------------------
+
+_TOOL_PROBE = "\x00prmflow-observation\x00"
+
+
+class ChatTurnError(ValueError):
+    """The tokenizer's chat template cannot render a tool turn."""
+
+
+def opening_ids(tokenizer, messages: list[dict], templated: bool = True) -> tuple[str, list[int]]:
+    """(text, ids) of an episode's opening messages up to the first assistant turn's generation prompt.
+
+    With a chat template: rendered with `add_generation_prompt`, tokenized without added special tokens (the
+    template writes its own), as `tasks.encode_prompt` renders a chat-style prompt. Without one (the character
+    presets): the contents joined by newlines, with the tokenizer's special tokens."""
+    if templated and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+    text = "\n".join(str(m.get("content", "")) for m in messages)
+    return text, tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def observation_text(tokenizer, text: str, templated: bool = True, closed: bool = True) -> str:
+    """What follows a policy turn that ended with its end-of-turn token, when the environment answers `text`: the
+    chat template's tool turn and the next assistant turn's generation prompt, as a fragment.
+
+    Read off the template rather than written by hand: the rendering of [user, assistant X, tool TEXT] with the
+    generation prompt, after X and the end-of-turn token the policy sampled (kept when `closed` is False: the turn
+    ended at a stop string). For Qwen2.5 that is
+    `\\n<|im_start|>user\\n<tool_response>\\nTEXT\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n`.
+    Without a chat template (the character presets): TEXT and a newline."""
+    if not (templated and getattr(tokenizer, "chat_template", None)):
+        return text + "\n"
+    base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _PROBE}]
+    try:
+        full = tokenizer.apply_chat_template(base + [{"role": "tool", "content": _TOOL_PROBE}], tokenize=False,
+                                             add_generation_prompt=True)
+    except (TemplateError, ValueError, TypeError) as e:
+        raise ChatTurnError(f"the chat template cannot render a tool turn ({e})") from None
+    if _PROBE not in full or _TOOL_PROBE not in full:
+        raise ChatTurnError("the chat template drops the tool message (it has no tool role)")
+    after = full.split(_PROBE, 1)[1]
+    eot = end_of_turn_id(tokenizer, templated)
+    eot_text = tokenizer.convert_ids_to_tokens(eot) if eot is not None else None
+    if closed and eot_text and after.startswith(eot_text):  # the policy sampled it: it ends the turn's ids already
+        after = after[len(eot_text):]
+    return after.replace(_TOOL_PROBE, text)
+
+
+def observation_ids(tokenizer, text: str, templated: bool = True, closed: bool = True) -> list[int]:
+    """`observation_text` tokenized once, as a fragment (no special tokens added): the ids appended after a turn.
+    closed=False: the turn ended at a stop string, not at the end-of-turn token, so the fragment closes it first."""
+    return tokenizer(observation_text(tokenizer, text, templated, closed), add_special_tokens=False)["input_ids"]

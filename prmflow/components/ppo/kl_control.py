@@ -96,11 +96,11 @@ def next_state(cfg: Config, samples: list[Sample]) -> dict[str, Any]:
                     "start the advantage stage with kl_coef > 0")
     controller = make_controller(cfg.kl_control, beta, cfg.kl_target, cfg.kl_horizon)
     per_token = []
-    for s in samples:  # the hand-off's kl column when present, else k1 of old vs reference
+    for s in samples:  # the hand-off's kl column when present, else k1 of old vs reference; the policy's tokens only
         if s.kl is not None:
-            per_token.append(s.kl)
+            per_token.append([k for k, m in zip(s.kl, s.trained().tolist()) if m])
         elif s.ref_logprobs is not None and s.old_logprobs is not None:
-            per_token.append([a - b for a, b in zip(s.old_logprobs, s.ref_logprobs)])
+            per_token.append([a - b for a, b, m in zip(s.old_logprobs, s.ref_logprobs, s.trained().tolist()) if m])
     measured = kl_per_response(per_token)
     if per_token:
         controller.update(measured, len(per_token))

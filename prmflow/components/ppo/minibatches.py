@@ -44,6 +44,14 @@ class Sample:
     is_weight: list[float] | None = None      # rollout_correction's weight of each token's policy loss
     pixels: dict | None = None                # the images as the policy's processor gives them
     image_mismatch: str | None = None         # why the image tokens do not match the images, if they do not
+    policy_mask: list[int] | None = None      # 1 at the policy's tokens, 0 at an environment's (None: all the policy's)
+
+    def trained(self) -> torch.Tensor:
+        """(R,) bool: the response tokens the update trains on (loss, KL, entropy): the policy's, never an
+        environment's (a tool observation of a multi-turn episode only conditions the tokens after it)."""
+        if self.policy_mask is None:
+            return torch.ones(len(self.response_ids), dtype=torch.bool)
+        return torch.as_tensor(self.policy_mask, dtype=torch.bool)
 
     @classmethod
     def of(cls, row: dict) -> "Sample":
@@ -77,7 +85,7 @@ def load_batch(cfg: Config) -> list[Sample]:
                    }.get(name, "")
             raise DataError(f"'{cfg.input}': column '{name}' is null in row {first} (prompt_id="
                             f"{table.column('prompt_id')[first].as_py()!r}){why}.")
-    read = ("prompt_ids", "response_ids", *TOKEN_FIELDS, "kl", "images", "logprob_temperature")
+    read = ("prompt_ids", "response_ids", *TOKEN_FIELDS, "kl", "images", "logprob_temperature", "policy_mask")
     read += ("behavior_logprobs",) if cfg.rollout_correction != "none" else ()  # read only when used
     cols = {name: table.column(name).to_pylist() for name in read}
     rows = [Sample(**{name: cols[name][i] for name in cols}) for i in range(table.num_rows)]
@@ -125,7 +133,7 @@ class MicroBatch:
     attention_mask: torch.Tensor  # (B, P + R)
     position_ids: torch.Tensor   # (B, P + R), following the attention mask
     response_ids: torch.Tensor   # (B, R)
-    mask: torch.Tensor           # (B, R) bool: real response tokens
+    mask: torch.Tensor           # (B, R) bool: the response tokens trained on (not padding, not an environment's)
     fields: dict[str, torch.Tensor]  # (B, R) float per-token columns, 0 where masked
     rows: list[int]
     pixels: dict[str, torch.Tensor] = field(default_factory=dict)  # the prompts' images (vision-language)
@@ -164,8 +172,8 @@ def collate(samples: list[Sample], rows: list[int], pad_id: int, fields=TOKEN_FI
         p, r = len(s.prompt_ids), len(s.response_ids)
         ids[b, P - p:P] = torch.tensor(s.prompt_ids)
         ids[b, P:P + r] = torch.tensor(s.response_ids, dtype=torch.long)
-        attn[b, P - p:P + r] = 1
-        mask[b, :r] = True
+        attn[b, P - p:P + r] = 1  # an environment's tokens are context: attended to, never trained on
+        mask[b, :r] = s.trained()
         for k in out:
             out[k][b, :r] = torch.as_tensor(getattr(s, k), dtype=torch.float32)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)

@@ -49,7 +49,7 @@ def attach_rollout_correction(cfg: Config, samples: list[Sample]) -> dict[str, f
         r = len(samples[i].response_ids)
         old[b, :r] = torch.tensor(samples[i].old_logprobs)
         behavior[b, :r] = torch.tensor(samples[i].behavior_logprobs)
-        mask[b, :r] = True
+        mask[b, :r] = samples[i].trained()
     corr = losses.rollout_correction(old, behavior, mask, cfg.rollout_correction, cfg.rollout_correction_cap)
     for b, i in enumerate(rows):
         samples[i].is_weight = corr.weights[b, :len(samples[i].response_ids)].tolist()
@@ -79,14 +79,17 @@ def _fill(cfg: Config, samples: list[Sample], plan: list[list[int]], actor: Trai
             samples[i].old_logprobs = got["logp"].tolist()
         if need_values:
             samples[i].values = got["values"].tolist()
-    if need_entropy:  # threshold over every token of the batch, not per micro-batch
-        entropies = {i: got["entropy"] for i, got in scored}
+    if need_entropy:  # threshold over every trained token of the batch, not per micro-batch
+        entropies = {i: got["entropy"][samples[i].trained()] for i, got in scored}
         order = sorted(entropies)
         keep_mask = losses.top_fraction(torch.cat([entropies[i] for i in order]), cfg.top_entropy_frac)
         start = 0
         for i in order:
-            r = entropies[i].numel()
-            samples[i].pg_mask = keep_mask[start:start + r].float().tolist()
+            trained = samples[i].trained()
+            r = int(trained.sum())
+            pg = torch.zeros(len(trained))
+            pg[trained] = keep_mask[start:start + r].float()
+            samples[i].pg_mask = pg.tolist()
             start += r
     if not gaps:
         return {}

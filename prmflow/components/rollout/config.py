@@ -11,7 +11,7 @@ from ... import tasks, tracking
 from ...errors import ConfigError
 from ..sampling.config import SamplingConfig
 from ...tasks.arithmetic import ArithmeticConfig
-from . import outcome_rewards as rewards_lib
+from . import oracle, outcome_rewards as rewards_lib
 from ..sampling.vllm_engine import VLLMSettings, check_vllm_sampling
 from .environment import EnvironmentConfig
 
@@ -139,6 +139,14 @@ class Config:
                 raise ConfigError(f"vllm.max_model_len={self.vllm.max_model_len}, vllm.tensor_parallel_size="
                                   f"{self.vllm.tensor_parallel_size}: use max_model_len >= 0 (0 = the model's) and "
                                   f"tensor_parallel_size >= 1.")
+        if self.environment.enabled:
+            if world > 1:
+                raise ConfigError(f"environment.factory is set with world_size={world}: multi-turn episodes run in one "
+                                  f"process per shard so far; split the prompts with num_shards (one pod each) instead.")
+            if self.task == "visual" or self.prm == oracle.ORACLE:
+                raise ConfigError(f"environment.factory is set with {'task=visual' if self.task == 'visual' else 'prm=oracle'}"
+                                  f": episodes are text-only, and their step rewards come from the environment or a "
+                                  f"trained PRM scoring each turn. Unset {'task' if self.task == 'visual' else 'prm'}.")
         self.rewards = rewards_lib.parse_table(self.rewards)  # YAML text from the command line -> entries
         # a malformed recipe fails here; user functions are imported when the stage runs (the machine
         # that compiles a pipeline may not have them)

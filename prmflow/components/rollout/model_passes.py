@@ -89,14 +89,7 @@ def generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: Sampli
     scoring, timings); with vLLM the engine is shut down first, then the HF policy is loaded. On
     several ranks the prompts other ranks sample have no completions here."""
     t0 = time.perf_counter()
-    dtype = model_dtype(cfg)
-    if cfg.sampler == "hf":
-        policy, _ = modeling.load_causal_lm(cfg.policy, dtype, seed=cfg.seed, tokenizer=tokenizer)
-        engine = HFEngine(policy, tokenizer, cfg.batch_sequences, device(cfg))
-    else:  # the engine's GPUs are chosen before anything here asks CUDA a question
-        check_logprobs_mode(cfg.sampling.temperature, "sampling")
-        engine = VLLMEngine(cfg.policy, dtype, seed=sampling_seed(cfg), settings=cfg.vllm,
-                            stop_ids=stop_ids(cfg.policy, tokenizer), local_rank=local_rank(cfg))
+    engine, policy = make_engine(cfg, tokenizer)
     load_s = time.perf_counter() - t0
     bar = progress(len(prompt_ids), f"rollout iter {cfg.iteration}: generate", "prompt")
     t0 = time.perf_counter()
@@ -104,11 +97,30 @@ def generate(cfg: Config, tokenizer, prompt_ids: list[list[int]], params: Sampli
     completions = engine.generate(prompt_ids, params, progress=bar.update, images=images, rank=rank, world=world)
     generate_s = time.perf_counter() - t0
     bar.close()
+    policy = scoring_policy(cfg, tokenizer, engine, policy)
+    return completions, policy, {"perf/load_s": load_s, "perf/generate_s": generate_s}
+
+
+def make_engine(cfg: Config, tokenizer):
+    """(the configured sampling engine, the HF policy it samples with, or None for vLLM)."""
+    dtype = model_dtype(cfg)
+    if cfg.sampler == "hf":
+        policy, _ = modeling.load_causal_lm(cfg.policy, dtype, seed=cfg.seed, tokenizer=tokenizer)
+        return HFEngine(policy, tokenizer, cfg.batch_sequences, device(cfg)), policy
+    # the engine's GPUs are chosen before anything here asks CUDA a question
+    check_logprobs_mode(cfg.sampling.temperature, "sampling")
+    return VLLMEngine(cfg.policy, dtype, seed=sampling_seed(cfg), settings=cfg.vllm,
+                      stop_ids=stop_ids(cfg.policy, tokenizer), local_rank=local_rank(cfg)), None
+
+
+def scoring_policy(cfg: Config, tokenizer, engine, policy):
+    """The HF policy for the scoring passes, once sampling is over: the HF engine's own model; a vLLM engine is
+    shut down first (its GPU memory back) and the policy loaded."""
     if cfg.sampler == "vllm":
         engine.close()  # shut down, and wait for the GPU memory to come back, before the scoring models load
-        policy, _ = modeling.load_causal_lm(cfg.policy, dtype, seed=cfg.seed, tokenizer=tokenizer)
+        policy, _ = modeling.load_causal_lm(cfg.policy, model_dtype(cfg), seed=cfg.seed, tokenizer=tokenizer)
         policy.to(device(cfg))
-    return completions, policy, {"perf/load_s": load_s, "perf/generate_s": generate_s}
+    return policy
 
 
 def score(cfg: Config, policy, tokenizer, records: list[tasks.PromptRecord], rows: list[tuple[int, int, Completion]],

@@ -38,7 +38,7 @@ from ..models import modeling, vision
 from ..data import schema
 from ... import tracking
 from ...errors import ConfigError, DataError
-from . import oracle, model_passes as passes, prompts
+from . import agent, oracle, model_passes as passes, prompts
 from . import outcome_rewards as rewards_lib
 from . import response_scores as scoring
 from .config import Config
@@ -84,6 +84,13 @@ def run(cfg: Config) -> dict:
     tracker = tracking.start_stage_run(cfg.tracking, "rollout", params=config_lib.flat_dict(cfg), iteration=cfg.iteration,
                                        tags={"prmflow.output": str(out.resolve()),
                                              "prmflow.shard": f"{cfg.shard}/{cfg.num_shards}", **rank_tag})
+    if cfg.environment.enabled:
+        with tracker:
+            metrics = _run_episodes(cfg, tokenizer, records, out, inputs, tracker)
+        print(f"rollout: {metrics['rollout/samples']} episodes of {metrics['rollout/prompts']} prompts, reward mean "
+              f"{metrics['rollout/reward_mean']:.3f}, {metrics['rollout/turns']:.2f} turns, "
+              f"{metrics['perf/tokens_per_s']:.0f} tokens/s -> {out}")
+        return metrics
     with tracker:
         images = [r.images or [] for r in records] if has_images else None
         completions, policy, timing = passes.generate(cfg, tokenizer, prompt_ids, params, images)
@@ -130,4 +137,22 @@ def run(cfg: Config) -> dict:
         tracker.log_table(sample_table(cfg, table), artifact_file=f"rollout_samples_iter{cfg.iteration}_shard{cfg.shard}.json")
     print(f"rollout: {len(rows)} responses to {len(records)} prompts, reward mean {metrics['rollout/reward_mean']:.3f}, "
           f"accuracy {metrics.get('rollout/accuracy', float('nan')):.3f}, {metrics['perf/tokens_per_s']:.0f} tokens/s -> {out}")
+    return metrics
+
+
+def _run_episodes(cfg: Config, tokenizer, records, out, inputs, tracker) -> dict:
+    """environment.factory set: sample episodes, score them, write them (agent.py)."""
+    rows, policy, timing, texts = agent.sample(cfg, tokenizer, records)
+    t0 = time.perf_counter()
+    table, metrics = agent.build_table(cfg, tokenizer, records, rows, policy, texts)
+    del policy
+    n_tokens = sum(sum(ep.policy_mask) for _, _, ep in rows)
+    metrics.update({"perf/tokens_per_s": n_tokens / max(timing["perf/generate_s"], 1e-9), **timing,
+                    "perf/score_s": time.perf_counter() - t0})
+    parents = [p for p in (cfg.policy, cfg.prm, cfg.ref, cfg.critic, cfg.task) if p]
+    with schema.DatasetWriter(out, "rollouts", config=identity(cfg), parents=parents,
+                              overwrite=cfg.overwrite, extra={"metrics": metrics, "inputs": inputs}) as writer:
+        writer.write(table)
+    tracker.log_metrics(metrics, step=cfg.iteration)
+    tracker.log_table(sample_table(cfg, table), artifact_file=f"rollout_samples_iter{cfg.iteration}_shard{cfg.shard}.json")
     return metrics

@@ -432,3 +432,53 @@ def records(n: int, seed: int = 0, split: str = "train", cfg: MemoryAgentConfig 
     cfg = cfg or MemoryAgentConfig()
     return [PromptRecord(e.prompt_id, chunk_text(e.chunks[0]), e.to_json(), None, demonstration(e, cfg, task), task)
             for e in generate(n, seed, split, cfg)]
+
+
+# --- step-labelled episodes for a PRM -------------------------------------------------------------
+
+def turn_steps(actions: list[str], observations: list[str], separator: str = "\n") -> list[str]:
+    """An episode as a PRM reads it, one step per policy turn: the observation before turn k (none for the first)
+    and the turn's text, whitespace and separators collapsed to single spaces (rollout's episode text)."""
+    def clean(s: str) -> str:
+        return " ".join(s.replace(separator, " ").split())
+    return [((clean(observations[k - 1]) + " " if k else "") + clean(a)).strip() or "(empty turn)"
+            for k, a in enumerate(actions)]
+
+
+def _flawed(env: MemoryEnvironment, rng: random.Random) -> str:
+    """A plausible bad turn for the chunk shown now: skipped, half stored, a wrong number, or cut JSON."""
+    chunk = env.episode.chunks[env.turn]
+    kind = rng.randrange(4)
+    if kind == 0:
+        return NO_CALL
+    if kind == 1 and len(chunk) > 1:
+        return call_text("memory_insert", {"content": chunk_text(chunk[:1])}, env.call_format)
+    if kind == 3:
+        return expert_action(env)[:-3]
+    wrong = [(n, v if i else (v - 10 + 10) % 90 + 10) for i, (n, v) in enumerate(chunk)]  # the first, 10 off
+    return call_text("memory_insert", {"content": chunk_text(wrong)}, env.call_format)
+
+
+def step_examples(n: int, seed: int = 0, split: str = "train", cfg: MemoryAgentConfig | None = None,
+                  task: str = "memory_agent", separator: str = "\n") -> list[dict]:
+    """Step-labelled episodes for a PRM: for each of n episodes the expert's (every turn labelled 1) and one with a
+    flawed turn at a random position (labels 1 before it, 0 from it on: the episode can no longer answer every
+    question, the Math-Shepherd convention); rows {prompt, steps, labels, answer, prompt_id, source}."""
+    cfg = cfg or MemoryAgentConfig()
+    rng = random.Random(f"memory-prm:{seed}:{split}")
+    out = []
+    for e in generate(n, seed, split, cfg):
+        for bad in (None, rng.randrange(len(e.chunks))):
+            env = MemoryEnvironment({k: getattr(cfg, k) for k in MemoryAgentConfig.__dataclass_fields__})
+            env.reset({"prompt_id": e.prompt_id, "answer": e.to_json(), "source": task})
+            actions, observations = [], []
+            while True:
+                actions.append(_flawed(env, rng) if env.turn == bad else expert_action(env))
+                obs = env.step(actions[-1])
+                if obs.done:
+                    break
+                observations.append(obs.text)
+            labels = [1.0 if bad is None or k < bad else 0.0 for k in range(len(actions))]
+            out.append({"prompt": chunk_text(e.chunks[0]), "steps": turn_steps(actions, observations, separator),
+                        "labels": labels, "answer": e.to_json(), "prompt_id": e.prompt_id, "source": task})
+    return out

@@ -295,3 +295,59 @@ def test_the_qwen_variant_renders_through_qwen25s_template_as_qwen25_writes_tool
              if m["role"] == "assistant"]
     structured = [dict(m, content="", tool_calls=[calls.pop(0)]) if m["role"] == "assistant" else m for m in r.messages]
     assert tok.apply_chat_template(structured, tokenize=False) == text
+
+
+@pytest.mark.parametrize("task", sorted(ma.VARIANTS))
+def test_prm_examples_are_turns_as_rollout_writes_them_labelled_until_the_first_flawed_turn(task):
+    """Each episode twice: the expert's (all 1) and one with a flawed turn (1 before it, 0 from it). A turn labelled 1
+    is the expert's turn; the first 0 is a turn the environment does not fully credit. The steps are what rollout's
+    episode text holds for the same turns (rollout/agent.py episode_text)."""
+    from prmflow.components.rollout.agent import episode_text
+    from prmflow.components.sampling.episodes import Episode as Played
+
+    rows = ma.step_examples(60, seed=1, task=task)
+    assert len(rows) == 120
+    for expert_row, row in zip(rows[::2], rows[1::2]):
+        assert expert_row["labels"] == [1.0, 1.0] and expert_row["prompt_id"] == row["prompt_id"]
+        first_bad = row["labels"].index(0.0)
+        assert row["labels"] == [1.0] * first_bad + [0.0] * (2 - first_bad)
+        env, _ = start(ma.Episode.from_json(row["prompt_id"], row["answer"]))
+        env.call_format = ma.VARIANTS[task]
+        actions, observations = [], []
+        for k in range(2):
+            expert = ma.expert_action(env)
+            step = row["steps"][k]
+            action = expert if k != first_bad else next(a for a in candidates(env) if step.endswith(" ".join(a.split())))
+            assert (action == expert) == (k != first_bad)  # after the flawed turn the expert goes on (still 0)
+            obs = env.step(action)
+            if k == first_bad:
+                assert obs.rewards != {"tool_success": 1.0, "content_quality": 1.0}, (row, action)
+            actions.append(action)
+            observations += [obs.text] if not obs.done else []
+        assert row["steps"] == episode_text(Played([], actions=actions, observations=observations), "\n").split("\n")
+
+
+def candidates(env):
+    """Every flawed turn ma._flawed can write for the chunk shown now."""
+    class Fixed:
+        def __init__(self, k):
+            self.k = k
+
+        def randrange(self, _):
+            return self.k
+    return [ma._flawed(env, Fixed(k)) for k in range(4)]
+
+
+def test_the_prm_stage_trains_on_the_tasks_turns_and_holds_out_its_eval_split():
+    from prmflow.components import config
+    from prmflow.components.prm import config as prm_config, step_examples
+
+    cfg = config.load(prm_config.Config, overrides={"task": "memory_agent_qwen", "num_prompts": 50, "eval_size": 20})
+    train, held = step_examples.load_data(cfg)
+    assert (len(train), len(held)) == (100, 40)
+    assert {e.source for e in train + held} == {"memory_agent_qwen"} and all(len(e.steps) == 2 for e in train)
+    assert not {e.prompt_id for e in train} & {e.prompt_id for e in held}
+    assert [e.steps for e in train] == [r["steps"] for r in ma.step_examples(50, 0, task="memory_agent_qwen")]
+    cfg = config.load(prm_config.Config, overrides={"task": "memory_agent", "policy_from_backbone": True})
+    with pytest.raises(ConfigError, match="task=memory_agent: policy samples"):
+        step_examples.load_data(cfg)

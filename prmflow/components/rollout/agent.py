@@ -25,11 +25,11 @@ import numpy as np
 import pyarrow as pa
 
 from ... import tasks
-from ...errors import DataError
+from ...errors import ConfigError, DataError
 from ..data import steps as steps_lib
 from ..sampling.engines import Completion, SamplingParams
 from ..sampling.episodes import Episode, Limits, run_episodes
-from ..models import chat
+from ..models import chat, modeling
 from . import environment as env_lib
 from . import model_passes as passes
 from . import outcome_rewards as rewards_lib
@@ -78,7 +78,15 @@ def sample(cfg: Config, tokenizer, records: list[tasks.PromptRecord]):
     params = SamplingParams(n=1, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                             top_k=cfg.sampling.top_k, max_new_tokens=cfg.sampling.max_new_tokens,
                             stop=list(cfg.stop), seed=passes.sampling_seed(cfg))
-    limits = Limits(ecfg.max_turns, ecfg.max_observation_tokens, ecfg.max_total_tokens, ecfg.on_limit)
+    window, window_name = modeling.context_window(cfg.policy, cfg.vllm.max_model_len if cfg.sampler == "vllm" else 0)
+    total = ecfg.max_total_tokens or window
+    if total is None:
+        raise ConfigError(f"environment.max_total_tokens is 0 (the policy's window), but '{cfg.policy}' does not say its "
+                          f"window; set environment.max_total_tokens.")
+    if window is not None and total > window:
+        raise ConfigError(f"environment.max_total_tokens={total} is more than {window_name}; lower it to at most "
+                          f"{window}.")
+    limits = Limits(ecfg.max_turns, ecfg.max_observation_tokens, total, ecfg.on_limit)
     t0 = time.perf_counter()
     engine, policy = passes.make_engine(cfg, tokenizer)
     load_s = time.perf_counter() - t0

@@ -75,8 +75,9 @@ class EnvironmentConfig:
     """Policy turns per episode at most; an episode not done by then ends and gets its outcome."""
     max_observation_tokens: int = 256
     """Most tokens of one observation turn (tool-role fragment); a longer one fails the stage, naming the row."""
-    max_total_tokens: int = 1024
-    """Most tokens of one episode (prompt + every turn); a turn is sampled only while the episode fits."""
+    max_total_tokens: int = 0
+    """Most tokens of one episode (opening + every turn); a turn is sampled only while the episode fits. 0 = the
+    policy's window (or vllm.max_model_len); more than it is an error."""
     on_limit: str = "fail"
     """An episode whose next observation would pass max_total_tokens: 'fail' (error naming the row) or 'truncate'
     (the episode ends there, finish_reason 'length')."""
@@ -86,9 +87,12 @@ class EnvironmentConfig:
     """Weight of each episode-level component in outcome_reward, e.g. {qa_accuracy: 1.0, compression: 0.05}."""
 
     def __post_init__(self):
-        for key in ("max_turns", "max_observation_tokens", "max_total_tokens"):
+        for key in ("max_turns", "max_observation_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"environment.{key} is {getattr(self, key)}; it must be at least 1.")
+        if self.max_total_tokens < 0:
+            raise ConfigError(f"environment.max_total_tokens is {self.max_total_tokens}; use 0 (the policy's window) "
+                              f"or a positive count.")
         if self.on_limit not in ("fail", "truncate"):
             raise ConfigError(f"environment.on_limit is {self.on_limit!r}; use 'fail' or 'truncate'.")
         if self.factory:

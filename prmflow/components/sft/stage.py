@@ -145,7 +145,8 @@ def _apply_lora(model, cfg: Config):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[data.Example], records: list[tasks.PromptRecord], cfg: Config) -> dict:
-    """Held-out loss (token-mean over response tokens) and greedy accuracy by the verifier."""
+    """Held-out loss (token-mean over response tokens) and greedy accuracy by the verifier, over the held-out rows
+    that have an answer (NaN when none has: multi-turn demonstrations, whose episodes evaluate scores)."""
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(examples), cfg.micro_batch_size):
@@ -154,6 +155,12 @@ def evaluate(model, tokenizer, examples: list[data.Example], records: list[tasks
         logits = model(**data.model_inputs(batch)).logits
         loss, n = data.response_loss(logits, batch["labels"])
         total, count = total + float(loss), count + n
+    model.train()
+    if any(r.answer is None for r in records):  # multi-turn demonstrations: the agent's metrics are evaluate's
+        records = [r for r in records if r.answer is not None]
+        if not records:
+            return {"eval/loss": total / max(count, 1), "eval/accuracy": float("nan")}
+    model.eval()
     prompts = [tasks.render_prompt(tokenizer, r, cfg.chat_template) for r in records]
     responses = generate_texts(model, tokenizer, prompts, cfg.eval_max_new_tokens, batch_size=100,
                                add_special_tokens=not any(tasks.templated(tokenizer, r, cfg.chat_template) for r in records),

@@ -1,5 +1,6 @@
 """SFT examples: prompt tokens masked out of the loss, response tokens (plus the token that ends a
-response) trained on; padding never is.
+response) trained on; padding never is. A multi-turn demonstration (`messages` with assistant turns and
+tool messages between them) trains every assistant turn and none of the tool turns (`episode_tokens`).
 
 With a chat template (Qwen2.5: the prompt is the templated conversation ending in
 `<|im_start|>assistant\n`) the response ends with the template's end of turn, `<|im_end|>`; without
@@ -45,17 +46,53 @@ def tokenize(records: list[tasks.PromptRecord], tokenizer, max_seq_len: int, cha
         if ends[templated] is None:
             raise DataError(f"{where}: the tokenizer has no eos token and no chat template that ends a turn, so a "
                             f"response cannot be taught to end; use a model directory whose tokenizer sets eos_token.")
-        r_ids = tokenizer(r.response, add_special_tokens=False)["input_ids"] + [ends[templated]]
-        ids = p_ids + r_ids
+        if r.messages and any(m["role"] == "assistant" for m in r.messages) and not r.images:
+            ids, labels = episode_tokens(tokenizer, r.messages + [{"role": "assistant", "content": r.response}],
+                                         templated, ends[templated], f"{where}, prompt {r.prompt_id!r}")
+        else:
+            r_ids = tokenizer(r.response, add_special_tokens=False)["input_ids"] + [ends[templated]]
+            ids, labels = p_ids + r_ids, [IGNORE] * len(p_ids) + r_ids
         if len(ids) > max_seq_len:  # dropped, never cut: a cut could split an image's tokens
             dropped += 1
             continue
-        examples.append(Example(ids, [IGNORE] * len(p_ids) + r_ids, pixels))
+        examples.append(Example(ids, labels, pixels))
     if dropped:
         log.warning("%s: dropped %d of %d examples longer than max_seq_len=%d", where, dropped, len(records), max_seq_len)
     if not examples:
         raise DataError(f"{where}: no example fits max_seq_len={max_seq_len}; raise max_seq_len.")
     return examples, dropped
+
+
+def episode_tokens(tokenizer, messages: list[dict], templated: bool, end: int, where: str) -> tuple[list[int], list[int]]:
+    """A multi-turn demonstration (opening messages, then assistant turns with one tool message between two) as
+    (ids, labels): laid out as the rollout lays out an episode (`chat.opening_ids`, each assistant turn's content
+    and its end-of-turn token, each tool message as `chat.observation_ids`), so SFT teaches the ids the policy then
+    samples; labels are the assistant turns' ids, IGNORE on the opening and the tool turns (assistant-only loss)."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    if first == 0:
+        raise DataError(f"{where}: 'messages' opens with an assistant turn; an episode opens with a user (or system) turn.")
+    _, ids = chat.opening_ids(tokenizer, messages[:first], templated)
+    ids = list(ids)
+    labels = [IGNORE] * len(ids)
+    previous = "assistant"
+    for k, m in enumerate(messages[first:], start=first):
+        if m["role"] == "assistant":
+            turn = tokenizer(m["content"], add_special_tokens=False)["input_ids"] + [end]
+            ids += turn
+            labels += turn
+        elif m["role"] == "tool" and previous == "assistant" and k + 1 < len(messages):
+            try:
+                obs = chat.observation_ids(tokenizer, m["content"], templated)
+            except chat.ChatTurnError as e:
+                raise DataError(f"{where}: {e}; use a tokenizer whose chat template has a tool role.") from None
+            ids += obs
+            labels += [IGNORE] * len(obs)
+        else:
+            raise DataError(f"{where}: message {k} has role {m['role']!r} after a {previous!r} turn; after the opening, a "
+                            f"multi-turn demonstration alternates assistant turns and single tool messages, and ends "
+                            f"with an assistant turn.")
+        previous = m["role"]
+    return ids, labels
 
 
 def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:

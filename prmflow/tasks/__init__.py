@@ -29,6 +29,9 @@ class PromptRecord:
 
 TASKS = ("arithmetic", "visual", "memory_agent", "memory_agent_qwen")
 """Built-in tasks; anything else names a dataset file."""
+EPISODE_SOURCES = ("memory_agent", "memory_agent_qwen")
+"""Sources whose rows are episodes for an environment: scored by playing them through it (rollout, evaluate), not by
+`verify` on one response."""
 
 
 def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, **task_kwargs) -> list[PromptRecord]:
@@ -135,6 +138,9 @@ def verify(record: PromptRecord, response: str) -> float:
     (grader.py) in the convention of the record's source, the same one the RL reward uses."""
     if record.answer is None:
         raise ValueError(f"prompt {record.prompt_id!r} has no reference answer to verify against")
+    if record.source in EPISODE_SOURCES:
+        raise ValueError(f"prompt {record.prompt_id!r} is a {record.source} episode: its environment scores it "
+                         f"(environment.factory in rollout and evaluate), not one response")
     from .grader import grade
 
     return grade(record.source, response, record.answer)

@@ -425,13 +425,22 @@ def demonstration(episode: Episode, cfg: MemoryAgentConfig | None = None, task: 
 def records(n: int, seed: int = 0, split: str = "train", cfg: MemoryAgentConfig | None = None,
             task: str = "memory_agent"):
     """PromptRecords of `n` episodes of `task` (a VARIANTS name, the rows' source): prompt = the first chunk, answer =
-    the episode (JSON, what the environment reads), messages = the expert's demonstration (the SFT target: every
-    assistant turn)."""
+    the episode (JSON, what the environment reads); the expert's demonstration is the SFT target as a chat dataset's
+    row holds one: messages = every message but the last assistant turn, response = that turn (SFT trains every
+    assistant turn: training/supervised_data.episode_tokens)."""
     from . import PromptRecord
 
     cfg = cfg or MemoryAgentConfig()
-    return [PromptRecord(e.prompt_id, chunk_text(e.chunks[0]), e.to_json(), None, demonstration(e, cfg, task), task)
-            for e in generate(n, seed, split, cfg)]
+    out = []
+    for e in generate(n, seed, split, cfg):
+        demo = demonstration(e, cfg, task)
+        out.append(PromptRecord(e.prompt_id, chunk_text(e.chunks[0]), e.to_json(), demo[-1]["content"], demo[:-1], task))
+    return out
+
+
+def demonstration_of(record) -> list[dict]:
+    """A record's whole demonstration (its messages and its response, the last assistant turn)."""
+    return list(record.messages) + [{"role": "assistant", "content": record.response}]
 
 
 # --- step-labelled episodes for a PRM -------------------------------------------------------------

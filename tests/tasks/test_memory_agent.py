@@ -234,7 +234,7 @@ def test_demonstrations_replay_to_full_reward_through_a_fresh_environment(task):
     cfg = ma.MemoryAgentConfig(skip_frac=0.0, revise_frac=0.5, num_chunks=3)
     system = 1 if task == "memory_agent_qwen" else 0
     for r in ma.records(40, seed=3, cfg=cfg, task=task):
-        e, messages = ma.Episode.from_json(r.prompt_id, r.answer), r.messages
+        e, messages = ma.Episode.from_json(r.prompt_id, r.answer), ma.demonstration_of(r)
         assert [m["role"] for m in messages] == ["system"] * system + ["user", "assistant", "tool", "assistant", "tool",
                                                                        "assistant"]
         env = ma.MemoryEnvironment({})
@@ -254,7 +254,7 @@ def test_demonstrations_replay_to_full_reward_through_a_fresh_environment(task):
 def test_skip_frac_leaves_that_share_of_chunks_unstored_and_the_records_carry_the_episode():
     cfg = ma.MemoryAgentConfig(skip_frac=0.4)
     records = ma.records(1000, seed=0, cfg=cfg)
-    turns = [m["content"] for r in records for m in r.messages if m["role"] == "assistant"]
+    turns = [m["content"] for r in records for m in ma.demonstration_of(r) if m["role"] == "assistant"]
     assert 0.36 < turns.count("[]") / len(turns) < 0.44
     r = records[0]
     assert r.source == "memory_agent" and r.prompt == r.messages[0]["content"]
@@ -274,8 +274,9 @@ def test_the_tools_preset_writes_every_character_of_a_demonstration_and_ends_ass
                                                                          for c in modeling.ALPHABET]
     cfg = ma.MemoryAgentConfig(revise_frac=0.5, num_chunks=3)
     for r in ma.records(20, seed=1, cfg=cfg):  # the json variant
-        text = tok.apply_chat_template(r.messages, tokenize=False)
-        assert text == "".join(m["content"] + ("</s>" if m["role"] == "assistant" else "\n") for m in r.messages)
+        messages = ma.demonstration_of(r)
+        text = tok.apply_chat_template(messages, tokenize=False)
+        assert text == "".join(m["content"] + ("</s>" if m["role"] == "assistant" else "\n") for m in messages)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert tok.unk_token_id not in ids and tok.decode(ids) == text
     assert chat.end_of_turn_id(tok) == tok.eos_token_id
@@ -288,12 +289,13 @@ def test_the_qwen_variant_renders_through_qwen25s_template_as_qwen25_writes_tool
 
     tok = modeling.load_tokenizer("tiny-qwen2-bpe")  # Qwen2.5-Instruct's chat template, verbatim
     r = ma.records(1, seed=2, cfg=ma.MemoryAgentConfig(skip_frac=0.0), task="memory_agent_qwen")[0]
-    text = tok.apply_chat_template(r.messages, tokenize=False)
+    messages = ma.demonstration_of(r)
+    text = tok.apply_chat_template(messages, tokenize=False)
     assert text.startswith("<|im_start|>system\nStore the facts") and "<tools>\n{\"type\": \"function\"" in text
-    assert f"<|im_start|>user\n<tool_response>\n{r.messages[3]['content']}\n</tool_response><|im_end|>" in text
-    calls = [{"type": "function", "function": json.loads(m["content"].split("\n")[1])} for m in r.messages
+    assert f"<|im_start|>user\n<tool_response>\n{messages[3]['content']}\n</tool_response><|im_end|>" in text
+    calls = [{"type": "function", "function": json.loads(m["content"].split("\n")[1])} for m in messages
              if m["role"] == "assistant"]
-    structured = [dict(m, content="", tool_calls=[calls.pop(0)]) if m["role"] == "assistant" else m for m in r.messages]
+    structured = [dict(m, content="", tool_calls=[calls.pop(0)]) if m["role"] == "assistant" else m for m in messages]
     assert tok.apply_chat_template(structured, tokenize=False) == text
 
 
@@ -351,3 +353,39 @@ def test_the_prm_stage_trains_on_the_tasks_turns_and_holds_out_its_eval_split():
     cfg = config.load(prm_config.Config, overrides={"task": "memory_agent", "policy_from_backbone": True})
     with pytest.raises(ConfigError, match="task=memory_agent: policy samples"):
         step_examples.load_data(cfg)
+
+
+def test_sft_trains_exactly_the_expert_turns_and_verify_refuses_an_episode():
+    """The task's rows go through SFT's multi-turn path: the example is the demonstration as the chat template renders
+    it, the labels are the assistant turns and their eos only. An episode is scored by playing it (evaluate), so
+    verify refuses one, and the sft stage's held-out accuracy is NaN, not the 0 the single-response grader gave the
+    episode JSON (slow test below)."""
+    from prmflow.components.models import modeling
+    from prmflow.components.training import supervised_data as data
+
+    tok = modeling.load_tokenizer("tiny-llama-tools")
+    records = tasks.load("memory_agent", "train", 30, 0)
+    examples, dropped = data.tokenize(records, tok, 512)
+    assert dropped == 0 and len(examples) == 30
+    for r, ex in zip(records, examples):
+        demo = ma.demonstration_of(r)
+        assert tok.decode(ex.input_ids) == tok.apply_chat_template(demo, tokenize=False)
+        want = [t for m in demo if m["role"] == "assistant"
+                for t in tok(m["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+        assert [t for t in ex.labels if t != data.IGNORE] == want
+    with pytest.raises(ValueError, match="is a memory_agent episode: its environment scores it"):
+        tasks.verify(records[0], "anything")
+
+
+@pytest.mark.slow
+def test_the_sft_stage_reports_no_single_response_accuracy_for_episodes(tmp_path):
+    import math
+
+    from prmflow.components import config
+    from prmflow.components.sft import stage as sft
+
+    m = sft.run(config.load(sft.Config, overrides={
+        "policy": "tiny-llama-tools", "task": "memory_agent", "num_prompts": 32, "eval_size": 8, "max_steps": 2,
+        "micro_batch_size": 8, "optim.warmup_steps": 0, "eval_every": 2, "save_every": 0, "output": str(tmp_path / "sft"),
+        "tracking.enabled": False}))
+    assert math.isnan(m["eval/accuracy"]) and m["eval/loss"] > 0

@@ -167,6 +167,16 @@ def test_the_docs_example_runs_through_the_stage(request, monkeypatch, example, 
     assert engines == ([1] if sampler == "vllm" else [])
     # a second run with the same config finds its output (resume) and samples nothing
     assert stage.run(cfg) == metrics
+    if sampler == "hf":  # the same seed samples the same episodes; another seed others
+        again = [config.load(stage.Config, overrides={**ENV, "policy": str(long_policy), "task": str(example),
+                                                     "n_samples": 4, "stop": ["e"], "sampling.max_new_tokens": 24,
+                                                     "output": str(tmp_path / name), "seed": seed})
+                 for name, seed in (("same", 0), ("other", 1))]
+        ids = []
+        for c in again:
+            stage.run(c)
+            ids.append([r["response_ids"] for r in schema.read_dataset(c.output, "rollouts").to_pylist()])
+        assert ids[0] == [r["response_ids"] for r in rows] != ids[1]
 
 
 def test_config_refuses_what_episodes_cannot_do(example, tmp_path):
@@ -179,3 +189,24 @@ def test_config_refuses_what_episodes_cannot_do(example, tmp_path):
                                                         "environment.max_total_tokens": 2048, "output": str(tmp_path / "r")}))
     with pytest.raises(ConfigError, match="'package.module:attr'"):
         config.load(stage.Config, overrides={**ENV, "environment.factory": "nocolon"})
+
+
+def test_a_prm_scores_each_turn_and_prm_update_reads_the_turns_as_steps(monkeypatch, example, long_policy, tmp_path,
+                                                                       shuffled_prm):
+    from prmflow.components.data import steps as steps_lib
+    from prmflow.components.prm import online_update
+    from prmflow.components.scoring.prm_scoring import PRMScorer
+
+    tok = modeling.load_tokenizer(long_policy)
+    eot = chat.end_of_turn_id(tok)
+    add, answer = '{"name": "add",\n "arguments": {"a": 1, "b": 2}}', '{"name": "answer", "arguments": {"value": "3.0"}}'
+    _, rows = run_scripted(monkeypatch, long_policy, example, tmp_path, [(tok.encode(add) + [eot], tok.encode(answer) + [eot])],
+                           prm=str(shuffled_prm))
+    # step k of the text: the observation before turn k and the turn, newlines inside made spaces
+    want = ['{"name": "add", "arguments": {"a": 1, "b": 2}}', '3.0 ' + answer]
+    for r in rows:
+        assert steps_lib.steps(r["response"]) == want and len(r["step_ends"]) == 2
+        prompt = "1+2" if r["prompt_id"] == "a" else "2+2"
+        assert r["step_rewards"] == pytest.approx(PRMScorer(str(shuffled_prm)).score([prompt], [r["response"]])[0], abs=1e-6)
+    examples = online_update.rollout_examples(str(tmp_path / "rollouts"), "\n", 0.5)
+    assert [(e.steps, e.labels) for e in sorted(examples, key=lambda e: e.prompt_id)] == [(want, [1.0, 1.0]), (want, [0.0, 0.0])]

@@ -25,11 +25,10 @@ import numpy as np
 import pyarrow as pa
 
 from ... import tasks
-from ...errors import ConfigError, DataError
 from ..data import steps as steps_lib
 from ..sampling.engines import Completion, SamplingParams
-from ..sampling.episodes import Episode, Limits, run_episodes
-from ..models import chat, modeling
+from ..sampling.episodes import Episode
+from ..models import modeling
 from . import environment as env_lib
 from . import model_passes as passes
 from . import outcome_rewards as rewards_lib
@@ -38,16 +37,6 @@ from .output import rollouts_table
 
 EMPTY_STEP = "(empty turn)"
 """The step text of a turn that decodes to nothing, so the response text still has one step per policy turn."""
-
-
-def check_messages(messages, where: str) -> list[dict]:
-    """An environment's opening messages as [{"role", "content"}], else a DataError naming the row."""
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
-        raise DataError(f"{where}: reset() must return a non-empty list of {{'role': str, 'content': str}} messages, "
-                        f"got {messages!r:.200}.")
-    return messages
 
 
 def episode_text(ep: Episode, separator: str) -> str:
@@ -62,52 +51,25 @@ def episode_text(ep: Episode, separator: str) -> str:
 
 
 def sample(cfg: Config, tokenizer, records: list[tasks.PromptRecord]):
-    """Run every episode. Returns (rows (prompt index, sample index, episode), the HF policy for scoring, timings,
-    the opening texts per row)."""
-    ecfg = cfg.environment
-    factory = env_lib.load_factory(ecfg.factory)
-    envs, opening, texts, names, rows = [], [], [], [], []
-    for i, r in enumerate(records):
-        row = {k: v for k, v in dataclasses.asdict(r).items() if k != "images"}
-        for j in range(cfg.n_samples):
-            where = f"environment {ecfg.factory!r}, prompt_id={r.prompt_id!r}, sample {j}"
-            env = env_lib.make_environment(ecfg, factory)
-            messages = check_messages(env.reset(dict(row)), where)
-            text, ids = chat.opening_ids(tokenizer, messages, cfg.chat_template)
-            envs.append(env), opening.append(ids), texts.append(text), names.append(where), rows.append((i, j))
+    """Run every episode (`environment.play`). Returns (rows (prompt index, sample index, episode), the HF policy
+    for scoring, timings, the opening texts per row)."""
     params = SamplingParams(n=1, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                             top_k=cfg.sampling.top_k, max_new_tokens=cfg.sampling.max_new_tokens,
                             stop=list(cfg.stop), seed=passes.sampling_seed(cfg))
-    window, window_name = modeling.context_window(cfg.policy, cfg.vllm.max_model_len if cfg.sampler == "vllm" else 0)
-    total = ecfg.max_total_tokens or window
-    if total is None:
-        raise ConfigError(f"environment.max_total_tokens is 0 (the policy's window), but '{cfg.policy}' does not say its "
-                          f"window; set environment.max_total_tokens.")
-    if window is not None and total > window:
-        raise ConfigError(f"environment.max_total_tokens={total} is more than {window_name}; lower it to at most "
-                          f"{window}.")
-    limits = Limits(ecfg.max_turns, ecfg.max_observation_tokens, total, ecfg.on_limit)
+    window = modeling.context_window(cfg.policy, cfg.vllm.max_model_len if cfg.sampler == "vllm" else 0)
     t0 = time.perf_counter()
     engine, policy = passes.make_engine(cfg, tokenizer)
     load_s = time.perf_counter() - t0
-
-    def generate(contexts, p):
-        return [c[0] for c in engine.generate(contexts, p)]
-
-    bar = passes.progress(len(envs) * ecfg.max_turns, f"rollout iter {cfg.iteration}: episodes", "turn")
+    bar = passes.progress(len(records) * cfg.n_samples * cfg.environment.max_turns,
+                          f"rollout iter {cfg.iteration}: episodes", "turn")
     t0 = time.perf_counter()
-    try:
-        episodes = run_episodes(generate, tokenizer, envs, opening, params, limits,
-                                templated=cfg.chat_template and bool(getattr(tokenizer, "chat_template", None)),
-                                names=names, check=env_lib.check_components, progress=bar.update)
-    except chat.ChatTurnError as e:
-        raise DataError(f"environment {ecfg.factory!r}: policy '{cfg.policy}': {e}. Use a tokenizer whose chat template "
-                        f"has a tool role (Qwen2.5's), or chat_template=false (plain turns).") from None
+    played = env_lib.play(cfg.environment, engine, tokenizer, records, cfg.n_samples, params, cfg.chat_template,
+                          window, progress=bar.update, where=f"policy '{cfg.policy}'")
     generate_s = time.perf_counter() - t0
     bar.close()
     policy = passes.scoring_policy(cfg, tokenizer, engine, policy)
-    return [(i, j, ep) for (i, j), ep in zip(rows, episodes)], policy, \
-        {"perf/load_s": load_s, "perf/generate_s": generate_s}, texts
+    return [(p.prompt, p.sample, p.episode) for p in played], policy, \
+        {"perf/load_s": load_s, "perf/generate_s": generate_s}, [p.opening for p in played]
 
 
 def build_table(cfg: Config, tokenizer, records, rows, policy, texts):

@@ -26,12 +26,15 @@ episode with `environment.config` (a dict); docs/agents.md has a small example.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence
 
 from ...errors import ConfigError, DataError
+from ..models import chat
+from ..sampling.episodes import Episode, Limits, run_episodes
 
 
 @dataclass(frozen=True)
@@ -170,3 +173,65 @@ def episode_components(step_components: Sequence[Mapping[str, float]], outcome: 
                             f"give them different names.")
         out[n] = float(outcome.get(n, 0.0))
     return out
+
+
+# --- playing episodes: what rollout and evaluate share ---------------------------------------------
+
+@dataclass
+class Played:
+    """One episode of a prompt row."""
+
+    prompt: int       # index of its row in the records
+    sample: int       # 0 .. n_samples - 1
+    episode: Episode
+    opening: str      # the opening messages as rendered (the row's `prompt` text)
+
+
+def check_messages(messages, where: str) -> list[dict]:
+    """An environment's opening messages as [{"role", "content"}], else a DataError naming the row."""
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise DataError(f"{where}: reset() must return a non-empty list of {{'role': str, 'content': str}} messages, "
+                        f"got {messages!r:.200}.")
+    return messages
+
+
+def limits(cfg: EnvironmentConfig, window: tuple[int | None, str]) -> Limits:
+    """The episode limits, max_total_tokens resolved against `window` (modeling.context_window's (tokens, name))."""
+    tokens, name = window
+    total = cfg.max_total_tokens or tokens
+    if total is None:
+        raise ConfigError("environment.max_total_tokens is 0 (the policy's window), but the policy does not say its "
+                          "window; set environment.max_total_tokens.")
+    if tokens is not None and total > tokens:
+        raise ConfigError(f"environment.max_total_tokens={total} is more than {name}; lower it to at most {tokens}.")
+    return Limits(cfg.max_turns, cfg.max_observation_tokens, total, cfg.on_limit)
+
+
+def play(cfg: EnvironmentConfig, engine, tokenizer, records, n_samples: int, params, chat_template: bool = True,
+         window: tuple[int | None, str] = (None, ""), progress=None, where: str = "the policy") -> list[Played]:
+    """n_samples episodes per record (a tasks.PromptRecord), each with a fresh environment reset on the row's fields
+    (prompt_id, prompt, answer, messages, source), run turn-synchronously on `engine` (HFEngine or VLLMEngine: one
+    sample per context and turn; `params.n` is ignored). Rows in record order, samples in order."""
+    factory = load_factory(cfg.factory)
+    envs, opening, texts, names, index = [], [], [], [], []
+    for i, r in enumerate(records):
+        row = {k: v for k, v in dataclasses.asdict(r).items() if k != "images"}
+        for j in range(n_samples):
+            name = f"environment {cfg.factory!r}, prompt_id={r.prompt_id!r}, sample {j}"
+            env = make_environment(cfg, factory)
+            text, ids = chat.opening_ids(tokenizer, check_messages(env.reset(dict(row)), name), chat_template)
+            envs.append(env), opening.append(ids), texts.append(text), names.append(name), index.append((i, j))
+
+    def generate(contexts, p):
+        return [c[0] for c in engine.generate(contexts, p)]
+
+    try:
+        episodes = run_episodes(generate, tokenizer, envs, opening, params, limits(cfg, window),
+                                templated=chat_template and bool(getattr(tokenizer, "chat_template", None)),
+                                names=names, check=check_components, progress=progress)
+    except chat.ChatTurnError as e:
+        raise DataError(f"environment {cfg.factory!r}, {where}: {e}. Use a tokenizer whose chat template has a tool role "
+                        f"(Qwen2.5's), or chat_template=false (plain turns).") from None
+    return [Played(i, j, ep, t) for (i, j), ep, t in zip(index, episodes, texts)]

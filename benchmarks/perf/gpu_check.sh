@@ -23,7 +23,8 @@
 #                      1024 tokens), the start split into its parts; then the HF sampler at that batch with 128 tokens
 #                      (its tokens/s at 512 sequences)
 #   2. vllm-tests:     pytest tests/rollout -k vllm (the real engine: greedy = model.generate, seeds, stop ids, new weights,
-#                      the two logprob checks of issue 48, ranks and shards; all 12 passed on an H200, 2026-11-26)
+#                      the two logprob checks of issue 48, ranks and shards; all 12 passed on an H200, 2026-11-26;
+#                      and the multi-turn agent rollout, test_agent_rollout.py's [vllm] case: one engine for every turn)
 #   2b. stages-vllm:   benchmarks/perf/stage_samplers_gpu.py, the -vllm arms: evaluate and prm-label with sampler=vllm against their HF default
 #   3. gap:            benchmarks/perf/sampler_trainer_gap.py --correction-only --sampler vllm: a bf16 vLLM rollout
 #                      against the float32 trainer, with each rollout_correction mode

@@ -53,7 +53,7 @@ class Environment(Protocol):
     """One episode's world. A fresh instance per episode (the factory is called per episode)."""
 
     def reset(self, prompt: dict) -> list[dict]:
-        """A task prompt row (keys prompt_id, prompt, answer, messages, source) -> the episode's opening chat
+        """A task prompt row (keys prompt_id, prompt, answer, response, messages, source) -> the episode's opening chat
         messages [{"role": ..., "content": ...}] (system / user), rendered with the policy's chat template."""
         ...
 
@@ -212,7 +212,7 @@ def limits(cfg: EnvironmentConfig, window: tuple[int | None, str]) -> Limits:
 def play(cfg: EnvironmentConfig, engine, tokenizer, records, n_samples: int, params, chat_template: bool = True,
          window: tuple[int | None, str] = (None, ""), progress=None, where: str = "the policy") -> list[Played]:
     """n_samples episodes per record (a tasks.PromptRecord), each with a fresh environment reset on the row's fields
-    (prompt_id, prompt, answer, messages, source), run turn-synchronously on `engine` (HFEngine or VLLMEngine: one
+    (prompt_id, prompt, answer, response, messages, source), run turn-synchronously on `engine` (HFEngine or VLLMEngine: one
     sample per context and turn; `params.n` is ignored). Rows in record order, samples in order."""
     factory = load_factory(cfg.factory)
     envs, opening, texts, names, index = [], [], [], [], []

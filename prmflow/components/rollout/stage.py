@@ -20,6 +20,10 @@ Phases, in one process:
 5. write (output.py): DatasetWriter into a temporary sibling, validated, renamed at the end; the
    manifest keeps the config and the metrics, so a re-run with the same config returns at once.
 
+With environment.factory set, every sample is a multi-turn episode instead (agent.py, environment.py,
+sampling/episodes.py): the policy and the environment take turns, the environment's rewards are the step and
+outcome rewards, and policy_mask tells the policy's tokens from the environment's (docs/agents.md).
+
 With num_shards > 1 each pod writes its own output directory (ITER/shard-0, ITER/shard-1, ...);
 the parent reads as one dataset (`schema.open_dataset(ITER)`). Inside one shard, N processes
 (`torchrun --nproc-per-node N prmflow rollout ...`, or the keys rank / world_size) split the

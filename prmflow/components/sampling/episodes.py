@@ -1,15 +1,17 @@
 """Multi-turn episodes: the policy and an environment take turns, batched across episodes.
 
-    episodes = run_episodes(engine, tokenizer, envs, rows, params, limits)
+    episodes = run_episodes(generate, tokenizer, envs, opening, params, limits)
     episodes[i].response_ids, .policy_mask, .logprobs, .step_ends, .step_components, .outcome
 
 Turn-synchronous: every live episode's context (its opening ids and every turn so far) goes to the engine as
-one prompt, one sample each; the engine's `generate` is HFEngine's or VLLMEngine's (one engine for all turns;
-vLLM's prefix cache keeps the shared context's KV between turns). A policy turn ends at the engine's stop ids
-(EOS, the chat template's end of turn) or at max_new_tokens. Its sampled ids are appended as they are (policy
-tokens); the environment gets the turn decoded, for parsing only, and its observation is rendered once as a
-chat-template fragment (`chat.observation_ids`) and appended as ids (environment tokens, logprob 0). Nothing is
-decoded and re-encoded: the row's ids are the ids sampled plus the ids appended.
+one prompt, one sample each; `generate` wraps HFEngine's or VLLMEngine's (one engine for all turns; vLLM's prefix
+cache, on by default in its V1 engine (vllm-project/vllm tests/v1/engine/test_engine_args.py `test_defaults`),
+keeps a context's KV from one turn to the next; the HF engine prefills each context again). A policy turn ends at
+the engine's stop ids (EOS, the chat template's end of turn), a stop string or max_new_tokens. Its sampled ids
+are appended as they are (policy tokens); the environment gets the turn decoded, for parsing only, and its
+observation is rendered once as a chat-template fragment (`chat.observation_ids`) and appended as ids
+(environment tokens, logprob 0). Nothing is decoded and re-encoded: the row's ids are the ids sampled plus the
+ids appended.
 
 An episode ends when the environment says done, after max_turns policy turns, when a turn is cut by
 max_new_tokens (finish_reason 'length': its action still goes to the environment, whose answer is not

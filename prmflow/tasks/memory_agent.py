@@ -90,7 +90,7 @@ class MemoryAgentConfig:
     revise_frac: float = 0.0
     """Chance that a fact of a later chunk gives a new number to a name of an earlier one (the expert then calls
     memory_update on the entry that holds it)."""
-    skip_frac: float = 0.5
+    skip_frac: float = 0.6
     """Fraction of chunks the demonstrations leave unstored (`[]`; picked by a hash): imperfect SFT data."""
     max_action_chars: int = 1000
     """A longer turn is not parsed (error observation, no credit)."""
@@ -454,7 +454,7 @@ def turn_steps(actions: list[str], observations: list[str], separator: str = "\n
             for k, a in enumerate(actions)]
 
 
-def _flawed(env: MemoryEnvironment, rng: random.Random) -> str:
+def flawed_turn(env: MemoryEnvironment, rng: random.Random) -> str:
     """A plausible bad turn for the chunk shown now: skipped, half stored, a wrong number, or cut JSON."""
     chunk = env.episode.chunks[env.turn]
     kind = rng.randrange(4)
@@ -482,7 +482,7 @@ def step_examples(n: int, seed: int = 0, split: str = "train", cfg: MemoryAgentC
             env.reset({"prompt_id": e.prompt_id, "answer": e.to_json(), "source": task})
             actions, observations = [], []
             while True:
-                actions.append(_flawed(env, rng) if env.turn == bad else expert_action(env))
+                actions.append(flawed_turn(env, rng) if env.turn == bad else expert_action(env))
                 obs = env.step(actions[-1])
                 if obs.done:
                     break

@@ -303,8 +303,8 @@ def test_the_qwen_variant_renders_through_qwen25s_template_as_qwen25_writes_tool
 def test_prm_examples_are_turns_as_rollout_writes_them_labelled_until_the_first_flawed_turn(task):
     """Each episode twice: the expert's (all 1) and one with a flawed turn (1 before it, 0 from it). A turn labelled 1
     is the expert's turn; the first 0 is a turn the environment does not fully credit. The steps are what rollout's
-    episode text holds for the same turns (rollout/agent.py episode_text)."""
-    from prmflow.components.rollout.agent import episode_text
+    episode text holds for the same turns (sampling/environment.py episode_text)."""
+    from prmflow.components.sampling.environment import episode_text
     from prmflow.components.sampling.episodes import Episode as Played
 
     rows = ma.step_examples(60, seed=1, task=task)
@@ -330,14 +330,14 @@ def test_prm_examples_are_turns_as_rollout_writes_them_labelled_until_the_first_
 
 
 def candidates(env):
-    """Every flawed turn ma._flawed can write for the chunk shown now."""
+    """Every flawed turn ma.flawed_turn can write for the chunk shown now."""
     class Fixed:
         def __init__(self, k):
             self.k = k
 
         def randrange(self, _):
             return self.k
-    return [ma._flawed(env, Fixed(k)) for k in range(4)]
+    return [ma.flawed_turn(env, Fixed(k)) for k in range(4)]
 
 
 def test_the_prm_stage_trains_on_the_tasks_turns_and_holds_out_its_eval_split():

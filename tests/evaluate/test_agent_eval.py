@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from prmflow.components.evaluate import agent, report
+from prmflow.components.evaluate import agent_metrics as agent, report
 from prmflow.tasks import memory_agent as ma
 
 
@@ -92,3 +92,69 @@ def test_the_per_turn_page_shows_every_turn_in_order_with_its_rewards_and_escape
     colours = re.findall(r"style='background:([^']+)'><span class='role'>assistant", page)
     assert colours == [report.score_colour(0.25), report.score_colour(0.75)]  # the PRM's, not the rewards'
     assert "qa_accuracy 0.500" in page
+
+
+class ScriptedEngine:
+    """Stands in for HFEngine: a policy that, for the chunk it is shown (the context's last line), writes the expert's
+    insert or skips it; greedy (temperature 0) stores a chunk whose first number is even, sampling stores with
+    probability 1/2 (one seeded generator per call)."""
+
+    def __init__(self, model, tokenizer, batch_size=64, device=None):
+        self.tok = tokenizer
+
+    def generate(self, prompts, params, progress=None, images=None):
+        from prmflow.components.sampling.engines import Completion
+
+        out, rng = [], random.Random(params.seed)  # drawn in order, as a batch's rows draw from one generator
+        for ids in prompts:
+            text = self.tok.decode(ids, skip_special_tokens=True)
+            chunk = text.rstrip("\n").split("\n")[-1]
+            if params.temperature == 0:
+                store = int(chunk.split(",")[0].split()[1]) % 2 == 0
+            else:
+                store = rng.random() < 0.5
+            action = ma.call_text("memory_insert", {"content": chunk}) if store else "[]"
+            new = self.tok(action, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            out.append([Completion(new, [0.0] * len(new), "stop")])
+        return out
+
+
+def test_the_stage_plays_held_out_episodes_and_reports_the_components_best_of_n_and_the_baseline(tmp_path, monkeypatch):
+    """evaluate with environment.factory: greedy episodes give eval/<component> (QA accuracy = the share of names in
+    stored chunks, computed here from the episodes' facts), a flat PRM makes best-of-k a random pick (= mean_at_k),
+    the baseline's accuracy is the same policy's, and per_step.html and samples.jsonl hold every turn."""
+    import json
+
+    from prmflow.components import config
+    from prmflow.components.evaluate import stage
+    from prmflow.components.models import modeling
+
+    policy = tmp_path / "policy"
+    model, tok = modeling.load_causal_lm("tiny-llama-tools")
+    modeling.save_pretrained(model, tok, policy)
+    prm = tmp_path / "prm"
+    scalar, tok = modeling.load_scalar_model(policy)  # a zero head: every turn scores 0.5
+    modeling.save_pretrained(scalar, tok, prm)
+    monkeypatch.setattr(agent, "HFEngine", ScriptedEngine)
+    cfg = config.load(stage.Config, overrides={
+        "policy": str(policy), "baseline": str(policy), "prm": str(prm), "task": "memory_agent", "num_prompts": 12,
+        "n_samples": 4, "sampling.max_new_tokens": 80, "output": str(tmp_path / "eval"), "tracking.enabled": False,
+        "environment.factory": "prmflow.tasks.memory_agent:MemoryEnvironment", "environment.max_turns": 2,
+        "environment.step_reward_weights": {"tool_success": 1.0, "content_quality": 0.5}, "device": "cpu"})
+    m = stage.run(cfg)
+    held = ma.generate(12, seed=0, split="test")
+    stored = [[c[0][1] % 2 == 0 for c in e.chunks] for e in held]
+    want = [sum(s for s in stored_e) / 2 for stored_e in stored]  # two names per chunk, four per episode
+    assert m["eval/qa_accuracy"] == pytest.approx(sum(want) / 12) == m["eval/accuracy"] == m["eval/baseline_accuracy"]
+    assert m["eval/tool_success"] == pytest.approx(sum(want) / 12)  # a skip is no call: no success
+    assert m["eval/memory_entries"] == pytest.approx(sum(sum(s) for s in stored) / 12)
+    assert m["eval/turns"] == 2.0
+    for how in ("min", "product", "last", "mean"):
+        assert m[f"eval/bon_{how}"] == pytest.approx(m["eval/mean_at_4"])
+    assert 0 < m["eval/mean_at_4"] < m["eval/best_at_4"] <= 1
+    rows = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert [r["prompt_id"] for r in rows] == [e.prompt_id for e in held]
+    assert [r["correct"] for r in rows] == pytest.approx(want)
+    assert [r["turn_scores"] for r in rows] == [[0.5, 0.5]] * 12
+    page = (tmp_path / "eval" / "per_step.html").read_text()
+    assert page.count("<span class='role'>assistant 2</span>") == len(rows[:cfg.log_samples])

@@ -41,6 +41,7 @@ import random
 import re
 from dataclasses import dataclass
 
+from ..components.sampling.environment import Observation
 from .arithmetic import SPLITS, hash_unit, split_of
 
 NAMES = ("ann", "bob", "cal", "dan", "eve", "fay", "gus", "hal", "ivy", "jon", "kim", "lee", "max",
@@ -215,15 +216,6 @@ def retrieve(memory: dict[int, str], order: list[int], name: str) -> int | None:
 
 
 # --- the environment ------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Observation:
-    """What the environment answers to one action (the fields of rollout's Observation)."""
-
-    text: str
-    rewards: dict[str, float]
-    done: bool
-
 
 class ToolError(ValueError):
     """A call that cannot run: its message goes back to the policy."""

@@ -30,7 +30,7 @@ from .pipelines import commands
 
 #: make-tiny-model's presets as its --help lists them (modeling.TINY_PRESETS and TINY_VL_PRESETS, named here so
 #: that `prmflow --help` does not import torch; tests/test_cli.py keeps the two the same).
-TINY_PRESET_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-qwen2-bpe", "tiny-llava")
+TINY_PRESET_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-qwen2-bpe", "tiny-llama-tools", "tiny-llava")
 
 
 def _summary(module) -> str:
@@ -71,7 +71,8 @@ def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser
     tiny = sub.add_parser("make-tiny-model", help="write a tiny preset model (config + tokenizer, random init) as a HF directory")
     tiny.add_argument("output", help="directory to create")
     tiny.add_argument("--preset", default="tiny-llama", help=f"{', '.join(TINY_PRESET_NAMES[:-1])} or {TINY_PRESET_NAMES[-1]} "
-                      f"(tiny-qwen2-bpe: Qwen2.5's BPE tokenizer and chat template; tiny-llava: vision-language; default: "
+                      f"(tiny-qwen2-bpe: Qwen2.5's BPE tokenizer and chat template; tiny-llama-tools: JSON tool calls, a "
+                      f"minimal chat template; tiny-llava: vision-language; default: "
                       f"tiny-llama)")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random initial weights (default: 0)")
     tiny.set_defaults(stage=None, handler=_make_tiny)

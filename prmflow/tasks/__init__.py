@@ -1,4 +1,4 @@
-"""Prompt sources: the built-in arithmetic and visual tasks and user datasets (JSONL / Parquet).
+"""Prompt sources: the built-in arithmetic, visual and memory-agent tasks and user datasets (JSONL / Parquet).
 
 `load(task, split, n, seed)` returns PromptRecords whatever the source; `render_prompt` turns a
 record into the text the policy sees (the tokenizer's chat template when it has one and the config
@@ -27,13 +27,18 @@ class PromptRecord:
     """Encoded images of a vision-language prompt (checked when read), None for text."""
 
 
-TASKS = ("arithmetic", "visual")
+TASKS = ("arithmetic", "visual", "memory_agent", "memory_agent_qwen")
 """Built-in tasks; anything else names a dataset file."""
+EPISODE_SOURCES = ("memory_agent", "memory_agent_qwen")
+"""Sources whose rows are episodes for an environment: scored by playing them through it (rollout, evaluate), not by
+`verify` on one response."""
 
 
 def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, **task_kwargs) -> list[PromptRecord]:
     """Records of `task`: 'arithmetic', 'visual' (images of two digits to compute with, for
-    vision-language policies) or a dataset: a .jsonl / .parquet file, a directory, an object-store
+    vision-language policies), 'memory_agent' or 'memory_agent_qwen' (episodes for its environment, with the
+    expert's multi-turn demonstration as `messages`; tool calls as bare JSON or in Qwen2.5's <tool_call> tags) or a
+    dataset: a .jsonl / .parquet file, a directory, an object-store
     URL or hub:ID, in the project's format or a public one (GSM8K, MATH; see sources.py, public.py).
 
     For a dataset, `split` 'eval' or 'test' reads held-out rows: a datasets directory or hub id
@@ -46,6 +51,10 @@ def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, *
 
         problems = visual.generate(n if n is not None else 1000, seed=seed, split=split)
         return [PromptRecord(p.prompt_id, p.prompt, p.answer, p.solution, None, "visual", [p.image]) for p in problems]
+    if task in ("memory_agent", "memory_agent_qwen"):  # episodes for its environment; task_kwargs are arithmetic's
+        from . import memory_agent
+
+        return memory_agent.records(n if n is not None else 1000, seed=seed, split=split, task=task)
     if task == "arithmetic":
         from . import arithmetic
 
@@ -129,6 +138,9 @@ def verify(record: PromptRecord, response: str) -> float:
     (grader.py) in the convention of the record's source, the same one the RL reward uses."""
     if record.answer is None:
         raise ValueError(f"prompt {record.prompt_id!r} has no reference answer to verify against")
+    if record.source in EPISODE_SOURCES:
+        raise ValueError(f"prompt {record.prompt_id!r} is a {record.source} episode: its environment scores it "
+                         f"(environment.factory in rollout and evaluate), not one response")
     from .grader import grade
 
     return grade(record.source, response, record.answer)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from prmflow.components.rollout import environment as env
+from prmflow.components.sampling import environment as env
 from prmflow.errors import ConfigError, DataError
 
 

@@ -9,6 +9,10 @@ reranking for each aggregation (min, product, last, mean); ties count as a rando
 the tied. Also the mean response length (tokens) and the share of greedy responses with no final
 answer (format errors). Metrics go to the stage's MLflow run and are copied to the pipeline's parent
 run, so runs compare side by side; the per-step HTML view is logged as an artifact.
+With `environment.factory` set (a tool-using agent, docs/agents.md) every held-out prompt is an episode played
+through the environment instead: the metrics are its reward components on greedy episodes (eval/qa_accuracy, ...;
+eval/accuracy is `agent_metric`'s), best-of-k picks among k sampled episodes by the PRM's turn scores
+(evaluate/agent_metrics.py), and per_step.html shows each turn with its rewards.
 Sampling runs on transformers (`sampler: hf`, the GPU when there is one) or on the rollout's vLLM engine
 (`sampler: vllm`, a GPU with the gpu extra), one engine per policy, shut down before the PRM loads.
 """
@@ -33,7 +37,8 @@ from ..scoring import bestofn
 from ..scoring.prm_scoring import PRMScorer
 from ..sampling.text_sampling import check_sampling
 from ..sampling.vllm_engine import VLLMSettings
-from . import report
+from ..sampling.environment import EnvironmentConfig
+from . import agent_metrics, report
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +90,11 @@ class Config:
     next policy loads."""
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
     """vLLM engine settings (sampler=vllm only)."""
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """Multi-turn episodes (docs/agents.md): with a factory, each held-out prompt is played through the environment
+    (greedy, and n_samples sampled); the metrics are its reward components, best-of-N picks episodes by PRM turn scores."""
+    agent_metric: str = "qa_accuracy"
+    """With an environment: the component reported as eval/accuracy, the baseline's accuracy and best-of-N's value."""
     iteration: int = -1
     """RL iteration of the evaluated policy (-1: not part of an RL loop)."""
     overwrite: bool = False
@@ -100,6 +110,9 @@ class Config:
         if not self.policy:
             raise ConfigError("policy is empty; point it at the policy directory to evaluate.")
         check_sampling(self.sampler, self.sampling.temperature, "sampling")
+        if self.environment.enabled and self.sampler != "hf":
+            raise ConfigError(f"sampler={self.sampler} with environment.factory: agent episodes are evaluated on the "
+                              f"hf sampler for now; set sampler=hf.")
 
 
 def run(cfg: Config) -> dict:
@@ -125,45 +138,10 @@ def run(cfg: Config) -> dict:
     tracker = tracking.start_stage_run(cfg.tracking, "evaluate", params=config_lib.flat_dict(cfg),
                                        iteration=cfg.iteration if cfg.iteration >= 0 else None)
     with tracker:
-        t0 = time.perf_counter()
-        candidates, greedy, _ = bestofn.sample(cfg.policy, records, bon_cfg, cfg.chat_template)
-        sample_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        if cfg.prm:
-            device, dtype = modeling.placement(cfg.device, cfg.dtype)
-            scorer = PRMScorer(cfg.prm, step_separator=cfg.step_separator, device=str(device), dtype=dtype)
-            prompts = [r.prompt for r in records]  # as written: the scorer renders them as its PRM was trained
-            images = bestofn.prompt_images(records)
-            flat = scorer.score([p for p in prompts for _ in range(cfg.n_samples)], [c for cs in candidates for c in cs],
-                                images=[im for im in images for _ in range(cfg.n_samples)] if images else None)
-            scores = [flat[i * cfg.n_samples:(i + 1) * cfg.n_samples] for i in range(len(records))]
-            greedy_scores = scorer.score(prompts, greedy, images=images)
+        if cfg.environment.enabled:
+            metrics, rows, page = agent_metrics.evaluate(cfg, records)
         else:
-            scores = [[[] for _ in cs] for cs in candidates]
-            greedy_scores = [None] * len(records)
-        score_s = time.perf_counter() - t0
-        metrics = bestofn.score_table(records, candidates, scores, greedy, bon_cfg.aggregations)
-        metrics["eval/accuracy"] = metrics.pop("eval/pass1")
-        metrics[f"eval/pass_at_{cfg.n_samples}"] = metrics.pop("eval/pass_at_n")
-        metrics[f"eval/mean_at_{cfg.n_samples}"] = metrics.pop("eval/random")
-        tok = modeling.load_tokenizer(cfg.policy)
-        lengths = [len(tok(g, add_special_tokens=False)["input_ids"]) for g in greedy]
-        metrics["eval/response_length"] = sum(lengths) / len(lengths)
-        sampled_tokens = sum(len(ids) for ids in tok([c for cs in candidates for c in cs], add_special_tokens=False)["input_ids"])
-        # the policy's load, its k samples and greedy responses (the tokens as the tokenizer reads the decoded text back)
-        metrics.update({"perf/sample_s": sample_s, "perf/sample_tokens": float(sampled_tokens + sum(lengths)),
-                        "perf/tokens_per_s": (sampled_tokens + sum(lengths)) / max(sample_s, 1e-9)})
-        if cfg.prm:
-            metrics["perf/score_s"] = score_s
-        metrics["eval/format_errors"] = sum(bestofn.extract_answer(r, g) is None for r, g in zip(records, greedy)) / len(records)
-        if cfg.baseline:
-            t0 = time.perf_counter()
-            base_greedy = bestofn.greedy(cfg.baseline, records, bon_cfg, cfg.chat_template)
-            metrics["perf/baseline_s"] = time.perf_counter() - t0
-            metrics["eval/baseline_accuracy"] = sum(tasks.verify(r, g) for r, g in zip(records, base_greedy)) / len(records)
-        rows = [{"prompt_id": r.prompt_id, "prompt": r.prompt, "response": g, "correct": tasks.verify(r, g),
-                 "step_scores": s, "source": r.source} for r, g, s in zip(records, greedy, greedy_scores)]
-        page = report.per_step_html(rows[:cfg.log_samples])
+            metrics, rows, page = single_turn(cfg, bon_cfg, records)
         with io.atomic_output_dir(cfg.output, "evaluation", overwrite=cfg.overwrite,
                                   manifest={"config": config_lib.to_dict(cfg), "inputs": inputs, "metrics": metrics}) as tmp:
             (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
@@ -177,3 +155,47 @@ def run(cfg: Config) -> dict:
         tracker.log_parent_metrics({k: v for k, v in metrics.items() if k.startswith("eval/")}, step=step)  # as final/*
     print("evaluate: " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in sorted(metrics.items()) if k.startswith("eval/")))
     return metrics
+
+
+def single_turn(cfg: Config, bon_cfg: bestofn.BestOfNConfig, records) -> tuple[dict, list[dict], str]:
+    """(metrics, one row per prompt for samples.jsonl, the per-step page) of one response per prompt (module docstring)."""
+    t0 = time.perf_counter()
+    candidates, greedy, _ = bestofn.sample(cfg.policy, records, bon_cfg, cfg.chat_template)
+    sample_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if cfg.prm:
+        device, dtype = modeling.placement(cfg.device, cfg.dtype)
+        scorer = PRMScorer(cfg.prm, step_separator=cfg.step_separator, device=str(device), dtype=dtype)
+        prompts = [r.prompt for r in records]  # as written: the scorer renders them as its PRM was trained
+        images = bestofn.prompt_images(records)
+        flat = scorer.score([p for p in prompts for _ in range(cfg.n_samples)], [c for cs in candidates for c in cs],
+                            images=[im for im in images for _ in range(cfg.n_samples)] if images else None)
+        scores = [flat[i * cfg.n_samples:(i + 1) * cfg.n_samples] for i in range(len(records))]
+        greedy_scores = scorer.score(prompts, greedy, images=images)
+    else:
+        scores = [[[] for _ in cs] for cs in candidates]
+        greedy_scores = [None] * len(records)
+    score_s = time.perf_counter() - t0
+    metrics = bestofn.score_table(records, candidates, scores, greedy, bon_cfg.aggregations)
+    metrics["eval/accuracy"] = metrics.pop("eval/pass1")
+    metrics[f"eval/pass_at_{cfg.n_samples}"] = metrics.pop("eval/pass_at_n")
+    metrics[f"eval/mean_at_{cfg.n_samples}"] = metrics.pop("eval/random")
+    tok = modeling.load_tokenizer(cfg.policy)
+    lengths = [len(tok(g, add_special_tokens=False)["input_ids"]) for g in greedy]
+    metrics["eval/response_length"] = sum(lengths) / len(lengths)
+    sampled_tokens = sum(len(ids) for ids in tok([c for cs in candidates for c in cs], add_special_tokens=False)["input_ids"])
+    # the policy's load, its k samples and greedy responses (the tokens as the tokenizer reads the decoded text back)
+    metrics.update({"perf/sample_s": sample_s, "perf/sample_tokens": float(sampled_tokens + sum(lengths)),
+                    "perf/tokens_per_s": (sampled_tokens + sum(lengths)) / max(sample_s, 1e-9)})
+    if cfg.prm:
+        metrics["perf/score_s"] = score_s
+    metrics["eval/format_errors"] = sum(bestofn.extract_answer(r, g) is None for r, g in zip(records, greedy)) / len(records)
+    if cfg.baseline:
+        t0 = time.perf_counter()
+        base_greedy = bestofn.greedy(cfg.baseline, records, bon_cfg, cfg.chat_template)
+        metrics["perf/baseline_s"] = time.perf_counter() - t0
+        metrics["eval/baseline_accuracy"] = sum(tasks.verify(r, g) for r, g in zip(records, base_greedy)) / len(records)
+    rows = [{"prompt_id": r.prompt_id, "prompt": r.prompt, "response": g, "correct": tasks.verify(r, g),
+             "step_scores": s, "source": r.source} for r, g, s in zip(records, greedy, greedy_scores)]
+    page = report.per_step_html(rows[:cfg.log_samples])
+    return metrics, rows, page

@@ -49,8 +49,18 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen2-bpe": dict(model_type="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
 }
+TINY_PRESETS["tiny-llama-tools"] = dict(TINY_PRESETS["tiny-llama"], max_position_embeddings=512)
+"""tiny-llama for tool-using episodes (the memory-agent task): its character tokenizer adds `{`, `}` and `_` (JSON
+tool calls), has a minimal chat template (TOOLS_CHAT_TEMPLATE) and a 512-token window for multi-turn episodes."""
 #: Presets whose tokenizer is the project's Qwen2.5-style byte-level BPE (the others are character-level).
 BPE_PRESETS = frozenset({"tiny-qwen2-bpe"})
+#: Character presets for tool calls, and the characters they add (appended: every other preset keeps its ids).
+TOOLS_PRESETS = frozenset({"tiny-llama-tools"})
+TOOLS_CHARS = ["{", "}", "_"]
+#: Each message's content, then the turn's end: a newline after user / tool / system text, eos after an assistant
+#: turn (chat.end_of_turn_id reads it); no role markers and no generation prompt, so an episode costs only its text.
+TOOLS_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}"
+                       "{% else %}{{ '\\n' }}{% endif %}{% endfor %}")
 
 
 #: Tiny vision-language presets: a LLaVA model (CLIP vision tower, Llama text model). Its 56x56
@@ -139,11 +149,16 @@ def build_tiny_model(preset: str = "tiny-llama", seed: int = 0, **overrides: Any
 
 
 def preset_tokenizer(preset: str):
-    """The tokenizer of a tiny text preset: Qwen2.5-style byte-level BPE or the character tokenizer."""
+    """The tokenizer of a tiny text preset: Qwen2.5-style byte-level BPE or the character tokenizer (with `{}_` and a
+    chat template for the tools presets)."""
     if preset in BPE_PRESETS:
         from .bpe_tokenizer import build_bpe_tokenizer
 
         return build_bpe_tokenizer()
+    if preset in TOOLS_PRESETS:
+        tok = build_tokenizer(ALPHABET + TOOLS_CHARS)
+        tok.chat_template = TOOLS_CHAT_TEMPLATE
+        return tok
     return build_tokenizer()
 
 

@@ -34,9 +34,9 @@ class Config:
     output: str = "outputs/prm"
     """Directory the trained PRM is written to (HF format + prmflow.json with its head), atomically at the end."""
     task: str = "arithmetic"
-    """Training data: 'arithmetic' or 'visual' (built-in tasks, exact step labels, incl. deliberately wrong steps;
-    visual needs a vision-language backbone and head.kind=lm_tokens) or a stepwise .jsonl/.parquet file (prompt, steps,
-    labels, optional images)."""
+    """Training data: 'arithmetic' or 'visual' (built-in tasks, exact step labels incl. wrong steps; visual needs a
+    vision-language backbone, head.kind=lm_tokens), 'memory_agent(_qwen)' (turns labelled by its environment) or a
+    stepwise .jsonl/.parquet file (prompt, steps, labels, images)."""
     eval_task: str = ""
     """Held-out step data: a stepwise file, or 'arithmetic' (its 'eval' split, exact labels). Empty: the arithmetic
     'eval' split for task=arithmetic, else the task file's last prompts (at least eval_size rows). Training never sees a

@@ -35,7 +35,7 @@ from ... import tasks
 from ...errors import ConfigError, DataError
 from ..sampling.generation import generate_texts
 from ..sampling.config import SamplingConfig
-from ...tasks import arithmetic, public, sources, visual
+from ...tasks import arithmetic, memory_agent, public, sources, visual
 from ..models.vision import batch_pixels, read_image_list
 from ..models.prm_model import encode, has_shared_readout
 from .config import Config
@@ -225,6 +225,13 @@ def visual_examples(n: int, seed: int, split: str, negatives_per_problem: int = 
     return out
 
 
+def memory_agent_examples(n: int, seed: int, split: str, task: str, separator: str) -> list[StepExample]:
+    """The memory-agent task's episodes, one step per policy turn as rollout writes them, labelled by its
+    environment (`memory_agent.step_examples`: the expert's, and one with a flawed turn)."""
+    return [StepExample(r["prompt"], r["steps"], r["labels"], r["answer"], r["prompt_id"], r["source"], f"{task}:{split}")
+            for r in memory_agent.step_examples(n, seed, split, task=task, separator=separator)]
+
+
 def _exact_labels(r: tasks.PromptRecord, response: str) -> list[int]:
     if r.source == "visual":
         return visual.step_labels(r.prompt_id, response)
@@ -250,7 +257,12 @@ def load_data(cfg: Config) -> tuple[list[StepExample], list[StepExample]]:
     own solutions), or a stepwise file whose last prompts (at least eval_size rows, every row of each
     prompt: `hold_out_last_prompts`) are held out unless eval_task is set. No prompt is on both sides:
     training rows of a held-out prompt (an eval_task file sharing problems with the task) are dropped."""
-    if cfg.task in tasks.TASKS:
+    if cfg.task in memory_agent.VARIANTS:
+        if cfg.samples_policy:
+            raise ConfigError(f"task={cfg.task}: policy samples (policy / policy_from_backbone) are labelled by the "
+                              f"arithmetic or visual checker; the memory-agent task's PRM data comes from its environment.")
+        train = memory_agent_examples(cfg.num_prompts, cfg.seed, "train", cfg.task, cfg.step_separator)
+    elif cfg.task in tasks.TASKS:
         train = (arithmetic_examples(cfg.num_prompts, cfg.seed, "train", cfg.arithmetic, cfg.negatives_per_problem)
                  if cfg.task == "arithmetic" else visual_examples(cfg.num_prompts, cfg.seed, "train", cfg.negatives_per_problem))
         if cfg.samples_policy:
@@ -262,6 +274,8 @@ def load_data(cfg: Config) -> tuple[list[StepExample], list[StepExample]]:
         train = load_stepwise(cfg.task, cfg.step_separator)
     if cfg.eval_task and cfg.eval_task not in tasks.TASKS:
         held_out = load_stepwise(cfg.eval_task, cfg.step_separator, n=cfg.eval_size)
+    elif cfg.task in memory_agent.VARIANTS and not cfg.eval_task:
+        held_out = memory_agent_examples(cfg.eval_size, cfg.seed, "eval", cfg.task, cfg.step_separator)
     elif "visual" in (cfg.task, cfg.eval_task) and cfg.eval_task != "arithmetic":
         held_out = visual_examples(cfg.eval_size, cfg.seed, "eval", cfg.negatives_per_problem)
     elif cfg.task == "arithmetic" or cfg.eval_task == "arithmetic":

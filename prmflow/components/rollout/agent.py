@@ -1,6 +1,6 @@
 """The rollout of multi-turn episodes (environment.factory set): every sample is an episode.
 
-Per prompt row, n_samples episodes, each with a fresh environment (environment.py) reset on the row. The
+Per prompt row, n_samples episodes, each with a fresh environment (sampling/environment.py) reset on the row. The
 episodes run turn-synchronously on the configured engine (sampling/episodes.py); then the rows are scored as
 single-turn rows are (old/ref log-probs and values over every response token, policy and environment: the
 trainer reads only the policy's) and written with:
@@ -27,28 +27,14 @@ import pyarrow as pa
 from ... import tasks
 from ..data import steps as steps_lib
 from ..sampling.engines import Completion, SamplingParams
+from ..sampling import environment as env_lib
+from ..sampling.environment import episode_text
 from ..sampling.episodes import Episode
 from ..models import modeling
-from . import environment as env_lib
 from . import model_passes as passes
 from . import outcome_rewards as rewards_lib
 from .config import Config
 from .output import rollouts_table
-
-EMPTY_STEP = "(empty turn)"
-"""The step text of a turn that decodes to nothing, so the response text still has one step per policy turn."""
-
-
-def episode_text(ep: Episode, separator: str) -> str:
-    """The episode as one step per policy turn (module docstring)."""
-    def clean(s: str) -> str:
-        return " ".join(s.replace(separator, " ").split())
-    out = []
-    for k, action in enumerate(ep.actions):
-        before = clean(ep.observations[k - 1]) + " " if 0 < k <= len(ep.observations) else ""
-        out.append((before + clean(action)).strip() or EMPTY_STEP)
-    return separator.join(out)
-
 
 def sample(cfg: Config, tokenizer, records: list[tasks.PromptRecord]):
     """Run every episode (`environment.play`). Returns (rows (prompt index, sample index, episode), the HF policy

@@ -13,7 +13,7 @@ from ..sampling.config import SamplingConfig
 from ...tasks.arithmetic import ArithmeticConfig
 from . import oracle, outcome_rewards as rewards_lib
 from ..sampling.vllm_engine import VLLMSettings, check_vllm_sampling
-from .environment import EnvironmentConfig
+from ..sampling.environment import EnvironmentConfig
 
 
 @dataclass

@@ -146,7 +146,8 @@ def _apply_lora(model, cfg: Config):
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[data.Example], records: list[tasks.PromptRecord], cfg: Config) -> dict:
     """Held-out loss (token-mean over response tokens) and greedy accuracy by the verifier, over the held-out rows
-    that have an answer (NaN when none has: multi-turn demonstrations, whose episodes evaluate scores)."""
+    that have an answer and are not episodes (NaN when none is: multi-turn demonstrations, whose episodes evaluate
+    scores)."""
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(examples), cfg.micro_batch_size):
@@ -156,8 +157,8 @@ def evaluate(model, tokenizer, examples: list[data.Example], records: list[tasks
         loss, n = data.response_loss(logits, batch["labels"])
         total, count = total + float(loss), count + n
     model.train()
-    if any(r.answer is None for r in records):  # multi-turn demonstrations: the agent's metrics are evaluate's
-        records = [r for r in records if r.answer is not None]
+    if any(r.answer is None or r.source in tasks.EPISODE_SOURCES for r in records):  # the agent's metrics are evaluate's
+        records = [r for r in records if r.answer is not None and r.source not in tasks.EPISODE_SOURCES]
         if not records:
             return {"eval/loss": total / max(count, 1), "eval/accuracy": float("nan")}
     model.eval()

@@ -34,7 +34,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 from ...errors import ConfigError, DataError
 from ..models import chat
-from ..sampling.episodes import Episode, Limits, run_episodes
+from .episodes import Episode, Limits, run_episodes
 
 
 @dataclass(frozen=True)
@@ -235,3 +235,20 @@ def play(cfg: EnvironmentConfig, engine, tokenizer, records, n_samples: int, par
         raise DataError(f"environment {cfg.factory!r}, {where}: {e}. Use a tokenizer whose chat template has a tool role "
                         f"(Qwen2.5's), or chat_template=false (plain turns).") from None
     return [Played(i, j, ep, t) for (i, j), ep, t in zip(index, episodes, texts)]
+
+
+EMPTY_STEP = "(empty turn)"
+"""The step text of a turn that decodes to nothing, so the response text still has one step per policy turn."""
+
+
+def episode_text(ep: Episode, separator: str) -> str:
+    """The episode as a PRM reads it, one step per policy turn: step k is the observation before turn k (none for
+    the first) and turn k's text, separators inside replaced by spaces, steps joined by `separator` (rollout writes it
+    as the row's response; evaluate scores it)."""
+    def clean(s: str) -> str:
+        return " ".join(s.replace(separator, " ").split())
+    out = []
+    for k, action in enumerate(ep.actions):
+        before = clean(ep.observations[k - 1]) + " " if 0 < k <= len(ep.observations) else ""
+        out.append((before + clean(action)).strip() or EMPTY_STEP)
+    return separator.join(out)

@@ -111,6 +111,26 @@ def test_the_trained_ids_are_the_sampled_ids_where_re_encoding_would_change_them
     assert trained[tuple(full)].trained().tolist() == [bool(m) for m in a["policy_mask"]]
 
 
+@pytest.mark.parametrize("prm", ["", "oracle"])
+def test_the_environments_action_rewards_are_the_step_rewards_without_a_trained_prm(monkeypatch, example, long_policy,
+                                                                                  tmp_path, prm):
+    """prm empty or `oracle` (what the pipeline sends when no trained PRM scores the rollouts): each turn's step
+    reward is the environment's weighted action components, as the environment itself computes them."""
+    from prmflow.components.sampling import environment as env_lib
+
+    tok = modeling.load_tokenizer(long_policy)
+    eot = chat.end_of_turn_id(tok)
+    turns = [tok.encode('{"name": "add", "arguments": {"a": 1, "b": 2}}') + [eot], tok.encode("add(1, 2)") + [eot],
+             tok.encode('{"name": "answer", "arguments": {"value": "3.0"}}') + [eot]]
+    tok, rows = run_scripted(monkeypatch, long_policy, example, tmp_path, [turns], prm=prm)
+    weights = ENV["environment.step_reward_weights"]
+    for r in rows:  # the environment replayed on the row's own turns, fresh
+        env = env_lib.load_factory(ENV["environment.factory"])(ENV.get("environment.config", {}))
+        env.reset({"prompt_id": r["prompt_id"], "prompt": r["prompt"], "answer": r["answer"]})
+        want = [env_lib.weighted(env.step(tok.decode(t[:-1])).rewards, weights) for t in turns]
+        assert r["step_rewards"] == pytest.approx(want) and len(set(want)) > 1
+
+
 def test_bad_actions_are_error_observations_with_no_tool_success(monkeypatch, example, long_policy, tmp_path):
     tok = modeling.load_tokenizer(long_policy)
     eot = chat.end_of_turn_id(tok)

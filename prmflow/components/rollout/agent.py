@@ -32,6 +32,7 @@ from ..sampling.environment import episode_text
 from ..sampling.episodes import Episode
 from ..models import modeling
 from . import model_passes as passes
+from . import oracle
 from . import outcome_rewards as rewards_lib
 from .config import Config
 from .output import rollouts_table
@@ -75,10 +76,11 @@ def build_table(cfg: Config, tokenizer, records, rows, policy, texts):
     p_ids = [ep.prompt_ids for ep in episodes]
     r_ids = [ep.response_ids for ep in episodes]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    prm_cfg = dataclasses.replace(cfg, prm="") if not cfg.prm else cfg
+    trained_prm = cfg.prm not in ("", oracle.ORACLE)  # else the environment is the checker: its action rewards
+    prm_cfg = cfg if trained_prm else dataclasses.replace(cfg, prm="")
     # the PRM reads the task's prompt as written and the turns as steps (episode_text)
     columns = passes.score(prm_cfg, policy, tokenizer, records, completions, p_ids, r_ids, responses, pad)
-    if not cfg.prm:
+    if not trained_prm:
         columns["step_rewards"] = step_rewards
     table = rollouts_table(cfg, records, [""] * len(records), completions, p_ids, r_ids, responses,
                            [ep.step_ends for ep in episodes], scored, columns)

@@ -11,7 +11,7 @@ from ... import tasks, tracking
 from ...errors import ConfigError
 from ..sampling.config import SamplingConfig
 from ...tasks.arithmetic import ArithmeticConfig
-from . import oracle, outcome_rewards as rewards_lib
+from . import outcome_rewards as rewards_lib
 from ..sampling.vllm_engine import VLLMSettings, check_vllm_sampling
 from ..sampling.environment import EnvironmentConfig
 
@@ -23,9 +23,9 @@ class Config:
     output: str = "outputs/rollouts"
     """Rollouts directory to create; with num_shards > 1 this shard's own directory (e.g. ITER/shard-3)."""
     prm: str = ""
-    """PRM directory for step_rewards (its own tokenizer re-reads the text), or `oracle`: the arithmetic task's exact
-    checker labels each step 1 up to the first wrong step, 0 from it (the ceiling of what step rewards can give). Empty:
-    no step_rewards."""
+    """PRM directory for step_rewards (its own tokenizer re-reads the text), or `oracle`: the task's checker (arithmetic:
+    1 up to the first wrong step, 0 from it; an environment: its weighted per-action rewards). Empty: no step_rewards
+    (an environment's own)."""
     ref: str = ""
     """Reference model for ref_logprobs (the KL term), sharing the policy's tokenizer. Empty: no ref_logprobs."""
     critic: str = ""
@@ -143,10 +143,9 @@ class Config:
             if world > 1:
                 raise ConfigError(f"environment.factory is set with world_size={world}: multi-turn episodes run in one "
                                   f"process per shard so far; split the prompts with num_shards (one pod each) instead.")
-            if self.task == "visual" or self.prm == oracle.ORACLE:
-                raise ConfigError(f"environment.factory is set with {'task=visual' if self.task == 'visual' else 'prm=oracle'}"
-                                  f": episodes are text-only, and their step rewards come from the environment or a "
-                                  f"trained PRM scoring each turn. Unset {'task' if self.task == 'visual' else 'prm'}.")
+            if self.task == "visual":
+                raise ConfigError("environment.factory is set with task=visual: episodes are text-only so far. Unset task "
+                                  "or environment.factory.")
         self.rewards = rewards_lib.parse_table(self.rewards)  # YAML text from the command line -> entries
         # a malformed recipe fails here; user functions are imported when the stage runs (the machine
         # that compiles a pipeline may not have them)

@@ -135,16 +135,6 @@ def check_schedule(schedule: str, ppo_cfg) -> int:
     return 1
 
 
-def check_lr_span(iterations: int, ppo_cfg) -> None:
-    """ppo refuses an iteration past its LR schedule's span (ppo.Config: iteration >= rl_iterations with a schedule
-    other than constant); checked here for the whole run, before a GPU is spent on the iterations before it."""
-    if ppo_cfg.optim.lr_schedule != "constant" and iterations > ppo_cfg.rl_iterations:
-        raise ConfigError(f"pipeline.iterations is {iterations}, but ppo.rl_iterations (the span of ppo's "
-                          f"{ppo_cfg.optim.lr_schedule} learning-rate schedule) is {ppo_cfg.rl_iterations}: ppo would "
-                          f"refuse iteration {ppo_cfg.rl_iterations}. Set ppo.rl_iterations to {iterations} "
-                          f"(--set ppo.rl_iterations={iterations}) or ppo.optim.lr_schedule: constant.")
-
-
 def scratch_size(spec: PipelineSpec) -> str:
     """Local scratch of a GPU pod: cluster.scratch_size, else one model's bf16 weights + 20 GiB."""
     cluster = spec.pipeline.cluster
@@ -277,7 +267,6 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
     if pipe.prm_update:
         check_prm_update(roll_cfg, adv_cfg)
     lag = check_schedule(pipe.schedule, ppo_cfg)
-    check_lr_span(pipe.iterations, ppo_cfg)
     update_op = step(components.prm_update, gpu) if pipe.prm_update else None
     prm_needs_base = not any((spec.stages.get("prm") or {}).get(k) for k in ("backbone", "model_path"))
     shards = list(range(pipe.rollout_shards))

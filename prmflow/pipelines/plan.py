@@ -306,9 +306,9 @@ def run_size_lines(spec: PipelineSpec) -> list[str]:
 
 def chain_line(spec: PipelineSpec) -> str:
     """How the iterations run: one run, or a chain of runs x K iterations (pipelines/chain.py)."""
-    from . import chain
+    from . import chain, chain_packages
 
-    segs = chain.segments(spec.pipeline.iterations, chain.per_run(spec))
+    segs = chain.segments(spec.pipeline.iterations, chain_packages.per_run(spec))
     if len(segs) == 1:
         return f"runs: one run of {spec.pipeline.iterations} iterations"
     return (f"runs: a chain of {len(segs)} runs x {segs[0].iterations} iterations (the last {segs[-1].iterations}), "

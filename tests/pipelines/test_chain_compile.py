@@ -45,10 +45,10 @@ def test_300_iterations_compile_to_a_chain_whose_every_package_fits_every_kfp_ve
         for version in KFP_VERSIONS:
             assert fits(docs, version), (name, version)
     # one iteration more in a run would outgrow a limit on some version: K is the most a run holds
-    from prmflow.pipelines.commands import _load
+    from prmflow.pipelines.commands import load_config
     from prmflow.pipelines.pipeline import compiled_docs
 
-    spec = _load(str(recipe), [s.removeprefix("--set=") for s in IMAGES] + ["iterations=300"])
+    spec = load_config(str(recipe), [s.removeprefix("--set=") for s in IMAGES] + ["iterations=300"])
     wider = compiled_docs(spec, per_run + 1, chain.shape_at("next", per_run + 1))
     assert not all(fits(wider, v) for v in KFP_VERSIONS)
     assert f"a chain of {len(runs)} runs of at most {per_run}" in capsys.readouterr().out

@@ -218,7 +218,7 @@ def test_a_failed_task_is_one_error_line_and_exit_1(tmp_path, monkeypatch, capsy
     """kfp.local raises RuntimeError when a task fails: it reached the terminal as a 40-line traceback."""
     from types import SimpleNamespace
 
-    from prmflow.pipelines import chain, pipeline
+    from prmflow.pipelines import chain_packages, pipeline
 
     def failing(**arguments):
         raise RuntimeError("Pipeline 'prmflow' finished with status FAILURE. Inner task failed: 'sft' inside 'exit-handler-1'.")
@@ -226,7 +226,7 @@ def test_a_failed_task_is_one_error_line_and_exit_1(tmp_path, monkeypatch, capsy
     inputs = {"tracking_uri": SimpleNamespace(default="")}
     monkeypatch.setattr(pipeline, "build", lambda *a, **k: type("Pipeline", (), {"component_spec": SimpleNamespace(inputs=inputs),
                                                                                   "__call__": staticmethod(failing)})())
-    monkeypatch.setattr(chain, "per_run", lambda spec: spec.pipeline.iterations)  # no compile of the stand-in
+    monkeypatch.setattr(chain_packages, "per_run", lambda spec: spec.pipeline.iterations)  # no compile of the stand-in
     cfg = tmp_path / "pipeline.yaml"
     cfg.write_text(yaml.safe_dump(TINY))
     assert cli.main(["pipeline", "run-local", "--config", str(cfg), "--root", str(tmp_path / "root"),

@@ -28,7 +28,7 @@ import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import yaml
 
@@ -442,3 +442,21 @@ def from_args(cls: type[C], args: argparse.Namespace, section: str | None = None
         if name.startswith("cfg:"):
             overrides[name[4:]] = value
     return load(cls, args.config, overrides, section=section, sections=sections)
+
+
+def import_callable(spec: str, what: str) -> Callable:
+    """The callable a config value 'package.module:attr' names, imported now; `what` names the value in errors
+    (e.g. "environment.factory 'pkg.mod:Env'")."""
+    import importlib
+
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ConfigError(f"{what} must look like 'package.module:attr'.")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"{what}: cannot import module {module!r} ({e}). Is it installed or on PYTHONPATH?") from None
+    fn = getattr(mod, name, None)
+    if not callable(fn):
+        raise ConfigError(f"{what}: module {module!r} has no callable {name!r}.")
+    return fn

@@ -16,7 +16,6 @@ A component turns a batch of sampled responses into one float each. The kinds:
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import math
@@ -28,6 +27,7 @@ from typing import Callable
 
 from ...errors import ConfigError, PrmflowError
 from ...tasks import arithmetic, grader
+from .. import config as config_lib
 
 
 class RewardError(PrmflowError):
@@ -133,18 +133,7 @@ def http_reward_model(url: str, timeout_s: float = 30.0, retries: int = 3, backo
 
 def import_function(spec: str) -> Callable:
     """The callable named by 'package.module:function'."""
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise ConfigError(f"function reward {spec!r} must look like 'package.module:function'.")
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        raise ConfigError(f"function reward {spec!r}: cannot import module {module!r} ({e}). "
-                          "Is it installed or on PYTHONPATH?") from None
-    fn = getattr(mod, name, None)
-    if not callable(fn):
-        raise ConfigError(f"function reward {spec!r}: module {module!r} has no function {name!r}.")
-    return fn
+    return config_lib.import_callable(spec, f"function reward {spec!r}")
 
 
 @register("function")

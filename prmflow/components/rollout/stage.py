@@ -133,12 +133,7 @@ def run(cfg: Config) -> dict:
         metrics = rollout_metrics(cfg, records, rows, responses, scored, columns, truncated)
         metrics.update({"perf/tokens_per_s": n_tokens / max(timing["perf/generate_s"], 1e-9), **timing,
                         "perf/reward_s": reward_s, "perf/score_s": score_s})
-        parents = [p for p in (cfg.policy, cfg.prm, cfg.ref, cfg.critic, cfg.task) if p]
-        with schema.DatasetWriter(out, "rollouts", config=identity(cfg), parents=parents,
-                                  overwrite=cfg.overwrite, extra={"metrics": metrics, "inputs": inputs}) as writer:
-            writer.write(table)
-        tracker.log_metrics(metrics, step=cfg.iteration)
-        tracker.log_table(sample_table(cfg, table), artifact_file=f"rollout_samples_iter{cfg.iteration}_shard{cfg.shard}.json")
+        commit(cfg, out, table, metrics, inputs, tracker)
     print(f"rollout: {len(rows)} responses to {len(records)} prompts, reward mean {metrics['rollout/reward_mean']:.3f}, "
           f"accuracy {metrics.get('rollout/accuracy', float('nan')):.3f}, {metrics['perf/tokens_per_s']:.0f} tokens/s -> {out}")
     return metrics
@@ -153,6 +148,11 @@ def _run_episodes(cfg: Config, tokenizer, records, out, inputs, tracker) -> dict
     n_tokens = sum(sum(ep.policy_mask) for _, _, ep in rows)
     metrics.update({"perf/tokens_per_s": n_tokens / max(timing["perf/generate_s"], 1e-9), **timing,
                     "perf/score_s": time.perf_counter() - t0})
+    return commit(cfg, out, table, metrics, inputs, tracker)
+
+
+def commit(cfg: Config, out, table, metrics: dict, inputs, tracker) -> dict:
+    """Write the rollouts (atomically, with their manifest) and log the metrics and a sample of rows."""
     parents = [p for p in (cfg.policy, cfg.prm, cfg.ref, cfg.critic, cfg.task) if p]
     with schema.DatasetWriter(out, "rollouts", config=identity(cfg), parents=parents,
                               overwrite=cfg.overwrite, extra={"metrics": metrics, "inputs": inputs}) as writer:

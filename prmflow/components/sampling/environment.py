@@ -27,12 +27,12 @@ episode with `environment.config` (a dict); docs/agents.md has a small example.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence
 
 from ...errors import ConfigError, DataError
+from .. import config as config_lib
 from ..models import chat
 from .episodes import Episode, Limits, run_episodes
 
@@ -117,16 +117,7 @@ class EnvironmentConfig:
 
 def load_factory(spec: str) -> Callable[[dict], Environment]:
     """The callable named by 'package.module:attr' (imported when the stage runs)."""
-    module, _, name = spec.partition(":")
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        raise ConfigError(f"environment.factory {spec!r}: cannot import module {module!r} ({e}). "
-                          "Is it installed or on PYTHONPATH?") from None
-    fn = getattr(mod, name, None)
-    if not callable(fn):
-        raise ConfigError(f"environment.factory {spec!r}: module {module!r} has no callable {name!r}.")
-    return fn
+    return config_lib.import_callable(spec, f"environment.factory {spec!r}")
 
 
 def make_environment(cfg: EnvironmentConfig, factory: Callable | None = None) -> Environment:

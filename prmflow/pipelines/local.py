@@ -4,6 +4,7 @@ one after another, each task a subprocess (OMP threads split between the rollout
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from pathlib import Path
 
@@ -51,7 +52,10 @@ def run_local(spec, params: dict, root: Path, verbose: bool = True, runs: int | 
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True,
                enable_caching=spec.pipeline.cluster.cache, cache_root=str(root / "cache"),
                workspace_root=str(kfp_workspace))
-    segments = chain.segments(spec.pipeline.iterations, chain_packages.per_run(spec))
+    # K as a cluster run of this config holds it; a local sft_model / prm_model (which a cluster would refuse to
+    # import) is sized as trained in the run, the larger task, so K is never more than a cluster run holds
+    sized = dataclasses.replace(spec, pipeline=dataclasses.replace(spec.pipeline, sft_model="", prm_model=""))
+    segments = chain.segments(spec.pipeline.iterations, chain_packages.per_run(sized))
     before = os.environ.get(RUN_ID_ENV)
     t0 = time.monotonic()
     log_path = root / "run-local.log"

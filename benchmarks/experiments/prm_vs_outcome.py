@@ -78,6 +78,7 @@ from prmflow.components.ppo import stage as ppo  # noqa: E402
 from prmflow.components.prm import stage as prm_stage, online_update as prm_update  # noqa: E402
 from prmflow.components.rollout import prompts as rollout_prompts, stage as rollout  # noqa: E402
 from prmflow.components.sft import stage as sft  # noqa: E402
+from prmflow.pipelines.pipeline import check_schedule  # noqa: E402
 
 OFF = {"enabled": False}
 #: where a variant's step rewards come from ('' = none)
@@ -115,7 +116,10 @@ class BenchConfig:
     """ppo stage keys shared by every variant (epochs, batch sizes, optim); seed and rl_iterations are set per run."""
     variants: dict = field(default_factory=lambda: {"outcome-only": {"prm": "", "advantage": {"estimator": "grpo"}}})
     """name -> {prm: '' | oracle | trained | adversarial | random, advantage: {advantage stage keys}, update:
-    {prm-update keys}}: what differs between variants (update: keep the trained PRM on-policy)."""
+    {prm-update keys}, ppo: {ppo keys laid over the shared ppo section}, schedule: serial | off_by_one}: what
+    differs between variants (update: keep the trained PRM on-policy; schedule off_by_one: rollout k samples with
+    the policy, and is scored by the PRM, of one update earlier, as `pipeline.schedule: off_by_one` in the DAG,
+    which needs ppo: {rollout_correction: token_truncate, recompute_old_logprobs: true})."""
     reference: str = "outcome-only"
     """The variant every other one is tested against (paired over prompts and over seeds)."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
@@ -146,8 +150,16 @@ class BenchConfig:
         if self.reference not in self.variants:
             raise ConfigError(f"reference={self.reference!r} is not one of the variants {sorted(self.variants)}.")
         for name, v in self.variants.items():
-            if not isinstance(v, dict) or set(v) - {"prm", "advantage", "update"}:
-                raise ConfigError(f"variants.{name} must be a mapping with keys prm, advantage and update, got {v!r}.")
+            if not isinstance(v, dict) or set(v) - {"prm", "advantage", "update", "ppo", "schedule"}:
+                raise ConfigError(f"variants.{name} must be a mapping with keys prm, advantage, update, ppo and "
+                                  f"schedule, got {v!r}.")
+            if v.get("schedule", "serial") not in ("serial", "off_by_one"):
+                raise ConfigError(f"variants.{name}.schedule={v['schedule']!r}: use serial or off_by_one.")
+            try:  # the DAG's own rule: off by one needs the recomputed ratio and the importance weight
+                check_schedule(v.get("schedule", "serial"), config_lib.build(
+                    ppo.Config, {**self.ppo, **v.get("ppo", {})}, where=f"variants.{name}.ppo"))
+            except ConfigError as e:
+                raise ConfigError(f"variants.{name} (its ppo keys go in variants.{name}.ppo): {e}") from e
             if v.get("prm", "") not in PRM_KINDS:
                 raise ConfigError(f"variants.{name}.prm={v['prm']!r}: use '' (no step rewards), "
                                   f"{', '.join(PRM_KINDS[1:])}.")
@@ -446,14 +458,18 @@ def _run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict,
     if kind == "implicit":  # the first rollout is scored by the policy's own copy (every step 0.5)
         prm = str(implicit_start(out, float(variant["update"]["implicit_beta"])))
     batch = int(cfg.rollout.get("num_prompts", 64)) * int(cfg.rollout.get("n_samples", 4))
+    ppo_section = {**cfg.ppo, **variant.get("ppo", {})}
+    lag = 1 if variant.get("schedule", "serial") == "off_by_one" else 0
     policy, optimizer = out / "sft", ""
+    policies, prms = [policy], [prm]  # after 0, 1, ... updates: rollout k samples with [k - lag] (the DAG's order)
     points = [{k: v for k, v in sft_point.items() if k != "correct"}]
     correct = sft_point["correct"]
     t0 = time.perf_counter()
     for k in range(cfg.iterations):
         it = work / f"iter{k}"
-        rcfg = stage_config(rollout.Config, cfg, cfg.rollout, policy=str(policy), output=str(it / "rollouts"),
-                            seed=seed, iteration=k, prm=prm, log_samples=0)
+        behind = max(0, k - lag)
+        rcfg = stage_config(rollout.Config, cfg, cfg.rollout, policy=str(policies[behind]),
+                            output=str(it / "rollouts"), seed=seed, iteration=k, prm=prms[behind], log_samples=0)
         m = rollout.run(rcfg)
         scored = it / "rollouts"
         if kind in RESCORED:  # rolled out with the oracle for the step ends, then rescored
@@ -474,10 +490,12 @@ def _run_one(cfg: BenchConfig, out: Path, name: str, seed: int, sft_point: dict,
             points[-1].update({"prm/update_auc_before": upd["eval/before_step_auc"],
                                "prm/update_auc_after": upd["eval/step_auc"]})
             prm = str(it / "prm")
-        ppo.run(stage_config(ppo.Config, cfg, cfg.ppo, policy=str(policy), input=str(it / "advantages"),
+        prms.append(prm)
+        ppo.run(stage_config(ppo.Config, cfg, ppo_section, policy=str(policy), input=str(it / "advantages"),
                              output=str(it / "ppo"), iteration=k, rl_iterations=cfg.iterations, seed=seed,
                              optimizer_state=optimizer))
         policy, optimizer = it / "ppo" / "policy", str(it / "ppo" / "optimizer")
+        policies.append(policy)
         ev = evaluate(policy, records, cfg.eval_max_new_tokens)
         correct = ev.pop("correct")
         points.append({"iteration": k + 1, "rollouts": (k + 1) * batch, **ev})

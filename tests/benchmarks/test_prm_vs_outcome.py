@@ -339,6 +339,33 @@ def test_an_implicit_prm_starts_as_the_sft_policy_and_follows_it(tmp_path):
     assert second and any(abs(x - 0.5) > 1e-4 for x in second)  # scored by the updated PRM
 
 
+def test_off_by_one_samples_with_the_policy_and_prm_of_one_update_earlier(tmp_path):
+    """schedule: off_by_one, as the DAG's: rollouts 0 and 1 sample the SFT policy and are scored by the start PRM,
+    rollout 2 by ppo 0's policy and update 0's PRM, while ppo k trains the newest policy; serial samples the newest."""
+    update = {"implicit_beta": 0.5, "max_steps": 2, "micro_batch_size": 4, "held_out": 0.5}
+    fixed = {"rollout_correction": "token_truncate", "recompute_old_logprobs": True}
+    toy = {**TOY, "output": str(tmp_path / "out"), "seeds": [0], "iterations": 3, "reference": "serial",
+           "variants": {name: {"prm": "implicit", "advantage": {"estimator": "grpo_progress"}, "update": update,
+                               "ppo": fixed, **extra}
+                        for name, extra in (("serial", {}), ("obo", {"schedule": "off_by_one"}))}}
+    cfg_file = tmp_path / "toy.yaml"
+    cfg_file.write_text(json.dumps(toy))
+    with open(tmp_path / "console.txt", "w") as f:
+        bench.run(bench.config_lib.load(bench.BenchConfig, cfg_file), console=f)
+    from prmflow.components.data.io import read_manifest
+
+    out = tmp_path / "out"
+    start_prm = str(out / "prm-implicit-beta0.5")
+    for name, behind in (("serial", (0, 1, 2)), ("obo", (0, 0, 1))):
+        run = out / "runs" / name / "seed-0"
+        after = [str(out / "sft")] + [str(run / f"iter{j}" / "ppo" / "policy") for j in range(2)]
+        prms = [start_prm] + [str(run / f"iter{j}" / "prm") for j in range(2)]
+        for k in range(3):
+            rollout_cfg = read_manifest(run / f"iter{k}" / "rollouts")["config"]
+            assert (rollout_cfg["policy"], rollout_cfg["prm"]) == (after[behind[k]], prms[behind[k]]), (name, k)
+            assert read_manifest(run / f"iter{k}" / "ppo")["config"]["policy"] == after[k], (name, k)
+
+
 def test_a_run_another_process_holds_is_left_alone_then_its_result_is_read(tmp_path):
     # two benchmark processes on one OUTPUT: the second must neither start over (rmtree) the run the first is
     # writing nor run it twice; it defers it, then waits for the holder's result and takes it

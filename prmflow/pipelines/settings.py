@@ -370,11 +370,19 @@ def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None,
         section = data.get(name) or {}
         if name == "evaluate" and name in available and "train_tasks" not in section and trained_on:
             section = {**section, "train_tasks": list(trained_on)}
+        if name == "ppo" and name in available and "rl_iterations" not in section:  # the LR schedule spans the run
+            section = {**section, "rl_iterations": pipe.iterations}
         if name in available:
             built = config_lib.build(available[name].Config, config_lib.flatten(section), where=f"{path} [{name}]")
             policy_data = [built.task] if name in ("sft", "rollout") else [built.ptx_task] if (
                 name == "ppo" and built.ptx_coef > 0) else []  # ppo's SFT (ptx) loss trains on ptx_task
             trained_on += [t for t in policy_data if t not in trained_on and t not in tasks.TASKS]
+            if name == "ppo" and built.optim.lr_schedule != "constant" and built.rl_iterations < pipe.iterations:
+                raise ConfigError(f"{path} [ppo]: rl_iterations is {built.rl_iterations}, so the LR schedule "
+                                  f"({built.optim.lr_schedule}) ends before pipeline.iterations ({pipe.iterations}) "
+                                  f"and ppo would refuse iteration {built.rl_iterations} at run time. Leave "
+                                  f"ppo.rl_iterations out (the pipeline sets it to pipeline.iterations), raise it, or "
+                                  f"set ppo.optim.lr_schedule: constant.")
             if hasattr(built, "arithmetic") and (getattr(built, "task", None) == "arithmetic" or (
                     getattr(built, "ptx_coef", 0) > 0 and built.ptx_task == "arithmetic")):  # ppo's SFT (ptx) loss
                 prefixes[name] = built.arithmetic.prompt_prefix

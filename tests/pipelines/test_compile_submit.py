@@ -204,7 +204,8 @@ def test_stage_sections_become_grouped_pipeline_parameters(tmp_path):
     spec, _, _ = compile_spec(tmp_path)
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert {"sft_config", "prm_config", "rollout_config", "advantage_config", "ppo_config", "tracking_uri"} <= set(params)
-    assert params["ppo_config"]["defaultValue"] == {"optim": {"lr": 1e-6}}
+    # as written, with the LR schedule's span filled in from pipeline.iterations (a Struct's numbers are floats)
+    assert params["ppo_config"]["defaultValue"] == {"optim": {"lr": 1e-6}, "rl_iterations": 3.0}
 
 
 def test_typo_in_a_stage_section_fails_at_compile_time(tmp_path, capsys):
@@ -287,10 +288,11 @@ def test_submit_uploads_the_package_and_parameters(tmp_path):
     assert posts[0]["body"]["display_name"] == "prm-rl"
     run = posts[1]["body"]
     assert run["display_name"] == "try-1" and run["experiment_id"] == "exp-1"
-    # merged into the compiled ppo section (optim.lr 1e-6 stays; KFP alone would have replaced the whole dict)
+    # merged into the compiled ppo section (optim.lr 1e-6 and the filled rl_iterations stay; KFP alone would have replaced
+    # the whole dict)
     sent = dict(run["runtime_config"]["parameters"])
     assert sent.pop("chain_id").startswith("chain-")  # its MLflow parent run, reused when submitted again (chain.py)
-    assert sent == {"ppo_config": {"optim": {"lr": 1e-6}, "epochs": 2}, "tracking_uri": "http://mlflow:5000"}
+    assert sent == {"ppo_config": {"optim": {"lr": 1e-6}, "epochs": 2, "rl_iterations": 3}, "tracking_uri": "http://mlflow:5000"}
     uploaded = run["pipeline_spec"]["pipeline_spec"]  # KFP sends {pipeline_spec, platform_spec}
     assert uploaded["pipelineInfo"]["name"] == "prmflow"
     platform = run["pipeline_spec"]["platform_spec"]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]

@@ -38,7 +38,8 @@ class Config:
     models), LR schedule and warm-up in updates over the whole RL run (rl_iterations x updates per iteration), weight
     decay, gradient-norm clip of each model."""
     rl_iterations: int = 1
-    """RL iterations the LR schedule spans; this run starts at iteration x its number of updates."""
+    """RL iterations the LR schedule spans; this run starts at iteration x its number of updates. In a pipeline,
+    left out: pipeline.iterations (a chain's whole length)."""
     clip_eps_low: float = 0.2
     """Lower clip: the ratio is clipped at 1 - clip_eps_low."""
     clip_eps_high: float = 0.2

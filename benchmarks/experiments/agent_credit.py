@@ -12,7 +12,9 @@ reward comes from:
 - outcome-only: GRPO on the episode's outcome (r1 + beta*r3); no per-turn reward;
 - env-per-turn: the environment's per-action rewards (r2_t + gamma*r4_t, `rollout.prm: oracle`) as step rewards
   (the config's advantage: REINFORCE++-baseline with returns-to-go);
-- prm-per-turn: the trained PRM's score of each turn as its step reward (the config as written; the PRM frozen).
+- prm-per-turn: the trained PRM's score of each turn as its step reward (the config as written; the PRM frozen);
+- prm-per-turn-on-policy: the same PRM kept on-policy (`pipeline.prm_update`: after every rollout `prm-update`
+  trains it on those episodes' outcomes, one step per turn, and the next rollout is scored by the updated PRM).
 
 Held-out QA accuracy of greedy episodes (`eval/qa_accuracy`) at the end (the run's evaluate) and at half the
 budget (the evaluate stage on the policy after half the updates, same config and seed). Writes OUTPUT/results.json
@@ -43,6 +45,7 @@ VARIANTS = {
     "outcome-only": ["advantage.estimator=grpo", "advantage.step_rewards=false"],
     "env-per-turn": ["rollout.prm=oracle"],
     "prm-per-turn": [],
+    "prm-per-turn-on-policy": ["pipeline.prm_update=true"],
 }
 REFERENCE = "outcome-only"
 METRIC = "eval/qa_accuracy"

@@ -94,7 +94,8 @@ def shape_key(spec) -> str:
     pipe = spec.pipeline
     return output_key("chain-shape", {}, {"rollout_shards": pipe.rollout_shards, "prm_update": pipe.prm_update,
                                           "prm_update_config": spec.stages.get("prm-update") or {},
-                                          "sft_model": pipe.sft_model, "prm_model": pipe.prm_model})
+                                          "sft_model": pipe.sft_model, "prm_model": pipe.prm_model,
+                                          **({"schedule": pipe.schedule} if pipe.schedule != "serial" else {})})
 
 
 def state_key(shape: str, configs: dict) -> str:

@@ -188,17 +188,21 @@ def locate(path: str, model: Output[Model]):
 def chain_resume(workspace: str, shape: str, first_iteration: int, needs: List[str], sft_config: dict,
                  prm_config: dict, rollout_config: dict, advantage_config: dict, ppo_config: dict,
                  policy: Output[Model], sft_policy: Output[Model], prm_model: Output[Model], critic: Output[Model],
-                 state: Output[Artifact], kl_state: Output[Artifact], prm_state: Output[Artifact]):
+                 state: Output[Artifact], kl_state: Output[Artifact], prm_state: Output[Artifact],
+                 sampled_policy: Output[Model], sampled_critic: Output[Model], sampled_prm_model: Output[Model]):
     """The start of a run of a chain (pipelines/chain.py): the state the run before it ended with, read from
     the workspace record its chain_next wrote (named by `shape` and the stage configs), each piece as the
-    location it was; `needs` are the pieces this run reads (refused when the record lacks one)."""
+    location it was; `needs` are the pieces this run reads (refused when the record lacks one). Off by one, the
+    sampled_* pieces are what the next rollout samples with (the policy, critic and PRM one update older)."""
     from prmflow.pipelines import chain
 
     key = chain.state_key(shape, {"sft": sft_config, "prm": prm_config, "rollout": rollout_config,
                                   "advantage": advantage_config, "ppo": ppo_config})
     record = chain.read_state(workspace, key, first_iteration, list(needs))
     chain.restore(record, {"policy": policy.path, "sft_policy": sft_policy.path, "prm_model": prm_model.path,
-                           "critic": critic.path, "state": state.path, "prm_state": prm_state.path}, kl_state.path)
+                           "critic": critic.path, "state": state.path, "prm_state": prm_state.path,
+                           "sampled_policy": sampled_policy.path, "sampled_critic": sampled_critic.path,
+                           "sampled_prm_model": sampled_prm_model.path}, kl_state.path)
     print(f"chain: resumed after iteration {first_iteration} from {chain.record_path(workspace, key, first_iteration)}")
 
 
@@ -206,7 +210,9 @@ def chain_next(workspace: str, shape: str, first_iteration: int, iterations: int
                prm_config: dict, rollout_config: dict, advantage_config: dict, ppo_config: dict,
                policy: Input[Model], sft_policy: Input[Model] = None, prm_model: Input[Model] = None,
                critic: Input[Model] = None, state: Input[Artifact] = None, kl_state: Input[Artifact] = None,
-               prm_state: Input[Artifact] = None, chain: str = "", chain_id: str = ""):
+               prm_state: Input[Artifact] = None, sampled_policy: Input[Model] = None,
+               sampled_critic: Input[Model] = None, sampled_prm_model: Input[Model] = None, chain: str = "",
+               chain_id: str = ""):
     """The end of a run of a chain that is not the last: record its final state on the workspace for the next
     run's chain_resume, then (on a cluster, `chain` = the continuation, chain.Continuation) submit that run
     from here with the pod's service account. Runs only when every task before it succeeded."""
@@ -216,7 +222,8 @@ def chain_next(workspace: str, shape: str, first_iteration: int, iterations: int
                                       "advantage": advantage_config, "ppo": ppo_config})
     pieces = {name: artifact.path for name, artifact in (
         ("policy", policy), ("sft_policy", sft_policy), ("prm_model", prm_model), ("critic", critic),
-        ("state", state), ("prm_state", prm_state)) if artifact is not None}
+        ("state", state), ("prm_state", prm_state), ("sampled_policy", sampled_policy),
+        ("sampled_critic", sampled_critic), ("sampled_prm_model", sampled_prm_model)) if artifact is not None}
     after = first_iteration + iterations
     path = chain_lib.write_state(workspace, key, after, pieces, kl_state.path if kl_state is not None else "")
     print(f"chain: state after iteration {after} recorded at {path}")

@@ -297,6 +297,8 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
     prm_recorded = not pipe.prm_model or pipe.prm_update
     needs = ["policy"] + ["sft_policy"] * (not pipe.sft_model) + ["prm_model"] * prm_recorded + ["critic"] * critic + [
         "state"] * carry_state + ["kl_state"] * reward_kl + ["prm_state"] * pipe.prm_update
+    if lag:  # off by one: the next rollout samples with the pieces one update older than the newest
+        needs += ["sampled_policy"] + ["sampled_critic"] * critic + ["sampled_prm_model"] * pipe.prm_update
 
     config = dsl.PipelineConfig(workspace=dsl.WorkspaceConfig(
         size=cluster.workspace_size,
@@ -350,6 +352,9 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
             # and the PRM of update k-2, so rollout k+1 waits for neither ppo k nor prm-update k
             sampled_with = {"policy": [policy], "critic": [upd.outputs["critic"] if upd else sft_policy],
                             "prm_model": [prm_model]}
+            if resumed and lag:  # where the run before left off: its last rollout sampled one update behind
+                for key in [k for k in sampled_with if f"sampled_{k}" in needs]:
+                    sampled_with[key].insert(0, resumed.outputs[f"sampled_{key}"])
             for k in range(seg.iterations):
                 behind = {key: seq[-1 - min(lag, len(seq) - 1)] for key, seq in sampled_with.items()}
                 # the reference (SFT) policy: ref_logprobs for the KL terms and the KL-to-SFT of every iteration
@@ -388,6 +393,8 @@ def build(spec: PipelineSpec, shard_threads: int | None = None, workspace: str |
                 pieces.update({"state": upd.outputs["state"]} if carry_state else {})
                 pieces.update({"kl_state": upd.outputs["kl_state"]} if reward_kl else {})
                 pieces.update({"prm_state": prm_upd.outputs["state"]} if update_op else {})
+                pieces.update({f"sampled_{key}": sampled_with[key][-1 - lag] for key in sampled_with
+                               if f"sampled_{key}" in needs})
                 nxt = on_cpu(next_op(workspace=ws, shape=shape, first_iteration=first_iteration,
                                      iterations=seg.iterations, **configs, policy=policy, **pieces, chain=chain,
                                      chain_id=chain_id), cache=False).set_display_name("chain-next")

@@ -82,3 +82,50 @@ def test_off_by_one_without_the_correction_is_refused_naming_the_key(tmp_path, d
 def test_an_unknown_schedule_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="schedule"):
         load_spec(None, data=yaml.safe_load(with_schedule("async")))
+
+
+def source(ir, consumer: str, artifact: str) -> tuple[str, str]:
+    """(display name, output key) of the executor task whose output feeds `consumer`'s input `artifact`."""
+    from .test_prm_update_dag import dags, holder
+
+    task, dag_name, _ = by_name(ir)[consumer]
+    src = task["inputs"]["artifacts"][artifact]
+    while "componentInputArtifact" in src:
+        outer, dag_name = holder(ir, dag_name)
+        src = outer["inputs"]["artifacts"][src["componentInputArtifact"]]
+    made_by = dags(ir)[dag_name]["tasks"][src["taskOutputArtifact"]["producerTask"]]
+    key = src["taskOutputArtifact"]["outputArtifactKey"]
+    while "dag" in ir["components"][made_by["componentRef"]["name"]]:
+        inner = ir["components"][made_by["componentRef"]["name"]]["dag"]
+        sel = inner["outputs"]["artifacts"][key]["artifactSelectors"][0]
+        made_by, key = inner["tasks"][sel["producerSubtask"]], sel["outputArtifactKey"]
+    return made_by["taskInfo"]["name"].removesuffix(" (trainjob)"), key
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_a_chain_boundary_samples_as_one_run_does(tmp_path, schedule):
+    """2 runs x 2 iterations: the second run's rollouts sample with what rollouts 2 and 3 of one 4-iteration run
+    sample with. Off by one, its first rollout reads the policy, critic and PRM one update older than the newest,
+    which the first run's chain-next recorded (its ppo 0 and prm-update 0); serial, the newest."""
+    from prmflow import cli
+    from prmflow.pipelines.settings import safe_loader
+
+    cfg = yaml.safe_load(with_schedule(schedule))
+    cfg["pipeline"].update(iterations=4, run_iterations=2, rollout_shards=1)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["pipeline", "compile", "--config", str(tmp_path / "c.yaml"), "-o", str(tmp_path / "p.yaml")]) == 0
+    first, last = (next(d for d in yaml.load_all((tmp_path / f).read_text(), Loader=safe_loader()) if d)
+                   for f in ("p.yaml", "p.last.yaml"))
+    newest = {"policy": ("ppo-1", "updated"), "critic": ("ppo-1", "critic"), "prm_model": ("prm-update-1", "updated_prm")}
+    older = {"policy": ("ppo-0", "updated"), "critic": ("ppo-0", "critic"), "prm_model": ("prm-update-0", "updated_prm")}
+    for piece in newest:
+        assert source(first, "chain-next", piece) == newest[piece]
+        if schedule == "off_by_one":  # global iterations 2 and 3: policy 1 (recorded) and policy 2 (the newest)
+            assert source(first, "chain-next", f"sampled_{piece}") == older[piece]
+            assert source(last, "rollout-0", piece) == ("chain-resume", f"sampled_{piece}")
+            assert source(last, "rollout-1", piece) == ("chain-resume", piece)
+        else:  # policy 2 (recorded) and policy 3 (this run's ppo 0)
+            assert f"sampled_{piece}" not in by_name(first)["chain-next"][0]["inputs"]["artifacts"]
+            assert source(last, "rollout-0", piece) == ("chain-resume", piece)
+            assert source(last, "rollout-1", piece) == older[piece]
+    assert source(last, "ppo-0", "policy") == ("chain-resume", "policy")  # ppo trains the newest either way

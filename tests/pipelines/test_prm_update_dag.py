@@ -47,6 +47,11 @@ def holder(ir, dag_name: str):
 def producer(ir, consumer: str, artifact: str) -> str:
     """Display name of the executor task whose output feeds `consumer`'s input `artifact`: up through the
     sub-DAGs' inputs (exit handler, ParallelFor) and down through a loop's Collected output."""
+    return source(ir, consumer, artifact)[0]
+
+
+def source(ir, consumer: str, artifact: str) -> tuple[str, str]:
+    """(display name, output key) of the executor task whose output feeds `consumer`'s input `artifact`."""
     task, dag_name, _ = by_name(ir)[consumer]
     src = task["inputs"]["artifacts"][artifact]
     while "componentInputArtifact" in src:
@@ -58,7 +63,7 @@ def producer(ir, consumer: str, artifact: str) -> str:
         inner = ir["components"][made_by["componentRef"]["name"]]["dag"]
         sel = inner["outputs"]["artifacts"][key]["artifactSelectors"][0]
         made_by, key = inner["tasks"][sel["producerSubtask"]], sel["outputArtifactKey"]
-    return made_by["taskInfo"]["name"].removesuffix(" (trainjob)")
+    return made_by["taskInfo"]["name"].removesuffix(" (trainjob)"), key
 
 
 def upstream(ir, name: str) -> set[str]:

@@ -16,7 +16,7 @@ from prmflow.pipelines import plan
 from prmflow.pipelines.settings import load_spec
 
 from .test_compile_submit import compile_spec
-from .test_prm_update_dag import UPDATE_YAML, by_name, producer, upstream
+from .test_prm_update_dag import UPDATE_YAML, by_name, producer, source, upstream
 
 ITERATIONS = 4
 BASE = UPDATE_YAML.replace("  iterations: 3\n", f"  iterations: {ITERATIONS}\n").replace(
@@ -83,23 +83,6 @@ def test_an_unknown_schedule_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="schedule"):
         load_spec(None, data=yaml.safe_load(with_schedule("async")))
 
-
-def source(ir, consumer: str, artifact: str) -> tuple[str, str]:
-    """(display name, output key) of the executor task whose output feeds `consumer`'s input `artifact`."""
-    from .test_prm_update_dag import dags, holder
-
-    task, dag_name, _ = by_name(ir)[consumer]
-    src = task["inputs"]["artifacts"][artifact]
-    while "componentInputArtifact" in src:
-        outer, dag_name = holder(ir, dag_name)
-        src = outer["inputs"]["artifacts"][src["componentInputArtifact"]]
-    made_by = dags(ir)[dag_name]["tasks"][src["taskOutputArtifact"]["producerTask"]]
-    key = src["taskOutputArtifact"]["outputArtifactKey"]
-    while "dag" in ir["components"][made_by["componentRef"]["name"]]:
-        inner = ir["components"][made_by["componentRef"]["name"]]["dag"]
-        sel = inner["outputs"]["artifacts"][key]["artifactSelectors"][0]
-        made_by, key = inner["tasks"][sel["producerSubtask"]], sel["outputArtifactKey"]
-    return made_by["taskInfo"]["name"].removesuffix(" (trainjob)"), key
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))

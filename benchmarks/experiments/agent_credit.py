@@ -14,7 +14,9 @@ reward comes from:
   (the config's advantage: REINFORCE++-baseline with returns-to-go);
 - prm-per-turn: the trained PRM's score of each turn as its step reward (the config as written; the PRM frozen);
 - prm-per-turn-on-policy: the same PRM kept on-policy (`pipeline.prm_update`: after every rollout `prm-update`
-  trains it on those episodes' outcomes, one step per turn, and the next rollout is scored by the updated PRM).
+  trains it on those episodes' outcomes, one step per turn, and the next rollout is scored by the updated PRM);
+- outcome-only-rb: the per-turn arms' estimator (REINFORCE++-baseline) on the outcome alone: what the estimator
+  does without a per-turn reward.
 
 Held-out QA accuracy of greedy episodes (`eval/qa_accuracy`) at the end (the run's evaluate) and at half the
 budget (the evaluate stage on the policy after half the updates, same config and seed). Writes OUTPUT/results.json
@@ -46,6 +48,7 @@ VARIANTS = {
     "env-per-turn": ["rollout.prm=oracle"],
     "prm-per-turn": [],
     "prm-per-turn-on-policy": ["pipeline.prm_update=true"],
+    "outcome-only-rb": ["advantage.step_rewards=false"],  # the per-turn arms' estimator on the outcome alone
 }
 REFERENCE = "outcome-only"
 METRIC = "eval/qa_accuracy"

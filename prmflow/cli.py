@@ -117,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "handler", None):
             return args.handler(args)
         module = stage_modules[args.stage]
-        cfg = config_lib.from_args(module.Config, args, section=args.stage, sections=(*stages.STAGES, "pipeline", "variants"))
+        fills = {}
+        if args.config:  # a pipeline config: the keys the pipeline fills in (ppo's LR span = pipeline.iterations)
+            from .pipelines.settings import pipeline_fills
+            fills = pipeline_fills(args.stage, args.config)
+        cfg = config_lib.from_args(module.Config, args, section=args.stage, sections=(*stages.STAGES, "pipeline", "variants"),
+                                   fills=fills)
         with distributed.leave_group_at_exit():
             module.run(cfg)
         return 0

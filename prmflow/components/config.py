@@ -358,9 +358,10 @@ def _section(cls: type, data: dict[str, Any], section: str, sections: typing.Col
 
 
 def load(cls: type[C], path: str | Path | None = None, overrides: dict[str, Any] | None = None,
-         section: str | None = None, sections: typing.Collection[str] = ()) -> C:
+         section: str | None = None, sections: typing.Collection[str] = (), fills: dict[str, Any] | None = None) -> C:
     """Load `cls` from a YAML file (optionally one top-level `section` of it) plus overrides. `sections`:
-    the names of other sections such a file may hold (the other stages', `pipeline`)."""
+    the names of other sections such a file may hold (the other stages', `pipeline`). `fills`: values for keys
+    that neither the file nor the overrides give."""
     values: dict[str, Any] = {}
     where = "config"
     if path:
@@ -370,6 +371,7 @@ def load(cls: type[C], path: str | Path | None = None, overrides: dict[str, Any]
             data = _section(cls, data, section, sections, str(p))
         values.update(flatten(data))
         where = str(p)
+    values.update({k: v for k, v in (fills or {}).items() if k not in values and k not in (overrides or {})})
     cfg = build(cls, values, where)
     if overrides:
         merged = {**flatten(to_dict(cfg)), **overrides}
@@ -430,7 +432,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def from_args(cls: type[C], args: argparse.Namespace, section: str | None = None,
-              sections: typing.Collection[str] = ()) -> C:
+              sections: typing.Collection[str] = (), fills: dict[str, Any] | None = None) -> C:
     """Build the config from parsed `add_arguments` flags (`section`, `sections`: as `load` takes them)."""
     overrides: dict[str, Any] = {}
     for item in args.set_:
@@ -441,7 +443,7 @@ def from_args(cls: type[C], args: argparse.Namespace, section: str | None = None
     for name, value in vars(args).items():
         if name.startswith("cfg:"):
             overrides[name[4:]] = value
-    return load(cls, args.config, overrides, section=section, sections=sections)
+    return load(cls, args.config, overrides, section=section, sections=sections, fills=fills)
 
 
 def import_callable(spec: str, what: str) -> Callable:

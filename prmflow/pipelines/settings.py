@@ -370,8 +370,8 @@ def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None,
         section = data.get(name) or {}
         if name == "evaluate" and name in available and "train_tasks" not in section and trained_on:
             section = {**section, "train_tasks": list(trained_on)}
-        if name == "ppo" and name in available and "rl_iterations" not in section:  # the LR schedule spans the run
-            section = {**section, "rl_iterations": pipe.iterations}
+        if name in available:
+            section = {**stage_fills(name, section, pipe.iterations), **section}
         if name in available:
             built = config_lib.build(available[name].Config, config_lib.flatten(section), where=f"{path} [{name}]")
             policy_data = [built.task] if name in ("sft", "rollout") else [built.ptx_task] if (
@@ -392,6 +392,21 @@ def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None,
         raise ConfigError(f"{path}: arithmetic.prompt_prefix differs between stages ({seen}); set the same value "
                           f"in every section that uses the arithmetic task.")
     return PipelineSpec(pipe, stage_configs)
+
+
+def stage_fills(stage: str, section: dict, iterations: int) -> dict[str, Any]:
+    """Keys a stage's section leaves out that the pipeline fills in: ppo's LR schedule spans the whole run
+    (rl_iterations = pipeline.iterations). The stage commands fill them too when their --config is a pipeline config."""
+    return {"rl_iterations": iterations} if stage == "ppo" and "rl_iterations" not in section else {}
+
+
+def pipeline_fills(stage: str, path: str | Path) -> dict[str, Any]:
+    """stage_fills for a stage command whose --config is a pipeline config (it has a `pipeline:` section)."""
+    data = config_lib.read_yaml(path)
+    if not isinstance(data, dict) or not isinstance(data.get("pipeline"), dict):
+        return {}
+    iterations = data["pipeline"].get("iterations", PipelineConfig.iterations)
+    return stage_fills(stage, config_lib.flatten(data.get(stage) or {}), iterations)
 
 
 def safe_loader() -> type:

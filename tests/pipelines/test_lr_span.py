@@ -44,3 +44,18 @@ def test_a_schedule_shorter_than_the_run_is_refused_naming_both_keys(tmp_path):
     assert resolved(load_spec("quickstart.yaml", overrides={"iterations": 10}, data=data), "ppo").rl_iterations == 10
     data["ppo"]["optim"] = {**data["ppo"]["optim"], "lr_schedule": "constant"}  # no schedule to outrun
     assert resolved(load_spec("quickstart.yaml", overrides={"iterations": 300}, data=data), "ppo").rl_iterations == 10
+
+
+def test_a_stage_command_reading_a_pipeline_config_spans_the_pipeline_too(tmp_path, capsys):
+    """`prmflow ppo --config configs/quickstart.yaml --iteration 2`: the file's ppo section leaves rl_iterations out,
+    so the command fills pipeline.iterations (3) as the pipeline does; a value given on the command line wins."""
+    from prmflow import cli
+
+    args = ["ppo", "--config", str(ROOT / "configs/quickstart.yaml"), "--iteration", "2", "--policy", str(tmp_path),
+            "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "out")]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "missing' does not exist" in err and "LR schedule" not in err  # past the config, at its input
+    assert cli.main([*args, "--set", "rl_iterations=2"]) == 2
+    assert "iteration (2) is past the end of the LR schedule (rl_iterations=2)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

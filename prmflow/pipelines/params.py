@@ -96,9 +96,11 @@ def merge_section(stage: str, base: dict[str, Any], change: dict[str, Any], wher
     if module is None:  # a stage this build lacks (evaluate without its extra): nothing to check against
         return _nest({**config_lib.flatten(base or {}), **config_lib.flatten(change)})
     cls = module.Config
-    config_lib.build(cls, config_lib.flatten(change), where=f"{where} [{stage}]")  # unknown keys, bad values
+    # unknown keys and bad values in `change`, and the combination: checked over the base, as a change may be
+    # valid only beside it (advantage.step_rewards=false over an estimator that reads the outcome)
+    config_lib.build(cls, {**_leaves(cls, base, f"{where} [{stage}]"), **config_lib.flatten(change)},
+                     where=f"{where} [{stage}]")
     merged = {**_leaves(cls, base, f"{where} [{stage}]"), **_leaves(cls, change, f"{where} [{stage}]")}
-    config_lib.build(cls, merged, where=f"{where} [{stage}]")  # the combination is valid too
     # sent as the stage reads them: a compiled default's ints come back from KFP's Struct as doubles (2.0) and a
     # --set value as YAML 1.1 reads it (2e-6 is a string there), so the run's parameters and the dry run would
     # show 2.0 and '2e-6' where the stage runs with 2 and 2e-06

@@ -98,9 +98,9 @@ def merge_section(stage: str, base: dict[str, Any], change: dict[str, Any], wher
     cls = module.Config
     # unknown keys and bad values in `change`, and the combination: checked over the base, as a change may be
     # valid only beside it (advantage.step_rewards=false over an estimator that reads the outcome)
-    config_lib.build(cls, {**_leaves(cls, base, f"{where} [{stage}]"), **config_lib.flatten(change)},
-                     where=f"{where} [{stage}]")
-    merged = {**_leaves(cls, base, f"{where} [{stage}]"), **_leaves(cls, change, f"{where} [{stage}]")}
+    base_leaves = _leaves(cls, base, f"{where} [{stage}]")
+    config_lib.build(cls, {**base_leaves, **config_lib.flatten(change)}, where=f"{where} [{stage}]")
+    merged = {**base_leaves, **_leaves(cls, change, f"{where} [{stage}]")}
     # sent as the stage reads them: a compiled default's ints come back from KFP's Struct as doubles (2.0) and a
     # --set value as YAML 1.1 reads it (2e-6 is a string there), so the run's parameters and the dry run would
     # show 2.0 and '2e-6' where the stage runs with 2 and 2e-06

@@ -372,7 +372,6 @@ def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None,
             section = {**section, "train_tasks": list(trained_on)}
         if name in available:
             section = {**stage_fills(name, section, pipe.iterations), **section}
-        if name in available:
             built = config_lib.build(available[name].Config, config_lib.flatten(section), where=f"{path} [{name}]")
             policy_data = [built.task] if name in ("sft", "rollout") else [built.ptx_task] if (
                 name == "ppo" and built.ptx_coef > 0) else []  # ppo's SFT (ptx) loss trains on ptx_task

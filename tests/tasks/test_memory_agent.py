@@ -378,7 +378,7 @@ def test_sft_trains_exactly_the_expert_turns_and_verify_refuses_an_episode():
 
 
 @pytest.mark.slow
-def test_the_sft_stage_reports_no_single_response_accuracy_for_episodes(tmp_path):
+def test_the_sft_stage_reports_no_single_response_accuracy_for_episodes(tmp_path, capsys):
     import math
 
     from prmflow.components import config
@@ -389,3 +389,4 @@ def test_the_sft_stage_reports_no_single_response_accuracy_for_episodes(tmp_path
         "micro_batch_size": 8, "optim.warmup_steps": 0, "eval_every": 2, "save_every": 0, "output": str(tmp_path / "sft"),
         "tracking.enabled": False}))
     assert math.isnan(m["eval/accuracy"]) and m["eval/loss"] > 0
+    assert "accuracy: none for episodes (evaluate scores them)" in capsys.readouterr().out  # not "accuracy nan"

@@ -171,6 +171,12 @@ def evaluate(model, tokenizer, examples: list[data.Example], records: list[tasks
     return {"eval/loss": total / max(count, 1), "eval/accuracy": sum(correct) / len(correct)}
 
 
+def accuracy_text(metrics: dict) -> str:
+    """The held-out accuracy as the console shows it; episodes have none here (evaluate scores them)."""
+    acc = metrics["eval/accuracy"]
+    return "accuracy: none for episodes (evaluate scores them)" if acc != acc else f"accuracy {acc:.3f}"
+
+
 @dataclass
 class SFTObjective:
     """SFT's objective for the shared loop: cross-entropy on response tokens, a token-mean over the
@@ -200,7 +206,7 @@ class SFTObjective:
         return evaluate(engine.module, self.tokenizer, self.eval_examples, self.eval_records, self.cfg)
 
     def summary(self, metrics: dict) -> str:
-        return f"eval loss {metrics['eval/loss']:.4f}, accuracy {metrics['eval/accuracy']:.3f}"
+        return f"eval loss {metrics['eval/loss']:.4f}, {accuracy_text(metrics)}"
 
 
 def run(cfg: Config) -> dict:
@@ -254,5 +260,5 @@ def _run(cfg: Config, stop: preemption.Preemption) -> dict:
         checkpoint.clear(work)
     if not distributed.is_main():
         return metrics
-    print(f"sft: held-out accuracy {metrics['eval/accuracy']:.3f}, eval loss {metrics['eval/loss']:.4f} -> {cfg.output}")
+    print(f"sft: held-out {accuracy_text(metrics)}, eval loss {metrics['eval/loss']:.4f} -> {cfg.output}")
     return metrics

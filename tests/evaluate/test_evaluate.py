@@ -176,11 +176,26 @@ def test_a_pipeline_gives_evaluate_the_datasets_the_policy_trains_on(tmp_path):
     assert "train_tasks" not in settings.load_spec(None, data={"evaluate": {}}).stages["evaluate"]  # built-in tasks
 
 
+def perturbed_copy(policy, path, seed=1):
+    """`policy`'s directory with other weights (noise added): the same architecture, tokenizer and stop ids."""
+    model, tok = modeling.load_causal_lm(policy)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for w in model.parameters():
+            w.add_(torch.randn(w.shape, generator=gen) * 0.05)
+    modeling.save_pretrained(model, tok, path)
+    return path
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None and torch.cuda.is_available(),
                     reason="reads what the CPU stand-in (tests/fake_vllm.py) recorded")
-def test_sampler_vllm_samples_through_one_engine_per_policy_and_frees_it_before_the_prm(
-        vllm_module, sft_policy, flat_prm, tmp_path, monkeypatch):
-    from prmflow.components.scoring import prm_scoring
+@pytest.mark.parametrize("baseline_kind", ["other-weights", "other-architecture"])
+def test_sampler_vllm_samples_policy_and_baseline_through_one_engine_and_frees_it_before_the_prm(
+        vllm_module, sft_policy, flat_prm, tmp_path, monkeypatch, baseline_kind):
+    """The baseline's greedy solutions come from the policy's running engine, its weights read in (a second engine
+    start in one evaluate process never came up on an H200, docs/testing.md); a baseline of another architecture
+    gets its own engine. Either way the baseline's solutions are its own model's greedy ones."""
+    from prmflow.components.scoring import bestofn, prm_scoring
 
     made = len(vllm_module.ENGINES)
     alive_when_the_prm_loaded = []
@@ -191,29 +206,45 @@ def test_sampler_vllm_samples_through_one_engine_per_policy_and_frees_it_before_
         scorer_init(self, *args, **kwargs)
 
     monkeypatch.setattr(prm_scoring.PRMScorer, "__init__", recording_init)
-    # 0.6 of the GPU each: the stand-in refuses the baseline's engine while the policy's still holds its memory
+    results = []
+    real_sample = bestofn.sample
+    monkeypatch.setattr(bestofn, "sample", lambda *a, **k: results.append(real_sample(*a, **k)) or results[-1])
+    if baseline_kind == "other-weights":
+        baseline = perturbed_copy(sft_policy, tmp_path / "baseline")
+    else:
+        model, tok = modeling.load_causal_lm("tiny-qwen2", seed=3)
+        baseline = tmp_path / "baseline"
+        modeling.save_pretrained(model, tok, baseline)
+    # 0.6 of the GPU each: the stand-in refuses a second engine while the first still holds its memory
     cfg = config.load(stage.Config, overrides={
-        "policy": str(sft_policy), "prm": str(flat_prm), "baseline": str(sft_policy), "output": str(tmp_path / "eval"),
+        "policy": str(sft_policy), "prm": str(flat_prm), "baseline": str(baseline), "output": str(tmp_path / "eval"),
         "num_prompts": 6, "n_samples": 3, "sampling.max_new_tokens": 24, "tracking.enabled": False,
         "sampler": "vllm", "dtype": "float32", "vllm.gpu_memory_utilization": 0.6})
     m = stage.run(cfg)
     engines = vllm_module.ENGINES[made:]
-    assert len(engines) == 2 and not any(e.alive for e in engines)  # the policy's, then the baseline's; both shut down
-    assert alive_when_the_prm_loaded == [[False]]  # the policy's engine was gone before the PRM loaded
+    assert not any(e.alive for e in engines)
+    if baseline_kind == "other-weights":
+        assert len(engines) == 1 and engines[0].reloads == [str(baseline)] and engines[0].prefix_cache_fresh
+    else:
+        assert len(engines) == 2 and engines[0].reloads == []
+    assert alive_when_the_prm_loaded == [[False] * len(engines)]  # every engine gone before the PRM loaded
     policy_engine = engines[0]
-    # 6 x 3 sampled requests, each its own seed, then 6 greedy ones
-    sampled, greedy_params = policy_engine.params[:18], policy_engine.params[18:]
+    # 6 x 3 sampled requests, each its own seed, then 6 greedy ones (then, on the one engine, the baseline's 6)
+    sampled, greedy_params = policy_engine.params[:18], policy_engine.params[18:24]
     assert len(greedy_params) == 6 and all(p.temperature == 0 for p in greedy_params)
     assert all(p.temperature == 1.0 and p.n == 1 for p in sampled) and len({p.seed for p in sampled}) == 18
-    # independent reference: HF's own greedy generation of the same model gives the same texts and the same accuracy
+    # independent reference: HF's own greedy generation of each model gives the same texts and the same accuracy
     records = tasks.load("arithmetic", "test", 6, 0)
     model, tok = modeling.load_causal_lm(sft_policy)
     hf_greedy = generate_texts(model, tok, [r.prompt for r in records], 24)
-    assert [r["prompt_token_ids"] for r in policy_engine.requests[18:]] == [tok(r.prompt)["input_ids"] for r in records]
+    assert [r["prompt_token_ids"] for r in policy_engine.requests[18:24]] == [tok(r.prompt)["input_ids"] for r in records]
     rows = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
     assert [r["response"] for r in rows] == hf_greedy
     assert m["eval/accuracy"] == pytest.approx(sum(tasks.verify(r, g) for r, g in zip(records, hf_greedy)) / 6)
-    assert m["eval/baseline_accuracy"] == m["eval/accuracy"]
+    base_model, base_tok = modeling.load_causal_lm(str(baseline))
+    base_greedy = generate_texts(base_model, base_tok, [r.prompt for r in records], 24)
+    assert results[0].baseline_greedy == base_greedy != hf_greedy
+    assert m["eval/baseline_accuracy"] == pytest.approx(sum(tasks.verify(r, g) for r, g in zip(records, base_greedy)) / 6)
 
 
 def test_sampler_vllm_refuses_what_vllm_would_before_a_model_loads(tmp_path):

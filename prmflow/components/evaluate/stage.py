@@ -159,9 +159,9 @@ def run(cfg: Config) -> dict:
 
 def single_turn(cfg: Config, bon_cfg: bestofn.BestOfNConfig, records) -> tuple[dict, list[dict], str]:
     """(metrics, one row per prompt for samples.jsonl, the per-step page) of one response per prompt (module docstring)."""
-    t0 = time.perf_counter()
-    candidates, greedy, _ = bestofn.sample(cfg.policy, records, bon_cfg, cfg.chat_template)
-    sample_s = time.perf_counter() - t0
+    # the baseline's greedy solutions come from the policy's engine, before any PRM loads (bestofn.sample)
+    sampled = bestofn.sample(cfg.policy, records, bon_cfg, cfg.chat_template, baseline=cfg.baseline)
+    candidates, greedy, sample_s = sampled.candidates, sampled.greedy, sampled.sample_s
     t0 = time.perf_counter()
     if cfg.prm:
         device, dtype = modeling.placement(cfg.device, cfg.dtype)
@@ -191,10 +191,9 @@ def single_turn(cfg: Config, bon_cfg: bestofn.BestOfNConfig, records) -> tuple[d
         metrics["perf/score_s"] = score_s
     metrics["eval/format_errors"] = sum(bestofn.extract_answer(r, g) is None for r, g in zip(records, greedy)) / len(records)
     if cfg.baseline:
-        t0 = time.perf_counter()
-        base_greedy = bestofn.greedy(cfg.baseline, records, bon_cfg, cfg.chat_template)
-        metrics["perf/baseline_s"] = time.perf_counter() - t0
-        metrics["eval/baseline_accuracy"] = sum(tasks.verify(r, g) for r, g in zip(records, base_greedy)) / len(records)
+        metrics["perf/baseline_s"] = sampled.baseline_s
+        right = [tasks.verify(r, g) for r, g in zip(records, sampled.baseline_greedy)]
+        metrics["eval/baseline_accuracy"] = sum(right) / len(records)
     rows = [{"prompt_id": r.prompt_id, "prompt": r.prompt, "response": g, "correct": tasks.verify(r, g),
              "step_scores": s, "source": r.source} for r, g, s in zip(records, greedy, greedy_scores)]
     page = report.per_step_html(rows[:cfg.log_samples])

@@ -12,7 +12,10 @@ seed, but the two engines draw from different random streams, so their samples d
 
 from __future__ import annotations
 
+import json
+import logging
 import sys
+from pathlib import Path
 from typing import Literal
 
 from tqdm.auto import tqdm
@@ -24,6 +27,9 @@ from .generation import generate_texts
 from .vllm_engine import VLLMEngine, VLLMSettings, check_vllm_sampling, stop_ids
 
 Sampler = Literal["hf", "vllm"]
+log = logging.getLogger(__name__)
+#: config.json keys that do not change what a running engine computes with another checkpoint's weights
+WEIGHTS_ONLY_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures"}
 
 
 def check_sampling(sampler: Sampler, temperature: float, where: str) -> None:
@@ -44,6 +50,7 @@ class TextSampler:
         if sampler not in ("hf", "vllm"):
             raise ConfigError(f"sampler is '{sampler}'; use hf or vllm.")
         self.sampler, self.batch_size = sampler, batch_size
+        self.device, self.dtype, self.path, self.vllm, self.seed = device, dtype, policy_path, vllm, seed
         self.model = self.engine = None
         self.window: tuple[int | None, str] = (None, "")
         if sampler == "hf":
@@ -85,6 +92,23 @@ class TextSampler:
             bar.close()
         return self.tokenizer.batch_decode([c[0].token_ids for c in completions], skip_special_tokens=True)
 
+    def switch(self, policy_path: str) -> bool:
+        """Sample `policy_path` from now on (evaluate's baseline after its policy). A vLLM engine reads the new
+        weights into the running engine when the two checkpoints differ only in their weights (`differs` is
+        empty): no second engine start (20-50 s on a GPU; a second engine started in one evaluate process
+        never came up on an H200, docs/testing.md). Otherwise, and with HF, the policy is closed and the new one
+        loaded. Returns whether the running engine was kept."""
+        if self.engine is not None:
+            why = differs(self.path, policy_path)
+            if not why:
+                self.engine.load_weights(policy_path)
+                self.path = policy_path
+                return True
+            log.info("a new vLLM engine for %s: %s", policy_path, why)
+        self.close()
+        self.__init__(policy_path, self.sampler, self.device, self.dtype, self.vllm, self.seed, self.batch_size)
+        return False
+
     def close(self) -> None:
         """Free the policy: vLLM's engine is shut down and its GPU memory waited for; the HF model is dropped."""
         if self.engine is not None:
@@ -102,3 +126,27 @@ class TextSampler:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def differs(a: str, b: str) -> str:
+    """Why a running engine on policy directory `a` cannot sample `b` by reading b's weights ("" when it can):
+    another model config (but for WEIGHTS_ONLY_KEYS), vocabulary, chat template or stop ids."""
+    def model_config(path: str) -> dict:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        return {k: v for k, v in cfg.items() if k not in WEIGHTS_ONLY_KEYS}
+
+    try:
+        ca, cb = model_config(a), model_config(b)
+    except (OSError, ValueError) as e:  # a hub name, or no config.json: nothing to compare
+        return f"no config.json to compare ({e})"
+    if ca != cb:
+        keys = sorted(k for k in ca.keys() | cb.keys() if ca.get(k) != cb.get(k))
+        return f"its model config differs in {keys}"
+    ta, tb = modeling.load_tokenizer(a), modeling.load_tokenizer(b)
+    if ta.get_vocab() != tb.get_vocab():
+        return "its vocabulary differs"
+    if getattr(ta, "chat_template", None) != getattr(tb, "chat_template", None):
+        return "its chat template differs"
+    if stop_ids(a, ta) != stop_ids(b, tb):
+        return "its stop ids differ"
+    return ""

@@ -17,8 +17,9 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable, Literal, NamedTuple
 
 from .. import config as config_lib
 from ..models import modeling
@@ -149,10 +150,22 @@ def render(tokenizer, records: list[tasks.PromptRecord], chat_template: bool) ->
     return prompts, not any(tasks.templated(tokenizer, r, chat_template) for r in records)
 
 
+class Sampled(NamedTuple):
+    candidates: list[list[str]]     # N sampled solutions per prompt
+    greedy: list[str]               # one greedy solution per prompt
+    prompts: list[str]              # the prompts as the policy read them
+    baseline_greedy: list[str] | None  # the baseline policy's greedy solution per prompt (None without one)
+    sample_s: float                 # the policy's load, samples and greedy solutions
+    baseline_s: float               # the baseline's switch and greedy solutions
+
+
 def sample(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConfig,
-           chat_template: bool = True) -> tuple[list[list[str]], list[str], list[str]]:
-    """(N sampled solutions per prompt, one greedy solution per prompt, rendered prompts). The policy is
-    freed before this returns (with vLLM: its engine shut down and its GPU memory back)."""
+           chat_template: bool = True, baseline: str = "") -> Sampled:
+    """N samples and a greedy solution per prompt from `policy_path`, then, with `baseline`, the baseline's greedy
+    solutions from the same engine (`TextSampler.switch`: vLLM reads the baseline's weights into the running engine
+    when only the weights differ). Everything is freed before this returns (with vLLM: its engine shut down and its
+    GPU memory back)."""
+    t0 = time.perf_counter()
     with open_sampler(policy_path, cfg) as sampler:
         prompts, special = render(sampler.tokenizer, records, chat_template)
         flat = [p for p in prompts for _ in range(cfg.n_samples)]
@@ -163,14 +176,14 @@ def sample(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConf
                                    add_special_tokens=special, images=flat_images,
                                    progress=f"sampling {cfg.n_samples} per prompt")
         greedy = _greedy(sampler, prompts, special, images, cfg)
-    return [sampled[i * cfg.n_samples:(i + 1) * cfg.n_samples] for i in range(len(records))], greedy, prompts
-
-
-def greedy(policy_path: str, records: list[tasks.PromptRecord], cfg: BestOfNConfig, chat_template: bool = True) -> list[str]:
-    """One greedy solution per prompt, the same as `sample`'s, without drawing any samples."""
-    with open_sampler(policy_path, cfg) as sampler:
-        prompts, special = render(sampler.tokenizer, records, chat_template)
-        return _greedy(sampler, prompts, special, prompt_images(records), cfg)
+        sample_s, t0 = time.perf_counter() - t0, time.perf_counter()
+        base = None
+        if baseline:
+            sampler.switch(baseline)
+            base_prompts, base_special = render(sampler.tokenizer, records, chat_template)
+            base = _greedy(sampler, base_prompts, base_special, images, cfg)
+    return Sampled([sampled[i * cfg.n_samples:(i + 1) * cfg.n_samples] for i in range(len(records))], greedy, prompts,
+                   base, sample_s, time.perf_counter() - t0 if baseline else 0.0)
 
 
 def _greedy(sampler: TextSampler, prompts: list[str], special: bool, images, cfg: BestOfNConfig) -> list[str]:
@@ -205,7 +218,7 @@ def evaluate(prm_path: str, cfg: BestOfNConfig, arithmetic_cfg: arithmetic.Arith
     eval/bon_step_auc says how well the PRM ranks the policy's own steps.
     """
     records = load_prompts(cfg, arithmetic_cfg, seed)
-    candidates, greedy, _ = sample(cfg.policy, records, cfg, chat_template)
+    candidates, greedy = sample(cfg.policy, records, cfg, chat_template)[:2]
     device, dtype = modeling.placement(cfg.device, cfg.dtype)
     scorer = PRMScorer(prm_path, batch_size=cfg.batch_sequences, step_separator=step_separator, device=str(device),
                        dtype=dtype)

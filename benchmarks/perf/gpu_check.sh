@@ -17,20 +17,28 @@
 #                       PRM's scoring pass at 32 x 600 and its training step at the prm recipe's micro batch 8 x 1024
 #
 # The payload is ../shared/gpu (README there): vLLM 0.24.0 and what it needs, for CPython 3.12 with torch 2.11.0+cu130.
-# Parts, in order of what matters most, each given what is left of the 8 minutes (and its own cap):
-#   1. rollout-recipe: benchmarks/perf/stage_samplers_gpu.py --stage rollout, the rollout stage with vLLM (prmflow's start defaults, its
-#                      engine core spawned, then in-process) at the cluster recipe's per-shard size (64 prompts x 8,
-#                      1024 tokens), the start split into its parts; then the HF sampler at that batch with 128 tokens
-#                      (its tokens/s at 512 sequences)
-#   2. vllm-tests:     pytest tests/rollout -k vllm (the real engine: greedy = model.generate, seeds, stop ids, new weights,
-#                      the two logprob checks of issue 48, ranks and shards; all 12 passed on an H200, 2026-11-26;
-#                      and the multi-turn agent rollout, test_agent_rollout.py's [vllm] case: one engine for every turn)
-#   2b. stages-vllm:   benchmarks/perf/stage_samplers_gpu.py, the -vllm arms: evaluate and prm-label with sampler=vllm against their HF default
-#   3. gap:            benchmarks/perf/sampler_trainer_gap.py --correction-only --sampler vllm: a bf16 vLLM rollout
+# Parts, in order of what matters most (what no GPU has run yet first), each given what is left of the 8 minutes (and its cap):
+#   1. agent:          benchmarks/perf/stage_samplers_gpu.py --arms agent-hf,agent-vllm: the memory agent's multi-turn rollout
+#                      (configs/agent-memory.yaml's rollout section, 128 prompts x 8) with the HF sampler and with vLLM,
+#                      one engine for both turns: reward components side by side, the log-prob gap of the
+#                      engine's policy tokens against the trainer's forward over the whole episode. The policy is
+#                      $AGENT_POLICY (default .gpu-agent/policy: carry a policy from an agent-memory run-local; the part
+#                      is skipped without one)
+#   2. agent-tests:    pytest tests/rollout/test_agent_rollout.py -k vllm: docs/agents.md's example environment through
+#                      the stage on the real engine (one engine for every turn, valid episodes, resume)
+#   3. vllm-tests:     pytest tests/rollout -k vllm, the rest (the real engine: greedy = model.generate, seeds, stop ids,
+#                      new weights, the two logprob checks of issue 48, ranks and shards; all 12 passed on an H200, 2026-11-26)
+#   4. stages-vllm:    benchmarks/perf/stage_samplers_gpu.py, the -vllm arms: evaluate and prm-label with sampler=vllm
+#                      against their HF default (never yet on a GPU)
+#   5. rollout-recipe: benchmarks/perf/stage_samplers_gpu.py --stage rollout, the rollout stage with vLLM (prmflow's start
+#                      defaults, its engine core spawned, then in-process) at the cluster recipe's per-shard size (64
+#                      prompts x 8, 1024 tokens), the start split into its parts; then the HF sampler at that batch with
+#                      128 tokens (its tokens/s at 512 sequences)
+#   6. gap:            benchmarks/perf/sampler_trainer_gap.py --correction-only --sampler vllm: a bf16 vLLM rollout
 #                      against the float32 trainer, with each rollout_correction mode
-#   4. ppo-sft-tests:  the quick ppo and sft tests on the GPU
-#   5. rollout-stage:  the HF sampler and in-process vLLM at 32 prompts x 8 x 128 tokens
-#   6. rollout-stock:  the vLLM arm with vLLM's own start defaults (torch.compile, its 51 CUDA graph sizes)
+#   7. ppo-sft-tests:  the quick ppo and sft tests on the GPU
+#   8. rollout-stage:  the HF sampler and in-process vLLM at 32 prompts x 8 x 128 tokens
+#   9. rollout-stock:  the vLLM arm with vLLM's own start defaults (torch.compile, its 51 CUDA graph sizes)
 # RESULTS (default $OUT/gpu-check when $OUT is set, else /tmp/gpu-check) gets summary.md (machine, each part's
 # exit status and seconds, its key lines) and logs.tar.gz (every part's whole log).
 set -uo pipefail
@@ -128,10 +136,20 @@ python3 -c 'import torch, transformers, vllm; print("torch", torch.__version__, 
   >> "$RESULTS/logs/install.log" 2>&1
 
 PYTEST="python3 -m pytest -p no:cacheprovider -q -rfE"
-# the recipe's per-shard size first (configs/cluster/qwen2.5-math-1.5b-gsm8k-math.yaml: 512 prompts / 8 shards x 8
-# samples, up to 1024 new tokens), vLLM in-process and spawned; the machine's first engine start is slower (2026-11-27:
-# load 77 s against 43 s, Triton kernels compiled cold), so the in-process arm, which is measured against 2026-11-27's
-# 20.1 s, comes second, after a warm-up arm of the spawned core
+AGENT_POLICY=${AGENT_POLICY:-$PWD/.gpu-agent/policy}
+if [ -f "$AGENT_POLICY/config.json" ]; then
+  part agent 180 python3 benchmarks/perf/stage_samplers_gpu.py --arms agent-hf,agent-vllm --agent-policy "$AGENT_POLICY" \
+       --output "$RESULTS/agent"
+else
+  echo "| agent | not run (no policy at $AGENT_POLICY) | - |" >> "$SUMMARY"
+fi
+part agent-tests 120 $PYTEST tests/rollout/test_agent_rollout.py -k vllm
+part vllm-tests 200 $PYTEST tests/rollout -k "vllm and not test_the_docs_example_runs_through_the_stage"
+# evaluate and prm-label with sampler=vllm (the rollout's engine) against their HF default, same sizes: never yet on a GPU
+part stages-vllm 150 python3 benchmarks/perf/stage_samplers_gpu.py \
+     --arms evaluate-gpu,evaluate-vllm,prm-label-gpu,prm-label-vllm --output "$RESULTS/stages-vllm"
+# the recipe's per-shard size (configs/cluster/qwen2.5-math-1.5b-gsm8k-math.yaml: 512 prompts / 8 shards x 8
+# samples, up to 1024 new tokens), vLLM spawned and in-process (2026-11-27: in-process load 20.1 s, spawned 42.6 s)
 part rollout-recipe 200 python3 benchmarks/perf/stage_samplers_gpu.py --arms vllm,vllm-inproc --prompts 64 --samples 8 \
      --max-new-tokens 1024 --output "$RESULTS/rollout-recipe"
 MODEL="$RESULTS/rollout-recipe/model-358m"
@@ -139,10 +157,6 @@ MODEL="$RESULTS/rollout-recipe/model-358m"
 # is read (at 1024 tokens the HF arm takes minutes)
 part rollout-recipe-hf 120 python3 benchmarks/perf/stage_samplers_gpu.py --policy "$MODEL" \
      --arms hf --prompts 64 --samples 8 --max-new-tokens 128 --output "$RESULTS/rollout-recipe-hf"
-part vllm-tests 200 $PYTEST tests/rollout -k vllm
-# evaluate and prm-label with sampler=vllm (the rollout's engine) against their HF default, same sizes: never yet on a GPU
-part stages-vllm 150 python3 benchmarks/perf/stage_samplers_gpu.py --policy "$MODEL" \
-     --arms evaluate-gpu,evaluate-vllm,prm-label-gpu,prm-label-vllm --output "$RESULTS/stages-vllm"
 part gap 100 python3 benchmarks/perf/sampler_trainer_gap.py --correction-only --sampler vllm --output /tmp/gap
 part ppo-sft-tests 100 $PYTEST tests/ppo tests/sft -m "not slow and not real_model"
 part rollout-stage 200 python3 benchmarks/perf/stage_samplers_gpu.py --policy "$MODEL" --prompts 32 --samples 8 \
@@ -150,21 +164,20 @@ part rollout-stage 200 python3 benchmarks/perf/stage_samplers_gpu.py --policy "$
 # vLLM's own start defaults (torch.compile, 51 graphs) last: on a cold compile cache it ran past 126 s (2026-11-26)
 part rollout-stock 200 python3 benchmarks/perf/stage_samplers_gpu.py --policy "$MODEL" \
      --arms vllm-stock --prompts 32 --samples 8 --max-new-tokens 128 --output "$RESULTS/rollout-stock"
-
 {
   echo
   echo "whole run: $(( $(date +%s) - T0 )) s"
-  for f in vllm-tests ppo-sft-tests; do
+  for f in agent-tests vllm-tests ppo-sft-tests; do
     echo; echo "## $f"; echo '```'; grep -E "passed|failed|error|FAILED|ERROR" "$RESULTS/logs/$f.log" 2>/dev/null | tail -25; echo '```'
   done
-  for f in rollout-stage rollout-recipe rollout-recipe-hf rollout-stock stages-vllm; do
+  for f in agent stages-vllm rollout-recipe rollout-recipe-hf rollout-stage rollout-stock; do
     echo; echo "## $f"; echo '```'; grep -E "^\||^stage wall|prompts x" "$RESULTS/logs/$f.log" 2>/dev/null; echo '```'
   done
   echo; echo "## gap"; echo '```'; grep -E "^\||^device|^bf16" "$RESULTS/logs/gap.log" 2>/dev/null; echo '```'
 } >> "$SUMMARY"
-for f in rollout-stage rollout-recipe rollout-recipe-hf rollout-stock stages-vllm; do  # each arm's whole log (a part cut by its cap leaves its arm's log too)
+for f in agent stages-vllm rollout-recipe rollout-recipe-hf rollout-stage rollout-stock; do  # each arm's whole log (a part cut by its cap leaves its arm's log too)
   for a in "$RESULTS/$f/"*.log; do [ -f "$a" ] && cp "$a" "$RESULTS/logs/$f-$(basename "$a")"; done
   cp "$RESULTS/$f/results.json" "$RESULTS/$f.json" 2>/dev/null
 done
-tar -czf "$RESULTS/logs.tar.gz" -C "$RESULTS" logs && rm -rf "$RESULTS/logs" "$RESULTS/rollout-stage" "$RESULTS/rollout-recipe" "$RESULTS/rollout-recipe-hf" "$RESULTS/rollout-stock" "$RESULTS/stages-vllm"
+tar -czf "$RESULTS/logs.tar.gz" -C "$RESULTS" logs && rm -rf "$RESULTS/logs" "$RESULTS/agent" "$RESULTS/rollout-stage" "$RESULTS/rollout-recipe" "$RESULTS/rollout-recipe-hf" "$RESULTS/rollout-stock" "$RESULTS/stages-vllm"
 cat "$SUMMARY"

@@ -30,6 +30,15 @@ evaluate (default 16 prompts x 4 samples; it also greedy-decodes the baseline, t
   max_new_tokens 1024 (--big-prompts prompts);
 - evaluate-vllm / prm-label-vllm / evaluate-1.5b-vllm: the gpu arms with sampler=vllm (they need the vLLM payload,
   so they are not among the default arms).
+agent (--agent-policy, a policy trained by `prmflow pipeline run-local --config configs/agent-memory.yaml`; default
+--prompts 128 x 8 samples): the rollout stage on the memory agent's episodes, configs/agent-memory.yaml's rollout
+section (2 turns, the environment between them), float32 so the log-prob gap reads the engine, not the dtype:
+- agent-hf:    sampler=hf;
+- agent-vllm:  sampler=vllm, one engine for both turns (the prefix cache keeps each episode's earlier turns);
+- agent-vllm-inproc: the same with the engine core in the stage's process (on an H200 its memory did not come back
+               at close: docs/testing.md). The tables side by side: the reward components (the same policy, so
+               equal up to sampling noise), the turns, and rollout/logprob_gap (the engine's log-probs of the
+               policy's tokens against the trainer's forward pass over the whole episode, environment tokens included).
 
 Per arm: the stage's wall, its perf/* metrics, the GPU memory its process allocated at peak (0 = it never used the
 GPU); for a vLLM arm also the start's parts as vLLM logs them (weights, model loading, memory profiling, compilation,
@@ -68,7 +77,7 @@ class Arm(NamedTuple):
     stage: str                 # rollout, evaluate or prm-label (decode-1.5b: evaluate's, though it runs no stage)
     config: dict               # overrides of the stage's config beyond the sizes
     env: dict                  # environment of the arm's process beyond ours
-    model: str                 # 358m or 1.5b
+    model: str                 # 358m, 1.5b or agent (--agent-policy)
 
 
 CPU = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "12", "MKL_NUM_THREADS": "12"}
@@ -89,12 +98,18 @@ ARMS = {
     "evaluate-vllm": Arm("evaluate", VLLM, {}, "358m"),
     "prm-label-vllm": Arm("prm-label", VLLM, {}, "358m"),
     "evaluate-1.5b-vllm": Arm("evaluate", VLLM, {}, "1.5b"),
+    "agent-hf": Arm("agent", {"sampler": "hf"}, {}, "agent"),
+    "agent-vllm": Arm("agent", VLLM, {}, "agent"),
+    "agent-vllm-inproc": Arm("agent", {**VLLM, "vllm.in_process": True}, {}, "agent"),
 }
 #: what `--stage` runs unless --arms says otherwise: the -vllm arms of evaluate and prm-label need the vLLM payload
 DEFAULT_ARMS = [name for name in ARMS if not name.endswith("-vllm")]
-STAGES = {"rollout": ("rollout", "stage"), "evaluate": ("evaluate", "stage"), "prm-label": ("prm", "label")}
+STAGES = {"rollout": ("rollout", "stage"), "evaluate": ("evaluate", "stage"), "prm-label": ("prm", "label"),
+          "agent": ("rollout", "stage")}
 #: the sizes each stage samples unless --prompts / --samples say otherwise
-DEFAULT_SIZES = {"rollout": (64, 8), "evaluate": (16, 4)}
+DEFAULT_SIZES = {"rollout": (64, 8), "evaluate": (16, 4), "agent": (128, 8)}
+AGENT_CONFIG = ROOT / "configs" / "agent-memory.yaml"
+AGENT_COMPONENTS = ["qa_accuracy", "tool_success", "content_quality", "compression"]
 #: the columns of each stage's table
 COLUMNS = {
     "rollout": ["wall_s", "load_s", "generate_s", "score_s", "tokens_per_s", "weights_s", "model_load_s", "profiling_s",
@@ -103,6 +118,8 @@ COLUMNS = {
                  "gpu_first_s_per_step", "gpu_s_per_step", "cpu_s_per_step", "load_s", "init_engine_s"],
 }
 COLUMNS["prm-label"] = COLUMNS["evaluate"]
+COLUMNS["agent"] = ["wall_s", "load_s", "generate_s", "tokens_per_s", "turns", "logprob_gap", *AGENT_COMPONENTS,
+                    "init_engine_s"]
 
 RUN = """
 import json, sys, torch
@@ -218,6 +235,14 @@ def overrides(name: str, policy: str, args, out: Path) -> dict:
     common = {"policy": policy, "output": str(out), "overwrite": True, "tracking.enabled": False, "chat_template": False}
     default_prompts, default_samples = DEFAULT_SIZES.get(arm.stage, (0, 0))
     prompts, samples = args.prompts or default_prompts, args.samples or default_samples
+    if arm.stage == "agent":
+        import yaml
+
+        from prmflow.components import config
+
+        section = config.flatten(yaml.safe_load(AGENT_CONFIG.read_text())["rollout"])
+        return {**section, "policy": policy, "output": str(out), "overwrite": True, "tracking.enabled": False,
+                "num_prompts": prompts, "n_samples": samples, "dtype": "float32", **arm.config}
     if arm.stage == "rollout":
         sizes = {"num_prompts": prompts, "n_samples": samples, "sampling.max_new_tokens": args.max_new_tokens}
     elif arm.stage == "prm-label":
@@ -244,7 +269,9 @@ def run_arm(name: str, args, models: dict, out: Path) -> dict:
         return row
     row = {**row, "cuda_peak_gib": m["cuda_peak_bytes"] / 2**30,
            **{k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("perf/")},
-           **{k: v for k, v in m.items() if k in ("label/solutions", "label/steps", "eval/response_length")}}
+           **{k: v for k, v in m.items() if k in ("label/solutions", "label/steps", "eval/response_length")},
+           **{k.rsplit("/", 1)[1]: v for k, v in m.items()
+              if k in ("rollout/turns", "rollout/logprob_gap") or k.startswith("rollout/reward/")}}
     if arm.config.get("sampler") == "vllm":
         for key, pattern in START_PARTS.items():
             found = re.findall(pattern, log)
@@ -285,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--completions", type=int, default=4)
     ap.add_argument("--big-prompts", type=int, default=32, help="evaluate-1.5b's prompts: 32 x 4 samples = one batch of "
                                                                "the recipe's 128, then greedy and baseline")
+    ap.add_argument("--agent-policy", default="", help="the agent arms' policy: a directory trained on configs/agent-memory.yaml")
     ap.add_argument("--output", default="outputs/stage-samplers-gpu")
     args = ap.parse_args(argv)
 
@@ -293,9 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown stages or arms {unknown}; stages: {', '.join(STAGES)}; arms: {', '.join(ARMS)}")
     arms = select_arms(stages, [a for a in args.arms.split(",") if a], args.skip_hf)
+    if any(ARMS[a].model == "agent" for a in arms) and not args.agent_policy:
+        ap.error("the agent arms need --agent-policy DIR (a policy trained on configs/agent-memory.yaml)")
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    models = {}
+    models = {"agent": args.agent_policy} if args.agent_policy else {}
     if any(ARMS[a].model == "358m" for a in arms):
         models["358m"] = args.policy or write_model(out / "model-358m")
     if any(ARMS[a].model == "1.5b" for a in arms):
@@ -311,9 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         mine = [r for r in rows if ARMS[r["arm"]].stage == stage]
         if not mine:
             continue
-        print(f"\n{stage}, policy {models.get('358m', '-')}"
-              + (f": {args.prompts or 64} prompts x {args.samples or 8} samples x {args.max_new_tokens} tokens"
-                 if stage == "rollout" else ""))
+        print(f"\n{stage}, policy {models.get('agent' if stage == 'agent' else '358m', '-')}"
+              + (f": {args.prompts or DEFAULT_SIZES[stage][0]} prompts x {args.samples or DEFAULT_SIZES[stage][1]} samples"
+                 + (f" x {args.max_new_tokens} tokens" if stage == "rollout" else "")
+                 if stage in ("rollout", "agent") else ""))
         table(stage, mine)
     if "hf" in by:
         for arm in ("vllm-stock", "vllm", "vllm-inproc"):

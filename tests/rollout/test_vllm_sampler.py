@@ -230,8 +230,13 @@ def test_close_waits_for_the_engines_memory():
     got = vllm_engine.wait_for_free_memory(0, 90, timeout_s=60, mem_get_info=lambda d: (next(free), 100),
                                        clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
     assert got == 95 and now[0] == 1.0
-    with pytest.raises(RuntimeError, match=r"GPU 2 has 0.0 GiB free .* 60 s after the vLLM engine shut down"):
+    with pytest.raises(RuntimeError, match=r"GPU 2 has 0.0 GiB free .* 60 s after the vLLM engine shut down.*"
+                                           r"Another process holds the GPU"):
         vllm_engine.wait_for_free_memory(2, 90, timeout_s=60, mem_get_info=lambda d: (10, 100),
+                                     clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    # an engine core that ran in this process: vLLM keeps part of its memory (vllm-project/vllm#21073)
+    with pytest.raises(RuntimeError, match=r"ran in this process .* Set rollout.vllm.in_process: false"):
+        vllm_engine.wait_for_free_memory(2, 90, timeout_s=60, mem_get_info=lambda d: (10, 100), in_process=True,
                                      clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
 
 

@@ -199,11 +199,19 @@ def rank_gpu_index() -> int:
     return int(os.environ.get("PRMFLOW_RANK_GPU") or os.environ.get("LOCAL_RANK") or 0)
 
 
+#: what holds the memory when an in-process engine's does not come back (`wait_for_free_memory`'s `in_process`)
+IN_PROCESS_LEAK = ("The engine core ran in this process (vllm.in_process: true), and vLLM does not free all of an "
+                   "in-process engine's memory when it shuts down (vllm-project/vllm#21073; seen on an H200 with the "
+                   "memory agent's rollout, docs/testing.md). Set rollout.vllm.in_process: false.")
+
+
 def wait_for_free_memory(device: int, want_bytes: int, timeout_s: float = 120.0, poll_s: float = 0.5,
                          mem_get_info: Callable[[int], tuple[int, int]] | None = None,
-                         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> int:
+                         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                         in_process: bool = False) -> int:
     """Wait until GPU `device` has `want_bytes` free (the engine's processes are gone and the driver
-    has taken their memory back); returns the free bytes. Raises after timeout_s with what is left."""
+    has taken their memory back); returns the free bytes. Raises after timeout_s with what is left and, for an
+    engine that ran in this process (`in_process`), why."""
     mem_get_info = mem_get_info or torch.cuda.mem_get_info
     deadline = clock() + timeout_s
     while True:
@@ -213,7 +221,8 @@ def wait_for_free_memory(device: int, want_bytes: int, timeout_s: float = 120.0,
         if clock() >= deadline:
             raise RuntimeError(f"GPU {device} has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB {timeout_s:.0f} s "
                                f"after the vLLM engine shut down; the scoring models need the {want_bytes / 2**30:.1f} "
-                               f"GiB that were free before it started. Another process holds the GPU (nvidia-smi).")
+                               f"GiB that were free before it started. "
+                               + (IN_PROCESS_LEAK if in_process else "Another process holds the GPU (nvidia-smi)."))
         sleep(poll_s)
 
 
@@ -247,8 +256,8 @@ class VLLMSettings:
     sizes the start's memory-profiling batch, and CUDA graphs are captured only up to the first size that holds it."""
     in_process: bool = False
     """Run vLLM's engine core in the stage's process ($VLLM_ENABLE_V1_MULTIPROCESSING=0), not a spawned one that imports
-    torch and vLLM again: a faster start (docs/testing.md#on-a-gpu). The engine's memory is then freed at close; a rank
-    whose GPU is not cuda:0 is refused."""
+    torch and vLLM again: a faster start. Its memory must then come back at close, which vLLM does not always do
+    (docs/real-models.md); a rank whose GPU is not cuda:0 is refused."""
     shutdown_timeout_s: float = 120.0
     """Seconds to wait, after the engine shuts down, for its GPU memory to come back before the scoring models load."""
     extra: dict = field(default_factory=dict)
@@ -437,4 +446,5 @@ class VLLMEngine:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             if self.free_before is not None:
-                wait_for_free_memory(self.gpu, int(self.free_before * 0.95), self.settings.shutdown_timeout_s)
+                wait_for_free_memory(self.gpu, int(self.free_before * 0.95), self.settings.shutdown_timeout_s,
+                                     in_process=self.settings.in_process)

@@ -86,8 +86,8 @@ class Config:
     vLLM, float32 on CPU (exact)."""
     sampler: Literal["hf", "vllm"] = "hf"
     """Sampling engine for the policy and the baseline: hf (transformers, CPU or GPU) or vllm (a GPU with the gpu
-    extra). With vllm each policy gets its own engine, shut down (and its GPU memory waited for) before the PRM or the
-    next policy loads."""
+    extra). With vllm the policy's engine also samples a baseline that differs only in its weights (read in), and is
+    shut down, its GPU memory waited for, before the PRM loads."""
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
     """vLLM engine settings (sampler=vllm only)."""
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)

@@ -102,8 +102,8 @@ ARMS = {
     "agent-vllm": Arm("agent", VLLM, {}, "agent"),
     "agent-vllm-inproc": Arm("agent", {**VLLM, "vllm.in_process": True}, {}, "agent"),
 }
-#: what `--stage` runs unless --arms says otherwise: the -vllm arms of evaluate and prm-label need the vLLM payload
-DEFAULT_ARMS = [name for name in ARMS if not name.endswith("-vllm")]
+#: what `--stage` runs unless --arms says otherwise: the -vllm arms of evaluate, prm-label and agent need the vLLM payload
+DEFAULT_ARMS = [name for name in ARMS if "-vllm" not in name]
 STAGES = {"rollout": ("rollout", "stage"), "evaluate": ("evaluate", "stage"), "prm-label": ("prm", "label"),
           "agent": ("rollout", "stage")}
 #: the sizes each stage samples unless --prompts / --samples say otherwise

@@ -50,16 +50,20 @@ class TextSampler:
         if sampler not in ("hf", "vllm"):
             raise ConfigError(f"sampler is '{sampler}'; use hf or vllm.")
         self.sampler, self.batch_size = sampler, batch_size
-        self.device, self.dtype, self.path, self.vllm, self.seed = device, dtype, policy_path, vllm, seed
-        self.model = self.engine = None
+        self.device, self.dtype, self.vllm, self.seed = device, dtype, vllm, seed
+        self._open(policy_path)
+
+    def _open(self, policy_path: str) -> None:
+        """Load `policy_path` with this sampler's engine, device, dtype and seed."""
+        self.path, self.model, self.engine = policy_path, None, None
         self.window: tuple[int | None, str] = (None, "")
-        if sampler == "hf":
-            self.model, self.tokenizer = modeling.load_for_sampling(policy_path, device, dtype)
+        if self.sampler == "hf":
+            self.model, self.tokenizer = modeling.load_for_sampling(policy_path, self.device, self.dtype)
         else:
             self.tokenizer = modeling.load_tokenizer(policy_path)
-            self.window = modeling.context_window(policy_path, (vllm or VLLMSettings()).max_model_len)
-            self.engine = VLLMEngine(policy_path, modeling.sampling_dtype(sampler, device, dtype), seed=seed, settings=vllm,
-                                     stop_ids=stop_ids(policy_path, self.tokenizer))
+            self.window = modeling.context_window(policy_path, (self.vllm or VLLMSettings()).max_model_len)
+            self.engine = VLLMEngine(policy_path, modeling.sampling_dtype(self.sampler, self.device, self.dtype),
+                                     seed=self.seed, settings=self.vllm, stop_ids=stop_ids(policy_path, self.tokenizer))
 
     def generate(self, prompts: list[str], max_new_tokens: int = 64, do_sample: bool = False,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
@@ -106,7 +110,7 @@ class TextSampler:
                 return True
             log.info("a new vLLM engine for %s: %s", policy_path, why)
         self.close()
-        self.__init__(policy_path, self.sampler, self.device, self.dtype, self.vllm, self.seed, self.batch_size)
+        self._open(policy_path)
         return False
 
     def close(self) -> None:

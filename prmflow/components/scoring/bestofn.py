@@ -218,7 +218,8 @@ def evaluate(prm_path: str, cfg: BestOfNConfig, arithmetic_cfg: arithmetic.Arith
     eval/bon_step_auc says how well the PRM ranks the policy's own steps.
     """
     records = load_prompts(cfg, arithmetic_cfg, seed)
-    candidates, greedy = sample(cfg.policy, records, cfg, chat_template)[:2]
+    sampled = sample(cfg.policy, records, cfg, chat_template)
+    candidates, greedy = sampled.candidates, sampled.greedy
     device, dtype = modeling.placement(cfg.device, cfg.dtype)
     scorer = PRMScorer(prm_path, batch_size=cfg.batch_sequences, step_separator=step_separator, device=str(device),
                        dtype=dtype)

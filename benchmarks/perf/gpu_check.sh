@@ -24,12 +24,12 @@
 #                      engine's policy tokens against the trainer's forward over the whole episode. The policy is
 #                      $AGENT_POLICY (default .gpu-agent/policy: carry a policy from an agent-memory run-local; the part
 #                      is skipped without one)
-#   2. agent-tests:    pytest tests/rollout/test_agent_rollout.py -k vllm: docs/agents.md's example environment through
+#   2. stages-vllm:    benchmarks/perf/stage_samplers_gpu.py, the -vllm arms: evaluate and prm-label with sampler=vllm
+#                      against their HF default (evaluate-vllm: the baseline's greedy from the policy's engine)
+#   3. agent-tests:    pytest tests/rollout/test_agent_rollout.py -k vllm: docs/agents.md's example environment through
 #                      the stage on the real engine (one engine for every turn, valid episodes, resume)
-#   3. vllm-tests:     pytest tests/rollout -k vllm, the rest (the real engine: greedy = model.generate, seeds, stop ids,
+#   4. vllm-tests:     pytest tests/rollout -k vllm, the rest (the real engine: greedy = model.generate, seeds, stop ids,
 #                      new weights, the two logprob checks of issue 48, ranks and shards; all 12 passed on an H200, 2026-11-26)
-#   4. stages-vllm:    benchmarks/perf/stage_samplers_gpu.py, the -vllm arms: evaluate and prm-label with sampler=vllm
-#                      against their HF default (never yet on a GPU)
 #   5. rollout-recipe: benchmarks/perf/stage_samplers_gpu.py --stage rollout, the rollout stage with vLLM (prmflow's start
 #                      defaults, its engine core spawned, then in-process) at the cluster recipe's per-shard size (64
 #                      prompts x 8, 1024 tokens), the start split into its parts; then the HF sampler at that batch with
@@ -143,11 +143,12 @@ if [ -f "$AGENT_POLICY/config.json" ]; then
 else
   echo "| agent | not run (no policy at $AGENT_POLICY) | - |" >> "$SUMMARY"
 fi
-part agent-tests 120 $PYTEST tests/rollout/test_agent_rollout.py -k vllm
-part vllm-tests 200 $PYTEST tests/rollout -k "vllm and not test_the_docs_example_runs_through_the_stage"
-# evaluate and prm-label with sampler=vllm (the rollout's engine) against their HF default, same sizes: never yet on a GPU
+# evaluate and prm-label with sampler=vllm (the rollout's engine) against their HF default, same sizes
+# (2026-11-29: evaluate-vllm's second engine, the baseline's, never reported ready; now the policy's engine serves both)
 part stages-vllm 150 python3 benchmarks/perf/stage_samplers_gpu.py \
      --arms evaluate-gpu,evaluate-vllm,prm-label-gpu,prm-label-vllm --output "$RESULTS/stages-vllm"
+part agent-tests 120 $PYTEST tests/rollout/test_agent_rollout.py -k vllm
+part vllm-tests 200 $PYTEST tests/rollout -k "vllm and not test_the_docs_example_runs_through_the_stage"
 # the recipe's per-shard size (configs/cluster/qwen2.5-math-1.5b-gsm8k-math.yaml: 512 prompts / 8 shards x 8
 # samples, up to 1024 new tokens), vLLM spawned and in-process (2026-11-27: in-process load 20.1 s, spawned 42.6 s)
 part rollout-recipe 200 python3 benchmarks/perf/stage_samplers_gpu.py --arms vllm,vllm-inproc --prompts 64 --samples 8 \

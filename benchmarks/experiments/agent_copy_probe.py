@@ -6,9 +6,10 @@
 For each of the first N test-split episodes, the policy reads the first chunk as the rollout lays it out
 (`chat.opening_ids`) and is made to start the expert's store call (`{"name":"memory_insert","arguments":
 {"content":"`); its greedy continuation is compared with the chunk. Prints the exact-copy rate (the whole chunk,
-both facts), the character accuracy of the copy, and how often the greedy first token opens a skip (`[]`, what a
-start that leaves RL room does). QA after RL that stores every chunk is close to the exact-copy rate, so a start
-that does not copy leaves RL little to gain in a few iterations.
+both facts), the character accuracy of the copy, the first fact's exact-copy rate (what a policy that stores the
+first fact alone gets right), and how often the greedy first token opens a skip (`[]`). QA after RL that stores
+every chunk is close to the exact-copy rate, so a start that does not copy leaves RL little to gain in a few
+iterations (docs/agents.md, "Copying").
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ PREFIX = '{"name":"memory_insert","arguments":{"content":"'
 
 
 def score(copies: list[str], chunks: list[str]) -> dict:
-    """Exact-copy rate and character accuracy of `copies` against `chunks` (each copy cut to its chunk's length)."""
+    """Exact-copy rate and character accuracy of `copies` against `chunks` (each copy cut to its chunk's length), and
+    the rate at which the copy starts with the chunk's first fact exactly (`ann 42` and no further digit: what a
+    policy that stores the first fact alone gets right)."""
     exact = sum(c[:len(t)] == t for c, t in zip(copies, chunks))
     chars = sum(sum(a == b for a, b in zip(c, t)) / len(t) for c, t in zip(copies, chunks))
-    return {"exact_copy": exact / len(chunks), "char_accuracy": chars / len(chunks)}
+    firsts = [t.split(", ")[0] for t in chunks]
+    first = sum(c[:len(f)] == f and not c[len(f):len(f) + 1].isdigit() for c, f in zip(copies, firsts))
+    return {"exact_copy": exact / len(chunks), "char_accuracy": chars / len(chunks), "first_fact_copy": first / len(chunks)}
 
 
 def probe_ids(tokenizer, chunk: str) -> tuple[list[int], list[int]]:
@@ -65,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     for m in args.models:
         r = probe(m, args.episodes)
         print(f"{Path(m)}: exact copy {r['exact_copy']:.3f}, character accuracy {r['char_accuracy']:.3f}, "
-              f"greedy first token skips {r['greedy_skip']:.3f} ({r['episodes']} test episodes)")
+              f"first fact exact {r['first_fact_copy']:.3f}, greedy first token skips {r['greedy_skip']:.3f} "
+              f"({r['episodes']} test episodes)")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ EPISODE_SOURCES = ("memory_agent", "memory_agent_qwen")
 `verify` on one response."""
 
 
-def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, **task_kwargs) -> list[PromptRecord]:
+def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, memory_agent: dict | None = None,
+         **task_kwargs) -> list[PromptRecord]:
     """Records of `task`: 'arithmetic', 'visual' (images of two digits to compute with, for
     vision-language policies), 'memory_agent' or 'memory_agent_qwen' (episodes for its environment, with the
     expert's multi-turn demonstration as `messages`; tool calls as bare JSON or in Qwen2.5's <tool_call> tags) or a
@@ -44,7 +45,8 @@ def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, *
     For a dataset, `split` 'eval' or 'test' reads held-out rows: a datasets directory or hub id
     without ?split= gives its `test` split (else `train`); a file has no splits (pass a file per
     split: `check_held_out` refuses prompts a policy trained on). `n` keeps the first n rows.
-    `task_kwargs` configure the arithmetic task (the visual task uses its defaults).
+    `task_kwargs` configure the arithmetic task, `memory_agent` (MemoryAgentConfig keys) the memory agent's episodes
+    and demonstrations (the visual task uses its defaults).
     """
     if task == "visual":
         from . import visual
@@ -52,9 +54,10 @@ def load(task: str, split: str = "train", n: int | None = None, seed: int = 0, *
         problems = visual.generate(n if n is not None else 1000, seed=seed, split=split)
         return [PromptRecord(p.prompt_id, p.prompt, p.answer, p.solution, None, "visual", [p.image]) for p in problems]
     if task in ("memory_agent", "memory_agent_qwen"):  # episodes for its environment; task_kwargs are arithmetic's
-        from . import memory_agent
+        from . import memory_agent as agent
 
-        return memory_agent.records(n if n is not None else 1000, seed=seed, split=split, task=task)
+        return agent.records(n if n is not None else 1000, seed=seed, split=split, task=task,
+                             cfg=agent.MemoryAgentConfig(**(memory_agent or {})))
     if task == "arithmetic":
         from . import arithmetic
 

@@ -29,8 +29,9 @@ follows Mem-alpha, r_t = r1 + r2_t + beta*r3 + gamma*r4_t, as named components:
 
 Splits are disjoint by a hash of the episode's facts (as the arithmetic task's). The demonstrations
 (`demonstration`) come from a scripted expert run through the environment; `skip_frac` of the chunks
-(picked by a hash) are left unstored (`[]`), so an SFT policy learns to skip that often and RL can
-learn that storing pays (as the arithmetic task's direct_answer_frac).
+(picked by a hash) are left unstored (`[]`) and `partial_frac` stored only in part (the first fact), so an SFT
+policy learns to leave facts out that often and RL can learn that storing them pays (as the arithmetic task's
+direct_answer_frac).
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ class MemoryAgentConfig:
     memory_update on the entry that holds it)."""
     skip_frac: float = 0.6
     """Fraction of chunks the demonstrations leave unstored (`[]`; picked by a hash): imperfect SFT data."""
+    partial_frac: float = 0.0
+    """Fraction of chunks the demonstrations store only in part, the chunk's first fact (picked by the same hash
+    after skip_frac's): imperfect SFT data that still copies."""
     max_action_chars: int = 1000
     """A longer turn is not parsed (error observation, no credit)."""
     max_calls: int = 4
@@ -111,9 +115,12 @@ class MemoryAgentConfig:
                     "max_entry_chars", "max_error_chars"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ConfigError(f"memory_agent.{key} is {getattr(self, key)!r}; it must be an integer of at least 1.")
-        for key in ("revise_frac", "skip_frac"):
+        for key in ("revise_frac", "skip_frac", "partial_frac"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"memory_agent.{key}={getattr(self, key)} must be in [0, 1].")
+        if self.skip_frac + self.partial_frac > 1.0:
+            raise ConfigError(f"memory_agent.skip_frac + partial_frac = {self.skip_frac + self.partial_frac:g}: a chunk "
+                              "is skipped or stored in part, not both: lower one of them so the sum is at most 1.")
         if self.num_chunks * self.facts_per_chunk > len(NAMES):
             raise ConfigError(f"memory_agent: num_chunks x facts_per_chunk = {self.num_chunks * self.facts_per_chunk} "
                               f"names, but there are {len(NAMES)}; lower one of them.")
@@ -373,13 +380,14 @@ def call_text(tool: str, arguments: dict, call_format: str = "json") -> str:
     return json.dumps({"name": tool, "arguments": arguments}, separators=(",", ":"))
 
 
-def expert_action(env: MemoryEnvironment, skip: bool = False) -> str:
+def expert_action(env: MemoryEnvironment, skip: bool = False, partial: bool = False) -> str:
     """The expert's turn for the chunk the environment shows now: update the entry holding a name the chunk
-    revises, insert the chunk's new facts as one entry; `[]` when `skip`."""
+    revises, insert the chunk's new facts as one entry; `[]` when `skip`; with `partial`, the chunk's first fact
+    alone."""
     if skip:
         return NO_CALL
     k, fmt = env.turn, env.call_format
-    chunk = env.episode.chunks[k]
+    chunk = env.episode.chunks[k][:1] if partial else env.episode.chunks[k]
     news = dict(chunk)
     fresh, holders = [], []
     for name, value in chunk:
@@ -400,13 +408,13 @@ def expert_action(env: MemoryEnvironment, skip: bool = False) -> str:
 def demonstration(episode: Episode, cfg: MemoryAgentConfig | None = None, task: str = "memory_agent") -> list[dict]:
     """The expert's episode of `task` (a VARIANTS name) as chat messages [(system,) user, assistant, tool, assistant,
     ...], run through the environment (every observation is the environment's own); `cfg.skip_frac` of the chunks
-    unstored."""
+    unstored, `cfg.partial_frac` stored in part."""
     cfg = cfg or MemoryAgentConfig()
     env = MemoryEnvironment({k: getattr(cfg, k) for k in MemoryAgentConfig.__dataclass_fields__})
     messages = env.reset({"prompt_id": episode.prompt_id, "answer": episode.to_json(), "source": task})
     while True:
-        skip = hash_unit(f"skip:{episode.prompt_id}:{env.turn}") < cfg.skip_frac
-        action = expert_action(env, skip)
+        u = hash_unit(f"skip:{episode.prompt_id}:{env.turn}")
+        action = expert_action(env, skip=u < cfg.skip_frac, partial=u < cfg.skip_frac + cfg.partial_frac)
         obs = env.step(action)
         messages.append({"role": "assistant", "content": action})
         if obs.done:

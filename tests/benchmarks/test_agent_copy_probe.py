@@ -34,3 +34,7 @@ def test_scores_against_hand_computed_values():
     s = probe.score(["ann 42, bob 17\"}}", "ann 41, bob 17", "xyz"], ["ann 42, bob 17", "ann 42, bob 17", "abc"])
     assert s["exact_copy"] == 1 / 3
     assert abs(s["char_accuracy"] - (1 + 13 / 14 + 0) / 3) < 1e-12
+    assert s["first_fact_copy"] == 1 / 3
+    # the first fact alone, then the call closes: right; a longer number after the right digits: wrong
+    s = probe.score(["ann 42\"}}", "ann 423, bob 1", "ann 42, bob 99"], ["ann 42, bob 17"] * 3)
+    assert s["first_fact_copy"] == 2 / 3 and s["exact_copy"] == 0

@@ -10,6 +10,7 @@ import pytest
 from prmflow import tasks
 from prmflow.errors import ConfigError, DataError
 from prmflow.tasks import memory_agent as ma
+from prmflow.tasks.arithmetic import hash_unit
 
 
 def start(episode, **config):
@@ -262,6 +263,44 @@ def test_skip_frac_leaves_that_share_of_chunks_unstored_and_the_records_carry_th
     assert [x.prompt_id for x in tasks.load("memory_agent", "train", 5, 0)] == [x.prompt_id for x in records[:5]]
     with pytest.raises(ConfigError, match="skip_frac=1.5 must be in"):
         ma.MemoryAgentConfig(skip_frac=1.5)
+
+
+def test_partial_frac_stores_the_first_fact_alone_and_the_sft_config_reaches_the_demonstrations():
+    """Each chunk's kind follows its own hash: below skip_frac skipped, below skip_frac + partial_frac the first fact
+    alone (a half-credit store that still copies), else the whole chunk; the sft stage's `memory_agent` section is
+    what its records are made with."""
+    from prmflow.components import config
+    from prmflow.components.sft import stage as sft
+
+    cfg = ma.MemoryAgentConfig(skip_frac=0.2, partial_frac=0.5)
+    kinds = {"skip": 0, "partial": 0, "whole": 0}
+    for r in ma.records(400, seed=1, cfg=cfg):
+        e, turns = ma.Episode.from_json(r.prompt_id, r.answer), ma.demonstration_of(r)[1::2]
+        env = ma.MemoryEnvironment({})
+        env.reset(vars(r))
+        for k, turn in enumerate(turns):
+            u = hash_unit(f"skip:{r.prompt_id}:{k}")
+            kind = "skip" if u < 0.2 else "partial" if u < 0.7 else "whole"
+            kinds[kind] += 1
+            want = {"skip": "[]", "partial": ma.call_text("memory_insert", {"content": ma.chunk_text(e.chunks[k][:1])}),
+                    "whole": ma.call_text("memory_insert", {"content": ma.chunk_text(e.chunks[k])})}[kind]
+            assert turn["content"] == want
+            obs = env.step(turn["content"])
+            assert obs.rewards == {"skip": {"tool_success": 0.0, "content_quality": 0.0},
+                                   "partial": {"tool_success": 1.0, "content_quality": 0.5},
+                                   "whole": {"tool_success": 1.0, "content_quality": 1.0}}[kind]
+    assert all(n > 100 for n in kinds.values()), kinds
+    with pytest.raises(ConfigError, match="skip_frac \\+ partial_frac = 1.1"):
+        ma.MemoryAgentConfig(skip_frac=0.6, partial_frac=0.5)
+    with pytest.raises(ConfigError, match="partial_frac=-0.1 must be in"):
+        ma.MemoryAgentConfig(partial_frac=-0.1)
+
+    c = config.load(sft.Config, overrides={"task": "memory_agent", "num_prompts": 20, "eval_size": 5,
+                                           "memory_agent.skip_frac": 0.0, "memory_agent.partial_frac": 1.0})
+    train, held_out = sft.load_data(c)
+    turns = [m["content"] for r in train + held_out for m in ma.demonstration_of(r) if m["role"] == "assistant"]
+    assert len(turns) == 50 and all(len(ma.pairs(json.loads(t)["arguments"]["content"])) == 1 for t in turns)
+    assert [r.prompt_id for r in train] == [r.prompt_id for r in tasks.load("memory_agent", "train", 20, 0)]
 
 
 def test_the_tools_preset_writes_every_character_of_a_demonstration_and_ends_assistant_turns_with_eos():

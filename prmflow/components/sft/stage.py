@@ -37,6 +37,7 @@ from ...errors import ConfigError
 from ..sampling.generation import generate_texts
 from ..training.optim import OptimConfig
 from ...tasks.arithmetic import ArithmeticConfig
+from ...tasks.memory_agent import MemoryAgentConfig
 from ..training import supervised, supervised_data as data
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class Config:
     """Replace an existing output written with a different config (otherwise that is an error)."""
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     """Difficulty of the built-in arithmetic task."""
+    memory_agent: MemoryAgentConfig = field(default_factory=MemoryAgentConfig)
+    """The built-in memory_agent task's episodes and demonstrations (how many chunks they skip or store in part)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Training backend."""
     tracking: tracking.TrackingConfig = field(default_factory=tracking.TrackingConfig)
@@ -117,7 +120,7 @@ class Config:
 def load_data(cfg: Config) -> tuple[list[tasks.PromptRecord], list[tasks.PromptRecord]]:
     """(train, held-out) records: the built-in task's splits, or a dataset file whose last eval_size rows
     are held out (unless eval_task names the held-out data)."""
-    akw = config_lib.to_dict(cfg.arithmetic)
+    akw = {**config_lib.to_dict(cfg.arithmetic), "memory_agent": config_lib.to_dict(cfg.memory_agent)}
     if cfg.task in tasks.TASKS:
         train = tasks.load(cfg.task, "train", cfg.num_prompts, cfg.seed, **akw)
     else:

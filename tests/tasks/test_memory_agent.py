@@ -303,6 +303,20 @@ def test_partial_frac_stores_the_first_fact_alone_and_the_sft_config_reaches_the
     assert [r.prompt_id for r in train] == [r.prompt_id for r in tasks.load("memory_agent", "train", 20, 0)]
 
 
+def test_the_sft_identity_holds_the_memory_agent_section_only_where_a_memory_agent_task_reads_it():
+    """An arithmetic SFT output made before the section existed stays this config's (no retraining, no 'different
+    config' error); for the memory agent a changed demonstration mix is a different result."""
+    from prmflow.components import config
+    from prmflow.components.sft import stage as sft
+
+    arith = config.load(sft.Config, overrides={"memory_agent.partial_frac": 0.3})
+    assert sft.identity(arith) == {k: v for k, v in config.to_dict(arith).items() if k != "memory_agent"}
+    assert sft.identity(arith) == sft.identity(config.load(sft.Config))
+    agent = [config.load(sft.Config, overrides={"task": "memory_agent", "memory_agent.partial_frac": f}) for f in (0, .3)]
+    assert sft.identity(agent[0]) != sft.identity(agent[1])
+    assert sft.identity(agent[1])["memory_agent"]["partial_frac"] == 0.3
+
+
 def test_the_tools_preset_writes_every_character_of_a_demonstration_and_ends_assistant_turns_with_eos():
     """tiny-llama's alphabet has no `{`, `}` or `_`: a JSON call was <unk>s. tiny-llama-tools adds them after the
     alphabet (every other character keeps its id) and templates turns: text + newline, an assistant turn + eos."""

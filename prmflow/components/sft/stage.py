@@ -212,6 +212,16 @@ class SFTObjective:
         return f"eval loss {metrics['eval/loss']:.4f}, {accuracy_text(metrics)}"
 
 
+def identity(cfg: Config) -> dict:
+    """The config as the output's identity records it (finished-output check, resume, manifest): the memory_agent
+    section only where a memory-agent task reads it, so an output of another task made before the section existed
+    is still this config's."""
+    d = config_lib.to_dict(cfg)
+    if not {cfg.task, cfg.eval_task} & set(tasks.EPISODE_SOURCES):
+        d.pop("memory_agent")
+    return d
+
+
 def run(cfg: Config) -> dict:
     """Train, evaluate and write the policy to `cfg.output`. Returns the final metrics."""
     if n := distributed.should_launch(cfg.engine):  # engine.nproc_per_node > 1: run as n torchrun ranks
@@ -219,7 +229,7 @@ def run(cfg: Config) -> dict:
         return io.read_manifest(cfg.output).get("metrics", {})
     if distributed.under_launcher():
         init_distributed(cfg.engine)  # the ranks decide together from here on
-    done = io.finished_output("sft", cfg.output, config_lib.to_dict(cfg), cfg.overwrite)
+    done = io.finished_output("sft", cfg.output, identity(cfg), cfg.overwrite)
     if done is not None:
         return done.get("metrics", {})
     with preemption.Preemption() as stop:
@@ -227,7 +237,7 @@ def run(cfg: Config) -> dict:
 
 
 def _run(cfg: Config, stop: preemption.Preemption) -> dict:
-    cfg_dict = config_lib.to_dict(cfg)
+    cfg_dict = identity(cfg)
     torch.manual_seed(cfg.seed)
     if not modeling.is_tiny(cfg.policy):
         modeling.check_model_dir(cfg.policy, "policy")  # the error names the key

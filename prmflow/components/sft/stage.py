@@ -120,15 +120,15 @@ class Config:
 def load_data(cfg: Config) -> tuple[list[tasks.PromptRecord], list[tasks.PromptRecord]]:
     """(train, held-out) records: the built-in task's splits, or a dataset file whose last eval_size rows
     are held out (unless eval_task names the held-out data)."""
-    akw = {**config_lib.to_dict(cfg.arithmetic), "memory_agent": config_lib.to_dict(cfg.memory_agent)}
+    task_kw = {**config_lib.to_dict(cfg.arithmetic), "memory_agent": config_lib.to_dict(cfg.memory_agent)}
     if cfg.task in tasks.TASKS:
-        train = tasks.load(cfg.task, "train", cfg.num_prompts, cfg.seed, **akw)
+        train = tasks.load(cfg.task, "train", cfg.num_prompts, cfg.seed, **task_kw)
     else:
         train = tasks.load(cfg.task, n=None)
     if cfg.eval_task:
-        held_out = tasks.load(cfg.eval_task, "eval", cfg.eval_size, cfg.seed, **akw)
+        held_out = tasks.load(cfg.eval_task, "eval", cfg.eval_size, cfg.seed, **task_kw)
     elif cfg.task in tasks.TASKS:
-        held_out = tasks.load(cfg.task, "eval", cfg.eval_size, cfg.seed, **akw)
+        held_out = tasks.load(cfg.task, "eval", cfg.eval_size, cfg.seed, **task_kw)
     else:
         if len(train) <= cfg.eval_size:
             raise ConfigError(f"{cfg.task} has {len(train)} rows, not more than eval_size={cfg.eval_size}; "
